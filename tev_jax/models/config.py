@@ -1,0 +1,270 @@
+"""The target's architecture as a frozen, hashable dataclass (DESIGN.md §6).
+
+`ModelConfig` is static: it decides shapes, so it is passed to jitted code as a static
+argument. It is built from a Hugging Face ``config.json`` dict with `ModelConfig.from_hf`
+(both the transformers 4.x spelling ``rope_theta`` + ``rope_scaling`` and the 5.x
+spelling ``rope_parameters`` are accepted) and written back with `ModelConfig.to_hf`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+SUPPORTED_MODEL_TYPES = ("qwen3", "llama")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+_ARCHITECTURES = {"qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM"}
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeScaling:
+    """RoPE frequency scaling (hashable).
+
+    Attributes:
+      rope_type: 'linear' (positions divided by ``factor``) or 'llama3'.
+      factor: the scaling factor.
+      low_freq_factor, high_freq_factor, original_max_position_embeddings: llama3 only.
+    """
+
+    rope_type: str
+    factor: float
+    low_freq_factor: float | None = None
+    high_freq_factor: float | None = None
+    original_max_position_embeddings: int | None = None
+
+    def to_hf(self) -> dict[str, Any]:
+        d: dict[str, Any] = {"rope_type": self.rope_type, "factor": self.factor}
+        if self.rope_type == "llama3":
+            d["low_freq_factor"] = self.low_freq_factor
+            d["high_freq_factor"] = self.high_freq_factor
+            d["original_max_position_embeddings"] = self.original_max_position_embeddings
+        return d
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """A decoder-only transformer of the Qwen3 or Llama-3 family.
+
+    Attributes:
+      model_type: 'qwen3' (per-head q/k RMSNorm) or 'llama' (no q/k norm).
+      vocab_size: V, rows of the embedding (may exceed the tokenizer's vocabulary).
+      hidden_size: D.
+      intermediate_size: width of the SwiGLU MLP.
+      num_layers: decoder layers.
+      num_heads, num_kv_heads: query heads and key/value heads (GQA).
+      head_dim: per-head width, independent of D.
+      rope_theta: RoPE base.
+      rope_scaling: None or a `RopeScaling`.
+      rms_norm_eps: RMSNorm epsilon.
+      tie_word_embeddings: lm_head shares the embedding matrix.
+      qk_norm: per-head RMSNorm on queries and keys (Qwen3).
+      attention_bias: biases on the q/k/v/o projections.
+      max_position_embeddings: informational (written back to config.json).
+      bos_token_id, eos_token_ids: special tokens from config.json (informational).
+    """
+
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScaling | None = None
+    rms_norm_eps: float = 1e-6
+    tie_word_embeddings: bool = False
+    qk_norm: bool = False
+    attention_bias: bool = False
+    max_position_embeddings: int = 32768
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self):
+        if self.model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(
+                f"unsupported model_type {self.model_type!r}; supported: "
+                f"{', '.join(SUPPORTED_MODEL_TYPES)}"
+            )
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
+                     "num_heads", "num_kv_heads", "head_dim"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+                raise ValueError(f"{name} must be a positive int, got {v!r}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads "
+                f"({self.num_kv_heads})"
+            )
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}")
+        if self.rope_scaling is not None and self.rope_scaling.rope_type not in (
+            "linear", "llama3"
+        ):
+            raise ValueError(
+                f"unsupported rope_scaling type {self.rope_scaling.rope_type!r}; "
+                f"supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
+            )
+
+    @property
+    def num_params(self) -> int:
+        """Parameter count (tied embeddings counted once)."""
+        d, f, hd = self.hidden_size, self.intermediate_size, self.head_dim
+        attn = d * hd * (2 * self.num_heads + 2 * self.num_kv_heads)
+        if self.attention_bias:
+            attn += hd * (self.num_heads + 2 * self.num_kv_heads) + d
+        norms = 2 * d + (2 * hd if self.qk_norm else 0)
+        layer = attn + 3 * d * f + norms
+        emb = self.vocab_size * d * (1 if self.tie_word_embeddings else 2)
+        return self.num_layers * layer + emb + d
+
+    @classmethod
+    def from_hf(cls, hf: dict[str, Any]) -> "ModelConfig":
+        """Builds a config from a Hugging Face ``config.json`` dict.
+
+        Raises:
+          ValueError: unsupported model_type, rope type, sliding window, MLP bias,
+            activation, or a missing required field (named in the message).
+        """
+        model_type = hf.get("model_type")
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(
+                f"unsupported model_type {model_type!r}; supported: "
+                f"{', '.join(SUPPORTED_MODEL_TYPES)}"
+            )
+
+        def req(key):
+            if key not in hf or hf[key] is None:
+                raise ValueError(f"config.json is missing required field {key!r}")
+            return hf[key]
+
+        act = hf.get("hidden_act", "silu")
+        if act != "silu":
+            raise ValueError(f"unsupported hidden_act {act!r}; supported: silu")
+        if hf.get("mlp_bias", False):
+            raise ValueError("unsupported feature mlp_bias=True; supported: mlp_bias=False")
+        if hf.get("use_sliding_window", False):
+            raise ValueError(
+                "unsupported feature use_sliding_window=True; supported: full attention"
+            )
+        layer_types = hf.get("layer_types")
+        if layer_types is not None and any(t != "full_attention" for t in layer_types):
+            raise ValueError(
+                f"unsupported layer_types {sorted(set(layer_types))}; "
+                "supported: full_attention"
+            )
+        if hf.get("pretraining_tp", 1) not in (1, None):
+            raise ValueError("unsupported feature pretraining_tp > 1")
+
+        hidden = int(req("hidden_size"))
+        heads = int(req("num_attention_heads"))
+        kv_heads = hf.get("num_key_value_heads")
+        kv_heads = heads if kv_heads is None else int(kv_heads)
+        head_dim = hf.get("head_dim")
+        if head_dim is None:
+            # transformers' defaults: Qwen3Config.head_dim = 128; Llama: D / heads.
+            head_dim = 128 if model_type == "qwen3" else hidden // heads
+
+        rope_theta, rope_scaling = _parse_rope(hf)
+        eos = hf.get("eos_token_id")
+        eos = () if eos is None else (tuple(int(e) for e in eos)
+                                      if isinstance(eos, (list, tuple)) else (int(eos),))
+        bos = hf.get("bos_token_id")
+        return cls(
+            model_type=model_type,
+            vocab_size=int(req("vocab_size")),
+            hidden_size=hidden,
+            intermediate_size=int(req("intermediate_size")),
+            num_layers=int(req("num_hidden_layers")),
+            num_heads=heads,
+            num_kv_heads=kv_heads,
+            head_dim=int(head_dim),
+            rope_theta=float(rope_theta),
+            rope_scaling=rope_scaling,
+            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            qk_norm=model_type == "qwen3",
+            attention_bias=bool(hf.get("attention_bias", False)),
+            max_position_embeddings=int(hf.get("max_position_embeddings", 32768)),
+            bos_token_id=None if bos is None else int(bos),
+            eos_token_ids=eos,
+        )
+
+    def to_hf(self, *, dtype: str = "float32") -> dict[str, Any]:
+        """A ``config.json`` dict that transformers 4.x and 5.x both read."""
+        rope_params: dict[str, Any] = {"rope_type": "default", "rope_theta": self.rope_theta}
+        if self.rope_scaling is not None:
+            rope_params = {**self.rope_scaling.to_hf(), "rope_theta": self.rope_theta}
+        d: dict[str, Any] = {
+            "architectures": [_ARCHITECTURES[self.model_type]],
+            "model_type": self.model_type,
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_layers,
+            "num_attention_heads": self.num_heads,
+            "num_key_value_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "hidden_act": "silu",
+            "rms_norm_eps": self.rms_norm_eps,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "attention_bias": self.attention_bias,
+            "attention_dropout": 0.0,
+            "max_position_embeddings": self.max_position_embeddings,
+            "rope_theta": self.rope_theta,
+            "rope_scaling": (None if self.rope_scaling is None
+                             else self.rope_scaling.to_hf()),
+            "rope_parameters": rope_params,
+            "torch_dtype": dtype,
+            "dtype": dtype,
+            "use_cache": True,
+        }
+        if self.model_type == "llama":
+            d["mlp_bias"] = False
+        else:
+            d["use_sliding_window"] = False
+        if self.bos_token_id is not None:
+            d["bos_token_id"] = self.bos_token_id
+        if self.eos_token_ids:
+            d["eos_token_id"] = (self.eos_token_ids[0] if len(self.eos_token_ids) == 1
+                                 else list(self.eos_token_ids))
+        return d
+
+
+def _parse_rope(hf: dict[str, Any]) -> tuple[float, RopeScaling | None]:
+    """(rope_theta, rope_scaling) from either the 4.x or the 5.x spelling."""
+    params = hf.get("rope_scaling")
+    if params is None:
+        params = hf.get("rope_parameters")
+    params = dict(params or {})
+    if params and all(isinstance(v, dict) for v in params.values()):
+        raise ValueError(
+            "unsupported per-layer-type rope_parameters; supported: one rope config"
+        )
+    theta = params.get("rope_theta", hf.get("rope_theta", 10000.0))
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise ValueError(
+            f"unsupported rope type {rope_type!r}; supported: "
+            f"{', '.join(SUPPORTED_ROPE_TYPES)}"
+        )
+    if params.get("partial_rotary_factor", 1.0) != 1.0:
+        raise ValueError("unsupported feature partial_rotary_factor != 1")
+    if rope_type == "default":
+        return float(theta), None
+
+    def field(key):
+        if params.get(key) is None:
+            raise ValueError(f"rope_scaling of type {rope_type!r} is missing {key!r}")
+        return params[key]
+
+    if rope_type == "linear":
+        return float(theta), RopeScaling("linear", float(field("factor")))
+    return float(theta), RopeScaling(
+        "llama3",
+        float(field("factor")),
+        float(field("low_freq_factor")),
+        float(field("high_freq_factor")),
+        int(field("original_max_position_embeddings")),
+    )

@@ -1,0 +1,308 @@
+"""Transformer building blocks shared by the target and the DFlash drafter.
+
+Everything follows the Hugging Face Qwen3 / Llama conventions exactly (so checkpoints
+load without reordering): RMSNorm computed in float32 and cast back before the weight,
+SwiGLU MLP, rotate-half RoPE, GQA attention with scale ``head_dim ** -0.5``.
+
+Parameter layouts (kernels are stored input-major; `checkpoint_io` transposes the
+PyTorch ``[out, in]`` weights once at load time):
+
+===========  =====================  ==========================
+parameter    shape                  logical axes
+===========  =====================  ==========================
+q_proj       [D, H, hd]             (embed, heads, head_dim)
+k/v_proj     [D, K, hd]             (embed, kv_heads, head_dim)
+o_proj       [H, hd, D]             (heads, head_dim, embed)
+gate/up      [D, F]                 (embed, mlp)
+down         [F, D]                 (mlp, embed)
+norms        [D] or [hd]            (norm,)
+===========  =====================  ==========================
+
+The attention pieces are separately callable so that the drafter can take queries from
+its block and keys/values from ``[context ; block]``::
+
+    q = attn.project_q(x_block)                      # [B, T, H, hd], q-normed
+    k, v = attn.project_kv(x_ctx_and_block)          # [B, S, K, hd], k-normed
+    q = apply_rope(q, pos_block, inv_freq); k = apply_rope(k, pos_kv, inv_freq)
+    y = attn.out(attend(q, k, v, mask_BTS))          # [B, T, D]
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from tev_jax.models.config import ModelConfig
+from tev_jax.sharding import constrain
+
+_INIT_STD = 0.02
+
+
+def _param(rngs: nnx.Rngs | None, shape, dtype, axes, init: str) -> nnx.Param:
+    if init == "normal":
+        value = _INIT_STD * jax.random.normal(rngs.params(), shape, jnp.float32)
+    elif init == "ones":
+        value = jnp.ones(shape, jnp.float32)
+    else:
+        value = jnp.zeros(shape, jnp.float32)
+    return nnx.Param(value.astype(dtype), out_sharding=tuple(axes), eager_sharding=False)
+
+
+class Linear(nnx.Module):
+    """``y = x · kernel (+ bias)``, contracting the last ``len(in_shape)`` axes of x.
+
+    The kernel has shape ``in_shape + out_shape`` (e.g. q_proj: (D,) + (H, hd)).
+    """
+
+    def __init__(self, in_shape: Sequence[int], out_shape: Sequence[int],
+                 in_axes: Sequence[str], out_axes: Sequence[str], *, use_bias: bool,
+                 dtype, rngs: nnx.Rngs):
+        in_shape, out_shape = tuple(in_shape), tuple(out_shape)
+        self.n_in = len(in_shape)
+        self.kernel = _param(rngs, in_shape + out_shape, dtype,
+                             tuple(in_axes) + tuple(out_axes), "normal")
+        self.bias = (_param(rngs, out_shape, dtype, out_axes, "zeros")
+                     if use_bias else None)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        k = self.kernel[...]
+        y = jax.lax.dot_general(
+            x.astype(k.dtype), k,
+            ((tuple(range(x.ndim - self.n_in, x.ndim)), tuple(range(self.n_in))), ((), ())),
+        )
+        if self.bias is not None:
+            y = y + self.bias[...]
+        return y
+
+
+class RMSNorm(nnx.Module):
+    """HF RMSNorm: normalise in float32, cast back to the input dtype, scale."""
+
+    def __init__(self, dim: int, *, eps: float, dtype, rngs: nnx.Rngs | None = None):
+        self.eps = float(eps)
+        self.weight = _param(rngs, (dim,), dtype, ("norm",), "ones")
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        xf = x.astype(jnp.float32)
+        var = jnp.mean(xf * xf, axis=-1, keepdims=True)
+        y = (xf * jax.lax.rsqrt(var + self.eps)).astype(x.dtype)
+        return self.weight[...] * y
+
+
+class MLP(nnx.Module):
+    """SwiGLU: ``down(silu(gate(x)) * up(x))``."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, *, dtype, rngs: nnx.Rngs):
+        d, f = hidden_size, intermediate_size
+        self.gate_proj = Linear((d,), (f,), ("embed",), ("mlp",), use_bias=False,
+                                dtype=dtype, rngs=rngs)
+        self.up_proj = Linear((d,), (f,), ("embed",), ("mlp",), use_bias=False,
+                              dtype=dtype, rngs=rngs)
+        self.down_proj = Linear((f,), (d,), ("mlp",), ("embed",), use_bias=False,
+                                dtype=dtype, rngs=rngs)
+
+    def __call__(self, x_BTD: jax.Array) -> jax.Array:
+        h = jax.nn.silu(self.gate_proj(x_BTD)) * self.up_proj(x_BTD)
+        h = constrain(h, ("batch", "seq", "act_mlp"))
+        return self.down_proj(h)
+
+
+# ----------------------------------------------------------------------------- RoPE
+
+
+def rope_inv_freq(config: ModelConfig) -> np.ndarray:
+    """Inverse frequencies float32 [hd/2], with linear or llama3 scaling (as in HF)."""
+    hd = config.head_dim
+    exponent = np.arange(0, hd, 2, dtype=np.int64).astype(np.float32) / np.float32(hd)
+    inv = (np.float32(1.0) / (np.float32(config.rope_theta) ** exponent)).astype(np.float32)
+    rs = config.rope_scaling
+    if rs is None:
+        return inv
+    if rs.rope_type == "linear":
+        return (inv / np.float32(rs.factor)).astype(np.float32)
+    # llama3 (transformers' _compute_llama3_parameters)
+    factor, lo, hi = rs.factor, rs.low_freq_factor, rs.high_freq_factor
+    old = rs.original_max_position_embeddings
+    low_wavelen, high_wavelen = old / lo, old / hi
+    wavelen = (2 * math.pi / inv).astype(np.float32)
+    inv_l = np.where(wavelen > low_wavelen, inv / np.float32(factor), inv).astype(np.float32)
+    smooth = ((old / wavelen - lo) / (hi - lo)).astype(np.float32)
+    smoothed = ((1 - smooth) * inv_l / np.float32(factor) + smooth * inv_l).astype(np.float32)
+    medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+    return np.where(medium, smoothed, inv_l).astype(np.float32)
+
+
+def apply_rope(x_BTHd: jax.Array, positions_BT: jax.Array, inv_freq) -> jax.Array:
+    """Rotate-half RoPE at absolute integer positions; computed in float32.
+
+    Args:
+      x_BTHd: [B, T, heads, hd].
+      positions_BT: int [B, T].
+      inv_freq: float32 [hd/2] (`rope_inv_freq`).
+    Returns:
+      [B, T, heads, hd] in x's dtype.
+    """
+    inv = jnp.asarray(inv_freq, jnp.float32)
+    ang = positions_BT.astype(jnp.float32)[..., None] * inv            # [B, T, hd/2]
+    ang = jnp.concatenate([ang, ang], axis=-1)[:, :, None, :]         # [B, T, 1, hd]
+    cos, sin = jnp.cos(ang), jnp.sin(ang)
+    xf = x_BTHd.astype(jnp.float32)
+    half = xf.shape[-1] // 2
+    rot = jnp.concatenate([-xf[..., half:], xf[..., :half]], axis=-1)
+    return (xf * cos + rot * sin).astype(x_BTHd.dtype)
+
+
+# ------------------------------------------------------------------------ attention
+
+
+def attend_segments(q_BTHd: jax.Array,
+                    segments: Sequence[tuple[jax.Array, jax.Array, jax.Array]]) -> jax.Array:
+    """GQA softmax attention over several key/value segments with one joint softmax.
+
+    Equivalent to `attend` on the concatenation of the segments along S, without
+    materialising it (the target uses it for [cache prefix ; new block]).
+
+    Args:
+      q_BTHd: queries [B, T, H, hd] (already roped).
+      segments: tuples (k [B, S_i, K, hd], v [B, S_i, K, hd], mask broadcastable to
+        [B, T, S_i] (bool, True = may attend)).
+    Returns:
+      [B, T, H, hd] in q's dtype. Rows with no visible key give zeros (never NaN).
+    """
+    b, t, h, hd = q_BTHd.shape
+    kh = segments[0][0].shape[2]
+    g = h // kh
+    q = q_BTHd.reshape(b, t, kh, g, hd)
+    scale = hd ** -0.5
+    scores, masks = [], []
+    for k, _, m in segments:
+        s = jnp.einsum("btkgd,bskd->bkgts", q, k.astype(q.dtype),
+                       preferred_element_type=jnp.float32) * scale
+        m = jnp.broadcast_to(m, (b, t, k.shape[1]))[:, None, None]    # [B,1,1,T,S]
+        scores.append(s)
+        masks.append(m)
+    s = jnp.concatenate(scores, axis=-1) if len(scores) > 1 else scores[0]
+    m = jnp.concatenate(masks, axis=-1) if len(masks) > 1 else masks[0]
+    neg = jnp.finfo(jnp.float32).min
+    s = jnp.where(m, s, neg)
+    mx = jax.lax.stop_gradient(jnp.max(s, axis=-1, keepdims=True))
+    p = jnp.where(m, jnp.exp(s - mx), 0.0)
+    denom = jnp.sum(p, axis=-1, keepdims=True)
+    p = p / jnp.where(denom > 0, denom, 1.0)
+    out = None
+    off = 0
+    for k, v, _ in segments:
+        n = k.shape[1]
+        pi = p[..., off:off + n].astype(v.dtype)
+        o = jnp.einsum("bkgts,bskd->btkgd", pi, v, preferred_element_type=jnp.float32)
+        out = o if out is None else out + o
+        off += n
+    return out.reshape(b, t, h, hd).astype(q_BTHd.dtype)
+
+
+def attend(q_BTHd: jax.Array, k_BSKd: jax.Array, v_BSKd: jax.Array,
+           mask_BTS: jax.Array) -> jax.Array:
+    """GQA softmax attention in float32 with a boolean mask (True = may attend).
+
+    Args:
+      q_BTHd: [B, T, H, hd]; k_BSKd, v_BSKd: [B, S, K, hd] with H % K == 0.
+      mask_BTS: bool, broadcastable to [B, T, S].
+    Returns:
+      [B, T, H, hd] in q's dtype; fully masked rows give zeros, not NaN.
+    """
+    return attend_segments(q_BTHd, ((k_BSKd, v_BSKd, mask_BTS),))
+
+
+class Attention(nnx.Module):
+    """q/k/v/o projections with optional per-head q/k RMSNorm and optional biases."""
+
+    def __init__(self, config: ModelConfig, *, dtype, rngs: nnx.Rngs):
+        c = config
+        d, h, kh, hd = c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = h, kh, hd
+        bias = c.attention_bias
+        self.q_proj = Linear((d,), (h, hd), ("embed",), ("heads", "head_dim"),
+                             use_bias=bias, dtype=dtype, rngs=rngs)
+        self.k_proj = Linear((d,), (kh, hd), ("embed",), ("kv_heads", "head_dim"),
+                             use_bias=bias, dtype=dtype, rngs=rngs)
+        self.v_proj = Linear((d,), (kh, hd), ("embed",), ("kv_heads", "head_dim"),
+                             use_bias=bias, dtype=dtype, rngs=rngs)
+        self.o_proj = Linear((h, hd), (d,), ("heads", "head_dim"), ("embed",),
+                             use_bias=bias, dtype=dtype, rngs=rngs)
+        if c.qk_norm:
+            self.q_norm = RMSNorm(hd, eps=c.rms_norm_eps, dtype=dtype, rngs=rngs)
+            self.k_norm = RMSNorm(hd, eps=c.rms_norm_eps, dtype=dtype, rngs=rngs)
+        else:
+            self.q_norm = None
+            self.k_norm = None
+
+    def project_q(self, x_BTD: jax.Array) -> jax.Array:
+        """Queries [B, T, H, hd], q-normed (if the family has it), not roped."""
+        q = self.q_proj(x_BTD)
+        if self.q_norm is not None:
+            q = self.q_norm(q)
+        return constrain(q, ("batch", "seq", "act_heads", "head_dim"))
+
+    def project_kv(self, x_BSD: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """Keys and values [B, S, K, hd]; keys k-normed, not roped."""
+        k = self.k_proj(x_BSD)
+        if self.k_norm is not None:
+            k = self.k_norm(k)
+        v = self.v_proj(x_BSD)
+        names = ("batch", "seq", "act_kv_heads", "head_dim")
+        return constrain(k, names), constrain(v, names)
+
+    def qkv(self, x_BTD: jax.Array, positions_BT: jax.Array, inv_freq
+            ) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """Roped q [B,T,H,hd] and k [B,T,K,hd], and v [B,T,K,hd] from one input."""
+        q = apply_rope(self.project_q(x_BTD), positions_BT, inv_freq)
+        k, v = self.project_kv(x_BTD)
+        return q, apply_rope(k, positions_BT, inv_freq), v
+
+    def out(self, a_BTHd: jax.Array) -> jax.Array:
+        """Output projection [B, T, H, hd] -> [B, T, D]."""
+        return self.o_proj(a_BTHd)
+
+
+class DecoderLayer(nnx.Module):
+    """Pre-norm decoder layer (HF names: input_layernorm, self_attn, mlp, ...)."""
+
+    def __init__(self, config: ModelConfig, *, dtype, rngs: nnx.Rngs):
+        c = config
+        self.input_layernorm = RMSNorm(c.hidden_size, eps=c.rms_norm_eps, dtype=dtype, rngs=rngs)
+        self.self_attn = Attention(c, dtype=dtype, rngs=rngs)
+        self.post_attention_layernorm = RMSNorm(c.hidden_size, eps=c.rms_norm_eps,
+                                                dtype=dtype, rngs=rngs)
+        self.mlp = MLP(c.hidden_size, c.intermediate_size, dtype=dtype, rngs=rngs)
+
+    def __call__(self, x_BTD: jax.Array, positions_BT: jax.Array, inv_freq,
+                 mask_BTT: jax.Array, prefix: tuple[jax.Array, jax.Array, jax.Array] | None = None
+                 ) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """One layer over T new tokens.
+
+        Args:
+          x_BTD: residual stream.
+          positions_BT: absolute positions of the new tokens.
+          inv_freq: `rope_inv_freq(config)`.
+          mask_BTT: which new tokens each new token may attend to.
+          prefix: optional (k [B,L,K,hd], v, mask [B,T,L] or broadcastable) of cached
+            keys/values (already roped) that the new tokens may also attend to.
+        Returns:
+          (new residual [B,T,D], the new tokens' roped keys [B,T,K,hd], values).
+        """
+        h = self.input_layernorm(x_BTD)
+        q, k, v = self.self_attn.qkv(h, positions_BT, inv_freq)
+        segs = ((k, v, mask_BTT),)
+        if prefix is not None:
+            segs = (prefix,) + segs
+        a = attend_segments(q, segs)
+        x = x_BTD + self.self_attn.out(a)
+        x = constrain(x, ("batch", "seq", "act_embed"))
+        x = x + self.mlp(self.post_attention_layernorm(x))
+        x = constrain(x, ("batch", "seq", "act_embed"))
+        return x, k, v

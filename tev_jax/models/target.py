@@ -1,0 +1,248 @@
+"""The target model: one NNX decoder for the Qwen3 and Llama-3 families (DESIGN.md §6).
+
+All cached modes go through one general forward, `Target.extend`: T new tokens per row
+at given absolute positions are written at cache slots ``start[b] .. start[b]+T-1``;
+each new token attends to the committed prefix (slots ``< start[b]``) plus the new
+tokens that ``block_mask`` allows. The wrappers only build positions and masks:
+
+===============  =========================  ===================================
+mode             positions                  block mask [T, T]
+===============  =========================  ===================================
+`prefill`        start + 0..T-1             causal, padding keys hidden
+`decode`         start                      [[True]]
+`verify_tree`    start + depth              tree ancestor mask (self included)
+===============  =========================  ===================================
+
+After a verify pass, `tev_jax.models.kv_cache.commit` moves the accepted path's
+keys/values to contiguous slots.
+
+Hidden-state taps: ``taps`` is a tuple of layer indices; layer id ``i`` is the output of
+decoder layer ``i`` (HF ``hidden_states[i + 1]``, before the final norm). They are
+returned concatenated along the feature axis, ``[B, T, len(taps) * D]`` in tap order,
+which is the DFlash drafter's context-feature input.
+
+Use the model functionally in hot loops: split once, jit a function of
+``(graphdef, state, ...)`` and merge inside::
+
+    graphdef, state = nnx.split(model)
+
+    @functools.partial(jax.jit, donate_argnames="cache")
+    def decode_step(graphdef, state, cache, tokens_B, start_B):
+        model = nnx.merge(graphdef, state)
+        return model.decode(cache, tokens_B, start_B)
+
+    logits_BV, _, cache = decode_step(graphdef, state, cache, tokens_B, start_B)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from tev_jax.models import kv_cache as kvc
+from tev_jax.models.config import ModelConfig
+from tev_jax.models.kv_cache import KVCache
+from tev_jax.models.layers import DecoderLayer, RMSNorm, _param, rope_inv_freq
+from tev_jax.sharding import constrain
+
+
+class Target(nnx.Module):
+    """A Qwen3 / Llama-3 decoder with a static KV cache.
+
+    Attributes:
+      config: the frozen `ModelConfig`.
+      dtype: parameter and activation dtype (float32 or bfloat16); logits are float32.
+    """
+
+    def __init__(self, config: ModelConfig, *, dtype=jnp.float32, rngs: nnx.Rngs):
+        c = config
+        self.config = c
+        self.dtype = jnp.dtype(dtype)
+        self.embed_tokens = _param(rngs, (c.vocab_size, c.hidden_size), dtype,
+                                   ("vocab", "embed"), "normal")
+        self.layers = nnx.List([DecoderLayer(c, dtype=dtype, rngs=rngs)
+                                for _ in range(c.num_layers)])
+        self.norm = RMSNorm(c.hidden_size, eps=c.rms_norm_eps, dtype=dtype, rngs=rngs)
+        self.lm_head = (None if c.tie_word_embeddings else
+                        _param(rngs, (c.hidden_size, c.vocab_size), dtype,
+                               ("embed", "vocab"), "normal"))
+
+    # ------------------------------------------------------------- embedding / head
+
+    def embed(self, tokens: jax.Array) -> jax.Array:
+        """Token embeddings ``[..., D]`` in the model dtype."""
+        x = jnp.take(self.embed_tokens[...], tokens, axis=0)
+        if x.ndim == 3:
+            x = constrain(x, ("batch", "seq", "act_embed"))
+        return x
+
+    def unembed(self, hidden: jax.Array) -> jax.Array:
+        """float32 logits ``[..., V]`` of (already final-normed) hidden states.
+
+        Uses ``lm_head`` or, with tied embeddings, the embedding matrix.
+        """
+        h = hidden.astype(self.dtype)
+        if self.lm_head is None:
+            logits = jnp.einsum("...d,vd->...v", h, self.embed_tokens[...],
+                                preferred_element_type=jnp.float32)
+        else:
+            logits = jnp.einsum("...d,dv->...v", h, self.lm_head[...],
+                                preferred_element_type=jnp.float32)
+        if logits.ndim == 3:
+            logits = constrain(logits, ("batch", "seq", "act_vocab"))
+        return logits.astype(jnp.float32)
+
+    # ------------------------------------------------------------------ the stack
+
+    def _stack(self, tokens_BT, positions_BT, block_mask_BTT, prefix_mask_BTL=None,
+               cache: KVCache | None = None, taps: Sequence[int] = ()):
+        """Runs all layers; returns (final-normed hidden, taps or None, new k, new v)."""
+        taps = tuple(int(t) for t in taps)
+        for t in taps:
+            if not 0 <= t < self.config.num_layers:
+                raise ValueError(f"tap layer {t} out of range [0, {self.config.num_layers})")
+        inv_freq = rope_inv_freq(self.config)
+        x = self.embed(tokens_BT)
+        tapped, ks, vs = {}, [], []
+        for i, layer in enumerate(self.layers):
+            prefix = None
+            if cache is not None:
+                prefix = (cache.k[i], cache.v[i], prefix_mask_BTL)
+            x, k, v = layer(x, positions_BT, inv_freq, block_mask_BTT, prefix)
+            ks.append(k)
+            vs.append(v)
+            if i in taps:
+                tapped[i] = x
+        feats = (jnp.concatenate([tapped[t] for t in taps], axis=-1) if taps else None)
+        return self.norm(x), feats, jnp.stack(ks), jnp.stack(vs)
+
+    def __call__(self, tokens_BT: jax.Array, positions_BT: jax.Array | None = None,
+                 mask_BTT: jax.Array | None = None, taps: Sequence[int] = ()):
+        """Cache-free forward over whole sequences.
+
+        Args:
+          tokens_BT: int [B, T].
+          positions_BT: int [B, T]; default ``0..T-1``.
+          mask_BTT: bool [B, T, T] attention mask; default causal.
+          taps: layer indices whose outputs to return.
+        Returns:
+          (logits float32 [B, T, V], taps [B, T, len(taps)*D] or None)
+        """
+        b, t = tokens_BT.shape
+        if positions_BT is None:
+            positions_BT = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+        if mask_BTT is None:
+            mask_BTT = jnp.tril(jnp.ones((t, t), bool))[None]
+        h, feats, _, _ = self._stack(tokens_BT, positions_BT, mask_BTT, taps=taps)
+        return self.unembed(h), feats
+
+    # ------------------------------------------------------------ cached forwards
+
+    def extend_hidden(self, cache: KVCache, tokens_BT: jax.Array, positions_BT: jax.Array,
+                      start_B: jax.Array, block_mask_BTT: jax.Array,
+                      taps: Sequence[int] = ()):
+        """`extend` without the vocabulary projection.
+
+        Returns:
+          (final-normed hidden [B, T, D], taps [B, T, len(taps)*D] or None, new cache)
+        """
+        length = cache.max_len
+        slots = jnp.arange(length, dtype=jnp.int32)
+        prefix_mask = (slots[None, :] < start_B.astype(jnp.int32)[:, None])[:, None, :]
+        block_mask = jnp.broadcast_to(block_mask_BTT, (tokens_BT.shape[0],) + block_mask_BTT.shape[-2:])
+        h, feats, k_new, v_new = self._stack(tokens_BT, positions_BT, block_mask,
+                                             prefix_mask, cache, taps)
+        return h, feats, kvc.write(cache, k_new, v_new, start_B)
+
+    def extend(self, cache: KVCache, tokens_BT: jax.Array, positions_BT: jax.Array,
+               start_B: jax.Array, block_mask_BTT: jax.Array, taps: Sequence[int] = ()):
+        """The general cached forward every mode uses.
+
+        Args:
+          cache: `KVCache` with L slots.
+          tokens_BT: int [B, T] new tokens.
+          positions_BT: int [B, T] their absolute (RoPE) positions.
+          start_B: int [B] committed length per row; new keys/values go to slots
+            ``start .. start+T-1`` and each new token sees slots ``< start``.
+          block_mask_BTT: bool [B, T, T] (or [T, T]): new token t may attend to new
+            token s. Include the diagonal.
+          taps: layer indices whose outputs to return.
+        Returns:
+          (logits float32 [B, T, V], taps [B, T, len(taps)*D] or None, new cache)
+        """
+        h, feats, cache = self.extend_hidden(cache, tokens_BT, positions_BT, start_B,
+                                             block_mask_BTT, taps)
+        return self.unembed(h), feats, cache
+
+    def prefill(self, cache: KVCache, tokens_BT: jax.Array, lengths_B: jax.Array,
+                start_B: jax.Array | None = None, taps: Sequence[int] = ()):
+        """Consumes right-padded prompts.
+
+        Args:
+          tokens_BT: int [B, T], row b's real tokens are ``tokens[b, :lengths[b]]``.
+          lengths_B: int [B].
+          start_B: int [B] committed length before the prompt (default 0).
+        Returns:
+          (logits float32 [B, V] after each row's last real token,
+           taps [B, T, len(taps)*D] or None, new cache). The row's committed length is
+          now ``start + lengths``.
+        """
+        b, t = tokens_BT.shape
+        if start_B is None:
+            start_B = jnp.zeros((b,), jnp.int32)
+        ar = jnp.arange(t, dtype=jnp.int32)
+        positions = start_B.astype(jnp.int32)[:, None] + ar[None, :]
+        mask = (ar[None, :, None] >= ar[None, None, :]) & (ar[None, None, :] < lengths_B[:, None, None])
+        h, feats, cache = self.extend_hidden(cache, tokens_BT, positions, start_B, mask, taps)
+        last = jnp.clip(lengths_B.astype(jnp.int32) - 1, 0, t - 1)
+        h_last = jnp.take_along_axis(h, last[:, None, None], axis=1)[:, 0]
+        return self.unembed(h_last), feats, cache
+
+    def decode(self, cache: KVCache, tokens_B: jax.Array, start_B: jax.Array,
+               taps: Sequence[int] = ()):
+        """One token per row at position ``start``.
+
+        Returns:
+          (logits float32 [B, V], taps [B, len(taps)*D] or None, new cache); the
+          committed length becomes ``start + 1``.
+        """
+        b = tokens_B.shape[0]
+        mask = jnp.ones((b, 1, 1), bool)
+        logits, feats, cache = self.extend(cache, tokens_B[:, None], start_B[:, None],
+                                           start_B, mask, taps)
+        return logits[:, 0], (None if feats is None else feats[:, 0]), cache
+
+    def verify_tree(self, cache: KVCache, tokens_BN: jax.Array, depths_BN: jax.Array,
+                    anc_BNN: jax.Array, start_B: jax.Array, taps: Sequence[int] = ()):
+        """The tree verify pass.
+
+        Args:
+          tokens_BN: int [B, N] tree tokens (slot 0 = the root).
+          depths_BN: int [B, N]; node i sits at position ``start + depths[i]``.
+          anc_BNN: bool [B, N, N]; ``anc[i, j]`` = j is i or an ancestor of i.
+          start_B: int [B]; the tree is written at slots ``start .. start+N-1``.
+        Returns:
+          (logits float32 [B, N, V], taps [B, N, len(taps)*D] or None, new cache).
+        """
+        positions = start_B.astype(jnp.int32)[:, None] + depths_BN.astype(jnp.int32)
+        return self.extend(cache, tokens_BN, positions, start_B, anc_BNN, taps)
+
+    def init_cache(self, batch: int, max_len: int) -> KVCache:
+        """A zero cache in this model's dtype."""
+        return kvc.init_cache(self.config, batch, max_len, self.dtype)
+
+
+def init_target(config: ModelConfig, *, key: jax.Array | int = 0, dtype=jnp.float32) -> Target:
+    """A randomly initialised target (normal(0.02) weights, unit norms, zero biases)."""
+    if isinstance(key, int):
+        key = jax.random.key(key)
+    return Target(config, dtype=dtype, rngs=nnx.Rngs(params=key))
+
+
+def score(model: Target, tokens_BL: jax.Array) -> jax.Array:
+    """float32 logits [B, L, V] of a plain causal pass over whole sequences (no cache)."""
+    logits, _ = model(jnp.asarray(tokens_BL, jnp.int32))
+    return logits
