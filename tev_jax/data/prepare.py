@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from tokenizers import Tokenizer
@@ -18,7 +19,7 @@ from tev_jax.data.corpus import (
     tokenizer_training_texts,
 )
 from tev_jax.data.prompts import export_prompt_records, prompts_dir, write_prompt_records
-from tev_jax.data.token_corpus import write_token_corpus
+from tev_jax.data.token_corpus import MANIFEST, write_token_corpus
 from tev_jax.data.tokenizer import (
     TokenizerConfig,
     default_tokenizer_path,
@@ -72,8 +73,12 @@ def _same_files(sets: dict[str, list[dict]], folder: Path) -> bool:
     return True
 
 
-def prepare_corpus(config: PrepareConfig, log=print) -> dict:
-    """Runs the pipeline and returns the manifest it wrote to ``out_dir/manifest.json``."""
+def prepare_corpus(config: PrepareConfig, log: Callable[[str], None] = print) -> dict:
+    """Runs the pipeline and returns the manifest it wrote to ``out_dir/manifest.json``.
+
+    Steps: build the documents; train or load the tokenizer; export the evaluation
+    prompts (and compare them with the bundled files); tokenise and write the arrays.
+    """
     start = time.perf_counter()
     out_dir = Path(config.out_dir)
     timings = {}
@@ -128,6 +133,6 @@ def prepare_corpus(config: PrepareConfig, log=print) -> dict:
     timings["encode_write_s"] = round(time.perf_counter() - tick, 2)
     timings["total_s"] = round(time.perf_counter() - start, 2)
     manifest["timings"] = timings
-    (out_dir / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
+    (out_dir / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
     log(f"wrote {out_dir} in {timings['total_s']} s")
     return manifest
