@@ -1,0 +1,275 @@
+"""DDTree's best-first draft tree, built with static shapes (DESIGN.md §5).
+
+The drafter gives one row of logits per block position, ``draft_logits[d - 1]`` for
+depth d = 1..H, and ``q_d = log_softmax(draft_logits[d - 1])``. A candidate node is a
+token sequence ``(y_1, .., y_d)`` with each ``y_k`` among the top-K tokens of row k
+(K = min(budget, V)); its score is ``s = q_1(y_1) + .. + q_d(y_d)``, summed in float32
+from the root down (``s(child) = s(parent) + q_d(y_d)``, one rounding per edge). The
+DDTree tree is the set of the ``budget`` best candidates. Scores never increase along a
+path, so that set is prefix-closed, and a heap that pops the best candidate and pushes
+its next sibling and first child returns it in order.
+
+Order and ties. Candidates are ranked by the total order
+
+    1. higher score first;
+    2. then smaller depth (a parent always precedes its children, even when the child's
+       draft log-probability is exactly 0);
+    3. then, at equal depth, the child of the parent that was placed first (smaller
+       parent slot);
+    4. then, among siblings, the higher-ranked token of the row's top-K (larger draft
+       logit; equal logits: smaller token id).
+
+The tree holds the first ``budget`` candidates of this order, in this order, in slots
+1..budget. A heap keyed on ``(-score, depth, parent slot, token rank)`` pops them in
+exactly this order, which is what ``tests/heap_ddtree.py`` does.
+
+Masked tokens. ``-inf`` logits are legitimate (masked vocabulary entries). A candidate
+whose score is ``-inf`` is never selected: when fewer than ``budget`` candidates have a
+finite score (tiny V, many masked tokens, or ``budget`` close to what H rows can give),
+the remaining slots are padding (``valid = False``). NaN, ``+inf`` and rows that are
+entirely ``-inf`` make the scores undefined; ``check_draft_logits`` rejects them on the
+host.
+
+Static shapes. Everything is a pure function of arrays, to be jitted at the call site
+with ``budget`` static, and vmapped over a batch of logit blocks and root tokens::
+
+    build = jax.jit(jax.vmap(build_tree, in_axes=(0, 0, None)), static_argnums=2)
+    tree_BN, info_BN = build(draft_logits_BHV, roots_B, 64)
+
+The jitted algorithm keeps, for every depth d, the best ``budget`` candidates of that
+depth in order: they are children of the kept depth-(d-1) list, and because both that
+list and the row's top-K are sorted, the pair (parent position i, token rank r) is
+beaten by every pair (i' <= i, r' <= r), so only pairs with (i+1)(r+1) <= budget can
+make the cut (about ``budget * ln(budget)`` pairs, fixed at trace time). The tree is
+then the best ``budget`` of the H kept lists.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+from tev_jax.tree import DraftTree
+
+
+@struct.dataclass
+class BuildInfo:
+    """Per-slot draft quantities of a built tree (shapes [N] like the tree's fields).
+
+    Attributes:
+      logq: float32 [N], ``q_depth(token)``: the draft log-probability of the node's
+        token in its row; 0 at the root and at padding.
+      score: float32 [N], cumulative draft log-probability of the path root..node (the
+        builder's priority); 0 at the root and at padding.
+    """
+
+    logq: jax.Array
+    score: jax.Array
+
+
+def check_draft_logits(draft_logits, budget: int | None = None, root_token=None) -> None:
+    """Validates a builder's inputs on the host.
+
+    Args:
+      draft_logits: [..., H, V] drafter logits (leading axes are a batch).
+      budget: the node budget (not counting the root), or None to skip the check.
+      root_token: optional root token id(s); must lie in [0, V).
+
+    Raises:
+      ValueError: naming the problem: wrong rank or empty axes, a non-float dtype, a
+        negative or non-integer budget, NaN or +inf logits, or a row whose logits are
+        all -inf (no token could be drafted there). ``-inf`` entries are otherwise
+        allowed: they are masked tokens and never enter a tree.
+    """
+    logits = np.asarray(draft_logits)
+    if logits.ndim < 2:
+        raise ValueError(f"draft_logits must have shape [..., H, V], got {logits.shape}")
+    if 0 in logits.shape:
+        raise ValueError(f"draft_logits must have at least one row and one token, got {logits.shape}")
+    if not np.issubdtype(logits.dtype, np.floating):
+        raise ValueError(f"draft_logits must be floating point, got {logits.dtype}")
+    if budget is not None and (
+        isinstance(budget, bool) or not isinstance(budget, (int, np.integer)) or budget < 0
+    ):
+        raise ValueError(f"budget must be an int >= 0, got {budget!r}")
+    for what, bad in (("NaN", np.isnan(logits)), ("+inf", np.isposinf(logits))):
+        if bad.any():
+            where = tuple(int(i) for i in np.argwhere(bad)[0][:-1])
+            raise ValueError(f"draft_logits row {where} contains {what}")
+    dead = np.all(np.isneginf(logits), axis=-1)
+    if dead.any():
+        where = tuple(int(i) for i in np.argwhere(dead)[0])
+        raise ValueError(f"draft_logits row {where} is entirely -inf: no token can be drafted")
+    if root_token is not None:
+        root = np.asarray(root_token)
+        if not np.issubdtype(root.dtype, np.integer):
+            raise ValueError(f"root_token must be an integer token id, got dtype {root.dtype}")
+        if ((root < 0) | (root >= logits.shape[-1])).any():
+            raise ValueError(f"root_token must lie in [0, V={logits.shape[-1]}), got {root}")
+
+
+def topk_logq(draft_logits_HV: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
+    """Top-k tokens of every row and their draft log-probabilities.
+
+    Args:
+      draft_logits_HV: [H, V] drafter logits.
+      k: tokens kept per row, 1 <= k <= V (static).
+
+    Returns:
+      ``(tokens_HK int32, logq_HK float32)``, each row sorted by logit descending, equal
+      logits by token id ascending; ``logq = logit - logsumexp(row)``.
+    """
+    logits = draft_logits_HV.astype(jnp.float32)
+    top_HK, tokens_HK = jax.lax.top_k(logits, k)
+    # Without the barrier XLA:CPU rewrote top_k over the vocabulary into a full sort
+    # when its outputs were sliced or gathered downstream (DESIGN.md §5).
+    top_HK, tokens_HK = jax.lax.optimization_barrier((top_HK, tokens_HK))
+    lse_H = jax.nn.logsumexp(logits, axis=-1)
+    return tokens_HK.astype(jnp.int32), top_HK - lse_H[:, None]
+
+
+@functools.lru_cache(maxsize=None)
+def _pairs(budget: int, parents: int, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """(parent position i, token rank r) with (i+1)(r+1) <= budget, lexicographic."""
+    i = np.arange(min(parents, budget))
+    counts = np.minimum(budget // (i + 1), k)
+    pi = np.repeat(i, counts)
+    pr = np.arange(pi.size) - np.repeat(np.cumsum(counts) - counts, counts)
+    return pi.astype(np.int32), pr.astype(np.int32)
+
+
+def build_tree_from_topk(
+    tokens_HK: jax.Array, logq_HK: jax.Array, root_token: jax.Array, budget: int
+) -> tuple[DraftTree, BuildInfo]:
+    """The DDTree of ``budget`` nodes from per-row top-K tokens and log-probabilities.
+
+    Args:
+      tokens_HK: int32 [H, K], row d-1 holds depth d's top-K tokens, best first.
+      logq_HK: float32 [H, K], their draft log-probabilities, non-increasing per row
+        (``-inf`` entries are never selected).
+      root_token: int32 scalar, the tree's root token.
+      budget: nodes besides the root (static, >= 0); N = budget + 1.
+
+    Returns:
+      ``(tree, info)``: a ``DraftTree`` with N slots in the order of the module
+      docstring, and its ``BuildInfo``.
+    """
+    if isinstance(budget, bool) or not isinstance(budget, (int, np.integer)) or budget < 0:
+        raise ValueError(f"budget must be a static int >= 0, got {budget!r}")
+    budget = int(budget)
+    horizon, k = logq_HK.shape
+    root = jnp.asarray(root_token, jnp.int32)
+    if budget == 0:
+        tree = DraftTree(root[None], jnp.full((1,), -1, jnp.int32), jnp.zeros((1,), jnp.int32),
+                         jnp.ones((1,), bool))
+        return tree, BuildInfo(jnp.zeros((1,), jnp.float32), jnp.zeros((1,), jnp.float32))
+    logq_HK = logq_HK.astype(jnp.float32)
+    tokens_HK = tokens_HK.astype(jnp.int32)
+    k = min(k, budget)
+    logq_HK, tokens_HK = logq_HK[:, :k], tokens_HK[:, :k]
+
+    # Depth 1: the row's top-K, padded to `budget` kept slots.
+    pad = budget - k
+    score1 = jnp.concatenate([logq_HK[0], jnp.full((pad,), -jnp.inf, jnp.float32)])
+    rank1 = jnp.concatenate([jnp.arange(k, dtype=jnp.int32), jnp.zeros((pad,), jnp.int32)])
+    parent1 = jnp.zeros((budget,), jnp.int32)
+
+    pi, pr = _pairs(budget, budget, k)
+
+    def depth_step(score_prev_P, logq_K):
+        pair_score_M = score_prev_P[pi] + logq_K[pr]
+        score_P, idx_P = jax.lax.top_k(pair_score_M, budget)
+        return score_P, (score_P, jnp.asarray(pi)[idx_P], jnp.asarray(pr)[idx_P])
+
+    _, (score_rest, parent_rest, rank_rest) = jax.lax.scan(depth_step, score1, logq_HK[1:])
+    score_DP = jnp.concatenate([score1[None], score_rest])
+    parent_DP = jnp.concatenate([parent1[None], parent_rest])
+    rank_DP = jnp.concatenate([rank1[None], rank_rest])
+
+    # Best `budget` over all depths; equal scores keep (depth, position) order.
+    best_score, flat = jax.lax.top_k(score_DP.reshape(-1), budget)
+    depth0, pos = flat // budget, flat % budget
+    valid = best_score > -jnp.inf
+    slot_of_flat = jnp.zeros((horizon * budget,), jnp.int32).at[flat].set(
+        jnp.arange(1, budget + 1, dtype=jnp.int32))
+    parent_flat = (depth0 - 1) * budget + parent_DP[depth0, pos]
+    parent_slot = jnp.where(depth0 == 0, 0, slot_of_flat[jnp.maximum(parent_flat, 0)])
+    rank = rank_DP[depth0, pos]
+    token = tokens_HK[depth0, rank]
+    logq = logq_HK[depth0, rank]
+
+    def with_root(root_value, values, pad_value):
+        return jnp.concatenate([jnp.asarray(root_value, values.dtype)[None],
+                                jnp.where(valid, values, pad_value)])
+
+    tree = DraftTree(
+        tokens=with_root(root, token, 0),
+        parents=with_root(-1, parent_slot, -1),
+        depths=with_root(0, depth0 + 1, 0),
+        valid=with_root(True, valid, False),
+    )
+    info = BuildInfo(logq=with_root(0.0, logq, 0.0), score=with_root(0.0, best_score, 0.0))
+    return tree, info
+
+
+def build_tree(
+    draft_logits_HV: jax.Array, root_token: jax.Array, budget: int
+) -> tuple[DraftTree, BuildInfo]:
+    """DDTree's best-first tree of ``budget`` nodes from one block of draft logits.
+
+    Args:
+      draft_logits_HV: [H, V] drafter logits; row d-1 is depth d. Check them with
+        ``check_draft_logits`` on the host first.
+      root_token: int32 scalar, the root (last committed, not yet consumed) token.
+      budget: nodes besides the root (static, >= 0); N = budget + 1, K = min(budget, V).
+
+    Returns:
+      ``(tree, info)``: the ``DraftTree`` [N] (slots ordered as in the module
+      docstring, padded when fewer than ``budget`` candidates have a finite score) and
+      its ``BuildInfo`` [N].
+    """
+    if isinstance(budget, bool) or not isinstance(budget, (int, np.integer)) or budget < 0:
+        raise ValueError(f"budget must be a static int >= 0, got {budget!r}")
+    if budget == 0:
+        return build_tree_from_topk(jnp.zeros((1, 1), jnp.int32), jnp.zeros((1, 1)),
+                                    root_token, 0)
+    tokens_HK, logq_HK = topk_logq(draft_logits_HV, min(int(budget), draft_logits_HV.shape[-1]))
+    return build_tree_from_topk(tokens_HK, logq_HK, root_token, budget)
+
+
+def build_chain(draft_logits_HV: jax.Array, root_token: jax.Array) -> tuple[DraftTree, BuildInfo]:
+    """The plain DFlash proposal (argmax of every row) as a chain; N = H + 1.
+
+    Args:
+      draft_logits_HV: [H, V] drafter logits; row d-1 is depth d.
+      root_token: int32 scalar, the root token.
+
+    Returns:
+      ``(tree, info)``: slot d holds depth d's argmax (smallest id on ties), with parent
+      d-1; ``info.score`` sums the log-probabilities in float32 from the root down, as
+      the tree builder does.
+    """
+    logits = draft_logits_HV.astype(jnp.float32)
+    horizon = logits.shape[0]
+    token_H = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    logq_H = jnp.max(logits, axis=-1) - jax.nn.logsumexp(logits, axis=-1)
+
+    def add(total, x):
+        total = total + x
+        return total, total
+
+    _, score_H = jax.lax.scan(add, jnp.float32(0), logq_H)
+    slots = jnp.arange(horizon + 1, dtype=jnp.int32)
+    zero = jnp.zeros((1,), jnp.float32)
+    tree = DraftTree(
+        tokens=jnp.concatenate([jnp.asarray(root_token, jnp.int32)[None], token_H]),
+        parents=slots - 1,
+        depths=slots,
+        valid=jnp.ones((horizon + 1,), bool),
+    )
+    return tree, BuildInfo(logq=jnp.concatenate([zero, logq_H]),
+                           score=jnp.concatenate([zero, score_H]))
