@@ -1,0 +1,186 @@
+"""ExitTrain objectives against slow references: node weights vs the float64 exit law of
+`reference.py`, the gathered exit loss vs a materialised [nodes x V] log-softmax (values
+and gradients), and the tree scoring pass vs a target forward over each node's path."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import reference as ref
+from tev_jax.exit_train import (
+    WEIGHTINGS,
+    exit_loss,
+    node_weights,
+    score_tree_nodes,
+    target_context,
+    token_loss,
+    tree_exit_weights,
+)
+from tev_jax.models import ModelConfig, init_target
+from tev_jax.sampling import Sampling
+from tev_jax.tree import DraftTree, make_tree
+
+
+def random_tree(rng, n_slots, vocab, horizon, root=None):
+    """A random valid tree (siblings distinct, depth <= horizon), padded to n_slots."""
+    n = int(rng.integers(1, n_slots + 1))
+    tokens = [int(rng.integers(vocab)) if root is None else int(root)]
+    parents, depths, used = [-1], [0], {0: set()}
+    for i in range(1, n):
+        open_ = [p for p in range(i) if depths[p] < horizon and len(used[p]) < vocab]
+        if not open_:
+            break
+        p = int(rng.choice(open_))
+        tok = int(rng.choice(sorted(set(range(vocab)) - used[p])))
+        used[p].add(tok)
+        used[i] = set()
+        tokens.append(tok)
+        parents.append(p)
+        depths.append(depths[p] + 1)
+    return make_tree(tokens, parents, n_slots)
+
+
+def stack(trees, shape):
+    return jax.tree.map(lambda *xs: jnp.stack(xs).reshape(shape + xs[0].shape), *trees)
+
+
+# ------------------------------------------------------------------ node weights
+
+
+@pytest.mark.parametrize("sampling", [Sampling(1.0), Sampling(0.7, top_k=3), Sampling(0.0)])
+def test_node_weights_match_reference(sampling):
+    rng = np.random.default_rng(7)
+    n, v, h = 9, 6, 4
+    trees = [random_tree(rng, n, v, h) for _ in range(6)]
+    logits = (rng.standard_normal((6, n, v)) * 2).astype(np.float32)
+    batched = stack(trees, (2, 3))
+
+    @jax.jit
+    def all_weights(t, z):
+        w, law = tree_exit_weights(t, z, sampling, "exit")
+        return {k: node_weights(t, law, k) for k in WEIGHTINGS}, w, law.coverage
+
+    got, w_exit, cov = all_weights(batched, jnp.asarray(logits).reshape(2, 3, n, v))
+    np.testing.assert_array_equal(got["exit"], w_exit)
+    cov = np.asarray(cov).reshape(6)
+    for i, tree in enumerate(trees):
+        tokens, parents, m = ref.host_tree(tree)
+        logp = ref.log_probs(logits[i], sampling.temperature, sampling.top_k, sampling.top_p)
+        reach, rho, w, coverage = ref.exit_law_loops(tokens, parents, logp)
+        depth = np.asarray(ref.depths_of(parents, m), np.float64)
+        for weighting, want in (("exit", w), ("exit_depth", w * depth), ("prefix", reach)):
+            weights = np.asarray(got[weighting]).reshape(6, n)
+            want = want.copy()
+            want[0] = 0.0
+            np.testing.assert_allclose(weights[i, :m], want, atol=2e-6, err_msg=weighting)
+            np.testing.assert_array_equal(weights[i, m:], 0.0)
+        np.testing.assert_allclose(cov[i], coverage, atol=2e-6)
+
+
+# ------------------------------------------------------------------------ losses
+
+
+def naive_exit_loss(logits_XHV, trees, weights_XN):
+    """Materialises each node's draft row and its [nodes, V] log-softmax."""
+    h, v = logits_XHV.shape[-2:]
+    n = trees.tokens.shape[-1]
+    logits = logits_XHV.reshape(-1, h, v)
+    r = logits.shape[0]
+    rows = jnp.clip(trees.depths.reshape(r, n) - 1, 0, h - 1)
+    node_logits_RNV = jnp.take_along_axis(logits, rows[:, :, None], axis=1)
+    logq_RNV = jax.nn.log_softmax(node_logits_RNV, axis=-1)
+    logq = jnp.take_along_axis(logq_RNV, trees.tokens.reshape(r, n, 1), axis=-1)[..., 0]
+    w = weights_XN.reshape(r, n)
+    return -jnp.sum(w * logq) / jnp.sum(w)
+
+
+def test_exit_loss_matches_naive_values_and_gradients():
+    rng = np.random.default_rng(0)
+    b, a, h, v, n = 2, 3, 4, 11, 9
+    trees = stack([random_tree(rng, n, v, h) for _ in range(b * a)], (b, a))
+    logits = jnp.asarray(rng.standard_normal((b, a, h, v)) * 3, jnp.float32)
+    edge = np.asarray(trees.valid & (trees.depths > 0))
+    weights = jnp.asarray(np.where(edge, rng.random((b, a, n)), 0.0), jnp.float32)
+
+    fast = lambda x: exit_loss(x, trees, weights).mean
+    slow = lambda x: naive_exit_loss(x, trees, weights)
+    np.testing.assert_allclose(jax.jit(fast)(logits), slow(logits), rtol=1e-5)
+    g_fast = jax.jit(jax.grad(fast))(logits)
+    g_slow = jax.grad(slow)(logits)
+    np.testing.assert_allclose(g_fast, g_slow, atol=1e-6)
+
+    # Rows (anchor, depth) that hold no weighted node get exactly zero gradient.
+    depths = np.asarray(trees.depths)
+    for i in range(b):
+        for j in range(a):
+            for d in range(1, h + 1):
+                if not (np.asarray(weights)[i, j][depths[i, j] == d] > 0).any():
+                    assert not np.asarray(g_fast)[i, j, d - 1].any()
+
+
+def test_exit_loss_with_no_weight_is_zero_without_nan():
+    rng = np.random.default_rng(1)
+    trees = stack([random_tree(rng, 5, 7, 3) for _ in range(2)], (2,))
+    logits = jnp.asarray(rng.standard_normal((2, 3, 7)), jnp.float32)
+    zero = jnp.zeros((2, 5), jnp.float32)
+    val, grad = jax.value_and_grad(lambda x: exit_loss(x, trees, zero).mean)(logits)
+    assert float(val) == 0.0 and not np.asarray(grad).any()
+
+
+def test_token_loss_matches_cross_entropy():
+    rng = np.random.default_rng(2)
+    logits = jnp.asarray(rng.standard_normal((3, 4, 9)) * 2, jnp.float32)
+    labels = jnp.asarray(rng.integers(0, 9, (3, 4)), jnp.int32)
+    mask = jnp.asarray(rng.random((3, 4)) < 0.7)
+    got = token_loss(logits, labels, mask, decay_gamma=2.0)
+    logp = np.asarray(jax.nn.log_softmax(logits.astype(jnp.float64) if jax.config.x64_enabled
+                                         else logits))
+    wt = np.asarray(mask, np.float64) * np.exp(-np.arange(4) / 2.0)
+    nll = -np.take_along_axis(logp, np.asarray(labels)[..., None], -1)[..., 0]
+    np.testing.assert_allclose(got.mean, (wt * nll).sum() / wt.sum(), rtol=1e-5)
+
+
+# ------------------------------------------------------------------ scoring pass
+
+
+TINY = ModelConfig(model_type="qwen3", vocab_size=48, hidden_size=32, intermediate_size=64,
+                   num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8, qk_norm=True)
+
+
+def test_scoring_pass_equals_forward_over_each_nodes_path():
+    target = init_target(TINY, key=3)
+    rng = np.random.default_rng(3)
+    b, length, a, n, h = 2, 14, 3, 7, 3
+    tokens = rng.integers(0, TINY.vocab_size, (b, length)).astype(np.int32)
+    anchors = np.array([[1, 6, 10], [3, 4, 9]], np.int32)
+    trees = [random_tree(rng, n, TINY.vocab_size, h, root=tokens[i, anchors[i, j]])
+             for i in range(b) for j in range(a)]
+    batched = stack(trees, (b, a))
+
+    @jax.jit
+    def score(tokens, anchors, trees):
+        _, cache = target_context(target, tokens, taps=(0,))
+        return score_tree_nodes(target, cache, trees, anchors)
+
+    got = np.asarray(score(jnp.asarray(tokens), jnp.asarray(anchors), batched))
+    seqs, where = [], []
+    for i in range(b):
+        for j in range(a):
+            tok, par, m = ref.host_tree(trees[i * a + j])
+            for node in range(m):
+                path = [tok[p] for p in ref.ancestors(par, node)[::-1]]
+                seqs.append(np.concatenate([tokens[i, :anchors[i, j]], path]))
+                where.append((i, j, node))
+    # Each node's reference: a plain causal forward over prefix + path, padded on the
+    # right (causal, so the padding does not change the last real position).
+    padded = np.zeros((len(seqs), length + h + 1), np.int32)
+    for k, seq in enumerate(seqs):
+        padded[k, :len(seq)] = seq
+    want, _ = jax.jit(target)(jnp.asarray(padded))
+    want = np.asarray(want)
+    for k, (i, j, node) in enumerate(where):
+        np.testing.assert_allclose(got[i, j, node], want[k, len(seqs[k]) - 1], atol=1e-4)
+    assert len(where) > b * a

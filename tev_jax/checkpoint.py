@@ -1,0 +1,149 @@
+"""Training checkpoints: an orbax `CheckpointManager` of (train state, JSON metadata).
+
+Layout (one folder per step, written by orbax)::
+
+    <directory>/
+      200/  state/ (the array pytree, sharded)   meta/ (JSON: step, data position, ...)
+      300/  ...
+
+A save goes to a temporary folder that orbax renames into place only once it is
+complete, so a run killed while saving leaves the last good checkpoint untouched (the
+partial folder is ignored, and cleaned up by the next manager). Older steps beyond
+``keep`` are deleted only after a newer save has committed.
+
+Restoring a step that is missing or unreadable raises a `ValueError` that names the
+step, the path and the steps that are available; it never deletes anything.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import jax
+import orbax.checkpoint as ocp
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that is missing, incomplete or does not match the expected state."""
+
+
+class TrainCheckpointer:
+    """Saves every ``every`` steps (and on demand), keeps the last ``keep``, restores.
+
+    Args:
+      directory: checkpoint folder (created if missing).
+      every: save interval in steps (`save` skips other steps unless forced).
+      keep: number of most recent checkpoints to keep (None keeps all).
+      async_save: write in a background thread (call `wait` before reading them).
+    """
+
+    def __init__(self, directory: str | os.PathLike, *, every: int = 1000,
+                 keep: int | None = 3, async_save: bool = False):
+        if every < 1:
+            raise ValueError(f"checkpoint interval must be >= 1, got {every}")
+        if keep is not None and keep < 1:
+            raise ValueError(f"checkpoints to keep must be >= 1 or None, got {keep}")
+        self.directory = Path(directory).absolute()
+        options = ocp.CheckpointManagerOptions(
+            max_to_keep=keep, save_interval_steps=every, create=True,
+            enable_async_checkpointing=async_save, cleanup_tmp_directories=True,
+        )
+        self._manager = ocp.CheckpointManager(self.directory, options=options)
+
+    def all_steps(self) -> list[int]:
+        """Committed checkpoint steps, ascending."""
+        return sorted(self._manager.all_steps(read=True))
+
+    def latest_step(self) -> int | None:
+        steps = self.all_steps()
+        return steps[-1] if steps else None
+
+    def save(self, step: int, state: Any, meta: dict[str, Any], *, force: bool = False) -> bool:
+        """Saves ``state`` (a pytree of arrays) and JSON ``meta`` at ``step``.
+
+        Returns:
+          Whether a checkpoint was written (False between intervals unless ``force``).
+        """
+        if force and step in self._manager.all_steps():
+            return False
+        args = ocp.args.Composite(state=ocp.args.StandardSave(state),
+                                  meta=ocp.args.JsonSave(dict(meta)))
+        return bool(self._manager.save(int(step), args=args, force=force))
+
+    def wait(self) -> None:
+        """Blocks until pending asynchronous saves have committed."""
+        self._manager.wait_until_finished()
+
+    def restore(self, abstract_state: Any, step: int | None = None
+                ) -> tuple[Any, dict[str, Any], int]:
+        """Restores a checkpoint.
+
+        Args:
+          abstract_state: pytree of ``jax.ShapeDtypeStruct`` (with ``sharding``) that
+            the saved state must match; arrays come back with those shardings.
+          step: the step to restore (default: the latest).
+        Returns:
+          (state, meta, step).
+        Raises:
+          CheckpointError: no checkpoint, the step is missing, or it cannot be read or
+            does not match ``abstract_state``.
+        """
+        steps = self.all_steps()
+        if step is None:
+            if not steps:
+                raise CheckpointError(f"no checkpoint in {self.directory}")
+            step = steps[-1]
+        path = self.directory / str(step)
+        if step not in steps:
+            raise CheckpointError(f"no checkpoint for step {step} in {self.directory} "
+                                  f"(available steps: {steps or 'none'})")
+        for item in ("state", "meta"):
+            if not (path / item).is_dir():
+                raise CheckpointError(f"checkpoint step {step} at {path} is incomplete: "
+                                      f"'{item}' is missing (available steps: {steps})")
+        args = ocp.args.Composite(state=ocp.args.StandardRestore(abstract_state),
+                                  meta=ocp.args.JsonRestore())
+        try:
+            out = self._manager.restore(int(step), args=args)
+        except Exception as e:  # orbax / tensorstore / json raise many types
+            raise CheckpointError(
+                f"checkpoint step {step} at {path} cannot be restored "
+                f"({type(e).__name__}: {str(e)[:300]}); other steps: "
+                f"{[s for s in steps if s != step] or 'none'}") from e
+        _check_restored(out.state, abstract_state, step, path)
+        return out.state, dict(out.meta), int(step)
+
+    def close(self) -> None:
+        self._manager.wait_until_finished()
+        self._manager.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def _check_restored(state, abstract_state, step, path) -> None:
+    want = jax.tree.structure(abstract_state)
+    got = jax.tree.structure(state)
+    if want != got:
+        raise CheckpointError(f"checkpoint step {step} at {path} has a different state "
+                              f"structure than the run expects")
+    for w, g in zip(jax.tree.leaves(abstract_state), jax.tree.leaves(state)):
+        if tuple(w.shape) != tuple(g.shape) or w.dtype != g.dtype:
+            raise CheckpointError(f"checkpoint step {step} at {path} holds an array "
+                                  f"{g.dtype}{list(g.shape)} where the run expects "
+                                  f"{w.dtype}{list(w.shape)}")
+
+
+def abstract_like(state: Any) -> Any:
+    """``jax.ShapeDtypeStruct``s (with shardings) of a pytree of arrays."""
+    return jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None)),
+        state)
+
+
+__all__ = ["CheckpointError", "TrainCheckpointer", "abstract_like"]

@@ -1,0 +1,181 @@
+"""The typed training configuration (frozen: a run is a pure function of it and its data)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+from tev_jax.exit_train import WEIGHTINGS
+from tev_jax.sampling import Sampling
+
+LOSSES = ("token",) + WEIGHTINGS
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    """Drafter training with the DFlash token objective and ExitTrain (DESIGN.md §8).
+
+    Models:
+      target_path: Hugging Face directory of the frozen target.
+      drafter_path: DFlash drafter directory to fine-tune; None initialises a new one
+        with ``drafter_layers``, ``block_size``, ``mask_token_id``, ``target_layer_ids``.
+      dtype: parameter dtype of both models ('float32' or 'bfloat16').
+
+    Data:
+      data_dir: target rollouts written by ``python -m train rollouts``.
+      batch_size: B sequences per micro-batch (global, over all devices).
+      num_anchors: A anchors per sequence.
+
+    Objective:
+      loss: 'token' (DFlash token objective only), 'exit' (weight w), 'exit_depth'
+        (w * depth) or 'prefix' (P).
+      budget: DDTree node budget of the training trees (N = budget + 1).
+      exit_lambda: total = token + exit_lambda * exit.
+      temperature, top_k, top_p: the target's sampling transform for the exit law.
+      token_decay_gamma: optional DFlash position decay of the token loss.
+      tree_metrics: with loss='token', still build and score the trees to log the
+        drafter's expected block length (the exit branch then costs the same as for
+        ExitTrain but carries no gradient).
+
+    Optimiser (optax AdamW; steps count optimiser updates):
+      steps, lr, warmup_steps, end_lr_ratio (cosine decays to lr * end_lr_ratio),
+      weight_decay, b1, b2, grad_clip (global norm), grad_accum (micro-batches per update,
+      ``optax.MultiSteps``).
+
+    Devices:
+      mesh_data, mesh_fsdp, mesh_tensor: mesh axis sizes (product <= devices). The
+        drafter and its optimiser state are sharded over fsdp, the batch over data and
+        fsdp, the target is replicated (or split over tensor).
+      distributed: call ``jax.distributed.initialize()`` first (multi-host).
+
+    Run:
+      out_dir: checkpoints (``out_dir/checkpoints``), ``train_log.jsonl`` and the final
+        drafter (``out_dir/drafter``).
+      checkpoint_every, keep_checkpoints: orbax save interval (updates) and retention.
+      log_every: metrics are fetched and logged every this many updates.
+      seed: the batch at update k is a pure function of (seed, k).
+      resume: continue from the latest checkpoint in ``out_dir`` if there is one.
+    """
+
+    target_path: str | None = None
+    drafter_path: str | None = None
+    drafter_layers: int = 1
+    block_size: int = 16
+    mask_token_id: int | None = None
+    target_layer_ids: tuple[int, ...] | None = None
+    dtype: str = "float32"
+
+    data_dir: str | None = None
+    batch_size: int = 4
+    num_anchors: int = 32
+
+    loss: str = "exit"
+    budget: int = 32
+    exit_lambda: float = 0.1
+    temperature: float = 1.0
+    top_k: int | None = None
+    top_p: float | None = None
+    token_decay_gamma: float | None = None
+    tree_metrics: bool = False
+
+    steps: int = 1000
+    lr: float = 1e-4
+    warmup_steps: int = 10
+    end_lr_ratio: float = 0.0
+    weight_decay: float = 0.0
+    b1: float = 0.9
+    b2: float = 0.95
+    grad_clip: float = 1.0
+    grad_accum: int = 1
+
+    mesh_data: int = 1
+    mesh_fsdp: int = 1
+    mesh_tensor: int = 1
+    distributed: bool = False
+
+    out_dir: str = "runs/train"
+    checkpoint_every: int = 200
+    keep_checkpoints: int = 3
+    log_every: int = 1
+    seed: int = 0
+    resume: bool = True
+
+    def __post_init__(self):
+        if self.loss not in LOSSES:
+            raise ValueError(f"loss must be one of {LOSSES}, got {self.loss!r}")
+        if self.dtype not in ("float32", "bfloat16"):
+            raise ValueError(f"dtype must be 'float32' or 'bfloat16', got {self.dtype!r}")
+        positive = ("drafter_layers", "batch_size", "num_anchors", "budget", "steps",
+                    "grad_accum", "mesh_data", "mesh_fsdp", "mesh_tensor",
+                    "checkpoint_every", "keep_checkpoints", "log_every")
+        for name in positive:
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"{name} must be a positive int, got {v!r}")
+        if not isinstance(self.block_size, int) or self.block_size < 2:
+            raise ValueError(f"block_size must be an int >= 2, got {self.block_size!r}")
+        if self.warmup_steps < 0 or self.warmup_steps > self.steps:
+            raise ValueError(f"warmup_steps must be in [0, steps={self.steps}], "
+                             f"got {self.warmup_steps}")
+        if not self.lr > 0:
+            raise ValueError(f"lr must be > 0, got {self.lr}")
+        if not 0 <= self.end_lr_ratio <= 1:
+            raise ValueError(f"end_lr_ratio must be in [0, 1], got {self.end_lr_ratio}")
+        if self.exit_lambda < 0:
+            raise ValueError(f"exit_lambda must be >= 0, got {self.exit_lambda}")
+        if not self.grad_clip > 0:
+            raise ValueError(f"grad_clip must be > 0, got {self.grad_clip}")
+        if self.token_decay_gamma is not None and not self.token_decay_gamma > 0:
+            raise ValueError(f"token_decay_gamma must be > 0, got {self.token_decay_gamma}")
+        if self.target_layer_ids is not None and not isinstance(self.target_layer_ids, tuple):
+            raise ValueError("target_layer_ids must be a tuple of ints or None")
+        self.sampling  # validates temperature / top-k / top-p
+
+    @property
+    def sampling(self) -> Sampling:
+        return Sampling(self.temperature, self.top_k, self.top_p)
+
+    @property
+    def builds_trees(self) -> bool:
+        """Whether a step builds and scores draft trees."""
+        return self.loss != "token" or self.tree_metrics
+
+    @property
+    def mesh_shape(self) -> tuple[int, int, int]:
+        return (self.mesh_data, self.mesh_fsdp, self.mesh_tensor)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        if d["target_layer_ids"] is not None:
+            d["target_layer_ids"] = list(d["target_layer_ids"])
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "TrainConfig":
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - names)
+        if unknown:
+            raise ValueError(f"unknown training config fields: {unknown}")
+        d = dict(d)
+        if d.get("target_layer_ids") is not None:
+            d["target_layer_ids"] = tuple(int(i) for i in d["target_layer_ids"])
+        return cls(**d)
+
+    @classmethod
+    def from_json(cls, path: str | Path) -> "TrainConfig":
+        return cls.from_dict(json.loads(Path(path).read_text()))
+
+    def run_fingerprint(self) -> dict[str, Any]:
+        """The fields a resumed run must share with the run that wrote the checkpoint.
+
+        ``steps`` is included because it shapes the learning-rate schedule; the
+        checkpoint/logging cadence and ``resume`` are not.
+        """
+        skip = {"checkpoint_every", "keep_checkpoints", "log_every", "resume", "out_dir",
+                "distributed"}
+        return {k: v for k, v in self.to_dict().items() if k not in skip}
+
+
+__all__ = ["LOSSES", "TrainConfig"]

@@ -1,0 +1,245 @@
+"""The training loop: batches, the jitted step, JSONL logs, a progress bar, checkpoints.
+
+A run is a pure function of its `TrainConfig` and its data: the micro-batch ``m`` is
+``data.batch_at(seed, m, ...)``, so a run killed at any point and resumed from its last
+checkpoint replays exactly the same batches and (on CPU) the same losses bit for bit.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from tev_jax import sharding as shd
+from tev_jax.checkpoint import CheckpointError, TrainCheckpointer
+from train.config import TrainConfig
+from train.rollouts import RolloutSet
+from train.step import (
+    OptimConfig,
+    StepConfig,
+    abstract_state,
+    init_state,
+    merge_drafter,
+    place_batch,
+    place_frozen,
+    split_models,
+    step_program,
+    target_rules,
+)
+
+
+@dataclasses.dataclass
+class TrainResult:
+    """What `train` returns.
+
+    Attributes:
+      state: the final `TrainState` (device arrays).
+      history: one metrics dict per logged update (host floats).
+      start_update: the update the run started from (> 0 when resumed).
+      drafter: the trained drafter module (parameters merged back).
+    """
+
+    state: Any
+    history: list[dict[str, float]]
+    start_update: int
+    drafter: Any
+
+
+def make_mesh_for(cfg: TrainConfig):
+    """The ('data', 'fsdp', 'tensor') mesh of the config, or None for one device."""
+    if cfg.mesh_shape == (1, 1, 1):
+        return None
+    return shd.make_mesh(data=cfg.mesh_data, fsdp=cfg.mesh_fsdp, tensor=cfg.mesh_tensor)
+
+
+def load_models(cfg: TrainConfig, mesh=None):
+    """(target, drafter) from the config's paths (a new drafter if no drafter_path)."""
+    from tev_jax.data import MASK_ID
+    from tev_jax.models import load_target
+    from tev_jax.models.drafter_io import init_drafter, load_drafter
+
+    if cfg.target_path is None:
+        raise ValueError("target_path is required (a Hugging Face checkpoint directory)")
+    dtype = jnp.dtype(cfg.dtype)
+    target = load_target(cfg.target_path, dtype=dtype, mesh=mesh,
+                         rules=None if mesh is None else target_rules())
+    if cfg.drafter_path is not None:
+        drafter = load_drafter(cfg.drafter_path, target, dtype=dtype, mesh=mesh)
+    else:
+        mask = MASK_ID if cfg.mask_token_id is None else cfg.mask_token_id
+        drafter = init_drafter(target, num_layers=cfg.drafter_layers, block_size=cfg.block_size,
+                               mask_token_id=mask, key=cfg.seed,
+                               target_layer_ids=cfg.target_layer_ids, dtype=dtype)
+    return target, drafter
+
+
+def step_config(cfg: TrainConfig, drafter) -> StepConfig:
+    dc = drafter.config
+    return StepConfig(loss=cfg.loss, budget=cfg.budget, exit_lambda=cfg.exit_lambda,
+                      sampling=cfg.sampling, taps=tuple(dc.target_layer_ids),
+                      horizon=dc.horizon, decay_gamma=cfg.token_decay_gamma,
+                      tree_metrics=cfg.tree_metrics, grad_accum=cfg.grad_accum)
+
+
+def optim_config(cfg: TrainConfig) -> OptimConfig:
+    return OptimConfig(lr=cfg.lr, steps=cfg.steps, warmup_steps=cfg.warmup_steps,
+                       end_lr_ratio=cfg.end_lr_ratio, weight_decay=cfg.weight_decay,
+                       b1=cfg.b1, b2=cfg.b2, grad_clip=cfg.grad_clip,
+                       grad_accum=cfg.grad_accum)
+
+
+def _check_resume(meta: dict, cfg: TrainConfig, data: RolloutSet, step: int, ckdir: Path):
+    want = cfg.run_fingerprint()
+    got = meta.get("config", {})
+    diff = sorted(k for k in set(want) | set(got) if want.get(k) != got.get(k))
+    if diff:
+        detail = ", ".join(f"{k}: checkpoint {got.get(k)!r} vs now {want.get(k)!r}" for k in diff)
+        raise ValueError(f"cannot resume from step {step} in {ckdir}: the config differs "
+                         f"({detail}); use another out_dir or resume=False")
+    if meta.get("data") != data.fingerprint():
+        raise ValueError(f"cannot resume from step {step} in {ckdir}: the data differs "
+                         f"(checkpoint {meta.get('data')}, now {data.fingerprint()})")
+
+
+def _write_log(path: Path, record: dict) -> None:
+    if jax.process_index() == 0:
+        with path.open("a") as f:
+            f.write(json.dumps(record) + "\n")
+
+
+def train(cfg: TrainConfig, *, target=None, drafter=None, data: RolloutSet | None = None,
+          until_update: int | None = None, max_minutes: float | None = None,
+          progress: bool = True, save_final_drafter: bool = True) -> TrainResult:
+    """Trains the drafter; resumes from ``cfg.out_dir`` when a checkpoint is there.
+
+    Args:
+      cfg: the `TrainConfig`.
+      target, drafter, data: in-memory models and data (default: loaded from the
+        config's paths).
+      until_update: stop (with a checkpoint) after this update, as a preempted job
+        would; a later call resumes.
+      max_minutes: stop (with a checkpoint) after this wall time.
+      progress: show a tqdm progress bar.
+      save_final_drafter: write the drafter in the DFlash layout to ``out_dir/drafter``
+        when the run reaches ``cfg.steps``.
+    Returns:
+      A `TrainResult`.
+    """
+    from tqdm.auto import tqdm
+
+    if cfg.distributed:
+        jax.distributed.initialize()
+    mesh = make_mesh_for(cfg)
+    if target is None or drafter is None:
+        target, drafter = load_models(cfg, mesh)
+    if data is None:
+        if cfg.data_dir is None:
+            raise ValueError("data_dir is required (rollouts from `python -m train rollouts`)")
+        data = RolloutSet.load(cfg.data_dir)
+    horizon = drafter.config.horizon
+    if data.seq_len <= horizon + 1:
+        raise ValueError(f"sequences of length {data.seq_len} are too short for block size "
+                         f"{drafter.config.block_size}")
+
+    out = Path(cfg.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    log_path = out / "train_log.jsonl"
+    scfg = step_config(cfg, drafter)
+    graphs, frozen, params = split_models(target, drafter)
+    _, param_state, _ = nnx.split(drafter, nnx.Param, ...)
+    program = step_program(graphs, scfg, optim_config(cfg), mesh, param_state, frozen,
+                           (cfg.batch_size, data.seq_len, cfg.num_anchors))
+    place, optimizer, step_fn = program.place, program.optimizer, program.step_fn
+    frozen = place_frozen(frozen, place)
+
+    ckpt = TrainCheckpointer(out / "checkpoints", every=cfg.checkpoint_every,
+                             keep=cfg.keep_checkpoints)
+    start = 0
+    latest = ckpt.latest_step() if cfg.resume else None
+    if latest is not None:
+        state, meta, start = ckpt.restore(abstract_state(params, optimizer, place), latest)
+        _check_resume(meta, cfg, data, start, ckpt.directory)
+        if int(state.step) != start * cfg.grad_accum:
+            raise CheckpointError(f"checkpoint step {start} in {ckpt.directory} holds "
+                                  f"micro-step {int(state.step)}, expected "
+                                  f"{start * cfg.grad_accum}")
+    else:
+        state = init_state(params, optimizer, place)
+    del params
+
+    meta_base = {"config": cfg.run_fingerprint(), "data": data.fingerprint(),
+                 "drafter": drafter.config.to_hf()}
+    stop = cfg.steps if until_update is None else min(cfg.steps, until_update)
+    history: list[dict[str, float]] = []
+    bar = tqdm(total=cfg.steps, initial=start, disable=not progress, desc=f"train[{cfg.loss}]")
+    t_start = time.perf_counter()
+    t_last, n_since = time.perf_counter(), 0
+    update = start
+    with place.context():
+        while update < stop:
+            for i in range(cfg.grad_accum):
+                micro = update * cfg.grad_accum + i
+                hb = data.batch_at(cfg.seed, micro, cfg.batch_size, cfg.num_anchors, horizon)
+                state, metrics = step_fn(state, place_batch(hb, place), frozen)
+            update += 1
+            n_since += 1
+            if update % cfg.log_every == 0 or update == stop:
+                host = {k: float(v) for k, v in jax.device_get(metrics).items()}
+                now = time.perf_counter()
+                dt = (now - t_last) / n_since
+                t_last, n_since = now, 0
+                host.update(update=update, step_seconds=dt,
+                            seq_tokens_per_s=cfg.batch_size * data.seq_len * cfg.grad_accum / dt)
+                history.append(host)
+                _write_log(log_path, host)
+                bar.set_postfix({k: f"{host[k]:.4g}" for k in ("loss", "tau") if k in host})
+                if not math.isfinite(host["loss"]):
+                    raise FloatingPointError(f"non-finite loss {host['loss']} at update {update}")
+            bar.update(1)
+            out_of_time = (max_minutes is not None
+                           and time.perf_counter() - t_start > 60 * max_minutes)
+            last = update == stop or out_of_time
+            ckpt.save(update, state, {**meta_base, "update": update,
+                                      "micro_step": update * cfg.grad_accum}, force=last)
+            if out_of_time:
+                break
+    bar.close()
+    ckpt.close()
+
+    drafter_out = _merged_drafter(graphs, frozen, state.params)
+    if save_final_drafter and update >= cfg.steps:
+        _save_drafter(drafter_out, out / "drafter")
+    return TrainResult(state=state, history=history, start_update=start, drafter=drafter_out)
+
+
+def _merged_drafter(graphs, frozen, params):
+    return merge_drafter(graphs, frozen, params)
+
+
+def _save_drafter(drafter, path: Path) -> None:
+    from tev_jax.models.drafter_io import save_drafter
+
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        graphdef, state = nnx.split(drafter)
+        state = multihost_utils.process_allgather(state, tiled=True)
+        drafter = nnx.merge(graphdef, state)
+    if jax.process_index() == 0:
+        save_drafter(drafter, path)
+
+
+def read_log(path: str | Path) -> list[dict[str, Any]]:
+    """The records of a ``train_log.jsonl``."""
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+
+
+__all__ = ["TrainResult", "load_models", "make_mesh_for", "read_log", "step_config", "train"]
