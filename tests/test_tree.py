@@ -133,20 +133,37 @@ def _ref_structure(tree, horizon):
     return anc, kids, paths
 
 
-class StructureTest(chex.TestCase):
+def _structure(tree):
+    return (ancestor_mask(tree), children_mask(tree), node_paths(tree, H),
+            jax.vmap(lambda i: path_to(tree, i, H))(jnp.arange(tree.num_slots)))
+
+
+def _check_structure(got, tree):
+    anc, kids, paths = _ref_structure(tree, H)
+    n = int(np.asarray(tree.valid).sum())
+    np.testing.assert_array_equal(got[0], anc)
+    np.testing.assert_array_equal(got[1], kids)
+    np.testing.assert_array_equal(got[2], paths)
+    np.testing.assert_array_equal(np.asarray(got[3])[:n], paths[:n])
+
+
+_structure_jit = jax.jit(_structure)
+
+
+@settings(max_examples=40, deadline=None)
+@given(tree=tst.trees(max_nodes=N, vocab=3, max_depth=H))
+def test_structure_matches_python_loops(tree):
+    _check_structure(_structure_jit(tree), tree)
+
+
+class JitTest(chex.TestCase):
     @chex.variants(with_jit=True, without_jit=True)
-    @settings(max_examples=25, deadline=None)
-    @given(tree=tst.trees(max_nodes=N, vocab=3, max_depth=H))
-    def test_matches_python_loops(self, tree):
-        anc, kids, paths = _ref_structure(tree, H)
-        np.testing.assert_array_equal(self.variant(ancestor_mask)(tree), anc)
-        np.testing.assert_array_equal(self.variant(children_mask)(tree), kids)
-        got_paths = self.variant(lambda t: node_paths(t, H))(tree)
-        np.testing.assert_array_equal(got_paths, paths)
-        n = int(np.asarray(tree.valid).sum())
-        one = self.variant(lambda t, i: path_to(t, i, H))
-        for i in range(n):
-            np.testing.assert_array_equal(one(tree, jnp.int32(i)), paths[i])
+    def test_jit_equals_no_jit(self):
+        """Both variants match the python loops (hence each other) on fixed trees."""
+        for tokens, parents in [([0], [-1]), ([1, 2, 3, 4, 5], [-1, 0, 1, 2, 3]),
+                                ([0, 1, 2, 0, 1, 0], [-1, 0, 0, 1, 1, 4])]:
+            tree = make_tree(tokens, parents, N)
+            _check_structure(self.variant(_structure)(tree), tree)
 
 
 def test_vmap_over_a_batch_of_trees():
