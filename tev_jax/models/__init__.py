@@ -14,3 +14,10 @@ __all__ = [
     "KVCache", "ModelConfig", "RopeScaling", "Target", "commit", "init_cache",
     "init_target", "load_target", "load_tokenizer", "save_target", "score",
 ]
+
+# The DFlash drafter (`tev_jax.models.drafter`, checkpoints in `drafter_io`).
+from tev_jax.models.drafter import Drafter, DrafterCache, DrafterConfig  # noqa: E402
+from tev_jax.models.drafter_io import init_drafter, load_drafter, save_drafter  # noqa: E402
+
+__all__ += ["Drafter", "DrafterCache", "DrafterConfig", "init_drafter", "load_drafter",
+            "save_drafter"]
