@@ -123,13 +123,19 @@ def topk_logq(draft_logits_HV: jax.Array, k: int) -> tuple[jax.Array, jax.Array]
       ``(tokens_HK int32, logq_HK float32)``, each row sorted by logit descending, equal
       logits by token id ascending; ``logq = logit - logsumexp(row)``.
     """
-    logits = draft_logits_HV.astype(jnp.float32)
+    logits = _canonical(draft_logits_HV)
     top_HK, tokens_HK = jax.lax.top_k(logits, k)
     # Without the barrier XLA:CPU rewrote top_k over the vocabulary into a full sort
     # when its outputs were sliced or gathered downstream (DESIGN.md §5).
     top_HK, tokens_HK = jax.lax.optimization_barrier((top_HK, tokens_HK))
     lse_H = jax.nn.logsumexp(logits, axis=-1)
     return tokens_HK.astype(jnp.int32), top_HK - lse_H[:, None]
+
+
+def _canonical(draft_logits_HV: jax.Array) -> jax.Array:
+    """float32 logits with -0.0 turned into +0.0 (top_k orders -0.0 below +0.0)."""
+    logits = draft_logits_HV.astype(jnp.float32)
+    return jnp.where(logits == 0, jnp.float32(0), logits)
 
 
 @functools.lru_cache(maxsize=None)
@@ -253,7 +259,7 @@ def build_chain(draft_logits_HV: jax.Array, root_token: jax.Array) -> tuple[Draf
       d-1; ``info.score`` sums the log-probabilities in float32 from the root down, as
       the tree builder does.
     """
-    logits = draft_logits_HV.astype(jnp.float32)
+    logits = _canonical(draft_logits_HV)
     horizon = logits.shape[0]
     token_H = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     logq_H = jnp.max(logits, axis=-1) - jax.nn.logsumexp(logits, axis=-1)
