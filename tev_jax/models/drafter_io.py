@@ -21,11 +21,13 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import struct
 import tempfile
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, SingleDeviceSharding
@@ -36,6 +38,30 @@ from tev_jax.models.checkpoint_io import (
 )
 from tev_jax.models.config import ModelConfig
 from tev_jax.models.drafter import Drafter, DrafterConfig, default_target_layer_ids
+
+
+_NUMPY_DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16,
+                 "BF16": ml_dtypes.bfloat16}
+
+
+class _RawSafetensors:
+    """Zero-copy host views of a safetensors file's tensors, bfloat16 included.
+
+    (``safe_open(framework="numpy")`` cannot return bfloat16 tensors, the dtype of the
+    published DFlash checkpoints.)
+    """
+
+    def __init__(self, file: Path):
+        with open(file, "rb") as fh:
+            (n,) = struct.unpack("<Q", fh.read(8))
+            self.header = json.loads(fh.read(n))
+        self.data = np.memmap(file, dtype=np.uint8, mode="r", offset=8 + n)
+
+    def get(self, name: str) -> np.ndarray:
+        info = self.header[name]
+        start, end = info["data_offsets"]
+        dtype = np.dtype(_NUMPY_DTYPES[info["dtype"]]).newbyteorder("<")
+        return self.data[start:end].view(dtype).reshape(info["shape"])
 
 
 def _hf_name(path: tuple) -> tuple[str, int]:
@@ -113,8 +139,6 @@ def load_drafter(path: str | os.PathLike, target, *, dtype=None, mesh: Mesh | No
       ValueError: malformed config, a drafter that does not fit the target (hidden
         size, vocabulary, tapped layers), or missing / extra / misshapen tensors.
     """
-    from safetensors import safe_open
-
     path = Path(path)
     if not path.is_dir():
         raise ValueError(f"{path}: not a directory")
@@ -137,15 +161,14 @@ def load_drafter(path: str | os.PathLike, target, *, dtype=None, mesh: Mesh | No
     leaves = []
     for fname, items in by_file.items():
         try:
-            with safe_open(str(path / fname), framework="numpy") as f:
-                for p, var, name, n_in in items:
-                    aval = var.get_value()
-                    w = _to_ours(f.get_tensor(name), aval.shape, n_in).astype(aval.dtype)
-                    s = dev if sharding_of is None else sharding_of[p]
-                    arr = jax.make_array_from_callback(aval.shape, s, lambda idx, w=w: w[idx])
-                    leaves.append((p, var.replace(arr)))
-        except ValueError:
-            raise
+            f = _RawSafetensors(path / fname)
+            for p, var, name, n_in in items:
+                aval = var.get_value()
+                w = _to_ours(f.get(name), aval.shape, n_in).astype(aval.dtype)
+                s = dev if sharding_of is None else sharding_of[p]
+                arr = jax.make_array_from_callback(aval.shape, s, lambda idx, w=w: w[idx])
+                leaves.append((p, var.replace(arr)))
+            del f
         except Exception as e:
             raise ValueError(f"{path / fname}: cannot read tensor data ({e})") from e
     return nnx.merge(graphdef, nnx.from_flat_state(leaves))

@@ -16,8 +16,9 @@ mode             positions                  block mask [T, T]
 After a verify pass, `tev_jax.models.kv_cache.commit` moves the accepted path's
 keys/values to contiguous slots.
 
-Hidden-state taps: ``taps`` is a tuple of layer indices; layer id ``i`` is the output of
-decoder layer ``i`` (HF ``hidden_states[i + 1]``, before the final norm). They are
+Hidden-state taps: ``taps`` is a tuple of layer indices; layer id ``i`` is exactly HF's
+``hidden_states[i + 1]`` (DFlash's convention): the output of decoder layer ``i``, except
+that for the last layer HF (and so we) return it after the final norm. They are
 returned concatenated along the feature axis, ``[B, T, len(taps) * D]`` in tap order,
 which is the DFlash drafter's context-feature input.
 
@@ -36,6 +37,7 @@ Use the model functionally in hot loops: split once, jit a function of
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import jax
@@ -45,7 +47,7 @@ from flax import nnx
 from tev_jax.models import kv_cache as kvc
 from tev_jax.models.config import ModelConfig
 from tev_jax.models.kv_cache import KVCache
-from tev_jax.models.layers import DecoderLayer, RMSNorm, _param, rope_inv_freq
+from tev_jax.models.layers import DecoderLayer, RMSNorm, _param, fast_init, rope_inv_freq
 from tev_jax.sharding import constrain
 
 
@@ -116,8 +118,12 @@ class Target(nnx.Module):
             vs.append(v)
             if i in taps:
                 tapped[i] = x
+        h = self.norm(x)
+        last = self.config.num_layers - 1
+        if last in tapped:
+            tapped[last] = h  # HF's hidden_states[-1] is the final-normed output
         feats = (jnp.concatenate([tapped[t] for t in taps], axis=-1) if taps else None)
-        return self.norm(x), feats, jnp.stack(ks), jnp.stack(vs)
+        return h, feats, jnp.stack(ks), jnp.stack(vs)
 
     def __call__(self, tokens_BT: jax.Array, positions_BT: jax.Array | None = None,
                  mask_BTT: jax.Array | None = None, taps: Sequence[int] = ()):
@@ -235,11 +241,32 @@ class Target(nnx.Module):
         return kvc.init_cache(self.config, batch, max_len, self.dtype)
 
 
-def init_target(config: ModelConfig, *, key: jax.Array | int = 0, dtype=jnp.float32) -> Target:
-    """A randomly initialised target (normal(0.02) weights, unit norms, zero biases)."""
+def init_target(config: ModelConfig, *, key: jax.Array | int = 0, dtype=jnp.float32,
+                mesh=None) -> Target:
+    """A randomly initialised target (normal(0.02) weights, unit norms, zero biases).
+
+    Prefer this to ``Target(config, rngs=...)``, which is correct too but compiles one
+    random draw per parameter.
+
+    The parameters are created by one jitted init (``jax.eval_shape`` for the structure,
+    ``jit(init, out_shardings=...)`` for the values), so with a ``mesh`` every array is
+    born sharded by its logical axes and no unsharded copy exists.
+    """
     if isinstance(key, int):
         key = jax.random.key(key)
-    return Target(config, dtype=dtype, rngs=nnx.Rngs(params=key))
+    graphdef, init = _initializer(config, jnp.dtype(dtype), mesh)
+    return nnx.merge(graphdef, init(key))
+
+
+@functools.lru_cache(maxsize=32)
+def _initializer(config: ModelConfig, dtype, mesh):
+    """(graphdef, jitted key -> state), cached so repeated inits compile once."""
+    from tev_jax import sharding as shd
+
+    abstract = nnx.eval_shape(lambda: Target(config, dtype=dtype, rngs=nnx.Rngs(0)))
+    graphdef, abs_state = nnx.split(abstract)
+    out_shardings = None if mesh is None else shd.state_shardings(abs_state, mesh)
+    return graphdef, jax.jit(lambda k: fast_init(abs_state, k), out_shardings=out_shardings)
 
 
 def score(model: Target, tokens_BL: jax.Array) -> jax.Array:
