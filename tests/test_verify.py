@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 import reference as ref
 import strategies as tst
 from tev_jax import verify
+from tev_jax.exit_law import Scores, target_scores
 from tev_jax.sampling import Sampling
 from tev_jax.tree import make_tree
 
@@ -130,7 +131,8 @@ def test_inverse_cdf_matches_float64_search(vocab, block):
     z = z - np.max(z, axis=-1, keepdims=True)
     u = _grid_uniforms(rng, rows)
     u[:4] = [0.0, 0.0, 1 - 2.0**-24, 0.5]
-    got = np.asarray(jax.jit(functools.partial(verify.inverse_cdf, block=block))(u, z))
+    draw = jax.jit(lambda u, z: verify.inverse_cdf(u, Scores(z, jnp.zeros(rows), 1.0), block))
+    got = np.asarray(draw(u, z))
     want = [ref.inverse_cdf(u[r], np.exp(z[r].astype(np.float64))) for r in range(rows)]
     np.testing.assert_array_equal(got, want)
     assert np.all(np.isfinite(z[np.arange(rows), got]))
@@ -145,8 +147,8 @@ def test_uniform_grid():
 
 @functools.partial(jax.jit, static_argnums=2)
 def _residual_draws(tree, logits, sampling, u):
-    z = verify.shifted_scores(logits, sampling)
-    return jax.vmap(lambda u: verify._residual_draw(u, tree, z, jnp.int32(0)))(u)
+    scores = target_scores(logits, sampling)
+    return jax.vmap(lambda u: verify._residual_draw(u, tree, scores, jnp.int32(0)))(u)
 
 
 def test_residual_fallback_when_children_hold_the_whole_support():
@@ -181,8 +183,8 @@ def test_vmap_over_keys_trees_and_logits():
     logits = rng.standard_normal((3, N, V)).astype(np.float32)
     keys = jax.random.split(jax.random.key(7), 3)
     s = Sampling(0.9)
-    for name, f in (("tev", verify.tev), ("predraw", verify.predraw),
-                    ("sequential_residual", verify.sequential_residual)):
+    # (test_verify_stats vmaps every verifier over trees and keys; one is enough here.)
+    for name, f in (("tev", verify.tev),):
         got = jax.jit(jax.vmap(functools.partial(f, sampling=s, horizon=H)))(keys, batch, logits)
         _, size, ref_fn = CORES[name]
         for b in range(3):

@@ -7,14 +7,14 @@ the library.
 
 Protocol (fixed seeds, so every run is the same):
 - 10^5 vmapped draws per (verifier, sampling, tree), five tree shapes padded to N = 8
-  slots over V = 6 tokens, four samplings (two for the naive Gumbel predraw).
+  slots over V = 6 tokens, four samplings (one for the naive Gumbel predraw).
 - Cells whose expected count is below 5 are pooled into one cell. Cells that are
   impossible under the exact law (expected probability 0) are checked apart: a float32
   verifier may land there only through rounding (~1e-7 per draw), so more than 3 hits
   in 10^5 draws is a failure.
-- Pass when the chi-square p-value exceeds ALPHA = 1e-4. There are 14 exactness
-  configurations x 5 trees + 1 = 71 tests here, so by Bonferroni the chance that an
-  exact verifier fails any of them is at most 71 * 1e-4 = 0.7%.
+- Pass when the chi-square p-value exceeds ALPHA = 1e-4. There are 13 exactness
+  configurations x 5 trees + 1 = 66 tests here, so by Bonferroni the chance that an
+  exact verifier fails any of them is at most 66 * 1e-4 = 0.7%.
 - Negative controls, each a verifier with one deliberate bug, must be rejected by the
   same test (p < ALPHA) wherever their law differs from the exact one by a total
   variation of at least 0.01; this shows the test has power.
@@ -32,7 +32,7 @@ from scipy import stats
 
 import reference as ref
 from tev_jax import verify
-from tev_jax.exit_law import exit_law, shifted_scores
+from tev_jax.exit_law import Scores, exit_law, target_scores
 from tev_jax.sampling import Sampling
 from tev_jax.tree import make_tree
 
@@ -151,8 +151,7 @@ VERIFIERS = {
 
 
 CONFIGS = [(v, s) for v in VERIFIERS for s in SAMPLINGS if v != "predraw_gumbel"] + [
-    ("predraw_gumbel", "T1"),  # the naive predraw, kept for the benchmark
-    ("predraw_gumbel", "topk3"),
+    ("predraw_gumbel", "topk3"),  # the naive predraw, kept as the benchmark's baseline
 ]
 
 
@@ -184,9 +183,10 @@ def _tev_bonus_from_full(key, tree, logits, sampling, *, horizon):
     """Bug: the bonus is drawn from p_exit, child tokens included."""
     u = verify.uniform(key, (2,))
     w = exit_law(tree, logits, sampling).w
-    exit_node = verify.inverse_cdf(u[:1], jnp.log(w)[None])[0]
-    z = shifted_scores(logits, sampling)
-    bonus = verify.inverse_cdf(u[1:], z[exit_node][None])[0]
+    exit_node = verify.inverse_cdf(u[:1], Scores(jnp.log(w)[None], jnp.zeros(1), 1.0))[0]
+    scores = target_scores(logits, sampling)
+    row = Scores(scores.x[exit_node][None], scores.shift[exit_node][None], scores.scale)
+    bonus = verify.inverse_cdf(u[1:], row)[0]
     return verify._verdict(tree, exit_node, bonus, horizon)
 
 
@@ -194,9 +194,8 @@ def _tev_exit_from_reach(key, tree, logits, sampling, *, horizon):
     """Bug: the exit node is drawn from P (normalised) instead of w."""
     u = verify.uniform(key, (2,))
     reach = exit_law(tree, logits, sampling).reach
-    exit_node = verify.inverse_cdf(u[:1], jnp.log(reach)[None])[0]
-    z = shifted_scores(logits, sampling)
-    bonus = verify._residual_draw(u[1], tree, z, exit_node)
+    exit_node = verify.inverse_cdf(u[:1], Scores(jnp.log(reach)[None], jnp.zeros(1), 1.0))[0]
+    bonus = verify._residual_draw(u[1], tree, target_scores(logits, sampling), exit_node)
     return verify._verdict(tree, exit_node, bonus, horizon)
 
 

@@ -57,38 +57,64 @@ class ExitLaw:
     expected_length: jax.Array
 
 
-def shifted_scores(logits_NV: jax.Array, sampling: Sampling) -> jax.Array:
-    """Unnormalised target log-weights ``z`` with ``p = softmax(z)``; float32 [N, V].
+@struct.dataclass
+class Scores:
+    """Target log-weights ``z = (x - shift) * scale`` with ``p = softmax(z)`` per row.
 
-    Every row's maximum is in ``[-log V, 0]``, so ``exp(z)`` neither overflows nor
-    underflows to all zeros. For a plain temperature the result is an elementwise
-    expression of the logits that XLA fuses into its consumers (reductions,
-    gathers), so no [N, V] buffer is written; with top-k, top-p or T = 0 it is the
+    ``z`` is never materialised for a plain temperature: each consumer (the
+    log-normaliser, the N edge gathers, one row for a bonus draw) applies the shift and
+    scale to what it reads from ``x``, so XLA fuses them and the [N, V] logits are only
+    read. (A shared ``z`` array with several consumers gets written out by XLA:CPU.)
+    Every row maximum of ``z`` is in ``[-log V, 0]``, so ``exp(z)`` is safe.
+
+    Attributes:
+      x: [..., V] logits (raw, or already transformed for top-k / top-p / T = 0).
+      shift: [...] per-row shift (the row max of ``x``, or 0).
+      scale: static 1 / T (1 when ``x`` is already transformed).
+    """
+
+    x: jax.Array
+    shift: jax.Array
+    scale: float = struct.field(pytree_node=False)
+
+    def full(self) -> jax.Array:
+        return (self.x - self.shift[..., None]) * jnp.float32(self.scale)
+
+    def take(self, rows: jax.Array, cols: jax.Array) -> jax.Array:
+        return (self.x[rows, cols] - self.shift[rows]) * jnp.float32(self.scale)
+
+    def row(self, i: jax.Array) -> jax.Array:
+        return (self.x[i] - self.shift[i]) * jnp.float32(self.scale)
+
+
+def target_scores(logits_NV: jax.Array, sampling: Sampling) -> Scores:
+    """The target's log-weights for ``sampling``, unmaterialised when possible.
+
+    For a plain temperature this is one pass over the logits (the row max; the max of
+    ``x / T`` is the max of ``x`` for T > 0); with top-k, top-p or T = 0 it is the
     materialised ``sampling.log_probs``.
     """
     if sampling.greedy or sampling.top_k is not None or sampling.top_p is not None:
-        return log_probs(logits_NV, sampling)
+        logp = log_probs(logits_NV, sampling)
+        return Scores(logp, jnp.zeros(logp.shape[:-1], jnp.float32), 1.0)
     x = logits_NV.astype(jnp.float32)
-    # The row max of the raw logits is the row max of x / T (T > 0): one pass, and the
-    # scaling stays fused into the exp instead of materialising x / T.
-    m = jnp.max(x, axis=-1, keepdims=True)
-    return (x - m) * jnp.float32(1.0 / sampling.temperature)
+    return Scores(x, jnp.max(x, axis=-1), 1.0 / sampling.temperature)
 
 
-def log_normalizer(z_NV: jax.Array) -> jax.Array:
-    """``log sum exp z`` per row for rows from ``shifted_scores``; float32 [N]."""
-    return jnp.log(jnp.sum(jnp.exp(z_NV), axis=-1))
+def log_normalizer(scores: Scores) -> jax.Array:
+    """``log sum exp z`` per row; float32 [N]."""
+    return jnp.log(jnp.sum(jnp.exp(scores.full()), axis=-1))
 
 
-def edge_log_probs(tree: DraftTree, z_NV: jax.Array, lse_N: jax.Array) -> jax.Array:
+def edge_log_probs(tree: DraftTree, scores: Scores, lse_N: jax.Array) -> jax.Array:
     """``log a`` [N]: ``log p_parent(token)`` per node, 0 at the root, -inf on padding.
 
-    Reads N entries of ``z`` (one gather), not whole rows.
+    Reads N entries of the logits (one gather), not whole rows.
     """
     slots = jnp.arange(tree.num_slots)
     edge_N = tree.valid & (slots > 0)
     parent_N = jnp.where(edge_N, tree.parents, 0)
-    log_a = z_NV[parent_N, tree.tokens] - lse_N[parent_N]
+    log_a = scores.take(parent_N, tree.tokens) - lse_N[parent_N]
     return jnp.where(edge_N, log_a, jnp.where(slots == 0, 0.0, -jnp.inf))
 
 
@@ -135,6 +161,5 @@ def exit_law(tree: DraftTree, target_logits_NV: jax.Array, sampling: Sampling) -
       An ``ExitLaw``. Jittable (``sampling`` static) and vmappable over a batch of
       trees and logits.
     """
-    z_NV = shifted_scores(target_logits_NV, sampling)
-    log_a_N = edge_log_probs(tree, z_NV, log_normalizer(z_NV))
-    return exit_law_from_edges(tree, log_a_N)
+    scores = target_scores(target_logits_NV, sampling)
+    return exit_law_from_edges(tree, edge_log_probs(tree, scores, log_normalizer(scores)))

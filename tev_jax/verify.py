@@ -32,15 +32,16 @@ import jax.numpy as jnp
 from flax import struct
 
 from tev_jax.exit_law import (
+    Scores,
     edge_log_probs,
     exit_law_from_edges,
     log_normalizer,
-    shifted_scores,
+    target_scores,
 )
 from tev_jax.sampling import Sampling
 from tev_jax.tree import DraftTree, ancestor_mask, path_to
 
-BLOCK = 512  # vocabulary block of the inverse-CDF sampler; ~sqrt(V) balances its two stages.
+BLOCK = 128  # vocabulary block of the inverse-CDF sampler (see experiments/verifier_latency).
 
 
 @struct.dataclass
@@ -79,27 +80,31 @@ def _first_above(cum_RK: jax.Array, t_R: jax.Array, mass_RK: jax.Array) -> jax.A
     return jnp.minimum(k, last).astype(jnp.int32)
 
 
-def inverse_cdf(u_R: jax.Array, z_RV: jax.Array, block: int = BLOCK) -> jax.Array:
+def inverse_cdf(u_R: jax.Array, scores: Scores, block: int = BLOCK) -> jax.Array:
     """Token ``y ~ softmax(z)`` per row by a blocked inverse-CDF search; int32 [R].
 
-    Row maxima of ``z`` must be finite and at most ~0 (``shifted_scores``). One pass
-    forms per-block masses of ``exp(z)`` [R, V/block]; the block holding ``u * total``
-    is found by a cumulative sum over blocks, then the token inside it by a cumulative
-    sum over the block's ``block`` entries. ``z`` is read about once plus ``R * block``
-    gathered entries, and no [R, V] buffer is written when ``z`` is an elementwise
-    expression of the logits.
+    One pass over the logits forms per-block masses of ``exp(z)`` [R, V/block]; the
+    block holding ``u * total`` is found by a cumulative sum over blocks, then the
+    token inside it by a cumulative sum over that block's entries (``R * block``
+    gathered logits). So the logits are read about once and no [R, V] buffer is
+    written, against N x V random numbers for Gumbel-max or an [R, V] cumulative sum
+    for a plain inverse CDF.
 
     Args:
       u_R: [R] uniforms in [0, 1).
-      z_RV: [R, V] log-weights (unnormalised).
+      scores: the rows' log-weights ``z`` ([R, V] logits with [R] shifts); every row
+        must have a finite maximum at most ~0.
       block: vocabulary block size.
     """
-    rows, vocab = z_RV.shape
+    x_RV, shift_R, scale = scores.x, scores.shift, jnp.float32(scores.scale)
+    rows, vocab = x_RV.shape
     block = min(block, vocab)
     n_full, rem = divmod(vocab, block)
-    mass_RB = jnp.sum(jnp.exp(z_RV[:, : n_full * block].reshape(rows, n_full, block)), -1)
+    x_RBK = x_RV[:, : n_full * block].reshape(rows, n_full, block)
+    mass_RB = jnp.sum(jnp.exp((x_RBK - shift_R[:, None, None]) * scale), axis=-1)
     if rem:
-        tail = jnp.sum(jnp.exp(z_RV[:, n_full * block :]), axis=-1, keepdims=True)
+        x_tail = x_RV[:, n_full * block :]
+        tail = jnp.sum(jnp.exp((x_tail - shift_R[:, None]) * scale), axis=-1, keepdims=True)
         mass_RB = jnp.concatenate([mass_RB, tail], axis=-1)
     cum_RB = jnp.cumsum(mass_RB, axis=-1)
     t_R = u_R * cum_RB[:, -1]
@@ -109,10 +114,15 @@ def inverse_cdf(u_R: jax.Array, z_RV: jax.Array, block: int = BLOCK) -> jax.Arra
     )
     idx_RK = blk_R[:, None] * block + jnp.arange(block)[None, :]
     in_row_RK = idx_RK < vocab
-    z_RK = jnp.take_along_axis(z_RV, jnp.minimum(idx_RK, vocab - 1), axis=-1)
-    mass_RK = jnp.where(in_row_RK, jnp.exp(z_RK), 0.0)
+    x_RK = jnp.take_along_axis(x_RV, jnp.minimum(idx_RK, vocab - 1), axis=-1)
+    mass_RK = jnp.where(in_row_RK, jnp.exp((x_RK - shift_R[:, None]) * scale), 0.0)
     pos_R = _first_above(jnp.cumsum(mass_RK, axis=-1), t_R - before_R, mass_RK)
     return blk_R * block + pos_R
+
+
+def _rows(z_RV: jax.Array) -> Scores:
+    """Scores of already-shifted log-weights."""
+    return Scores(z_RV, jnp.zeros(z_RV.shape[:-1], jnp.float32), 1.0)
 
 
 def _verdict(tree: DraftTree, exit_node: jax.Array, bonus: jax.Array, horizon: int) -> Verdict:
@@ -142,7 +152,7 @@ def _child_of(tree: DraftTree, node: jax.Array) -> jax.Array:
     return tree.valid & (tree.parents == node) & (jnp.arange(tree.num_slots) > 0)
 
 
-def _residual_draw(u: jax.Array, tree: DraftTree, z_NV: jax.Array, node: jax.Array) -> jax.Array:
+def _residual_draw(u: jax.Array, tree: DraftTree, scores: Scores, node: jax.Array) -> jax.Array:
     """Bonus ``y`` from ``p_node`` without ``node``'s child tokens, renormalised.
 
     The residual is formed in log space, so a residual of mass 1e-30 is still sampled
@@ -150,23 +160,23 @@ def _residual_draw(u: jax.Array, tree: DraftTree, z_NV: jax.Array, node: jax.Arr
     so the exact exit weight of ``node`` is 0 and it is chosen only through float32
     rounding) the bonus falls back to ``p_node`` itself.
     """
-    vocab = z_NV.shape[-1]
-    z_V = z_NV[node]
+    vocab = scores.x.shape[-1]
+    z_V = scores.row(node)
     child_tok_N = jnp.where(_child_of(tree, node), tree.tokens, vocab)
     covered_V = jnp.zeros((vocab,), bool).at[child_tok_N].set(True, mode="drop")
     resid_V = jnp.where(covered_V, -jnp.inf, z_V)
     top = jnp.max(resid_V)
     resid_V = jnp.where(top > -jnp.inf, resid_V - top, z_V)
-    return inverse_cdf(u[None], resid_V[None, :])[0]
+    return inverse_cdf(u[None], _rows(resid_V[None, :]))[0]
 
 
 def _tev(u_2: jax.Array, tree, target_logits_NV, sampling, *, horizon) -> Verdict:
-    z_NV = shifted_scores(target_logits_NV, sampling)
-    law = exit_law_from_edges(tree, edge_log_probs(tree, z_NV, log_normalizer(z_NV)))
+    scores = target_scores(target_logits_NV, sampling)
+    law = exit_law_from_edges(tree, edge_log_probs(tree, scores, log_normalizer(scores)))
     w_N = law.w
     cum_N = jnp.cumsum(w_N)
     exit_node = _first_above(cum_N[None], u_2[0:1] * cum_N[-1], w_N[None])[0]
-    bonus = _residual_draw(u_2[1], tree, z_NV, exit_node)
+    bonus = _residual_draw(u_2[1], tree, scores, exit_node)
     return _verdict(tree, exit_node, bonus, horizon)
 
 
@@ -197,7 +207,7 @@ def tev(
 
 
 def _predraw(u_N, tree, target_logits_NV, sampling, *, horizon) -> Verdict:
-    draws_N = inverse_cdf(u_N, shifted_scores(target_logits_NV, sampling))
+    draws_N = inverse_cdf(u_N, target_scores(target_logits_NV, sampling))
     return _follow(tree, draws_N, horizon)
 
 
@@ -238,7 +248,8 @@ def predraw(
             uniform(key, (tree.num_slots,)), tree, target_logits_NV, sampling, horizon=horizon
         )
     if method == "gumbel":
-        draws_N = jax.random.categorical(key, shifted_scores(target_logits_NV, sampling), axis=-1)
+        scores = target_scores(target_logits_NV, sampling)
+        draws_N = jax.random.categorical(key, scores.full(), axis=-1)
         return _follow(tree, draws_N, horizon)
     raise ValueError(f"predraw method must be 'blocked' or 'gumbel', got {method!r}")
 
@@ -251,8 +262,8 @@ def _sequential_residual(
     ``strict=False`` accepts on ``u <= prob``; it exists only as a negative control.
     """
     n = tree.num_slots
-    z_NV = shifted_scores(target_logits_NV, sampling)
-    log_a_N = edge_log_probs(tree, z_NV, log_normalizer(z_NV))
+    scores = target_scores(target_logits_NV, sampling)
+    log_a_N = edge_log_probs(tree, scores, log_normalizer(scores))
     is_child_N = _child_of_any(tree)
     a_N = jnp.where(is_child_N, jnp.exp(log_a_N), 0.0)
     slots = jnp.arange(n)
@@ -273,7 +284,7 @@ def _sequential_residual(
     accept_N = is_child_N & ((coin_N < prob_N) if strict else (coin_N <= prob_N))
     chosen_N = accept_N & ~jnp.any(earlier_NN & accept_N[None, :], axis=-1)
     exit_node = _exit_of_choices(tree, chosen_N)
-    bonus = _residual_draw(u_N1[n], tree, z_NV, exit_node)
+    bonus = _residual_draw(u_N1[n], tree, scores, exit_node)
     return _verdict(tree, exit_node, bonus, horizon)
 
 
