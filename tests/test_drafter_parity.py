@@ -11,6 +11,7 @@ after every round.
 
 from __future__ import annotations
 
+import copy
 import functools
 
 import jax
@@ -18,13 +19,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
-from flax import nnx
 from dflash.model import DFlashDraftModel, _crop_to, build_target_layer_ids
+from flax import nnx
+from safetensors.numpy import load_file
 from transformers import DynamicCache
 
 from drafter_fixtures import as_i32, random_features, tiny_drafter, tiny_target
 from tev_jax.models import drafter as dr
-from tev_jax.models.drafter_io import read_drafter_config, save_drafter
+from tev_jax.models.drafter_io import load_drafter, read_drafter_config, save_drafter
 
 TOL = 1e-4
 T, L = 12, 16  # static feature rows per call and cache slots, shared to compile once
@@ -137,3 +139,19 @@ def test_anchor_forward_parity(pair):
     for a, p in enumerate(anchors):
         _, ref_logits = _ref_block(ref, target, feats[0, :p], int(tokens[0, p]), 0)
         np.testing.assert_allclose(np.asarray(logits[0, a]), ref_logits, atol=TOL, rtol=0)
+
+
+def test_loads_reference_bf16_checkpoint(pair, tmp_path):
+    """A checkpoint written by the reference itself, in bfloat16 like the published ones."""
+    target, drafter, ref, _ = pair
+    path = tmp_path / "ref_bf16"
+    ref_bf16 = copy.deepcopy(ref).to(torch.bfloat16)
+    ref_bf16.save_pretrained(str(path))
+    loaded = load_drafter(path, target)
+    assert loaded.config == drafter.config
+    save_drafter(loaded, tmp_path / "ours")
+    ours = load_file(str(tmp_path / "ours" / "model.safetensors"))
+    want = {k: v.float().numpy() for k, v in ref_bf16.state_dict().items()}
+    assert sorted(ours) == sorted(want)
+    for k, v in want.items():
+        np.testing.assert_array_equal(ours[k], v, err_msg=k)
