@@ -26,44 +26,39 @@ def heap_build(tokens_HK, logq_HK, root_token: int, budget: int) -> dict[str, np
       dict with ``tokens, parents, depths`` (int32 [N]), ``valid`` (bool [N]),
       ``logq, score`` (float32 [N]); padding as in ``tev_jax.ddtree``.
     """
-    tokens_HK = np.asarray(tokens_HK)
-    logq_HK = np.asarray(logq_HK, np.float32)
-    horizon, k = logq_HK.shape
-    n_slots = budget + 1
-    out = {
-        "tokens": np.zeros(n_slots, np.int32),
-        "parents": np.full(n_slots, -1, np.int32),
-        "depths": np.zeros(n_slots, np.int32),
-        "valid": np.zeros(n_slots, bool),
-        "logq": np.zeros(n_slots, np.float32),
-        "score": np.zeros(n_slots, np.float32),
-    }
-    out["tokens"][0] = root_token
-    out["valid"][0] = True
+    tokens = np.asarray(tokens_HK).tolist()
+    logq = np.asarray(logq_HK, np.float32).tolist()  # exact float32 values as floats
+    horizon = len(logq)
+    k = len(logq[0]) if horizon else 0
+    nodes = [(root_token, -1, 0, 0.0, 0.0)]  # (token, parent, depth, logq, score)
     heap: list[tuple[float, int, int, int]] = []
 
     def push(parent: int, depth: int, rank: int) -> None:
-        score = np.float32(out["score"][parent] + logq_HK[depth - 1, rank])
-        heapq.heappush(heap, (-float(score), depth, parent, rank))
+        # float32 sum: the float64 sum of two float32 values rounds to float32 exactly
+        # as a float32 addition would (53 >= 2 * 24 + 2).
+        score = float(np.float32(nodes[parent][4] + logq[depth - 1][rank]))
+        heapq.heappush(heap, (-score, depth, parent, rank))
 
     if budget > 0 and horizon > 0:
         push(0, 1, 0)
-    n = 0
-    while heap and n < budget:
+    while heap and len(nodes) <= budget:
         neg_score, depth, parent, rank = heapq.heappop(heap)
-        if neg_score == np.inf:
+        if neg_score == float("inf"):
             break
-        n += 1
-        out["tokens"][n] = tokens_HK[depth - 1, rank]
-        out["parents"][n] = parent
-        out["depths"][n] = depth
-        out["valid"][n] = True
-        out["logq"][n] = logq_HK[depth - 1, rank]
-        out["score"][n] = -neg_score
+        nodes.append((tokens[depth - 1][rank], parent, depth, logq[depth - 1][rank], -neg_score))
         if rank + 1 < k:
             push(parent, depth, rank + 1)
         if depth < horizon:
-            push(n, depth + 1, 0)
+            push(len(nodes) - 1, depth + 1, 0)
+    n_slots, n = budget + 1, len(nodes)
+    columns = list(zip(*nodes))
+    out = {}
+    for name, col, dtype, pad in zip(("tokens", "parents", "depths", "logq", "score"), columns,
+                                      (np.int32, np.int32, np.int32, np.float32, np.float32),
+                                      (0, -1, 0, 0.0, 0.0)):
+        out[name] = np.full(n_slots, pad, dtype)
+        out[name][:n] = col
+    out["valid"] = np.arange(n_slots) < n
     return out
 
 
