@@ -183,17 +183,14 @@ def test_save_load_round_trip(pair, tmp_path):
 
 def test_init_drafter_scaling_and_taps(pair):
     target, _ = pair
-    # An RBG key: compiling threefry for every parameter shape costs seconds on CPU.
-    d = init_drafter(target, num_layers=1, block_size=4, mask_token_id=5,
-                     key=jax.random.key(3, impl="rbg"))
+    d = init_drafter(target, num_layers=1, block_size=4, mask_token_id=5, key=3)
     assert d.config.target_layer_ids == (3,)            # one layer: the middle target layer
     assert d.config.num_target_layers == target.config.num_layers
     assert d.config.model.hidden_size == target.config.hidden_size
     q = np.asarray(d.layers[0].self_attn.q_proj.kernel[...])
     assert 0.015 < q.std() < 0.025 and abs(q.mean()) < 0.005
     np.testing.assert_array_equal(np.asarray(d.hidden_norm.weight[...]), 1.0)
-    d2 = init_drafter(target, num_layers=1, block_size=4, mask_token_id=5,
-                      key=jax.random.key(4, impl="rbg"))
+    d2 = init_drafter(target, num_layers=1, block_size=4, mask_token_id=5, key=4)
     assert not np.allclose(np.asarray(d2.fc.kernel[...]), np.asarray(d.fc.kernel[...]))
 
 
@@ -239,3 +236,24 @@ def test_refuses_mismatched_checkpoint(pair, tmp_path, case, match):
         _edit_tensors(path, lambda t: t.update({"fc.weight": np.zeros((32, 96), np.float32)}))
     with pytest.raises(ValueError, match=match):
         load_drafter(path, target)
+
+
+def test_load_onto_mesh(pair, tmp_path):
+    """Loading onto a mesh places each parameter by its logical axes, values unchanged."""
+    from jax.sharding import PartitionSpec
+
+    from tev_jax import sharding as shd
+
+    if not shd.device_count_ok(8):
+        pytest.skip("needs 8 devices (tests/conftest.py forces 8 CPU devices)")
+    target, drafter = pair
+    save_drafter(drafter, tmp_path / "d")
+    mesh = shd.make_mesh(data=1, fsdp=2, tensor=4)
+    loaded = load_drafter(tmp_path / "d", target, mesh=mesh)
+    fc = loaded.fc.kernel[...]                      # [2D, D] = ('mlp', 'embed')
+    assert fc.sharding.spec == PartitionSpec("tensor", "fsdp")
+    up = loaded.layers[1].mlp.up_proj.kernel[...]   # [D, 48] = ('embed', 'mlp')
+    assert up.sharding.spec == PartitionSpec("fsdp", "tensor")
+    np.testing.assert_array_equal(np.asarray(fc), np.asarray(drafter.fc.kernel[...]))
+    np.testing.assert_array_equal(np.asarray(up),
+                                  np.asarray(drafter.layers[1].mlp.up_proj.kernel[...]))

@@ -18,6 +18,7 @@ Tensor names (PyTorch ``[out, in]`` weights, no embedding or lm_head)::
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import shutil
@@ -38,6 +39,7 @@ from tev_jax.models.checkpoint_io import (
 )
 from tev_jax.models.config import ModelConfig
 from tev_jax.models.drafter import Drafter, DrafterConfig, default_target_layer_ids
+from tev_jax.models.layers import fast_init
 
 
 _NUMPY_DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16,
@@ -244,11 +246,13 @@ def drafter_config_for(target_config: ModelConfig, *, num_layers: int, block_siz
 
 def init_drafter(target, *, num_layers: int, block_size: int, mask_token_id: int,
                  key: jax.Array | int = 0, target_layer_ids=None,
-                 intermediate_size: int | None = None, dtype=None) -> Drafter:
+                 intermediate_size: int | None = None, dtype=None,
+                 mesh: Mesh | None = None, rules: shd.Rules | None = None) -> Drafter:
     """A randomly initialised drafter for ``target`` (training from scratch).
 
     Weights follow the Qwen3 initialisation (kernels normal(0, 0.02), unit norms); the
-    layers copy the target's width, heads, head_dim, RoPE and epsilon.
+    layers copy the target's width, heads, head_dim, RoPE and epsilon. The values come
+    from one jitted draw (`tev_jax.models.layers.fast_init`), born sharded on ``mesh``.
 
     Args:
       target: the `Target`.
@@ -256,6 +260,7 @@ def init_drafter(target, *, num_layers: int, block_size: int, mask_token_id: int
         `drafter_config_for`.
       key: PRNG key or int seed.
       dtype: parameter dtype (default: the target's).
+      mesh, rules: if given, parameters are placed by their logical axes.
     """
     config = drafter_config_for(target.config, num_layers=num_layers, block_size=block_size,
                                 mask_token_id=mask_token_id, target_layer_ids=target_layer_ids,
@@ -263,7 +268,17 @@ def init_drafter(target, *, num_layers: int, block_size: int, mask_token_id: int
     if isinstance(key, int):
         key = jax.random.key(key)
     dtype = target.dtype if dtype is None else jnp.dtype(dtype)
-    return Drafter(config, dtype=dtype, rngs=nnx.Rngs(params=key))
+    graphdef, init = _initializer(config, dtype, mesh, rules)
+    return nnx.merge(graphdef, init(key))
+
+
+@functools.lru_cache(maxsize=16)
+def _initializer(config: DrafterConfig, dtype, mesh, rules):
+    """(graphdef, jitted key -> state), cached so repeated inits compile once."""
+    abstract = nnx.eval_shape(lambda: Drafter(config, dtype=dtype, rngs=nnx.Rngs(0)))
+    graphdef, abs_state = nnx.split(abstract)
+    out = None if mesh is None else shd.state_shardings(abs_state, mesh, rules)
+    return graphdef, jax.jit(lambda k: fast_init(abs_state, k), out_shardings=out)
 
 
 __all__ = ["drafter_config_for", "drafter_param_names", "init_drafter", "load_drafter",
