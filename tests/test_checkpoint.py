@@ -1,0 +1,108 @@
+"""Checkpoints: a killed and resumed run gives bitwise the same losses; a missing,
+corrupted or half-written checkpoint gives a clear error and leaves the others intact."""
+
+from __future__ import annotations
+
+import shutil
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import train_fixtures as tf
+from tev_jax.checkpoint import CheckpointError, TrainCheckpointer, abstract_like
+from train.loop import read_log, train
+
+
+def _run(cfg, **kw):
+    target, drafter = tf.models()
+    return train(cfg, target=target, drafter=drafter, data=tf.progressions(), progress=False,
+                 save_final_drafter=False, **kw)
+
+
+def test_kill_and_resume_gives_bitwise_identical_losses(tmp_path):
+    straight = _run(tf.config(tmp_path / "straight"), until_update=6)
+    cfg = tf.config(tmp_path / "resumed")
+    first = _run(cfg, until_update=3)                  # "killed" after update 3
+    assert [h["update"] for h in first.history] == [1, 2, 3]
+    second = _run(cfg, until_update=6)
+    assert second.start_update == 3
+    keys = ("loss", "token_loss", "exit_loss", "tau", "grad_norm", "lr")
+    got = [[h[k] for k in keys] for h in first.history + second.history]
+    want = [[h[k] for k in keys] for h in straight.history]
+    assert got == want
+    jax.tree.map(np.testing.assert_array_equal, jax.device_get(second.state.params),
+                 jax.device_get(straight.state.params))
+    log = read_log(tmp_path / "resumed" / "train_log.jsonl")
+    assert [r["update"] for r in log] == [1, 2, 3, 4, 5, 6]
+
+    with pytest.raises(ValueError, match="config differs.*exit_lambda"):
+        _run(tf.config(tmp_path / "resumed", exit_lambda=0.25), until_update=7)
+
+
+def _state(x):
+    return {"w": jnp.full((4, 3), float(x)), "step": jnp.int32(x)}
+
+
+def _saved(tmp_path, steps=(1, 2, 3), keep=3):
+    ck = TrainCheckpointer(tmp_path / "ck", every=1, keep=keep)
+    for s in steps:
+        assert ck.save(s, _state(s), {"update": s})
+    ck.wait()
+    return ck
+
+
+def test_keeps_the_last_n_and_saves_on_the_interval(tmp_path):
+    ck = TrainCheckpointer(tmp_path / "ck", every=2, keep=2)
+    saved = [s for s in range(1, 8) if ck.save(s, _state(s), {"update": s})]
+    assert ck.save(7, _state(7), {"update": 7}, force=True)
+    assert saved == [2, 4, 6] and ck.all_steps() == [6, 7]
+    state, meta, step = ck.restore(abstract_like(_state(0)))
+    assert step == 7 and meta == {"update": 7} and int(state["step"]) == 7
+    ck.close()
+
+
+def test_missing_checkpoint_names_the_step_and_what_exists(tmp_path):
+    ck = _saved(tmp_path)
+    with pytest.raises(CheckpointError, match=r"no checkpoint for step 7 .*available steps: \[1, 2, 3\]"):
+        ck.restore(abstract_like(_state(0)), step=7)
+    empty = TrainCheckpointer(tmp_path / "empty")
+    with pytest.raises(CheckpointError, match="no checkpoint in"):
+        empty.restore(abstract_like(_state(0)))
+
+
+def test_corrupted_checkpoint_gives_a_clear_error_and_keeps_the_others(tmp_path):
+    ck = _saved(tmp_path)
+    state_dir = tmp_path / "ck" / "3" / "state"
+    for f in state_dir.rglob("*"):
+        if f.is_file():
+            f.write_bytes(b"garbage")
+    with pytest.raises(CheckpointError, match=r"step 3 at .*ck/3 cannot be restored"):
+        ck.restore(abstract_like(_state(0)), step=3)
+    shutil.rmtree(tmp_path / "ck" / "2" / "meta")
+    with pytest.raises(CheckpointError, match=r"step 2 .* incomplete: 'meta' is missing"):
+        ck.restore(abstract_like(_state(0)), step=2)
+    assert ck.all_steps() == [1, 2, 3]
+    state, meta, step = ck.restore(abstract_like(_state(0)), step=1)
+    np.testing.assert_array_equal(state["w"], _state(1)["w"])
+    with pytest.raises(CheckpointError, match="holds an array float32\\[4, 3\\] where the run "
+                                              "expects float32\\[5, 3\\]"):
+        ck.restore({"w": jax.ShapeDtypeStruct((5, 3), jnp.float32),
+                    "step": jax.ShapeDtypeStruct((), jnp.int32)}, step=1)
+    ck.close()
+
+
+def test_a_failed_save_never_replaces_the_last_good_checkpoint(tmp_path):
+    ck = _saved(tmp_path, steps=(1, 2), keep=2)
+    with pytest.raises(Exception):
+        ck.save(3, {"w": object()}, {"update": 3})   # not serialisable: fails mid-save
+    ck.wait()
+    # A leftover temporary folder of a killed save is not a checkpoint either.
+    (tmp_path / "ck" / "4.orbax-checkpoint-tmp-1234").mkdir()
+    reopened = TrainCheckpointer(tmp_path / "ck", every=1, keep=2)
+    assert reopened.all_steps() == [1, 2]
+    state, meta, step = reopened.restore(abstract_like(_state(0)))
+    assert step == 2 and meta == {"update": 2}
+    np.testing.assert_array_equal(state["w"], _state(2)["w"])
+    reopened.close()

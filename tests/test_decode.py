@@ -1,0 +1,170 @@
+"""The decode engine at T = 0: exact greedy output, stopping, errors (tev_jax.decode).
+
+Reference: a cache-free greedy loop over `tev_jax.models.score` (no KV cache, no tree,
+no engine). Every builder x verifier combination must reproduce it token for token,
+for prompts of different lengths over 200 tokens, with a random DFlash drafter (short
+accepted blocks) and with the oracle drafter (full blocks, so the KV compaction of
+`commit` moves entries on every round).
+
+Compilation dominates the run time on CPU, so the combinations run on the un-fused path
+(`profile_generate`, which compiles each stage once per setting of the fields it reads
+and shares the rest) and a few of them also on the fused `lax.while_loop` path, which
+composes the very same stage functions. One drafter covers both qualities: `MixDrafter`
+switches between the DFlash drafter and the oracle with a runtime flag.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from decode_fixtures import MixDrafter, greedy_reference, tiny_target
+from tev_jax import decode
+from tev_jax.decode_drafters import OracleDrafter
+from tev_jax.models.drafter_io import init_drafter
+from tev_jax.sampling import Sampling
+
+V = 64
+H = 4
+BUDGET = 8
+M = 200
+CACHE_LEN = 256  # fixed, so that chain and DDTree runs share compilations
+PROMPTS = [[5, 17, 3], [9, 1, 2, 33, 60, 7, 12, 40, 41, 8, 2], [30]]
+GREEDY = Sampling(temperature=0.0)
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_target(seed=8)  # a seed whose greedy continuations do not fall into short loops
+
+
+@pytest.fixture(scope="module")
+def reference(target):
+    return greedy_reference(target, PROMPTS, M)
+
+
+@pytest.fixture(scope="module")
+def drafter(target):
+    dflash = init_drafter(target, num_layers=1, block_size=H + 1, mask_token_id=V - 1, key=1)
+    # scale < 1 flattens the oracle's rows, so DDTree slots interleave depths and the
+    # accepted path runs through later slots (commit must move entries).
+    return MixDrafter(dflash, OracleDrafter(H + 1, scale=0.5))
+
+
+def _config(**kw):
+    return decode.DecodeConfig(**{"max_new_tokens": M, "budget": BUDGET, "sampling": GREEDY,
+                                  "max_cache_len": CACHE_LEN, **kw})
+
+
+def test_reference_is_not_degenerate(reference):
+    assert all(len(set(r)) > 20 for r in reference)
+
+
+def test_ar_fused_equals_reference(target, reference):
+    gen = decode.generate_ar(target, PROMPTS, _config())
+    assert gen.rows() == reference
+    np.testing.assert_array_equal(gen.lengths, M)
+    assert gen.stats.tau == 1.0
+
+
+@pytest.mark.parametrize("quality", ["random", "oracle"])
+def test_every_builder_and_verifier_is_greedy_exact(target, drafter, reference, quality):
+    drafter.use_oracle[...] = jnp.asarray(quality == "oracle")
+    for builder in ("chain", "ddtree"):
+        for verifier in decode.VERIFIERS:
+            gen = decode.profile_generate(target, drafter, PROMPTS,
+                                          _config(builder=builder, verifier=verifier), key=3)
+            assert gen.rows() == reference, (builder, verifier)
+            tau = gen.stats.tau
+            if quality == "oracle":
+                # Full blocks: every round moves H entries of the KV cache.
+                assert tau > 2, (builder, verifier, tau)
+                if builder == "chain":
+                    assert tau == H + 1, (verifier, tau)
+                else:
+                    assert gen.stats.kv_moves.min() > 0, verifier
+            else:
+                assert 1 <= tau < H + 1
+
+
+def test_fused_tree_decoding_is_greedy_exact(target, drafter, reference):
+    config = _config(builder="ddtree", verifier="tev", track_exit_law=True)
+    for quality in ("random", "oracle"):
+        drafter.use_oracle[...] = jnp.asarray(quality == "oracle")
+        gen = decode.generate(target, drafter, PROMPTS, config, key=5)
+        assert gen.rows() == reference, quality
+        s = gen.stats
+        assert s.block_lengths.shape == (s.rounds, len(PROMPTS))
+        assert (s.block_lengths.sum(0) >= M - 1).all()  # the last block may be cut at M
+        # At T = 0 the exit law is a point mass: 1 + coverage is the block length.
+        np.testing.assert_allclose(s.expected_lengths, s.block_lengths, atol=1e-5)
+        if quality == "oracle":
+            assert s.tau > 2
+
+
+def test_stop_tokens_end_rows_independently(target, drafter, reference):
+    drafter.use_oracle[...] = jnp.asarray(True)
+    # A stop token that row 0 emits early; the other rows must be unaffected up to theirs.
+    stop = reference[0][10]
+    gen = decode.profile_generate(target, drafter, PROMPTS,
+                                  _config(builder="ddtree", stop_token_ids=(stop,)))
+    for row, ref, n, toks in zip(gen.rows(), reference, gen.lengths, gen.tokens):
+        end = ref.index(stop) + 1 if stop in ref else M
+        assert row == ref[:end]
+        assert n == end
+        assert (toks[end:] == decode.PAD_TOKEN).all()
+    assert gen.lengths[0] <= 11
+
+
+def test_profile_reports_stage_times(target, drafter):
+    drafter.use_oracle[...] = jnp.asarray(True)
+    gen = decode.profile_generate(target, drafter, PROMPTS, _config(builder="chain"))
+    t = gen.stats.stage_seconds
+    assert set(t) == {"prefill", "draft", "build", "verify", "decide", "commit"}
+    assert all(v > 0 for v in t.values())
+
+
+# ------------------------------------------------------------------------------ errors
+
+
+def test_bad_inputs_raise(target, drafter):
+    config = _config(builder="chain")
+    with pytest.raises(ValueError, match="empty"):
+        decode.generate(target, drafter, [], config)
+    with pytest.raises(ValueError, match="prompt 1 is empty"):
+        decode.generate(target, drafter, [[1, 2], []], config)
+    with pytest.raises(ValueError, match=r"token id 64 is outside the vocabulary \[0, 64\)"):
+        decode.generate(target, drafter, [[1, 64]], config)
+    with pytest.raises(ValueError, match="token id -3"):
+        decode.generate(target, drafter, [[-3]], config)
+    with pytest.raises(ValueError, match="cache is too short"):
+        decode.generate(target, drafter, [[1] * 60], _config(builder="chain", max_cache_len=256))
+    with pytest.raises(ValueError, match="needs a drafter"):
+        decode.generate(target, None, [[1]], config)
+    with pytest.raises(ValueError, match="stop token id 99"):
+        decode.generate(target, drafter, [[1]], _config(stop_token_ids=(99,)))
+
+
+def test_bad_configs_raise():
+    with pytest.raises(ValueError, match="temperature 0"):
+        decode.DecodeConfig(verifier="greedy", sampling=Sampling(1.0))
+    with pytest.raises(ValueError, match="builder"):
+        decode.DecodeConfig(builder="beam")
+    with pytest.raises(ValueError, match="verifier"):
+        decode.DecodeConfig(verifier="eagle")
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        decode.DecodeConfig(max_new_tokens=0)
+    with pytest.raises(ValueError, match="budget"):
+        decode.DecodeConfig(budget=0)
+
+
+def test_non_finite_target_logits_raise():
+    target = tiny_target(vocab=16, hidden=16, layers=1)
+    target.lm_head[...] = target.lm_head[...].at[:, 3].set(jnp.nan)
+    config = decode.DecodeConfig(max_new_tokens=4, builder="none", sampling=GREEDY)
+    with pytest.raises(ValueError, match="non-finite"):
+        decode.generate_ar(target, [[1, 2]], config)
+    with pytest.raises(ValueError, match="non-finite"):
+        decode.profile_generate(target, None, [[1, 2]], config)

@@ -1,0 +1,139 @@
+"""Speculative decoding at T = 1 samples the target's own distribution (tev_jax.decode).
+
+A small-vocabulary target (V = 8) makes the autoregressive law of the first three
+generated tokens enumerable exactly: ``p(t0) p(t1 | t0) p(t2 | t0, t1)`` over V^3 = 512
+sequences, from cache-free target logits. For each verifier, 10^5 generations of one
+prompt (a batch of 2 x 50 000 copies, keys fixed by the seeds below) with DDTree trees
+from the oracle drafter (so draft tokens are accepted often and the verifier decides
+most of the output) are compared with that law by a chi-square test at significance
+``ALPHA`` = 1e-3 (cells with an expected count below 5 pooled). A negative control -
+TEV with the bonus drawn from the full distribution at the exit instead of the
+residual - must be rejected at the same level.
+
+The same runs check the exit law: over all (round, row) pairs the output-block length
+has conditional mean ``1 + coverage`` of that round's tree, so the standardised sum of
+``length - (1 + coverage)`` must be below 4 in absolute value (two-sided normal
+approximation, significance ~6e-5).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from scipy import stats
+
+from decode_fixtures import tiny_target
+from tev_jax import decode
+from tev_jax import verify as verify_lib
+from tev_jax.decode_drafters import OracleDrafter
+from tev_jax.models import score
+from tev_jax.sampling import Sampling, log_probs
+
+V = 8
+H = 3
+BUDGET = 6
+PROMPT = [1, 2, 3]
+CHUNK = 50_000
+SEEDS = (11, 12)  # one per chunk: 2 x CHUNK = 10^5 generations per verifier
+ALPHA = 1e-3
+SAMPLING = Sampling(temperature=1.0)
+
+
+def tev_full_bonus(key, tree, logits_NV, sampling, *, horizon):
+    """NEGATIVE CONTROL: TEV whose bonus ignores the exit's children (not exact)."""
+    k_tev, k_bonus = jax.random.split(key)
+    verdict = verify_lib.tev(k_tev, tree, logits_NV, sampling, horizon=horizon)
+    bonus = jax.random.categorical(k_bonus, log_probs(logits_NV[verdict.exit_node], sampling))
+    return verdict.replace(bonus=bonus.astype(jnp.int32))
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_target(vocab=V, hidden=16, layers=1, seed=4, head_scale=20.0)
+
+
+@pytest.fixture(scope="module")
+def ar_law(target):
+    """float64 [V, V, V]: the target's law of (t0, t1, t2) after PROMPT."""
+    p = len(PROMPT)
+    pairs = np.stack(np.meshgrid(np.arange(V), np.arange(V), indexing="ij"), -1).reshape(-1, 2)
+    seqs = np.concatenate([np.tile(PROMPT, (V * V, 1)), pairs], axis=1)
+    logits = score(target, jnp.asarray(seqs, jnp.int32))
+    lp = np.asarray(log_probs(logits, SAMPLING), np.float64).reshape(V, V, p + 2, V)
+    law = (lp[0, 0, p - 1][:, None, None] + lp[:, 0, p][:, :, None] + lp[:, :, p + 1])
+    law = np.exp(law)
+    return law / law.sum()
+
+
+def _generate(target, verifier, seed, fused=False):
+    config = decode.DecodeConfig(max_new_tokens=3, builder="ddtree", budget=BUDGET,
+                                 verifier=verifier, sampling=SAMPLING, max_cache_len=16,
+                                 track_exit_law=True)
+    run = decode.generate if fused else decode.profile_generate
+    return run(target, OracleDrafter(H + 1), [PROMPT] * CHUNK, config, key=seed)
+
+
+def _chi2_pvalue(counts, law):
+    expected = law.reshape(-1) * counts.sum()
+    observed = counts.reshape(-1).astype(np.float64)
+    small = expected < 5
+    exp_c = np.append(expected[~small], expected[small].sum())
+    obs_c = np.append(observed[~small], observed[small].sum())
+    if exp_c[-1] == 0:
+        exp_c, obs_c = exp_c[:-1], obs_c[:-1]
+    stat = ((obs_c - exp_c) ** 2 / exp_c).sum()
+    return stats.chi2.sf(stat, len(exp_c) - 1)
+
+
+@pytest.fixture(scope="module")
+def runs(target):
+    """verifier name -> (counts [V, V, V], standardised block-length deviation, τ)."""
+    out = {}
+    for name, verifier in [("tev", "tev"), ("predraw", "predraw"),
+                           ("sequential", "sequential"), ("control", tev_full_bonus)]:
+        counts = np.zeros(V ** 3, np.int64)
+        dev, var, blocks, rounds = 0.0, 0.0, 0, 0
+        for seed in SEEDS:
+            gen = _generate(target, verifier, seed)
+            assert (gen.lengths == 3).all()
+            t = gen.tokens
+            np.add.at(counts, t[:, 0] * V * V + t[:, 1] * V + t[:, 2], 1)
+            diff = gen.stats.block_lengths - gen.stats.expected_lengths
+            dev += diff.sum()
+            var += (diff ** 2).sum()
+            blocks += gen.stats.block_lengths.sum()
+            rounds += gen.stats.rounds_per_row.sum()
+        out[name] = (counts.reshape(V, V, V), dev / np.sqrt(var), blocks / rounds)
+    return out
+
+
+def test_law_is_not_trivial(ar_law):
+    top = np.sort(ar_law.reshape(-1))[::-1]
+    assert top[0] < 0.5 and (ar_law > 1e-3).sum() > 20
+
+
+@pytest.mark.parametrize("verifier", ["tev", "predraw", "sequential"])
+def test_first_three_tokens_follow_the_target(runs, ar_law, verifier):
+    counts, _, tau = runs[verifier]
+    assert tau > 1.3  # the trees matter: draft tokens were accepted
+    assert _chi2_pvalue(counts, ar_law) > ALPHA
+
+
+def test_negative_control_is_rejected(runs, ar_law):
+    counts, _, _ = runs["control"]
+    assert _chi2_pvalue(counts, ar_law) < ALPHA
+
+
+@pytest.mark.parametrize("verifier", ["tev", "predraw", "sequential"])
+def test_block_length_matches_exit_law(runs, verifier):
+    _, z, _ = runs[verifier]
+    assert abs(z) < 4
+
+
+def test_fused_path_equals_profiled_path(target):
+    a = _generate(target, "tev", SEEDS[0], fused=True)
+    b = _generate(target, "tev", SEEDS[0], fused=False)
+    np.testing.assert_array_equal(a.tokens, b.tokens)
+    np.testing.assert_array_equal(a.stats.block_lengths, b.stats.block_lengths)
