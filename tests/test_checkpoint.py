@@ -86,8 +86,7 @@ def test_corrupted_checkpoint_gives_a_clear_error_and_keeps_the_others(tmp_path)
     assert ck.all_steps() == [1, 2, 3]
     state, meta, step = ck.restore(abstract_like(_state(0)), step=1)
     np.testing.assert_array_equal(state["w"], _state(1)["w"])
-    with pytest.raises(CheckpointError, match="holds an array float32\\[4, 3\\] where the run "
-                                              "expects float32\\[5, 3\\]"):
+    with pytest.raises(CheckpointError, match=r"step 1 .* cannot be restored .*shape"):
         ck.restore({"w": jax.ShapeDtypeStruct((5, 3), jnp.float32),
                     "step": jax.ShapeDtypeStruct((), jnp.int32)}, step=1)
     ck.close()

@@ -46,8 +46,9 @@ class TrainCheckpointer:
         if keep is not None and keep < 1:
             raise ValueError(f"checkpoints to keep must be >= 1 or None, got {keep}")
         self.directory = Path(directory).absolute()
+        self.every = int(every)
         options = ocp.CheckpointManagerOptions(
-            max_to_keep=keep, save_interval_steps=every, create=True,
+            max_to_keep=keep, create=True,
             enable_async_checkpointing=async_save, cleanup_tmp_directories=True,
         )
         self._manager = ocp.CheckpointManager(self.directory, options=options)
@@ -64,13 +65,14 @@ class TrainCheckpointer:
         """Saves ``state`` (a pytree of arrays) and JSON ``meta`` at ``step``.
 
         Returns:
-          Whether a checkpoint was written (False between intervals unless ``force``).
+          Whether a checkpoint was written: at multiples of ``every``, or any step with
+          ``force`` (a step that already has a checkpoint is not written again).
         """
-        if force and step in self._manager.all_steps():
+        if (not force and step % self.every) or step in self._manager.all_steps():
             return False
         args = ocp.args.Composite(state=ocp.args.StandardSave(state),
                                   meta=ocp.args.JsonSave(dict(meta)))
-        return bool(self._manager.save(int(step), args=args, force=force))
+        return bool(self._manager.save(int(step), args=args, force=True))
 
     def wait(self) -> None:
         """Blocks until pending asynchronous saves have committed."""

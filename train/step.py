@@ -153,7 +153,7 @@ class OptimConfig:
       warmup_steps: linear warmup from 0 (0: start at ``lr``).
       end_lr_ratio: the cosine ends at ``lr * end_lr_ratio``.
       weight_decay: AdamW decay of matrices (vectors, i.e. norm scales, are not decayed).
-      b1, b2: Adam moments.
+      b1, b2, eps: Adam moments and denominator epsilon.
       grad_clip: global-norm clipping threshold.
       grad_accum: micro-batches per update (``optax.MultiSteps``).
     """
@@ -165,6 +165,7 @@ class OptimConfig:
     weight_decay: float = 0.0
     b1: float = 0.9
     b2: float = 0.95
+    eps: float = 1e-8
     grad_clip: float = 1.0
     grad_accum: int = 1
 
@@ -182,8 +183,8 @@ def make_optimizer(ocfg: OptimConfig):
         end_value=c.lr * c.end_lr_ratio)
     decay_mask = lambda params: jax.tree.map(lambda p: p.ndim > 1, params)
     tx = optax.chain(optax.clip_by_global_norm(c.grad_clip),
-                     optax.adamw(schedule, b1=c.b1, b2=c.b2, weight_decay=c.weight_decay,
-                                 mask=decay_mask))
+                     optax.adamw(schedule, b1=c.b1, b2=c.b2, eps=c.eps,
+                                 weight_decay=c.weight_decay, mask=decay_mask))
     if c.grad_accum > 1:
         tx = optax.MultiSteps(tx, every_k_schedule=c.grad_accum)
     return tx, schedule
