@@ -255,5 +255,10 @@ def test_load_onto_mesh(pair, tmp_path):
     up = loaded.layers[1].mlp.up_proj.kernel[...]   # [D, 48] = ('embed', 'mlp')
     assert up.sharding.spec == PartitionSpec("fsdp", "tensor")
     np.testing.assert_array_equal(np.asarray(fc), np.asarray(drafter.fc.kernel[...]))
+    cache = jax.device_put(dr.init_drafter_cache(drafter.config, 4, 16),
+                           dr.drafter_cache_shardings(drafter.config, 4, 16, mesh))
+    # batch over fsdp (data has size 1); 2 kv heads do not divide tensor=4: replicated
+    assert cache.k.sharding.spec == PartitionSpec(None, "fsdp")
+    assert cache.lengths.sharding.spec == PartitionSpec("fsdp")
     np.testing.assert_array_equal(np.asarray(up),
                                   np.asarray(drafter.layers[1].mlp.up_proj.kernel[...]))

@@ -243,6 +243,17 @@ def init_drafter_cache(config: DrafterConfig, batch: int, max_len: int,
                         lengths=jnp.zeros((batch,), jnp.int32))
 
 
+def drafter_cache_shardings(config: DrafterConfig, batch: int, max_len: int, mesh):
+    """NamedShardings (a `DrafterCache` of them) for a drafter cache on ``mesh``."""
+    from tev_jax.models.kv_cache import CACHE_AXES
+    from tev_jax.sharding import logical_sharding
+
+    m = config.model
+    shape = (m.num_layers, batch, max_len, m.num_kv_heads, m.head_dim)
+    kv = logical_sharding(CACHE_AXES, shape, mesh)
+    return DrafterCache(k=kv, v=kv, lengths=logical_sharding(("batch",), (batch,), mesh))
+
+
 def context_kv(drafter: Drafter, features_BTF: jax.Array, positions_BT: jax.Array
                ) -> tuple[jax.Array, jax.Array]:
     """Every layer's keys and values of context features.
@@ -404,5 +415,6 @@ def anchor_logits(drafter: Drafter, target, features_BLF: jax.Array, tokens_BL: 
 __all__ = [
     "Drafter", "DrafterCache", "DrafterConfig", "anchor_hidden", "anchor_logits",
     "append_context", "block_tokens", "context_kv", "default_target_layer_ids",
-    "draft_hidden", "draft_logits", "draft_step", "init_drafter_cache",
+    "draft_hidden", "draft_logits", "draft_step", "drafter_cache_shardings",
+    "init_drafter_cache",
 ]
