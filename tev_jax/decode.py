@@ -1,0 +1,797 @@
+"""The speculative decoding engine (DESIGN.md §7).
+
+One round for every row b of a batch, with static shapes::
+
+    draft   : drafter(new context, [root, MASK x H] at start..start+H) -> draft logits [B, H, V]
+    build   : ddtree / chain / root only                              -> DraftTree [B, N]
+    verify  : target.verify_tree at positions start + depth           -> logits [B, N, V], taps
+    decide  : verifier(key, tree, logits)                             -> path [B, H+1], length, bonus
+    commit  : KV slot start+j <- start+path[j]; output += path tokens after the root, then
+              the bonus; the path's taps become the drafter's next context;
+              start += length; root <- bonus
+
+Conventions. ``start[b]`` is the number of tokens the target has consumed (its committed
+KV length); ``root[b]`` is the pending token at position ``start[b]`` that the target has
+not consumed yet. The prefill consumes the whole prompt and samples the first output token
+t0 from its last logits (a plain autoregressive step, counted as output but not as a
+round); t0 is the first root. Every round emits ``length`` tokens (accepted draft tokens
+plus the bonus), so the mean of ``length`` over rounds is the acceptance length τ.
+
+The whole generation is one ``lax.while_loop`` inside one ``jax.jit`` (`generate`): B rows
+run in lock-step, each with its own start, tree and stop; a finished row stops changing
+(its updates are masked and its forward passes only write scratch slots past its
+committed length). With ``builder='none'`` the tree is the root alone and a round is one
+autoregressive step of the target: that is the AR baseline (`generate_ar`).
+
+`profile_generate` is a second, un-fused path: the same five stage functions, each jitted
+on its own and timed with ``block_until_ready`` from a Python loop over rounds. Its
+per-stage seconds are the only stage timings; end-to-end tokens/s should be measured on
+the fused path (`generate`, see `timed_generate`).
+
+Drafters plug in through the `Drafter` protocol. The engine splits the target and the
+drafter together (``nnx.split((target, drafter))``, so a drafter that shares the target's
+embedding or head is not copied) and merges them inside the jitted function.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx, struct
+
+from tev_jax import exit_law as exit_law_lib
+from tev_jax import verify as verify_lib
+from tev_jax.models import kv_cache as kvc
+from tev_jax.sampling import Sampling, log_probs
+from tev_jax.tree import DraftTree, ancestor_mask
+
+BUILDERS = ("ddtree", "chain", "none")
+VERIFIERS = ("tev", "predraw", "sequential", "greedy")
+PAD_TOKEN = -1
+_LEN_ALIGN = 8  # prompt and cache lengths are rounded up to this, to share compilations
+
+VerifierFn = Callable[..., verify_lib.Verdict]
+
+
+class Drafter(Protocol):
+    """What the engine needs from a drafter.
+
+    The drafter is an ``nnx.Module`` used inside jit (split together with the target,
+    which every method receives, so a drafter may borrow the target's embedding and
+    head without holding them). Its context is a pytree of static-shape buffers (e.g. a
+    KV cache over context positions) covering the committed positions ``< start`` of
+    every row. A DFlash `tev_jax.models.drafter.Drafter` is adapted by `as_drafter`.
+
+    Attributes:
+      block_size: H + 1, the block ``[root, MASK x H]``; the drafter proposes H rows.
+      target_layer_ids: target layers whose hidden states (concatenated, F features per
+        position) are the drafter's context features; ``()`` if it reads tokens only.
+    """
+
+    block_size: int
+    target_layer_ids: tuple[int, ...]
+
+    def init_context(self, target, batch: int, max_len: int) -> Any:
+        """An empty context for ``batch`` rows and ``max_len`` positions."""
+
+    def extend_context(self, target, ctx: Any, tokens_BP: jax.Array, feats_BPF: jax.Array,
+                       start_B: jax.Array, count_B: jax.Array) -> Any:
+        """Appends committed positions ``start .. start+count-1`` of every row.
+
+        Args:
+          target: the `Target`.
+          ctx: the context, covering positions ``< start``.
+          tokens_BP: int32 [B, P] committed tokens; entries ``>= count`` are padding.
+          feats_BPF: [B, P, F] the target's tapped hidden states at those tokens.
+          start_B: int32 [B] position of the first new entry.
+          count_B: int32 [B] number of real entries per row (0 leaves the row as is).
+        """
+
+    def draft(self, target, ctx: Any, root_B: jax.Array, start_B: jax.Array
+              ) -> tuple[jax.Array, Any]:
+        """Draft logits for the block ``[root, MASK x H]`` at positions ``start..start+H``.
+
+        Returns:
+          (float32 logits [B, H, V], row d-1 for the token at depth d; the context, which
+          may hold scratch past ``start`` but must still cover positions ``< start``).
+        """
+
+
+class DFlashDrafter(nnx.Module):
+    """The `Drafter` protocol over a DFlash `tev_jax.models.drafter.Drafter`."""
+
+    def __init__(self, drafter):
+        self.drafter = drafter
+        self.block_size = int(drafter.config.block_size)
+        self.target_layer_ids = tuple(int(i) for i in drafter.config.target_layer_ids)
+
+    def init_context(self, target, batch, max_len):
+        from tev_jax.models import drafter as dflash
+
+        return dflash.init_drafter_cache(self.drafter.config, batch, max_len, self.drafter.dtype)
+
+    def extend_context(self, target, ctx, tokens_BP, feats_BPF, start_B, count_B):
+        from tev_jax.models import drafter as dflash
+
+        # The DFlash cache tracks its own lengths, which equal ``start`` here.
+        return dflash.append_context(self.drafter, ctx, feats_BPF, count_B)
+
+    def draft(self, target, ctx, root_B, start_B):
+        from tev_jax.models import drafter as dflash
+
+        return dflash.draft_logits(self.drafter, target, ctx, root_B), ctx
+
+
+def as_drafter(drafter) -> Drafter | None:
+    """Wraps a DFlash drafter module in `DFlashDrafter`; returns protocol drafters as is."""
+    if drafter is None:
+        return None
+    from tev_jax.models import drafter as dflash
+
+    if isinstance(drafter, dflash.Drafter):
+        return DFlashDrafter(drafter)
+    missing = [m for m in ("block_size", "target_layer_ids", "init_context",
+                           "extend_context", "draft") if not hasattr(drafter, m)]
+    if missing:
+        raise ValueError(f"drafter {type(drafter).__name__} lacks {missing} of the Drafter "
+                         "protocol (tev_jax.decode.Drafter)")
+    return drafter
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeConfig:
+    """How to decode (static and hashable: it decides shapes).
+
+    Attributes:
+      max_new_tokens: M, output tokens per row (the first, from the prefill, included).
+      builder: 'ddtree' (best-first tree of ``budget`` nodes, N = budget + 1), 'chain'
+        (the drafter's argmax per row, N = H + 1) or 'none' (plain autoregressive
+        decoding from the target, N = 1; no drafter).
+      budget: DDTree node budget (non-root nodes); ignored by the other builders.
+      verifier: 'tev', 'predraw', 'sequential', 'greedy' (T = 0 only), or a callable
+        ``(key, tree, target_logits_NV, sampling, *, horizon) -> Verdict`` (for
+        experiments and tests). Ignored when ``builder='none'``.
+      sampling: the target's sampling transform.
+      stop_token_ids: a row ends after emitting any of these (the stop token is kept).
+      max_cache_len: L, target and drafter cache slots; None picks the smallest that fits
+        (longest prompt + M + N, rounded up to a multiple of 8).
+      track_exit_law: also record, every round, the exit law's expected block length
+        ``1 + coverage`` of the verified tree (costs one exit law per round).
+    """
+
+    max_new_tokens: int = 256
+    builder: str = "ddtree"
+    budget: int = 64
+    verifier: str | VerifierFn = "tev"
+    sampling: Sampling = Sampling(temperature=0.0)
+    stop_token_ids: tuple[int, ...] = ()
+    max_cache_len: int | None = None
+    track_exit_law: bool = False
+
+    def __post_init__(self):
+        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be a positive int, got {self.max_new_tokens!r}")
+        if self.builder not in BUILDERS:
+            raise ValueError(f"builder must be one of {BUILDERS}, got {self.builder!r}")
+        if self.builder == "ddtree" and (not isinstance(self.budget, int) or self.budget < 1):
+            raise ValueError(f"budget must be a positive int for builder='ddtree', got {self.budget!r}")
+        if isinstance(self.verifier, str):
+            if self.verifier not in VERIFIERS:
+                raise ValueError(f"verifier must be one of {VERIFIERS} or a callable, "
+                                 f"got {self.verifier!r}")
+        elif not callable(self.verifier):
+            raise ValueError(f"verifier must be a name or a callable, got {self.verifier!r}")
+        if not isinstance(self.sampling, Sampling):
+            raise ValueError(f"sampling must be a Sampling, got {type(self.sampling).__name__}")
+        if (self.verifier == "greedy" and self.builder != "none"
+                and not self.sampling.greedy):
+            raise ValueError("verifier='greedy' is exact only at temperature 0; got "
+                             f"temperature={self.sampling.temperature} (use 'tev', "
+                             "'predraw' or 'sequential')")
+        if not isinstance(self.stop_token_ids, tuple):
+            raise ValueError("stop_token_ids must be a tuple of ints")
+        if self.max_cache_len is not None and self.max_cache_len < 2:
+            raise ValueError(f"max_cache_len must be >= 2, got {self.max_cache_len}")
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeStats:
+    """Statistics of one generation (host numpy arrays).
+
+    Attributes:
+      rounds: loop iterations run (the longest row's rounds).
+      rounds_per_row: int [B] rounds in which the row was still active.
+      kv_moves: int [B] rounds in which the accepted path was not the first slots of the
+        tree, so that commit moved key/value entries (DDTree paths through later slots).
+      block_lengths: int [R, B] output-block length (accepted + bonus) per round and row
+        (before truncation at a stop token or at M); 0 where the row was finished.
+      expected_lengths: float [R, B] the exit law's ``1 + coverage`` of the same trees
+        (``track_exit_law``), else None.
+      stage_seconds: per-stage device seconds summed over rounds (`profile_generate`
+        only, keys 'prefill', 'draft', 'build', 'verify', 'decide', 'commit'), else None.
+      seconds: wall time of the timed call (`timed_generate`, `profile_generate`), else None.
+    """
+
+    rounds: int
+    rounds_per_row: np.ndarray
+    kv_moves: np.ndarray
+    block_lengths: np.ndarray
+    expected_lengths: np.ndarray | None = None
+    stage_seconds: dict[str, float] | None = None
+    seconds: float | None = None
+
+    @property
+    def tau(self) -> float:
+        """Mean output-block length per round (bonus included), over all rows."""
+        n = int(self.rounds_per_row.sum())
+        return float(self.block_lengths.sum()) / n if n else float("nan")
+
+
+@dataclasses.dataclass(frozen=True)
+class Generation:
+    """The output of `generate`.
+
+    Attributes:
+      tokens: int32 [B, M] generated tokens only; ``PAD_TOKEN`` (-1) after each row's end.
+      lengths: int32 [B] generated tokens per row (a final stop token included).
+      stats: `DecodeStats`.
+    """
+
+    tokens: np.ndarray
+    lengths: np.ndarray
+    stats: DecodeStats
+
+    def rows(self) -> list[list[int]]:
+        """The generated tokens of every row as Python lists (padding removed)."""
+        return [t[:n].tolist() for t, n in zip(self.tokens, self.lengths)]
+
+
+# ------------------------------------------------------------------------------ state
+
+
+@dataclasses.dataclass(frozen=True)
+class _Static:
+    """Everything that decides shapes or code paths (hashable)."""
+
+    config: DecodeConfig
+    horizon: int  # H
+    num_slots: int  # N
+    taps: tuple[int, ...]
+    max_len: int  # L
+    has_drafter: bool
+
+
+@struct.dataclass
+class DecodeState:
+    """The loop state: fixed buffers plus lengths and masks.
+
+    Attributes:
+      key: PRNG key for the next round.
+      round: int32 [] rounds run so far.
+      cache: the target's `KVCache` ([layers, B, L, ...]).
+      ctx: the drafter's context pytree (``()`` without a drafter).
+      start_B: int32 [B] committed length; the root sits at this position.
+      root_B: int32 [B] pending token.
+      new_tokens_BP, new_feats_BPF, new_count_B: the last committed path (P = H+1 root
+        first, its taps and length), not yet given to the drafter; its positions are
+        ``start - count ..``.
+      out_BM: int32 [B, M] output buffer; num_out_B: int32 [B] tokens in it.
+      done_B: bool [B] the row has finished.
+      rounds_B: int32 [B] rounds while active.
+      moved_B: int32 [B] rounds whose accepted path was not the slots 0..length-1, so
+        that commit moved key/value entries.
+      block_len_RB: int32 [M, B] block length per round (0 once finished).
+      expected_len_RB: float32 [M, B] exit-law expected length (zeros unless tracked).
+      bad_target: bool [] a target logit was NaN or +inf.
+      bad_draft: bool [] a draft logit was NaN or +inf.
+    """
+
+    key: jax.Array
+    round: jax.Array
+    cache: kvc.KVCache
+    ctx: Any
+    start_B: jax.Array
+    root_B: jax.Array
+    new_tokens_BP: jax.Array
+    new_feats_BPF: jax.Array
+    new_count_B: jax.Array
+    out_BM: jax.Array
+    num_out_B: jax.Array
+    done_B: jax.Array
+    rounds_B: jax.Array
+    moved_B: jax.Array
+    block_len_RB: jax.Array
+    expected_len_RB: jax.Array
+    bad_target: jax.Array
+    bad_draft: jax.Array
+
+
+def _not_finite(x: jax.Array) -> jax.Array:
+    return jnp.isnan(x) | (x == jnp.inf)
+
+
+def sample_token(key: jax.Array, logits_BV: jax.Array, sampling: Sampling) -> jax.Array:
+    """One token per row from ``softmax(transform(logits))``; int32 [B]. Argmax at T = 0."""
+    if sampling.greedy:
+        return jnp.argmax(logits_BV, axis=-1).astype(jnp.int32)
+    keys = jax.random.split(key, logits_BV.shape[0])
+    return jax.vmap(lambda k, l: jax.random.categorical(k, log_probs(l, sampling)))(
+        keys, logits_BV).astype(jnp.int32)
+
+
+def _stop_mask(tokens: jax.Array, stop_ids: tuple[int, ...]) -> jax.Array:
+    if not stop_ids:
+        return jnp.zeros(tokens.shape, bool)
+    return jnp.isin(tokens, jnp.asarray(stop_ids, jnp.int32))
+
+
+def _merge(graphdef, params):
+    models = nnx.merge(graphdef, params)
+    return models[0], (models[1] if len(models) > 1 else None)
+
+
+# ----------------------------------------------------------------------------- prefill
+
+
+def _prefill(graphdef, params, tokens_BT, lengths_B, key, *, static: _Static) -> DecodeState:
+    """Consumes the prompts, samples t0, gives the prompt's taps to the drafter."""
+    target, drafter = _merge(graphdef, params)
+    cfg = static.config
+    b, t = tokens_BT.shape
+    h, m = static.horizon, cfg.max_new_tokens
+    cache = target.init_cache(b, static.max_len)
+    logits_BV, feats_BTF, cache = target.prefill(cache, tokens_BT, lengths_B, taps=static.taps)
+    key, sub = jax.random.split(key)
+    t0_B = sample_token(sub, logits_BV, cfg.sampling)
+    if feats_BTF is None:
+        feats_BTF = jnp.zeros((b, t, 0), jnp.float32)
+    zeros_B = jnp.zeros((b,), jnp.int32)
+    ctx = ()
+    if drafter is not None:
+        ctx = drafter.init_context(target, b, static.max_len)
+        ctx = drafter.extend_context(target, ctx, tokens_BT, feats_BTF, zeros_B, lengths_B)
+    out_BM = jnp.full((b, m), PAD_TOKEN, jnp.int32).at[:, 0].set(t0_B)
+    return DecodeState(
+        key=key,
+        round=jnp.zeros((), jnp.int32),
+        cache=cache,
+        ctx=ctx,
+        start_B=lengths_B.astype(jnp.int32),
+        root_B=t0_B,
+        new_tokens_BP=jnp.zeros((b, h + 1), jnp.int32),
+        new_feats_BPF=jnp.zeros((b, h + 1, feats_BTF.shape[-1]), feats_BTF.dtype),
+        new_count_B=zeros_B,
+        out_BM=out_BM,
+        num_out_B=jnp.ones((b,), jnp.int32),
+        done_B=_stop_mask(t0_B, cfg.stop_token_ids) | (m <= 1),
+        rounds_B=zeros_B,
+        moved_B=zeros_B,
+        block_len_RB=jnp.zeros((m, b), jnp.int32),
+        expected_len_RB=jnp.zeros((m, b), jnp.float32),
+        bad_target=jnp.any(_not_finite(logits_BV)),
+        bad_draft=jnp.zeros((), bool),
+    )
+
+
+# ------------------------------------------------------------------------ the 5 stages
+
+
+def _stage_draft(graphdef, params, st: DecodeState, *, static: _Static):
+    """Drafter: consume the last committed path, then draft the block. -> (logits, ctx)."""
+    target, drafter = _merge(graphdef, params)
+    if drafter is None:
+        return None, st.ctx
+    ctx = drafter.extend_context(target, st.ctx, st.new_tokens_BP, st.new_feats_BPF,
+                                 st.start_B - st.new_count_B, st.new_count_B)
+    logits_BHV, ctx = drafter.draft(target, ctx, st.root_B, st.start_B)
+    return logits_BHV.astype(jnp.float32), ctx
+
+
+def _root_only(root_B: jax.Array) -> DraftTree:
+    b = root_B.shape[0]
+    return DraftTree(tokens=root_B[:, None].astype(jnp.int32),
+                     parents=jnp.full((b, 1), -1, jnp.int32),
+                     depths=jnp.zeros((b, 1), jnp.int32),
+                     valid=jnp.ones((b, 1), bool))
+
+
+def _stage_build(draft_logits_BHV, root_B, *, static: _Static) -> DraftTree:
+    """The draft tree of every row (root = the pending token)."""
+    builder = static.config.builder
+    if builder == "none":
+        return _root_only(root_B)
+    from tev_jax import ddtree
+
+    if builder == "chain":
+        fn = lambda l, r: _tree_of(ddtree.build_chain(l, r))
+    else:
+        budget = static.config.budget
+        fn = lambda l, r: _tree_of(ddtree.build_tree(l, r, budget))
+    return jax.vmap(fn)(draft_logits_BHV, root_B)
+
+
+def _tree_of(built) -> DraftTree:
+    return built[0]  # (tree, BuildInfo)
+
+
+def _stage_verify(graphdef, params, cache, tree: DraftTree, start_B, *, static: _Static):
+    """Target tree pass. -> (logits [B, N, V], taps [B, N, F] or None, cache)."""
+    target, _ = _merge(graphdef, params)
+    anc_BNN = jax.vmap(ancestor_mask)(tree)
+    return target.verify_tree(cache, tree.tokens, tree.depths, anc_BNN, start_B,
+                              taps=static.taps)
+
+
+def _stage_decide(key, tree: DraftTree, logits_BNV, *, static: _Static) -> verify_lib.Verdict:
+    """The verifier on every row, with one key per row."""
+    cfg = static.config
+    h = static.horizon
+    b = logits_BNV.shape[0]
+    if cfg.builder == "none":
+        bonus_B = sample_token(key, logits_BNV[:, 0], cfg.sampling)
+        zeros_B = jnp.zeros((b,), jnp.int32)
+        return verify_lib.Verdict(path=jnp.zeros((b, 1), jnp.int32), length=zeros_B + 1,
+                                  bonus=bonus_B, exit_node=zeros_B)
+    keys = jax.random.split(key, b)
+    v = cfg.verifier
+    if v == "greedy":
+        return jax.vmap(lambda t, l: verify_lib.greedy(t, l, horizon=h))(tree, logits_BNV)
+    fn = {"tev": verify_lib.tev, "predraw": verify_lib.predraw,
+          "sequential": verify_lib.sequential_residual}.get(v, v) if isinstance(v, str) else v
+    return jax.vmap(lambda k, t, l: fn(k, t, l, cfg.sampling, horizon=h))(keys, tree, logits_BNV)
+
+
+def _stage_commit(st: DecodeState, ctx, draft_logits_BHV, tree: DraftTree, logits_BNV,
+                  feats_BNF, cache, verdict: verify_lib.Verdict, key, *,
+                  static: _Static) -> DecodeState:
+    """Moves the accepted path's KV, emits the block, updates every active row."""
+    cfg = static.config
+    b = st.start_B.shape[0]
+    p = static.horizon + 1
+    m = cfg.max_new_tokens
+    active_B = ~st.done_B
+    length_B = jnp.where(active_B, verdict.length, 0)
+    cache = kvc.commit(cache, st.start_B, verdict.path, length_B)
+
+    path_BP = verdict.path
+    on_path_BP = path_BP >= 0
+    path_tok_BP = jnp.where(
+        on_path_BP, jnp.take_along_axis(tree.tokens, jnp.maximum(path_BP, 0), axis=1), 0)
+    j_P = jnp.arange(p, dtype=jnp.int32)
+    after_root_BP = jnp.concatenate([path_tok_BP[:, 1:], jnp.zeros((b, 1), jnp.int32)], axis=1)
+    block_BP = jnp.where(j_P[None] == verdict.length[:, None] - 1, verdict.bonus[:, None],
+                         after_root_BP)
+    in_block_BP = j_P[None] < length_B[:, None]
+    stop_BP = _stop_mask(block_BP, cfg.stop_token_ids) & in_block_BP
+    hit_stop_B = jnp.any(stop_BP, axis=1)
+    first_stop_B = jnp.where(hit_stop_B, jnp.argmax(stop_BP, axis=1), p)
+    emit_B = jnp.minimum(jnp.minimum(length_B, first_stop_B + 1), m - st.num_out_B)
+    emit_B = jnp.where(active_B, emit_B, 0)
+    rows_B1 = jnp.arange(b)[:, None]
+    dst_BP = jnp.where(j_P[None] < emit_B[:, None], st.num_out_B[:, None] + j_P[None], m)
+    out_BM = st.out_BM.at[rows_B1, dst_BP].set(block_BP, mode="drop")
+    num_out_B = st.num_out_B + emit_B
+    done_B = st.done_B | (active_B & (hit_stop_B | (num_out_B >= m)))
+
+    if feats_BNF is None:
+        new_feats_BPF = st.new_feats_BPF
+    else:
+        new_feats_BPF = jnp.take_along_axis(
+            feats_BNF, jnp.maximum(path_BP, 0)[:, :, None], axis=1).astype(st.new_feats_BPF.dtype)
+
+    expected_RB = st.expected_len_RB
+    if cfg.track_exit_law:
+        law = jax.vmap(lambda t, l: exit_law_lib.exit_law(t, l, cfg.sampling))(tree, logits_BNV)
+        expected_RB = expected_RB.at[st.round].set(
+            jnp.where(active_B, law.expected_length, 0.0), mode="drop")
+
+    valid_BN = tree.valid & active_B[:, None]
+    bad_target = st.bad_target | jnp.any(_not_finite(logits_BNV) & valid_BN[:, :, None])
+    bad_draft = st.bad_draft
+    if draft_logits_BHV is not None:
+        undefined_BH = (jnp.any(_not_finite(draft_logits_BHV), axis=-1)
+                        | jnp.all(draft_logits_BHV == -jnp.inf, axis=-1))
+        bad_draft = bad_draft | jnp.any(undefined_BH & active_B[:, None])
+
+    return DecodeState(
+        key=key,
+        round=st.round + 1,
+        cache=cache,
+        ctx=ctx,
+        start_B=st.start_B + length_B,
+        root_B=jnp.where(active_B, verdict.bonus, st.root_B),
+        new_tokens_BP=path_tok_BP,
+        new_feats_BPF=new_feats_BPF,
+        new_count_B=length_B,
+        out_BM=out_BM,
+        num_out_B=num_out_B,
+        done_B=done_B,
+        rounds_B=st.rounds_B + active_B.astype(jnp.int32),
+        moved_B=st.moved_B + jnp.any(in_block_BP & (path_BP != j_P[None]), axis=1).astype(jnp.int32),
+        block_len_RB=st.block_len_RB.at[st.round].set(length_B, mode="drop"),
+        expected_len_RB=expected_RB,
+        bad_target=bad_target,
+        bad_draft=bad_draft,
+    )
+
+
+def _round(graphdef, params, st: DecodeState, *, static: _Static) -> DecodeState:
+    """One fused round: draft, build, verify, decide, commit."""
+    draft_logits, ctx = _stage_draft(graphdef, params, st, static=static)
+    tree = _stage_build(draft_logits, st.root_B, static=static)
+    logits, feats, cache = _stage_verify(graphdef, params, st.cache, tree, st.start_B,
+                                         static=static)
+    key, sub = jax.random.split(st.key)
+    verdict = _stage_decide(sub, tree, logits, static=static)
+    return _stage_commit(st, ctx, draft_logits, tree, logits, feats, cache, verdict, key,
+                         static=static)
+
+
+def _running(st: DecodeState, m: int) -> jax.Array:
+    return jnp.any(~st.done_B) & (st.round < m)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "static"))
+def _generate_jit(graphdef, params, tokens_BT, lengths_B, key, *, static: _Static):
+    st = _prefill(graphdef, params, tokens_BT, lengths_B, key, static=static)
+    st = jax.lax.while_loop(
+        lambda s: _running(s, static.config.max_new_tokens),
+        lambda s: _round(graphdef, params, s, static=static),
+        st,
+    )
+    return st
+
+
+# ------------------------------------------------------------------------ host side
+
+
+def _prepare(target, drafter, prompt_ids, config: DecodeConfig):
+    """Validates inputs on the host; -> (graphdef, params, tokens_BT, lengths_B, static)."""
+    if not isinstance(config, DecodeConfig):
+        raise ValueError(f"config must be a DecodeConfig, got {type(config).__name__}")
+    vocab = target.config.vocab_size
+    if isinstance(prompt_ids, (str, bytes)) or not isinstance(prompt_ids, Sequence):
+        raise ValueError("prompt_ids must be a list of token-id lists")
+    if len(prompt_ids) == 0:
+        raise ValueError("prompt_ids is empty: give at least one prompt")
+    prompts = []
+    for i, p in enumerate(prompt_ids):
+        arr = np.asarray(p)
+        if arr.ndim != 1:
+            raise ValueError(f"prompt {i} must be a flat list of token ids, got shape {arr.shape}")
+        if arr.size == 0:
+            raise ValueError(f"prompt {i} is empty; every prompt needs at least one token")
+        if not np.issubdtype(arr.dtype, np.integer):
+            raise ValueError(f"prompt {i} must hold integer token ids, got dtype {arr.dtype}")
+        bad = (arr < 0) | (arr >= vocab)
+        if bad.any():
+            k = int(np.argmax(bad))
+            raise ValueError(f"prompt {i}, position {k}: token id {int(arr[k])} is outside "
+                             f"the vocabulary [0, {vocab})")
+        prompts.append(arr.astype(np.int32))
+    for s in config.stop_token_ids:
+        if not isinstance(s, (int, np.integer)) or not 0 <= s < vocab:
+            raise ValueError(f"stop token id {s!r} is outside the vocabulary [0, {vocab})")
+
+    if config.builder == "none":
+        horizon, num_slots, taps = 0, 1, ()
+        drafter = None
+    else:
+        drafter = as_drafter(drafter)
+        if drafter is None:
+            raise ValueError(f"builder={config.builder!r} needs a drafter (or use builder='none')")
+        horizon = int(drafter.block_size) - 1
+        if horizon < 1:
+            raise ValueError(f"drafter block_size must be >= 2, got {drafter.block_size}")
+        taps = tuple(int(t) for t in drafter.target_layer_ids)
+        for t in taps:
+            if not 0 <= t < target.config.num_layers:
+                raise ValueError(f"drafter taps target layer {t}, but the target has "
+                                 f"{target.config.num_layers} layers")
+        num_slots = config.budget + 1 if config.builder == "ddtree" else horizon + 1
+
+    longest = max(len(p) for p in prompts)
+    need = longest + config.max_new_tokens + num_slots
+    if config.max_cache_len is None:
+        max_len = -(-need // _LEN_ALIGN) * _LEN_ALIGN
+    else:
+        max_len = config.max_cache_len
+        if max_len < need:
+            raise ValueError(
+                f"the cache is too short: the longest prompt ({longest} tokens) + "
+                f"max_new_tokens ({config.max_new_tokens}) + tree slots ({num_slots}) = "
+                f"{need} > max_cache_len ({max_len})")
+    t_pad = min(-(-longest // _LEN_ALIGN) * _LEN_ALIGN, max_len)
+    tokens_BT = np.zeros((len(prompts), t_pad), np.int32)
+    for i, p in enumerate(prompts):
+        tokens_BT[i, : len(p)] = p
+    lengths_B = np.asarray([len(p) for p in prompts], np.int32)
+    models = (target,) if drafter is None else (target, drafter)
+    graphdef, params = nnx.split(models)
+    static = _Static(config=config, horizon=horizon, num_slots=num_slots, taps=taps,
+                     max_len=max_len, has_drafter=drafter is not None)
+    return graphdef, params, jnp.asarray(tokens_BT), jnp.asarray(lengths_B), static
+
+
+def _finish(st: DecodeState, config: DecodeConfig, *, stage_seconds=None,
+            seconds=None) -> Generation:
+    """Host checks and conversion of the final state."""
+    if bool(st.bad_target):
+        raise ValueError("the target produced non-finite logits (NaN or +inf) during "
+                         "generation; the output would be garbage")
+    if bool(st.bad_draft):
+        raise ValueError("the drafter produced non-finite logits (NaN or +inf) during "
+                         "generation; its trees would be garbage")
+    rounds = int(st.round)
+    return Generation(
+        tokens=np.asarray(st.out_BM),
+        lengths=np.asarray(st.num_out_B),
+        stats=DecodeStats(
+            rounds=rounds,
+            rounds_per_row=np.asarray(st.rounds_B),
+            kv_moves=np.asarray(st.moved_B),
+            block_lengths=np.asarray(st.block_len_RB)[:rounds],
+            expected_lengths=(np.asarray(st.expected_len_RB)[:rounds]
+                              if config.track_exit_law else None),
+            stage_seconds=stage_seconds,
+            seconds=seconds,
+        ),
+    )
+
+
+def generate(target, drafter: Drafter | None, prompt_ids: Sequence[Sequence[int]],
+             config: DecodeConfig, key: jax.Array | int = 0) -> Generation:
+    """Generates up to ``config.max_new_tokens`` tokens per prompt (the fused path).
+
+    Args:
+      target: a `tev_jax.models.Target`.
+      drafter: a DFlash drafter or any `Drafter`; None with ``builder='none'``.
+      prompt_ids: B prompts, each a non-empty list of token ids (lengths may differ).
+      config: a `DecodeConfig`.
+      key: PRNG key or int seed.
+
+    Returns:
+      A `Generation`: tokens [B, M] (generated only, -1 padded), lengths [B], stats.
+
+    Raises:
+      ValueError: an empty prompt list or prompt, a token id outside the vocabulary, a
+        cache too short for prompt + M + N, a missing drafter, or non-finite logits seen
+        during generation.
+    """
+    graphdef, params, tokens_BT, lengths_B, static = _prepare(target, drafter, prompt_ids, config)
+    if isinstance(key, int):
+        key = jax.random.key(key)
+    st = _generate_jit(graphdef, params, tokens_BT, lengths_B, key, static=static)
+    return _finish(st, config)
+
+
+def generate_ar(target, prompt_ids: Sequence[Sequence[int]], config: DecodeConfig,
+                key: jax.Array | int = 0) -> Generation:
+    """Plain autoregressive decoding from the target (the baseline and the reference).
+
+    Same cache, prefill and stopping as `generate`; one target token per round.
+    """
+    return generate(target, None, prompt_ids, dataclasses.replace(config, builder="none"), key)
+
+
+def timed_generate(target, drafter, prompt_ids, config: DecodeConfig, key=0, *,
+                   repeats: int = 3) -> Generation:
+    """`generate` after a warm-up (compile) call; ``stats.seconds`` = median wall time.
+
+    Timing covers the fused jitted call up to ``block_until_ready`` (host checks excluded).
+    """
+    graphdef, params, tokens_BT, lengths_B, static = _prepare(target, drafter, prompt_ids, config)
+    if isinstance(key, int):
+        key = jax.random.key(key)
+    run = lambda: jax.block_until_ready(
+        _generate_jit(graphdef, params, tokens_BT, lengths_B, key, static=static))
+    st = run()
+    times = []
+    for _ in range(max(repeats, 1)):
+        t0 = time.perf_counter()
+        st = run()
+        times.append(time.perf_counter() - t0)
+    return _finish(st, config, seconds=float(np.median(times)))
+
+
+# ---------------------------------------------------------------------- profiling path
+
+
+# The config fields each stage reads; the others are reset to their defaults so that
+# configurations differing only elsewhere share that stage's compilation.
+_STAGE_FIELDS = {
+    "prefill": ("max_new_tokens", "sampling", "stop_token_ids"),
+    "draft": (),
+    "build": ("builder", "budget"),
+    "verify": (),
+    "decide": ("builder", "verifier", "sampling"),
+    "commit": ("max_new_tokens", "stop_token_ids", "track_exit_law", "sampling"),
+}
+
+
+def _reduced(static: _Static, stage: str) -> _Static:
+    keep = {f: getattr(static.config, f) for f in _STAGE_FIELDS[stage]}
+    if stage == "decide" and keep["builder"] != "none":
+        keep["builder"] = "chain"  # decide only asks whether there is a tree
+    if "verifier" not in keep and "sampling" in keep:
+        keep["verifier"] = "tev"  # any verifier is valid with any sampling
+    return dataclasses.replace(static, config=dataclasses.replace(_CANONICAL, **keep),
+                               num_slots=0)
+
+
+_CANONICAL = DecodeConfig(verifier="tev")
+_STAGES = {"prefill": _prefill, "draft": _stage_draft, "build": _stage_build,
+           "verify": _stage_verify, "decide": _stage_decide, "commit": _stage_commit}
+_GRAPH_STAGES = ("prefill", "draft", "verify")
+
+
+@functools.lru_cache(maxsize=None)
+def _stage_fn(stage: str, static: _Static):
+    fn = functools.partial(_STAGES[stage], static=static)
+    return jax.jit(fn, static_argnames=("graphdef",) if stage in _GRAPH_STAGES else ())
+
+
+def _stage_fns(static: _Static) -> dict[str, Callable]:
+    fns = {stage: _stage_fn(stage, _reduced(static, stage)) for stage in _STAGES}
+    fns["split"] = _split
+    return fns
+
+
+_split = jax.jit(jax.random.split)
+
+
+def profile_generate(target, drafter, prompt_ids, config: DecodeConfig, key=0) -> Generation:
+    """The un-fused path: every stage jitted separately and timed per round.
+
+    Runs the same stage functions as the fused loop of `generate`, so it produces the
+    same tokens for the same key. A stage is compiled once per setting of the config
+    fields it reads (e.g. changing the verifier recompiles only the decide stage). ``stats.stage_seconds``
+    holds each stage's wall time up to ``block_until_ready``, summed over rounds; a
+    warm-up pass over the first round compiles every stage first. Dispatch overhead
+    is included in each stage's time, so the sum exceeds the fused loop's time.
+    """
+    graphdef, params, tokens_BT, lengths_B, static = _prepare(target, drafter, prompt_ids, config)
+    if isinstance(key, int):
+        key = jax.random.key(key)
+    fns = _stage_fns(static)
+    m = config.max_new_tokens
+    times = dict.fromkeys(("prefill", "draft", "build", "verify", "decide", "commit"), 0.0)
+
+    def one_round(st, record: bool):
+        def timed(name, fn, *args, **kw):
+            t0 = time.perf_counter()
+            out = jax.block_until_ready(fn(*args, **kw))
+            if record:
+                times[name] += time.perf_counter() - t0
+            return out
+
+        draft_logits, ctx = timed("draft", fns["draft"], graphdef=graphdef, params=params, st=st)
+        tree = timed("build", fns["build"], draft_logits, st.root_B)
+        logits, feats, cache = timed("verify", fns["verify"], graphdef=graphdef,
+                                     params=params, cache=st.cache, tree=tree,
+                                     start_B=st.start_B)
+        key, sub = fns["split"](st.key)
+        verdict = timed("decide", fns["decide"], sub, tree, logits)
+        return timed("commit", fns["commit"], st, ctx, draft_logits, tree, logits, feats,
+                     cache, verdict, key)
+
+    prefill = lambda: jax.block_until_ready(fns["prefill"](
+        graphdef=graphdef, params=params, tokens_BT=tokens_BT, lengths_B=lengths_B, key=key))
+    st = prefill()  # compile
+    t0 = time.perf_counter()
+    st = prefill()
+    times["prefill"] = time.perf_counter() - t0
+    if bool(np.any(~np.asarray(st.done_B))):
+        one_round(st, record=False)  # compile every stage
+    start = time.perf_counter()
+    while int(st.round) < m and bool(np.any(~np.asarray(st.done_B))):
+        st = one_round(st, record=True)
+    seconds = time.perf_counter() - start + times["prefill"]
+    return _finish(st, config, stage_seconds=times, seconds=seconds)
