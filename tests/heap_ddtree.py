@@ -1,9 +1,10 @@
 """Reference DDTree builder: the plain best-first heap over per-row top-K arrays.
 
 Pop the best candidate, give it the next slot, push its next sibling and its first
-child. Candidates are keyed ``(-score, depth, parent slot, token rank)``, the total
-order documented in ``tev_jax.ddtree``, so the pop order is the jitted builder's slot
-order. Scores are float32 sums from the root down, as in the jitted builder.
+child. Candidates are keyed ``(-score, depth, i + r, i)`` (``i``: the parent's position
+among the nodes of its depth, ``r``: the token's rank), the total order documented in
+``tev_jax.ddtree``, so the pop order is the jitted builder's slot order. Scores are
+float32 sums from the root down, as in the jitted builder.
 """
 
 from __future__ import annotations
@@ -31,21 +32,26 @@ def heap_build(tokens_HK, logq_HK, root_token: int, budget: int) -> dict[str, np
     horizon = len(logq)
     k = len(logq[0]) if horizon else 0
     nodes = [(root_token, -1, 0, 0.0, 0.0)]  # (token, parent, depth, logq, score)
-    heap: list[tuple[float, int, int, int]] = []
+    position = [0]  # of each slot among the nodes of its depth
+    per_depth = [1] + [0] * horizon
+    heap: list[tuple[float, int, int, int, int, int]] = []
 
     def push(parent: int, depth: int, rank: int) -> None:
         # float32 sum: the float64 sum of two float32 values rounds to float32 exactly
         # as a float32 addition would (53 >= 2 * 24 + 2).
         score = float(np.float32(nodes[parent][4] + logq[depth - 1][rank]))
-        heapq.heappush(heap, (-score, depth, parent, rank))
+        i = position[parent]
+        heapq.heappush(heap, (-score, depth, i + rank, i, parent, rank))
 
     if budget > 0 and horizon > 0:
         push(0, 1, 0)
     while heap and len(nodes) <= budget:
-        neg_score, depth, parent, rank = heapq.heappop(heap)
+        neg_score, depth, _, _, parent, rank = heapq.heappop(heap)
         if neg_score == float("inf"):
             break
         nodes.append((tokens[depth - 1][rank], parent, depth, logq[depth - 1][rank], -neg_score))
+        position.append(per_depth[depth])
+        per_depth[depth] += 1
         if rank + 1 < k:
             push(parent, depth, rank + 1)
         if depth < horizon:

@@ -14,14 +14,16 @@ Order and ties. Candidates are ranked by the total order
     1. higher score first;
     2. then smaller depth (a parent always precedes its children, even when the child's
        draft log-probability is exactly 0);
-    3. then, at equal depth, the child of the parent that was placed first (smaller
-       parent slot);
-    4. then, among siblings, the higher-ranked token of the row's top-K (larger draft
-       logit; equal logits: smaller token id).
+    3. then, at equal depth, smaller ``i + r``, then smaller ``i``, where ``i`` is the
+       parent's position among the nodes of its own depth (in this same order; the root
+       is position 0 of depth 0) and ``r`` is the token's rank in its row's top-K (rows
+       are ranked by logit, equal logits by smaller token id).
 
 The tree holds the first ``budget`` candidates of this order, in this order, in slots
-1..budget. A heap keyed on ``(-score, depth, parent slot, token rank)`` pops them in
-exactly this order, which is what ``tests/heap_ddtree.py`` does.
+1..budget. A heap keyed on ``(-score, depth, i + r, i)`` pops them in exactly this
+order, which is what ``tests/heap_ddtree.py`` does. (Rule 3 is a tie-break only; it
+is the anti-diagonal order in which the jitted builder lists its candidate pairs, the
+order that makes XLA:CPU's top_k about three times faster than a row-major one.)
 
 Masked tokens. ``-inf`` logits are legitimate (masked vocabulary entries). A candidate
 whose score is ``-inf`` is never selected: when fewer than ``budget`` candidates have a
@@ -140,12 +142,13 @@ def _canonical(draft_logits_HV: jax.Array) -> jax.Array:
 
 @functools.lru_cache(maxsize=None)
 def _pairs(budget: int, parents: int, k: int) -> tuple[np.ndarray, np.ndarray]:
-    """(parent position i, token rank r) with (i+1)(r+1) <= budget, lexicographic."""
+    """(parent position i, token rank r) with (i+1)(r+1) <= budget, ordered by (i+r, i)."""
     i = np.arange(min(parents, budget))
     counts = np.minimum(budget // (i + 1), k)
     pi = np.repeat(i, counts)
     pr = np.arange(pi.size) - np.repeat(np.cumsum(counts) - counts, counts)
-    return pi.astype(np.int32), pr.astype(np.int32)
+    order = np.lexsort((pi, pi + pr))
+    return pi[order].astype(np.int32), pr[order].astype(np.int32)
 
 
 def build_tree_from_topk(

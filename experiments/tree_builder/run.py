@@ -63,6 +63,13 @@ def timed(fn):
     return time.perf_counter() - t0, out
 
 
+def timed_both(fn):
+    """(wall seconds, process CPU seconds): CPU time is steadier on a shared machine."""
+    w0, c0 = time.perf_counter(), time.process_time()
+    fn()
+    return time.perf_counter() - w0, time.process_time() - c0
+
+
 def ready(x):
     return jax.block_until_ready(x)
 
@@ -114,19 +121,27 @@ def measure(cfg: Config, budget: int, batch: int, logits_BHV, roots_B) -> dict:
     same = {"a": same_trees(as_numpy(run_post()), run_heap()),
             "b": same_trees(as_numpy(run_whole()), run_reference())}
     times = {name: [] for name in ("post", "heap", "whole", "reference")}
+    cpu = {name: [] for name in times}
     for _ in range(cfg.repeats):
         for name, fn in (("post", run_post), ("heap", run_heap),
                          ("whole", run_whole), ("reference", run_reference)):
-            times[name].append(timed(fn)[0])
+            wall, proc = timed_both(fn)
+            times[name].append(wall)
+            cpu[name].append(proc)
     med = {name: statistics.median(ts) for name, ts in times.items()}
+    med_cpu = {name: statistics.median(ts) for name, ts in cpu.items()}
     return {
         "budget": budget, "batch": batch, "same_trees": same,
         "compile_s": compile_s,
         "median_s": med,
         "min_s": {name: min(ts) for name, ts in times.items()},
+        "median_cpu_s": med_cpu,
         "per_tree_us": {name: 1e6 * t / batch for name, t in med.items()},
         "ratio_a": med["heap"] / med["post"],
         "ratio_b": med["reference"] / med["whole"],
+        "ratio_a_cpu": med_cpu["heap"] / med_cpu["post"],
+        "ratio_b_cpu": med_cpu["reference"] / med_cpu["whole"],
+        "loadavg": os.getloadavg()[0],
     }
 
 
@@ -155,9 +170,10 @@ def main(argv=None) -> None:
     ddtree.check_draft_logits(logits, max(cfg.budgets))
     roots = rng.integers(cfg.vocab, size=max(cfg.batches)).astype(np.int32)
     rows = []
-    header = (f"{'budget':>6} {'batch':>5} | {'(a) jit':>9} {'heap':>9} {'ratio':>6} | "
-              f"{'(b) jit':>9} {'ref':>9} {'ratio':>6} | compile a/b (s) | same")
-    print(f"H={cfg.horizon} V={cfg.vocab}; per-tree microseconds (median of {cfg.repeats})")
+    header = (f"{'budget':>6} {'batch':>5} | {'(a) jit':>9} {'heap':>9} {'ratio':>6} {'cpu':>6} | "
+              f"{'(b) jit':>9} {'ref':>9} {'ratio':>6} {'cpu':>6} | compile a/b (s) | load | same")
+    print(f"H={cfg.horizon} V={cfg.vocab}; per-tree wall microseconds (median of "
+          f"{cfg.repeats}); ratios = reference / jitted, by wall time and by process CPU time")
     print(header)
     for budget in cfg.budgets:
         for batch in cfg.batches:
@@ -168,9 +184,10 @@ def main(argv=None) -> None:
             pt = row["per_tree_us"]
             same = "yes" if all(row["same_trees"].values()) else f"NO {row['same_trees']}"
             print(f"{budget:>6} {batch:>5} | {pt['post']:>9.0f} {pt['heap']:>9.0f} "
-                  f"{row['ratio_a']:>5.1f}x | {pt['whole']:>9.0f} {pt['reference']:>9.0f} "
-                  f"{row['ratio_b']:>5.2f}x | {row['compile_s']['post_topk']:>6.2f} "
-                  f"{row['compile_s']['whole']:>6.2f} | {same}", flush=True)
+                  f"{row['ratio_a']:>5.2f}x {row['ratio_a_cpu']:>5.2f}x | {pt['whole']:>9.0f} "
+                  f"{pt['reference']:>9.0f} {row['ratio_b']:>5.2f}x {row['ratio_b_cpu']:>5.2f}x | "
+                  f"{row['compile_s']['post_topk']:>6.2f} {row['compile_s']['whole']:>6.2f} | "
+                  f"{row['loadavg']:>4.1f} | {same}", flush=True)
     result = {
         "config": dataclasses.asdict(cfg),
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count(),
