@@ -9,6 +9,7 @@ float32 sums from the root down, as in the jitted builder.
 
 from __future__ import annotations
 
+import array
 import heapq
 
 import numpy as np
@@ -34,28 +35,29 @@ def heap_build(tokens_HK, logq_HK, root_token: int, budget: int) -> dict[str, np
     nodes = [(root_token, -1, 0, 0.0, 0.0)]  # (token, parent, depth, logq, score)
     position = [0]  # of each slot among the nodes of its depth
     per_depth = [1] + [0] * horizon
+    # float32 sums: the float64 sum of two float32 values, rounded to float32, equals the
+    # float32 addition (53 >= 2 * 24 + 2); storing into an 'f' array does the rounding.
+    f32 = array.array("f", [0.0])
     heap: list[tuple[float, int, int, int, int, int]] = []
-
-    def push(parent: int, depth: int, rank: int) -> None:
-        # float32 sum: the float64 sum of two float32 values rounds to float32 exactly
-        # as a float32 addition would (53 >= 2 * 24 + 2).
-        score = float(np.float32(nodes[parent][4] + logq[depth - 1][rank]))
-        i = position[parent]
-        heapq.heappush(heap, (-score, depth, i + rank, i, parent, rank))
-
     if budget > 0 and horizon > 0:
-        push(0, 1, 0)
+        heap.append((-logq[0][0], 1, 0, 0, 0, 0))
     while heap and len(nodes) <= budget:
         neg_score, depth, _, _, parent, rank = heapq.heappop(heap)
         if neg_score == float("inf"):
             break
-        nodes.append((tokens[depth - 1][rank], parent, depth, logq[depth - 1][rank], -neg_score))
+        score = -neg_score
+        slot = len(nodes)
+        nodes.append((tokens[depth - 1][rank], parent, depth, logq[depth - 1][rank], score))
         position.append(per_depth[depth])
         per_depth[depth] += 1
-        if rank + 1 < k:
-            push(parent, depth, rank + 1)
-        if depth < horizon:
-            push(len(nodes) - 1, depth + 1, 0)
+        if rank + 1 < k:  # next sibling
+            f32[0] = nodes[parent][4] + logq[depth - 1][rank + 1]
+            i = position[parent]
+            heapq.heappush(heap, (-f32[0], depth, i + rank + 1, i, parent, rank + 1))
+        if depth < horizon:  # first child
+            f32[0] = score + logq[depth][0]
+            i = position[slot]
+            heapq.heappush(heap, (-f32[0], depth + 1, i, i, slot, 0))
     n_slots, n = budget + 1, len(nodes)
     columns = list(zip(*nodes))
     out = {}
