@@ -321,10 +321,16 @@ def test_failed_save_leaves_nothing(tmp_path, monkeypatch):
     load_target(tmp_path / "keep")
 
 
-def test_bfloat16_smoke(hf_ckpt, tmp_path):
-    hf, path, model32 = hf_ckpt
-    if hf.config.model_type != "qwen3":
-        pytest.skip("bf16 smoke runs on one family (compile time)")
+@pytest.fixture(scope="module")
+def qwen3_ckpt(tmp_path_factory):
+    path = tmp_path_factory.mktemp("qwen3_bf16")
+    _hf_model("qwen3").save_pretrained(path)
+    return path
+
+
+def test_bfloat16_smoke(qwen3_ckpt, tmp_path):
+    path = qwen3_ckpt
+    model32 = load_target(path)
     model = load_target(path, dtype=jnp.bfloat16)
     assert model.embed_tokens[...].dtype == jnp.bfloat16
     tokens = _tokens((2, 16), seed=7)

@@ -75,7 +75,12 @@ class Target(nnx.Module):
     # ------------------------------------------------------------- embedding / head
 
     def embed(self, tokens: jax.Array) -> jax.Array:
-        """Token embeddings ``[..., D]`` in the model dtype."""
+        """Token embeddings ``[..., D]`` in the model dtype.
+
+        Ids outside ``[0, V)`` (e.g. -1 padding) are clamped rather than turned into NaN:
+        a NaN key in an unused cache slot would poison later rows through ``0 * NaN``.
+        """
+        tokens = jnp.clip(tokens, 0, self.config.vocab_size - 1)
         x = jnp.take(self.embed_tokens[...], tokens, axis=0)
         if x.ndim == 3:
             x = constrain(x, ("batch", "seq", "act_embed"))
@@ -254,18 +259,20 @@ def init_target(config: ModelConfig, *, key: jax.Array | int = 0, dtype=jnp.floa
     """
     if isinstance(key, int):
         key = jax.random.key(key)
-    graphdef, init = _initializer(config, jnp.dtype(dtype), mesh)
+    from tev_jax import sharding as shd
+
+    graphdef, init = _initializer(config, jnp.dtype(dtype), mesh, shd.current_rules())
     return nnx.merge(graphdef, init(key))
 
 
 @functools.lru_cache(maxsize=32)
-def _initializer(config: ModelConfig, dtype, mesh):
+def _initializer(config: ModelConfig, dtype, mesh, rules):
     """(graphdef, jitted key -> state), cached so repeated inits compile once."""
     from tev_jax import sharding as shd
 
     abstract = nnx.eval_shape(lambda: Target(config, dtype=dtype, rngs=nnx.Rngs(0)))
     graphdef, abs_state = nnx.split(abstract)
-    out_shardings = None if mesh is None else shd.state_shardings(abs_state, mesh)
+    out_shardings = None if mesh is None else shd.state_shardings(abs_state, mesh, rules)
     return graphdef, jax.jit(lambda k: fast_init(abs_state, k), out_shardings=out_shardings)
 
 
