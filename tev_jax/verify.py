@@ -32,7 +32,9 @@ import jax.numpy as jnp
 from flax import struct
 
 from tev_jax.exit_law import (
+    BLOCK,
     Scores,
+    block_masses,
     edge_log_probs,
     exit_law_from_edges,
     log_normalizer,
@@ -40,9 +42,6 @@ from tev_jax.exit_law import (
 )
 from tev_jax.sampling import Sampling
 from tev_jax.tree import DraftTree, ancestor_mask, path_to
-
-BLOCK = 128  # vocabulary block of the inverse-CDF sampler (see experiments/verifier_latency).
-
 
 @struct.dataclass
 class Verdict:
@@ -97,15 +96,9 @@ def inverse_cdf(u_R: jax.Array, scores: Scores, block: int = BLOCK) -> jax.Array
       block: vocabulary block size.
     """
     x_RV, shift_R, scale = scores.x, scores.shift, jnp.float32(scores.scale)
-    rows, vocab = x_RV.shape
+    vocab = x_RV.shape[-1]
     block = min(block, vocab)
-    n_full, rem = divmod(vocab, block)
-    x_RBK = x_RV[:, : n_full * block].reshape(rows, n_full, block)
-    mass_RB = jnp.sum(jnp.exp((x_RBK - shift_R[:, None, None]) * scale), axis=-1)
-    if rem:
-        x_tail = x_RV[:, n_full * block :]
-        tail = jnp.sum(jnp.exp((x_tail - shift_R[:, None]) * scale), axis=-1, keepdims=True)
-        mass_RB = jnp.concatenate([mass_RB, tail], axis=-1)
+    mass_RB = block_masses(scores, block)
     cum_RB = jnp.cumsum(mass_RB, axis=-1)
     t_R = u_R * cum_RB[:, -1]
     blk_R = _first_above(cum_RB, t_R, mass_RB)
