@@ -53,7 +53,7 @@ def stack(trees, shape):
 @pytest.mark.parametrize("sampling", [Sampling(1.0), Sampling(0.7, top_k=3), Sampling(0.0)])
 def test_node_weights_match_reference(sampling):
     rng = np.random.default_rng(7)
-    n, v, h = 9, 6, 4
+    n, v, h = 9, 5, 4
     trees = [random_tree(rng, n, v, h) for _ in range(6)]
     logits = (rng.standard_normal((6, n, v)) * 2).astype(np.float32)
     batched = stack(trees, (2, 3))
@@ -70,6 +70,11 @@ def test_node_weights_match_reference(sampling):
         tokens, parents, m = ref.host_tree(tree)
         logp = ref.log_probs(logits[i], sampling.temperature, sampling.top_k, sampling.top_p)
         reach, rho, w, coverage = ref.exit_law_loops(tokens, parents, logp)
+        if sampling == Sampling(1.0):      # the enumeration reference (slow; one sampling)
+            w_enum = ref.brute_force_joint(tokens, parents, logp).sum(-1)
+            np.testing.assert_allclose(w_enum, w, atol=1e-9)
+            np.testing.assert_allclose(ref.brute_force_reach(tokens, parents, logp), reach,
+                                       atol=1e-9)
         depth = np.asarray(ref.depths_of(parents, m), np.float64)
         for weighting, want in (("exit", w), ("exit_depth", w * depth), ("prefix", reach)):
             weights = np.asarray(got[weighting]).reshape(6, n)
@@ -126,7 +131,7 @@ def test_exit_loss_with_no_weight_is_zero_without_nan():
     trees = stack([random_tree(rng, 5, 7, 3) for _ in range(2)], (2,))
     logits = jnp.asarray(rng.standard_normal((2, 3, 7)), jnp.float32)
     zero = jnp.zeros((2, 5), jnp.float32)
-    val, grad = jax.value_and_grad(lambda x: exit_loss(x, trees, zero).mean)(logits)
+    val, grad = jax.jit(jax.value_and_grad(lambda x: exit_loss(x, trees, zero).mean))(logits)
     assert float(val) == 0.0 and not np.asarray(grad).any()
 
 

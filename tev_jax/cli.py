@@ -8,6 +8,7 @@ registers its arguments and sets ``func``, and listing it in ``SUBCOMMANDS``.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import sys
 
@@ -86,7 +87,79 @@ def _add_exit_law(sub) -> None:
     p.set_defaults(func=exit_law_demo)
 
 
-SUBCOMMANDS = [_add_exit_law]
+def generate_command(args) -> int:
+    """``tev-jax generate PROMPT``: decode one prompt and print a one-line summary."""
+    from tev_jax import decode
+    from tev_jax.models import load_drafter, load_target, load_tokenizer
+
+    config = decode.DecodeConfig(
+        max_new_tokens=args.max_new_tokens, builder=args.builder, budget=args.budget,
+        verifier=args.verifier, sampling=_sampling_from(args))
+    if args.builder != "none" and args.drafter is None:
+        raise ValueError(f"--drafter is required with --builder {args.builder} "
+                         "(or use --builder none for plain autoregressive decoding)")
+    target = load_target(args.target)
+    tokenizer = load_tokenizer(args.target)
+    drafter = None if args.builder == "none" else load_drafter(args.drafter, target)
+    config = dataclasses.replace(config, stop_token_ids=tuple(target.config.eos_token_ids))
+    prompt = tokenizer.encode(args.prompt).ids
+    gen = decode.timed_generate(target, drafter, [prompt], config, args.seed,
+                                repeats=args.repeats)
+    n = int(gen.lengths[0])
+    print(args.prompt + tokenizer.decode(gen.tokens[0, :n].tolist()))
+    speed = n / gen.stats.seconds
+    summary = (f"[{args.builder}/{args.verifier}, T={args.temperature}] {n} tokens, "
+               f"tau = {gen.stats.tau:.2f}, {speed:.1f} tokens/s")
+    if args.compare_ar:
+        ar = decode.timed_generate(target, None, [prompt],
+                                   dataclasses.replace(config, builder="none"), args.seed,
+                                   repeats=args.repeats)
+        ar_speed = int(ar.lengths[0]) / ar.stats.seconds
+        summary += f", AR {ar_speed:.1f} tokens/s, speed-up {speed / ar_speed:.2f}x"
+    print(summary, file=sys.stderr)
+    return 0
+
+
+def _add_generate(sub) -> None:
+    p = sub.add_parser("generate", help="speculative decoding of one prompt")
+    p.add_argument("prompt", help="the prompt text")
+    p.add_argument("--target", required=True,
+                   help="target checkpoint directory (config.json, safetensors, tokenizer.json)")
+    p.add_argument("--drafter", default=None, help="DFlash drafter checkpoint directory")
+    p.add_argument("--builder", choices=("ddtree", "chain", "none"), default="ddtree")
+    p.add_argument("--budget", type=int, default=64, help="DDTree node budget")
+    p.add_argument("--verifier", choices=("tev", "predraw", "sequential", "greedy"),
+                   default="tev")
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-k", type=int, default=None)
+    p.add_argument("--top-p", type=float, default=None)
+    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--repeats", type=int, default=1,
+                   help="timed runs after the compile run (the median is reported)")
+    p.add_argument("--compare-ar", action="store_true",
+                   help="also time plain autoregressive decoding and report the speed-up")
+    p.set_defaults(func=generate_command)
+
+
+def train_command(args) -> int:
+    """``tev-jax train ...``: the drafter-training CLI of the repository's ``train/``."""
+    try:
+        from train.__main__ import main as train_main
+    except ImportError as e:
+        raise ValueError("`tev-jax train` runs the repository's train/ folder: call it from "
+                         f"the repository root, or use `python -m train` there ({e})") from e
+    return train_main(args.train_args)
+
+
+def _add_train(sub) -> None:
+    p = sub.add_parser("train", add_help=False,
+                       help="drafter training: same as `python -m train` (repository root)")
+    p.add_argument("train_args", nargs=argparse.REMAINDER)
+    p.set_defaults(func=train_command)
+
+
+SUBCOMMANDS = [_add_exit_law, _add_generate, _add_train]
 
 
 def main(argv: list[str] | None = None) -> int:

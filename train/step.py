@@ -282,7 +282,7 @@ def loss_and_grads(params, graphs: Graphs, frozen: Frozen, batch: Batch, cfg: St
     metrics.update(aux)
     metrics["loss"] = total
     metrics["token_acc"] = jnp.sum(correct) / jnp.maximum(jnp.sum(rows) * cfg.horizon, 1)
-    metrics["grad_norm"] = optax.global_norm(grads)
+    metrics["grad_norm"] = optax.tree.norm(grads)
     return grads, metrics
 
 
