@@ -202,3 +202,13 @@ def test_bad_predraw_method():
     with pytest.raises(ValueError, match="method"):
         verify.predraw(jax.random.key(0), tree, np.zeros((N, V)), Sampling(), horizon=H,
                        method="cumsum")
+
+
+@pytest.mark.parametrize("vocab", [5, 300, 1000])
+def test_two_stage_argmax_matches_argmax(vocab):
+    rng = np.random.default_rng(vocab)
+    x = rng.integers(-3, 3, (64, vocab)).astype(np.float32)  # many ties
+    x[0] = -np.inf
+    x[1, -1] = 10.0  # the maximum in the tail block
+    got = np.asarray(jax.jit(functools.partial(verify.argmax, block=128))(x))
+    np.testing.assert_array_equal(got, np.argmax(x, axis=-1))
