@@ -66,3 +66,34 @@ def greedy_reference(target, prompts, n):
         buf[rows, lens] = nxt
         lens = lens + 1
     return [buf[i, len(p): len(p) + n].tolist() for i, p in enumerate(prompts)]
+
+
+class TableDrafter(nnx.Module):
+    """A context-free drafter: the rows of root r are ``table[r]`` ([V, H, V] logits)."""
+
+    def __init__(self, table_VHV):
+        self.table = nnx.Param(jnp.asarray(table_VHV, jnp.float32))
+        self.block_size = int(table_VHV.shape[1]) + 1
+        self.target_layer_ids = ()
+
+    def init_context(self, target, batch, max_len):
+        return ()
+
+    def extend_context(self, target, ctx, tokens_BP, feats_BPF, start_B, count_B):
+        return ctx
+
+    def draft(self, target, ctx, root_B, start_B):
+        return self.table[...][root_B], ctx
+
+
+def oracle_table(target, prompt, horizon):
+    """[V, H, V]: for every root r, the target's logits along its greedy chain after
+    ``prompt + [r]`` (what the oracle drafter proposes in the first round)."""
+    vocab = target.config.vocab_size
+    seqs = np.concatenate([np.tile(prompt, (vocab, 1)), np.arange(vocab)[:, None]], axis=1)
+    rows = []
+    for _ in range(horizon):
+        logits = np.asarray(score(target, jnp.asarray(seqs, jnp.int32))[:, -1])
+        rows.append(logits)
+        seqs = np.concatenate([seqs, logits.argmax(-1)[:, None]], axis=1)
+    return np.stack(rows, axis=1)

@@ -3,14 +3,15 @@
 Reference: a cache-free greedy loop over `tev_jax.models.score` (no KV cache, no tree,
 no engine). Every builder x verifier combination must reproduce it token for token,
 for prompts of different lengths over 200 tokens, with a random DFlash drafter (short
-accepted blocks) and with the oracle drafter (full blocks, so the KV compaction of
-`commit` moves entries on every round).
+accepted blocks) and with the oracle drafter (full blocks; with DDTree the accepted path
+runs through later slots, so `commit` moves key/value entries).
 
 Compilation dominates the run time on CPU, so the combinations run on the un-fused path
 (`profile_generate`, which compiles each stage once per setting of the fields it reads
-and shares the rest) and a few of them also on the fused `lax.while_loop` path, which
-composes the very same stage functions. One drafter covers both qualities: `MixDrafter`
-switches between the DFlash drafter and the oracle with a runtime flag.
+and shares the rest). The fused `lax.while_loop` path composes the very same stage
+functions; it is checked against the reference for AR decoding and against the un-fused
+path, draw for draw, for DDTree + TEV at T = 1. One drafter covers both qualities:
+`MixDrafter` switches between the DFlash drafter and the oracle with a runtime flag.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 from decode_fixtures import MixDrafter, greedy_reference, tiny_target
 from tev_jax import decode
@@ -74,10 +76,16 @@ def test_every_builder_and_verifier_is_greedy_exact(target, drafter, reference, 
     drafter.use_oracle[...] = jnp.asarray(quality == "oracle")
     for builder in ("chain", "ddtree"):
         for verifier in decode.VERIFIERS:
-            gen = decode.profile_generate(target, drafter, PROMPTS,
-                                          _config(builder=builder, verifier=verifier), key=3)
+            gen = decode.profile_generate(
+                target, drafter, PROMPTS,
+                _config(builder=builder, verifier=verifier, track_exit_law=True), key=3,
+                warmup=False)
             assert gen.rows() == reference, (builder, verifier)
-            tau = gen.stats.tau
+            s = gen.stats
+            assert (s.block_lengths.sum(0) >= M - 1).all()  # the last block may pass M
+            # At T = 0 the exit law is a point mass: 1 + coverage is the block length.
+            np.testing.assert_allclose(s.expected_lengths, s.block_lengths, atol=1e-5)
+            tau = s.tau
             if quality == "oracle":
                 # Full blocks: every round moves H entries of the KV cache.
                 assert tau > 2, (builder, verifier, tau)
@@ -89,27 +97,12 @@ def test_every_builder_and_verifier_is_greedy_exact(target, drafter, reference, 
                 assert 1 <= tau < H + 1
 
 
-def test_fused_tree_decoding_is_greedy_exact(target, drafter, reference):
-    config = _config(builder="ddtree", verifier="tev", track_exit_law=True)
-    for quality in ("random", "oracle"):
-        drafter.use_oracle[...] = jnp.asarray(quality == "oracle")
-        gen = decode.generate(target, drafter, PROMPTS, config, key=5)
-        assert gen.rows() == reference, quality
-        s = gen.stats
-        assert s.block_lengths.shape == (s.rounds, len(PROMPTS))
-        assert (s.block_lengths.sum(0) >= M - 1).all()  # the last block may be cut at M
-        # At T = 0 the exit law is a point mass: 1 + coverage is the block length.
-        np.testing.assert_allclose(s.expected_lengths, s.block_lengths, atol=1e-5)
-        if quality == "oracle":
-            assert s.tau > 2
-
-
 def test_stop_tokens_end_rows_independently(target, drafter, reference):
     drafter.use_oracle[...] = jnp.asarray(True)
     # A stop token that row 0 emits early; the other rows must be unaffected up to theirs.
     stop = reference[0][10]
     gen = decode.profile_generate(target, drafter, PROMPTS,
-                                  _config(builder="ddtree", stop_token_ids=(stop,)))
+                                  _config(builder="ddtree", stop_token_ids=(stop,)), warmup=False)
     for row, ref, n, toks in zip(gen.rows(), reference, gen.lengths, gen.tokens):
         end = ref.index(stop) + 1 if stop in ref else M
         assert row == ref[:end]
@@ -124,6 +117,20 @@ def test_profile_reports_stage_times(target, drafter):
     t = gen.stats.stage_seconds
     assert set(t) == {"prefill", "draft", "build", "verify", "decide", "commit"}
     assert all(v > 0 for v in t.values())
+    assert gen.stats.seconds >= sum(t.values()) - 1e-6
+
+
+def test_fused_path_equals_profiled_path_at_t1(target, drafter):
+    """Same key, same stages: the while_loop and the Python loop agree at T = 1."""
+    drafter.use_oracle[...] = jnp.asarray(True)
+    config = _config(builder="ddtree", verifier="tev", sampling=Sampling(1.0), max_new_tokens=40)
+    a = decode.generate(target, drafter, PROMPTS, config, key=7)
+    b = decode.profile_generate(target, drafter, PROMPTS, config, key=7, warmup=False)
+    np.testing.assert_array_equal(a.tokens, b.tokens)
+    np.testing.assert_array_equal(a.stats.block_lengths, b.stats.block_lengths)
+    assert a.stats.tau > 1.5
+    c = decode.generate(target, drafter, PROMPTS, config, key=8)
+    assert not np.array_equal(a.tokens, c.tokens)
 
 
 # ------------------------------------------------------------------------------ errors
@@ -160,11 +167,47 @@ def test_bad_configs_raise():
         decode.DecodeConfig(budget=0)
 
 
-def test_non_finite_target_logits_raise():
-    target = tiny_target(vocab=16, hidden=16, layers=1)
-    target.lm_head[...] = target.lm_head[...].at[:, 3].set(jnp.nan)
-    config = decode.DecodeConfig(max_new_tokens=4, builder="none", sampling=GREEDY)
-    with pytest.raises(ValueError, match="non-finite"):
-        decode.generate_ar(target, [[1, 2]], config)
-    with pytest.raises(ValueError, match="non-finite"):
-        decode.profile_generate(target, None, [[1, 2]], config)
+def test_non_finite_target_logits_raise(target):
+    broken = nnx.clone(target)
+    broken.lm_head[...] = broken.lm_head[...].at[:, 3].set(jnp.nan)
+    with pytest.raises(ValueError, match="target produced non-finite logits"):
+        decode.generate_ar(broken, PROMPTS, _config())  # the compilation of test_ar_fused_...
+
+
+def test_non_finite_draft_logits_raise(target, drafter):
+    broken = nnx.clone(drafter)
+    broken.use_oracle[...] = jnp.asarray(False)
+    norm = broken.dflash.drafter.norm.weight
+    norm[...] = norm[...].at[0].set(jnp.nan)
+    with pytest.raises(ValueError, match="drafter produced non-finite logits"):
+        decode.profile_generate(target, broken, PROMPTS, _config(builder="chain", verifier="tev",
+                                                                 track_exit_law=True), warmup=False)
+
+
+# ------------------------------------------------------------------ command line
+
+
+def test_cli_generate(tmp_path, target, drafter, capsys):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    from tev_jax import cli
+    from tev_jax.models import save_drafter, save_target
+
+    words = [f"w{i}" for i in range(V)]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    save_target(target, tmp_path / "target", tokenizer=tok)
+    save_drafter(drafter.dflash.drafter, tmp_path / "drafter")
+    prompt = "w5 w17 w3"
+    rc = cli.main(["generate", prompt, "--target", str(tmp_path / "target"),
+                   "--drafter", str(tmp_path / "drafter"), "--budget", "4",
+                   "--max-new-tokens", "12", "--compare-ar"])
+    assert rc == 0
+    out, err = capsys.readouterr()
+    ref = greedy_reference(target, [[5, 17, 3]], 12)[0]
+    assert out.strip() == tok.decode([5, 17, 3] + ref)
+    assert "tau = " in err and "tokens/s" in err and "speed-up" in err
+
+    with pytest.raises(SystemExit):
+        cli.main(["generate", prompt, "--target", str(tmp_path / "target")])
+    assert "--drafter is required" in capsys.readouterr().err

@@ -4,11 +4,12 @@ A small-vocabulary target (V = 8) makes the autoregressive law of the first thre
 generated tokens enumerable exactly: ``p(t0) p(t1 | t0) p(t2 | t0, t1)`` over V^3 = 512
 sequences, from cache-free target logits. For each verifier, 10^5 generations of one
 prompt (a batch of 2 x 50 000 copies, keys fixed by the seeds below) with DDTree trees
-from the oracle drafter (so draft tokens are accepted often and the verifier decides
-most of the output) are compared with that law by a chi-square test at significance
+from a cheap context-free drafter whose first-round rows are the oracle's (the target's
+logits along the greedy chain after the prompt and the root; so draft tokens are
+accepted often and the verifier decides most of the output) are compared with that law by a chi-square test at significance
 ``ALPHA`` = 1e-3 (cells with an expected count below 5 pooled). A negative control -
 TEV with the bonus drawn from the full distribution at the exit instead of the
-residual - must be rejected at the same level.
+residual - must be rejected at the same level with half the sample (5 x 10^4).
 
 The same runs check the exit law: over all (round, row) pairs the output-block length
 has conditional mean ``1 + coverage`` of that round's tree, so the standardised sum of
@@ -24,10 +25,9 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from decode_fixtures import tiny_target
+from decode_fixtures import TableDrafter, oracle_table, tiny_target
 from tev_jax import decode
 from tev_jax import verify as verify_lib
-from tev_jax.decode_drafters import OracleDrafter
 from tev_jax.models import score
 from tev_jax.sampling import Sampling, log_probs
 
@@ -67,12 +67,18 @@ def ar_law(target):
     return law / law.sum()
 
 
-def _generate(target, verifier, seed, fused=False):
+@pytest.fixture(scope="module")
+def drafter(target):
+    return TableDrafter(oracle_table(target, PROMPT, H))
+
+
+def _generate(target, drafter, verifier, seed):
     config = decode.DecodeConfig(max_new_tokens=3, builder="ddtree", budget=BUDGET,
                                  verifier=verifier, sampling=SAMPLING, max_cache_len=16,
                                  track_exit_law=True)
-    run = decode.generate if fused else decode.profile_generate
-    return run(target, OracleDrafter(H + 1), [PROMPT] * CHUNK, config, key=seed)
+    # The un-fused path shares every stage's compilation across verifiers but decide.
+    return decode.profile_generate(target, drafter, [PROMPT] * CHUNK, config,
+                                   key=seed, warmup=False)
 
 
 def _chi2_pvalue(counts, law):
@@ -88,15 +94,15 @@ def _chi2_pvalue(counts, law):
 
 
 @pytest.fixture(scope="module")
-def runs(target):
+def runs(target, drafter):
     """verifier name -> (counts [V, V, V], standardised block-length deviation, τ)."""
     out = {}
     for name, verifier in [("tev", "tev"), ("predraw", "predraw"),
                            ("sequential", "sequential"), ("control", tev_full_bonus)]:
         counts = np.zeros(V ** 3, np.int64)
         dev, var, blocks, rounds = 0.0, 0.0, 0, 0
-        for seed in SEEDS:
-            gen = _generate(target, verifier, seed)
+        for seed in SEEDS[:1] if name == "control" else SEEDS:
+            gen = _generate(target, drafter, verifier, seed)
             assert (gen.lengths == 3).all()
             t = gen.tokens
             np.add.at(counts, t[:, 0] * V * V + t[:, 1] * V + t[:, 2], 1)
@@ -132,8 +138,3 @@ def test_block_length_matches_exit_law(runs, verifier):
     assert abs(z) < 4
 
 
-def test_fused_path_equals_profiled_path(target):
-    a = _generate(target, "tev", SEEDS[0], fused=True)
-    b = _generate(target, "tev", SEEDS[0], fused=False)
-    np.testing.assert_array_equal(a.tokens, b.tokens)
-    np.testing.assert_array_equal(a.stats.block_lengths, b.stats.block_lengths)

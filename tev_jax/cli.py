@@ -106,7 +106,7 @@ def generate_command(args) -> int:
     gen = decode.timed_generate(target, drafter, [prompt], config, args.seed,
                                 repeats=args.repeats)
     n = int(gen.lengths[0])
-    print(args.prompt + tokenizer.decode(gen.tokens[0, :n].tolist()))
+    print(tokenizer.decode(prompt + gen.tokens[0, :n].tolist()))
     speed = n / gen.stats.seconds
     summary = (f"[{args.builder}/{args.verifier}, T={args.temperature}] {n} tokens, "
                f"tau = {gen.stats.tau:.2f}, {speed:.1f} tokens/s")

@@ -514,7 +514,7 @@ def _stage_commit(st: DecodeState, ctx, draft_logits_BHV, tree: DraftTree, logit
         num_out_B=num_out_B,
         done_B=done_B,
         rounds_B=st.rounds_B + active_B.astype(jnp.int32),
-        moved_B=st.moved_B + jnp.any(in_block_BP & (path_BP != j_P[None]), axis=1).astype(jnp.int32),
+        moved_B=st.moved_B + jnp.any(in_block_BP & (path_BP != j_P[None]), 1).astype(jnp.int32),
         block_len_RB=st.block_len_RB.at[st.round].set(length_B, mode="drop"),
         expected_len_RB=expected_RB,
         bad_target=bad_target,
@@ -720,6 +720,8 @@ def _reduced(static: _Static, stage: str) -> _Static:
     keep = {f: getattr(static.config, f) for f in _STAGE_FIELDS[stage]}
     if stage == "decide" and keep["builder"] != "none":
         keep["builder"] = "chain"  # decide only asks whether there is a tree
+    if stage == "commit" and not keep["track_exit_law"]:
+        keep.pop("sampling")
     if "verifier" not in keep and "sampling" in keep:
         keep["verifier"] = "tev"  # any verifier is valid with any sampling
     return dataclasses.replace(static, config=dataclasses.replace(_CANONICAL, **keep),
@@ -747,15 +749,18 @@ def _stage_fns(static: _Static) -> dict[str, Callable]:
 _split = jax.jit(jax.random.split)
 
 
-def profile_generate(target, drafter, prompt_ids, config: DecodeConfig, key=0) -> Generation:
+def profile_generate(target, drafter, prompt_ids, config: DecodeConfig, key=0, *,
+                     warmup: bool = True) -> Generation:
     """The un-fused path: every stage jitted separately and timed per round.
 
     Runs the same stage functions as the fused loop of `generate`, so it produces the
     same tokens for the same key. A stage is compiled once per setting of the config
-    fields it reads (e.g. changing the verifier recompiles only the decide stage). ``stats.stage_seconds``
-    holds each stage's wall time up to ``block_until_ready``, summed over rounds; a
-    warm-up pass over the first round compiles every stage first. Dispatch overhead
-    is included in each stage's time, so the sum exceeds the fused loop's time.
+    fields it reads (changing the verifier recompiles only the decide stage).
+    ``stats.stage_seconds`` holds each stage's wall time up to ``block_until_ready``,
+    summed over rounds; with ``warmup`` a first pass over the prefill and the first
+    round compiles every stage before anything is timed (without it the times include
+    compilation). Each stage's time includes its dispatch overhead, so the sum exceeds
+    the fused loop's time.
     """
     graphdef, params, tokens_BT, lengths_B, static = _prepare(target, drafter, prompt_ids, config)
     if isinstance(key, int):
@@ -784,12 +789,13 @@ def profile_generate(target, drafter, prompt_ids, config: DecodeConfig, key=0) -
 
     prefill = lambda: jax.block_until_ready(fns["prefill"](
         graphdef=graphdef, params=params, tokens_BT=tokens_BT, lengths_B=lengths_B, key=key))
-    st = prefill()  # compile
+    if warmup:
+        prefill()
     t0 = time.perf_counter()
     st = prefill()
     times["prefill"] = time.perf_counter() - t0
-    if bool(np.any(~np.asarray(st.done_B))):
-        one_round(st, record=False)  # compile every stage
+    if warmup and bool(np.any(~np.asarray(st.done_B))):
+        one_round(st, record=False)
     start = time.perf_counter()
     while int(st.round) < m and bool(np.any(~np.asarray(st.done_B))):
         st = one_round(st, record=True)
