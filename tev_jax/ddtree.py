@@ -127,8 +127,8 @@ def topk_logq(draft_logits_HV: jax.Array, k: int) -> tuple[jax.Array, jax.Array]
     """
     logits = _canonical(draft_logits_HV)
     top_HK, tokens_HK = jax.lax.top_k(logits, k)
-    # Without the barrier XLA:CPU rewrote top_k over the vocabulary into a full sort
-    # when its outputs were sliced or gathered downstream (DESIGN.md §5).
+    # Without the barrier XLA:CPU may rewrite top_k over the vocabulary into a full sort
+    # when its outputs are sliced or computed on (100x slower; DESIGN.md §5).
     top_HK, tokens_HK = jax.lax.optimization_barrier((top_HK, tokens_HK))
     lse_H = jax.nn.logsumexp(logits, axis=-1)
     return tokens_HK.astype(jnp.int32), top_HK - lse_H[:, None]
@@ -140,10 +140,24 @@ def _canonical(draft_logits_HV: jax.Array) -> jax.Array:
     return jnp.where(logits == 0, jnp.float32(0), logits)
 
 
+def _static_budget(budget) -> int:
+    if isinstance(budget, bool) or not isinstance(budget, (int, np.integer)) or budget < 0:
+        raise ValueError(f"budget must be a static int >= 0, got {budget!r}")
+    return int(budget)
+
+
+def _root_only(root_token) -> tuple[DraftTree, BuildInfo]:
+    root = jnp.asarray(root_token, jnp.int32)[None]
+    zero = jnp.zeros((1,), jnp.float32)
+    tree = DraftTree(root, jnp.full((1,), -1, jnp.int32), jnp.zeros((1,), jnp.int32),
+                     jnp.ones((1,), bool))
+    return tree, BuildInfo(zero, zero)
+
+
 @functools.lru_cache(maxsize=None)
-def _pairs(budget: int, parents: int, k: int) -> tuple[np.ndarray, np.ndarray]:
+def _pairs(budget: int, k: int) -> tuple[np.ndarray, np.ndarray]:
     """(parent position i, token rank r) with (i+1)(r+1) <= budget, ordered by (i+r, i)."""
-    i = np.arange(min(parents, budget))
+    i = np.arange(budget)
     counts = np.minimum(budget // (i + 1), k)
     pi = np.repeat(i, counts)
     pr = np.arange(pi.size) - np.repeat(np.cumsum(counts) - counts, counts)
@@ -167,15 +181,11 @@ def build_tree_from_topk(
       ``(tree, info)``: a ``DraftTree`` with N slots in the order of the module
       docstring, and its ``BuildInfo``.
     """
-    if isinstance(budget, bool) or not isinstance(budget, (int, np.integer)) or budget < 0:
-        raise ValueError(f"budget must be a static int >= 0, got {budget!r}")
-    budget = int(budget)
+    budget = _static_budget(budget)
+    if budget == 0:
+        return _root_only(root_token)
     horizon, k = logq_HK.shape
     root = jnp.asarray(root_token, jnp.int32)
-    if budget == 0:
-        tree = DraftTree(root[None], jnp.full((1,), -1, jnp.int32), jnp.zeros((1,), jnp.int32),
-                         jnp.ones((1,), bool))
-        return tree, BuildInfo(jnp.zeros((1,), jnp.float32), jnp.zeros((1,), jnp.float32))
     logq_HK = logq_HK.astype(jnp.float32)
     tokens_HK = tokens_HK.astype(jnp.int32)
     k = min(k, budget)
@@ -187,7 +197,7 @@ def build_tree_from_topk(
     rank1 = jnp.concatenate([jnp.arange(k, dtype=jnp.int32), jnp.zeros((pad,), jnp.int32)])
     parent1 = jnp.zeros((budget,), jnp.int32)
 
-    pi, pr = _pairs(budget, budget, k)
+    pi, pr = _pairs(budget, k)
 
     def depth_step(score_prev_P, logq_K):
         pair_score_M = score_prev_P[pi] + logq_K[pr]
@@ -241,12 +251,10 @@ def build_tree(
       docstring, padded when fewer than ``budget`` candidates have a finite score) and
       its ``BuildInfo`` [N].
     """
-    if isinstance(budget, bool) or not isinstance(budget, (int, np.integer)) or budget < 0:
-        raise ValueError(f"budget must be a static int >= 0, got {budget!r}")
+    budget = _static_budget(budget)
     if budget == 0:
-        return build_tree_from_topk(jnp.zeros((1, 1), jnp.int32), jnp.zeros((1, 1)),
-                                    root_token, 0)
-    tokens_HK, logq_HK = topk_logq(draft_logits_HV, min(int(budget), draft_logits_HV.shape[-1]))
+        return _root_only(root_token)
+    tokens_HK, logq_HK = topk_logq(draft_logits_HV, min(budget, draft_logits_HV.shape[-1]))
     return build_tree_from_topk(tokens_HK, logq_HK, root_token, budget)
 
 
