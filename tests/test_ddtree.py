@@ -285,6 +285,9 @@ def test_good_input_passes_and_masked_tokens_are_never_drafted():
     logits = np.array([[0.0, -np.inf, 1.0], [-np.inf, -np.inf, 2.0]], np.float32)
     ddtree.check_draft_logits(logits, 8, 1)
     ddtree.check_draft_logits(logits[None].repeat(3, 0), 8, np.array([0, 1, 2]))
+    ddtree.check_draft_logits(jnp.asarray(logits, jnp.bfloat16), 8, 1)
+    with pytest.raises(ValueError, match="NaN"):
+        ddtree.check_draft_logits(jnp.full((2, 3), jnp.nan, jnp.bfloat16), 8)
     out = _row(_as_numpy(*_builder(8)(logits[None], np.array([1], np.int32), 8)), 0)
     n = int(out["valid"].sum())
     assert n == 1 + 2 + 2  # two tokens at depth 1, each with the single finite token below

@@ -92,8 +92,9 @@ def check_draft_logits(draft_logits, budget: int | None = None, root_token=None)
         raise ValueError(f"draft_logits must have shape [..., H, V], got {logits.shape}")
     if 0 in logits.shape:
         raise ValueError(f"draft_logits must have at least one row and one token, got {logits.shape}")
-    if not np.issubdtype(logits.dtype, np.floating):
+    if not jnp.issubdtype(logits.dtype, jnp.floating):
         raise ValueError(f"draft_logits must be floating point, got {logits.dtype}")
+    logits = logits.astype(np.float32)  # bfloat16 and float16 included
     if budget is not None and (
         isinstance(budget, bool) or not isinstance(budget, (int, np.integer)) or budget < 0
     ):
