@@ -19,6 +19,7 @@ from safetensors.numpy import load_file, save_file
 
 from drafter_fixtures import as_i32, random_features, tiny_drafter, tiny_target
 from tev_jax.models import drafter as dr
+from tev_jax.models.checkpoint_io import read_headers
 from tev_jax.models.drafter_io import (
     drafter_param_names, init_drafter, load_drafter, read_drafter_config, save_drafter,
 )
@@ -179,6 +180,28 @@ def test_save_load_round_trip(pair, tmp_path):
     b = dict(nnx.to_flat_state(nnx.state(loaded, nnx.Param)))
     for p, v in a:
         np.testing.assert_array_equal(np.asarray(v.get_value()), np.asarray(b[p].get_value()))
+
+
+def test_bfloat16_round_trip(pair, tmp_path):
+    """A bf16 drafter is written as BF16 and reads back exactly, in bf16 or float32."""
+    target, _ = pair
+    d16 = init_drafter(target, num_layers=1, block_size=4, mask_token_id=5, key=2,
+                       dtype=jnp.bfloat16)
+    save_drafter(d16, tmp_path / "d16")
+    assert {i.dtype for i in read_headers(tmp_path / "d16").values()} == {"BF16"}
+    assert json.loads((tmp_path / "d16" / "config.json").read_text())["torch_dtype"] == \
+        "bfloat16"
+    back16 = load_drafter(tmp_path / "d16", target, dtype=jnp.bfloat16)
+    back32 = load_drafter(tmp_path / "d16", target)  # the float32 target's dtype
+    want = nnx.to_flat_state(nnx.state(d16, nnx.Param))
+    got16 = dict(nnx.to_flat_state(nnx.state(back16, nnx.Param)))
+    got32 = dict(nnx.to_flat_state(nnx.state(back32, nnx.Param)))
+    for p, v in want:
+        w = np.asarray(v.get_value().astype(jnp.float32))
+        assert got16[p].get_value().dtype == jnp.bfloat16
+        assert got32[p].get_value().dtype == jnp.float32
+        np.testing.assert_array_equal(np.asarray(got16[p].get_value().astype(jnp.float32)), w)
+        np.testing.assert_array_equal(np.asarray(got32[p].get_value()), w)
 
 
 def test_init_drafter_scaling_and_taps(pair):

@@ -5,12 +5,16 @@ from __future__ import annotations
 import json
 import shutil
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 from safetensors.numpy import load_file, save_file
 
-from tev_jax.models import ModelConfig, RopeScaling, init_target, load_target, save_target
-from tev_jax.models.checkpoint_io import load_tokenizer
+from tev_jax.models import (
+    ModelConfig, RopeScaling, init_target, load_target, save_target, score,
+)
+from tev_jax.models.checkpoint_io import load_tokenizer, read_headers
 
 BASE = {
     "model_type": "llama", "vocab_size": 120, "hidden_size": 32, "intermediate_size": 64,
@@ -149,3 +153,100 @@ def test_tokenizer_and_vocab_check(ckpt):
         load_target(ckpt)
     with pytest.raises(ValueError, match="tokenizer.json"):
         load_tokenizer(ckpt / "nowhere")
+
+
+# --------------------------------------------------------------- bfloat16 checkpoints
+
+
+@pytest.fixture(scope="module")
+def hf_bf16(tmp_path_factory):
+    """(tiny Qwen3ForCausalLM in bfloat16, its save_pretrained directory)."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    cfg = transformers.Qwen3Config(
+        vocab_size=120, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, rope_theta=10000.0,
+        tie_word_embeddings=False, initializer_range=0.1)
+    model = transformers.Qwen3ForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(0.2 * torch.randn_like(p))
+    model = model.to(torch.bfloat16)
+    path = tmp_path_factory.mktemp("hf_bf16")
+    model.save_pretrained(path)
+    return model, path
+
+
+def _np(t):
+    return t.detach().float().numpy()
+
+
+def _torch_logits(model, tokens):
+    import torch
+
+    with torch.no_grad():
+        return model(torch.tensor(tokens)).logits.float().numpy()
+
+
+def _logits(model, tokens):
+    return np.asarray(nnx.jit(score)(model, jnp.asarray(tokens)))
+
+
+def test_bfloat16_checkpoint_from_transformers(hf_bf16):
+    """Published checkpoints are bfloat16: they load exactly, into bf16 or float32."""
+    import torch
+    import transformers
+
+    hf, path = hf_bf16
+    assert {i.dtype for i in read_headers(path).values()} == {"BF16"}
+    tokens = np.random.default_rng(0).integers(0, 120, (2, 12)).astype(np.int32)
+    # Reloaded rather than cast with .float(): a cast would keep RoPE's bf16 inv_freq.
+    hf32 = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    hf16 = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
+
+    model32 = load_target(path)
+    np.testing.assert_array_equal(np.asarray(model32.embed_tokens[...]),
+                                  _np(hf.model.embed_tokens.weight))
+    ref32 = _torch_logits(hf32, tokens)
+    np.testing.assert_allclose(_logits(model32, tokens), ref32, atol=1e-5, rtol=0)
+
+    model16 = load_target(path, dtype=jnp.bfloat16)
+    assert model16.layers[0].mlp.up_proj.kernel[...].dtype == jnp.bfloat16
+    np.testing.assert_array_equal(
+        np.asarray(model16.layers[1].mlp.up_proj.kernel[...].astype(jnp.float32)),
+        _np(hf.model.layers[1].mlp.up_proj.weight).T)
+    ours16, ref16 = _logits(model16, tokens), _torch_logits(hf16, tokens)
+    # bf16 activations round differently in torch and XLA: each side is checked
+    # against the float32 reference at bf16 tolerance, and against the other.
+    scale = np.abs(ref32).max()
+    for got in (ours16, ref16):
+        assert np.abs(got - ref32).max() < 0.03 * scale
+    assert np.abs(ours16 - ref16).max() < 0.05 * scale
+
+
+def test_bfloat16_export_reads_back_in_transformers(hf_bf16, tmp_path):
+    transformers = pytest.importorskip("transformers")
+    hf, path = hf_bf16
+    save_target(load_target(path, dtype=jnp.bfloat16), tmp_path / "out")
+    assert {i.dtype for i in read_headers(tmp_path / "out").values()} == {"BF16"}
+    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out")
+    want = hf.state_dict()
+    for name, w in back.state_dict().items():
+        assert w.dtype == want[name].dtype, name
+        np.testing.assert_array_equal(_np(w), _np(want[name]),
+                                      err_msg=name)
+
+
+def test_reader_refuses_inconsistent_offsets(ckpt):
+    """A header whose byte ranges disagree with the dtype and shape is corrupt."""
+    f = ckpt / "model.safetensors"
+    data = f.read_bytes()
+    n = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8:8 + n])
+    header["model.norm.weight"]["dtype"] = "BF16"
+    raw = json.dumps(header).encode()
+    f.write_bytes(len(raw).to_bytes(8, "little") + raw + data[8 + n:])
+    with pytest.raises(ValueError, match=r"model\.safetensors.*model\.norm\.weight"):
+        load_target(ckpt)

@@ -16,9 +16,14 @@ Tensor names: ``model.embed_tokens.weight``, ``model.layers.{i}.self_attn.{q,k,v
 
 Loading first reads every file's header and checks names and shapes against the
 config, so a missing, extra or misshapen tensor fails before anything is loaded. Then
-each tensor is read once, converted once (transpose / reshape / cast on the host) and
-placed straight into its final sharding with ``jax.make_array_from_callback``: no
-second full host copy of the weights ever exists.
+each tensor is read once from a memory map (bfloat16 included, through ``ml_dtypes``),
+converted once (transpose / reshape / cast on the host) and placed straight into its
+final sharding with ``jax.make_array_from_callback``: no second full host copy of the
+weights ever exists.
+
+The shared pieces (`read_headers`, `expected_shapes`, `check_tensors`, `load_params`,
+`save_params`, `write_atomically`) also serve the DFlash drafter (`drafter_io`): a
+module only supplies ``name_of``, its parameter path -> (tensor name, n_in) map.
 """
 
 from __future__ import annotations
@@ -27,12 +32,15 @@ import json
 import math
 import os
 import shutil
+import struct
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, SingleDeviceSharding
@@ -43,20 +51,48 @@ from tev_jax.models.target import Target
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
-_FLOAT_DTYPES = {"F64", "F32", "F16", "BF16"}
+# safetensors dtype codes -> numpy dtypes; the float ones are the loadable parameters.
+FLOAT_DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16,
+                "BF16": ml_dtypes.bfloat16}
+_NUMPY_DTYPES = {**FLOAT_DTYPES, "I64": np.int64, "I32": np.int32, "I16": np.int16,
+                 "I8": np.int8, "U64": np.uint64, "U32": np.uint32, "U16": np.uint16,
+                 "U8": np.uint8, "BOOL": np.bool_}
 # Buffers some older checkpoints carry; never parameters.
-_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+NameOf = Callable[[tuple], tuple[str, int]]
+"""Parameter path -> (tensor name, n_in).
+
+n_in: kernels contract their first n_in axes (PyTorch stores them transposed and
+flattened to [out, in]); 0 = same layout as PyTorch; -1 = a bias, flattened there.
+"""
+
+
+class TensorInfo(NamedTuple):
+    """Where a checkpoint tensor lives: its file, shape, dtype code and byte offset."""
+
+    file: str
+    shape: tuple[int, ...]
+    dtype: str
+    offset: int
 
 
 # ------------------------------------------------------------------- name mapping
 
 
-def _hf_name(path: tuple) -> tuple[str, int]:
-    """(HF tensor name, n_in) for a parameter path.
+def layer_param_name(prefix: str, rest: tuple) -> tuple[str, int]:
+    """(name, n_in) of a decoder-layer parameter: ``rest`` is its path inside the layer.
 
-    n_in: kernels contract their first n_in axes (HF stores them transposed and
-    flattened to [out, in]); 0 = same layout as HF; -1 = a bias, flattened in HF.
+    ``('self_attn', 'q_proj', 'kernel')`` -> ``prefix + 'self_attn.q_proj.weight'``.
     """
+    if rest[-1] == "kernel":
+        n_in = 2 if rest[-2] == "o_proj" else 1
+        return prefix + ".".join(rest[:-1]) + ".weight", n_in
+    return prefix + ".".join(str(r) for r in rest), -1 if rest[-1] == "bias" else 0
+
+
+def _hf_name(path: tuple) -> tuple[str, int]:
+    """(HF tensor name, n_in) of a `Target` parameter path (see `NameOf`)."""
     if path == ("embed_tokens",):
         return "model.embed_tokens.weight", 0
     if path == ("lm_head",):
@@ -64,12 +100,7 @@ def _hf_name(path: tuple) -> tuple[str, int]:
     if path == ("norm", "weight"):
         return "model.norm.weight", 0
     if path[0] == "layers":
-        i, rest = path[1], path[2:]
-        if rest[-1] == "kernel":
-            n_in = 2 if rest[-2] == "o_proj" else 1
-            return f"model.layers.{i}." + ".".join(rest[:-1]) + ".weight", n_in
-        return f"model.layers.{i}." + ".".join(str(r) for r in rest), (
-            -1 if rest[-1] == "bias" else 0)
+        return layer_param_name(f"model.layers.{path[1]}.", path[2:])
     raise ValueError(f"no Hugging Face name for parameter {'/'.join(map(str, path))}")
 
 
@@ -94,21 +125,25 @@ def _to_hf(w: np.ndarray, n_in: int) -> np.ndarray:
     return np.ascontiguousarray(w.reshape(math.prod(w.shape[:n_in]), -1).T)
 
 
-def param_names(config: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """HF tensor name -> expected HF shape for a config (what a checkpoint must hold)."""
-    abstract = nnx.eval_shape(lambda: Target(config, rngs=nnx.Rngs(0)))
+def expected_shapes(abstract: nnx.Module, name_of: NameOf) -> dict[str, tuple[int, ...]]:
+    """Tensor name -> PyTorch-layout shape of every `nnx.Param` of a (abstract) module."""
     out = {}
     for path, var in nnx.to_flat_state(nnx.state(abstract, nnx.Param)):
-        name, n_in = _hf_name(path)
+        name, n_in = name_of(path)
         out[name] = _hf_shape(var.get_value().shape, n_in)
     return out
+
+
+def param_names(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """HF tensor name -> expected HF shape for a config (what a checkpoint must hold)."""
+    return expected_shapes(nnx.eval_shape(lambda: Target(config, rngs=nnx.Rngs(0))), _hf_name)
 
 
 # ---------------------------------------------------------------------- config io
 
 
-def read_config(path: str | os.PathLike) -> ModelConfig:
-    """`ModelConfig` from ``path/config.json`` (ValueError if absent or malformed)."""
+def read_hf_config(path: str | os.PathLike) -> dict[str, Any]:
+    """The dict in ``path/config.json`` (ValueError if absent or malformed)."""
     f = Path(path) / "config.json"
     if not f.is_file():
         raise ValueError(f"{path}: no config.json")
@@ -118,7 +153,18 @@ def read_config(path: str | os.PathLike) -> ModelConfig:
         raise ValueError(f"{f}: not valid JSON ({e})") from e
     if not isinstance(hf, dict):
         raise ValueError(f"{f}: expected a JSON object")
-    return ModelConfig.from_hf(hf)
+    return hf
+
+
+def read_config(path: str | os.PathLike) -> ModelConfig:
+    """`ModelConfig` from ``path/config.json`` (ValueError if absent or malformed)."""
+    return ModelConfig.from_hf(read_hf_config(path))
+
+
+def hf_dtype_name(dtype) -> str:
+    """The ``torch_dtype`` a config.json records for parameters of ``dtype``."""
+    name = jnp.dtype(dtype).name
+    return name if name in ("bfloat16", "float16") else "float32"
 
 
 # ------------------------------------------------------------------------ tokenizer
@@ -153,7 +199,41 @@ def check_vocab(config: ModelConfig, tokenizer) -> None:
         )
 
 
-# -------------------------------------------------------------------------- loading
+# ------------------------------------------------------------------ safetensors io
+
+
+def _read_file_header(file: Path) -> dict[str, TensorInfo]:
+    """Tensor name -> `TensorInfo` of one safetensors file, offsets checked against its size.
+
+    The format: an 8-byte little-endian header length n, n bytes of JSON
+    ``{name: {dtype, shape, data_offsets: [begin, end]}, "__metadata__": ...}``, then
+    the data; offsets are relative to the data's start.
+    """
+    size = file.stat().st_size
+    if size < 8:
+        raise ValueError(f"{size} bytes, too short for a header")
+    with open(file, "rb") as fh:
+        (n,) = struct.unpack("<Q", fh.read(8))
+        if 8 + n > size:
+            raise ValueError(f"header of {n} bytes in a file of {size}")
+        header = json.loads(fh.read(n))
+    if not isinstance(header, dict):
+        raise ValueError("header is not a JSON object")
+    data_size = size - 8 - n
+    out = {}
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        dtype, shape, (begin, end) = entry["dtype"], tuple(entry["shape"]), entry["data_offsets"]
+        if not 0 <= begin <= end <= data_size:
+            raise ValueError(f"tensor {name}: bytes {begin}..{end} outside the "
+                             f"{data_size} data bytes (truncated file?)")
+        if dtype in _NUMPY_DTYPES:
+            want = math.prod(shape) * np.dtype(_NUMPY_DTYPES[dtype]).itemsize
+            if end - begin != want:
+                raise ValueError(f"tensor {name}: {end - begin} bytes for {dtype}{list(shape)}")
+        out[name] = TensorInfo(file.name, shape, dtype, 8 + n + begin)
+    return out
 
 
 def _weight_files(path: Path) -> dict[str, list[str]]:
@@ -178,55 +258,189 @@ def _weight_files(path: Path) -> dict[str, list[str]]:
     raise ValueError(f"{path}: several .safetensors files but no {INDEX_FILE}")
 
 
-def _read_headers(path: Path) -> dict[str, tuple[str, tuple[int, ...], str]]:
-    """tensor name -> (file, shape, dtype), validating files and the index."""
-    from safetensors import safe_open
+def read_headers(path: str | os.PathLike) -> dict[str, TensorInfo]:
+    """Tensor name -> `TensorInfo` over a checkpoint directory's files.
 
-    where: dict[str, tuple[str, tuple[int, ...], str]] = {}
+    Reads headers only. Raises ValueError for a corrupt or truncated file, an index
+    naming a missing file or a tensor its file lacks, and a tensor stored twice.
+    """
+    path = Path(path)
+    where: dict[str, TensorInfo] = {}
     for fname, indexed in _weight_files(path).items():
         fp = path / fname
         if not fp.is_file():
             raise ValueError(f"{path}: index names missing file {fname}")
         try:
-            with safe_open(str(fp), framework="numpy") as f:
-                keys = list(f.keys())
-                for k in keys:
-                    sl = f.get_slice(k)
-                    if k in where:
-                        raise ValueError(f"tensor {k} appears in both {where[k][0]} and {fname}")
-                    where[k] = (fname, tuple(sl.get_shape()), sl.get_dtype())
-        except ValueError:
-            raise
-        except Exception as e:
+            infos = _read_file_header(fp)
+        except (OSError, ValueError, KeyError, TypeError) as e:
             raise ValueError(f"{fp}: corrupt or unreadable safetensors file ({e})") from e
+        for k, info in infos.items():
+            if k in where:
+                raise ValueError(f"tensor {k} appears in both {where[k].file} and {fname}")
+            where[k] = info
         for name in indexed:
-            if name not in keys:
+            if name not in infos:
                 raise ValueError(f"tensor {name}: listed in {INDEX_FILE} for {fname} "
                                  "but absent from that file")
     return where
 
 
-def _check_tensors(config: ModelConfig, where: Mapping[str, tuple]) -> set[str]:
-    """Raises on missing / extra / misshapen / non-float tensors; returns names to skip."""
-    expected = param_names(config)
-    skip = {n for n in where if n.endswith(_IGNORED_SUFFIXES)}
-    if config.tie_word_embeddings and "lm_head.weight" in where:
-        skip.add("lm_head.weight")  # some tied checkpoints store the shared matrix twice
+def tensor_view(path: str | os.PathLike, info: TensorInfo) -> np.ndarray:
+    """A read-only memory-mapped host view of one tensor (no data read until used)."""
+    dtype = np.dtype(_NUMPY_DTYPES[info.dtype]).newbyteorder("<")
+    if math.prod(info.shape) == 0:
+        return np.zeros(info.shape, dtype)
+    return np.memmap(Path(path) / info.file, dtype=dtype, mode="r", offset=info.offset,
+                     shape=info.shape)
+
+
+def check_tensors(expected: Mapping[str, tuple[int, ...]], where: Mapping[str, TensorInfo],
+                  *, skip=(), what: str = "checkpoint") -> None:
+    """Raises ValueError on missing / extra / misshapen / non-float tensors.
+
+    Args:
+      expected: tensor name -> shape (`expected_shapes`).
+      where: what the files hold (`read_headers`).
+      skip: names that may be present without being expected (besides
+        `IGNORED_SUFFIXES`).
+      what: how the messages name the checkpoint.
+    """
     missing = sorted(set(expected) - set(where))
     if missing:
-        raise ValueError(f"checkpoint is missing tensor(s): {', '.join(missing[:10])}"
+        raise ValueError(f"{what} is missing tensor(s): {', '.join(missing[:10])}"
                          + (f" (+{len(missing) - 10} more)" if len(missing) > 10 else ""))
-    extra = sorted(set(where) - set(expected) - skip)
+    extra = sorted(n for n in where if n not in expected and n not in skip
+                   and not n.endswith(IGNORED_SUFFIXES))
     if extra:
-        raise ValueError(f"checkpoint has unexpected tensor(s): {', '.join(extra[:10])}"
+        raise ValueError(f"{what} has unexpected tensor(s): {', '.join(extra[:10])}"
                          + (f" (+{len(extra) - 10} more)" if len(extra) > 10 else ""))
     for name, shape in expected.items():
-        got = where[name][1]
-        if tuple(got) != tuple(shape):
-            raise ValueError(f"tensor {name}: shape {tuple(got)}, expected {tuple(shape)}")
-        if where[name][2] not in _FLOAT_DTYPES:
-            raise ValueError(f"tensor {name}: dtype {where[name][2]}, expected a float type")
-    return skip
+        got = tuple(where[name].shape)
+        if got != tuple(shape):
+            raise ValueError(f"tensor {name}: shape {got}, expected {tuple(shape)}")
+        if where[name].dtype not in FLOAT_DTYPES:
+            raise ValueError(f"tensor {name}: dtype {where[name].dtype}, expected a float type")
+
+
+def load_params(path: str | os.PathLike, abstract: nnx.Module, name_of: NameOf,
+                where: Mapping[str, TensorInfo], *, mesh: Mesh | None = None,
+                rules: shd.Rules | None = None):
+    """Fills an abstract module (``nnx.eval_shape``) with a checked checkpoint's tensors.
+
+    Each tensor is read once from its memory map, converted once to our layout and the
+    parameter's dtype, and placed with ``jax.make_array_from_callback`` into its final
+    sharding (by logical axes on ``mesh``, else the default device).
+
+    Returns:
+      The module, concrete.
+    Raises:
+      ValueError: a file's data cannot be read.
+    """
+    path = Path(path)
+    graphdef, abs_state = nnx.split(abstract)
+    if mesh is None:
+        dev = SingleDeviceSharding(jax.devices()[0])
+        sharding_of = None
+    else:
+        sharding_of = {p: v.get_value() for p, v in
+                       nnx.to_flat_state(shd.state_shardings(abs_state, mesh, rules))}
+    leaves = []
+    for p, var in nnx.to_flat_state(abs_state):
+        name, n_in = name_of(p)
+        aval = var.get_value()
+        try:
+            w = _to_ours(tensor_view(path, where[name]), aval.shape, n_in)
+            w = w.astype(aval.dtype, order="C")
+            s = dev if sharding_of is None else sharding_of[p]
+            arr = jax.make_array_from_callback(aval.shape, s, lambda idx, w=w: w[idx])
+        except (OSError, ValueError) as e:
+            raise ValueError(f"{path / where[name].file}: cannot read tensor data ({e})") from e
+        leaves.append((p, var.replace(arr)))
+        del w
+    return nnx.merge(graphdef, nnx.from_flat_state(leaves))
+
+
+def write_atomically(path: str | os.PathLike, write: Callable[[Path], None]) -> None:
+    """Runs ``write(tmp)`` on a fresh temporary sibling of ``path``, then renames it to
+    ``path``.
+
+    A failed ``write`` leaves nothing behind; an existing ``path`` is replaced only
+    after the new directory is complete.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if path.exists() and not path.is_dir():
+        raise ValueError(f"{path}: exists and is not a directory")
+    tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}.tmp-"))
+    try:
+        write(tmp)
+        if path.exists():
+            old = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}.old-"))
+            os.rmdir(old)
+            os.rename(path, old)
+            os.rename(tmp, path)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.rename(tmp, path)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def save_params(module: nnx.Module, path: str | os.PathLike, hf_config: Mapping[str, Any],
+                name_of: NameOf, *, tokenizer=None, max_shard_bytes: int = 4 << 30) -> None:
+    """Writes ``module``'s parameters as a safetensors checkpoint directory, atomically.
+
+    Tensors are fetched and converted to PyTorch layout one shard at a time; above
+    ``max_shard_bytes`` they are split into ``model-0000k-of-0000n.safetensors`` files
+    with a ``model.safetensors.index.json``. bfloat16 parameters are written as BF16.
+
+    Args:
+      module: the model.
+      path: output directory (see `write_atomically`).
+      hf_config: written as config.json.
+      name_of: parameter path -> (tensor name, n_in).
+      tokenizer: optional `tokenizers.Tokenizer`, written as tokenizer.json.
+      max_shard_bytes: the largest file size before splitting.
+    """
+    from safetensors.numpy import save_file
+
+    params = nnx.to_flat_state(nnx.state(module, nnx.Param))
+    shards: list[list] = [[]]
+    size = 0
+    for p, v in params:
+        nbytes = v.get_value().size * v.get_value().dtype.itemsize
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append((p, v))
+        size += nbytes
+
+    def write(tmp: Path) -> None:
+        (tmp / "config.json").write_text(json.dumps(hf_config, indent=2))
+        n = len(shards)
+        weight_map = {}
+        total = 0
+        for k, shard in enumerate(shards):
+            fname = SINGLE_FILE if n == 1 else f"model-{k + 1:05d}-of-{n:05d}.safetensors"
+            tensors = {}
+            for p, v in shard:
+                name, n_in = name_of(p)
+                tensors[name] = _to_hf(np.asarray(jax.device_get(v.get_value())), n_in)
+                weight_map[name] = fname
+                total += tensors[name].nbytes
+            save_file(tensors, str(tmp / fname), metadata={"format": "pt"})
+            del tensors
+        if n > 1:
+            (tmp / INDEX_FILE).write_text(json.dumps(
+                {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+        if tokenizer is not None:
+            tokenizer.save(str(tmp / "tokenizer.json"))
+
+    write_atomically(path, write)
+
+
+# --------------------------------------------------------------------------- target
 
 
 def load_target(path: str | os.PathLike, *, dtype=jnp.float32, mesh: Mesh | None = None,
@@ -234,7 +448,8 @@ def load_target(path: str | os.PathLike, *, dtype=jnp.float32, mesh: Mesh | None
     """Loads a local Hugging Face checkpoint directory into a `Target`.
 
     Args:
-      path: directory with config.json and safetensors weights.
+      path: directory with config.json and safetensors weights (any float dtype,
+        bfloat16 included).
       dtype: parameter/activation dtype (float32 or bfloat16).
       mesh: if given, every parameter is placed with the sharding its logical axes ask
         for (`tev_jax.sharding`); otherwise on the default device.
@@ -247,52 +462,18 @@ def load_target(path: str | os.PathLike, *, dtype=jnp.float32, mesh: Mesh | None
         extra / misshapen tensors, tokenizer-vocabulary mismatch. Nothing is returned
         half-loaded.
     """
-    from safetensors import safe_open
-
     path = Path(path)
     if not path.is_dir():
         raise ValueError(f"{path}: not a directory")
     config = read_config(path)
     if check_tokenizer and (path / "tokenizer.json").is_file():
         check_vocab(config, load_tokenizer(path))
-    where = _read_headers(path)
-    _check_tensors(config, where)
-
+    where = read_headers(path)
     abstract = nnx.eval_shape(lambda: Target(config, dtype=dtype, rngs=nnx.Rngs(0)))
-    graphdef, abs_state = nnx.split(abstract)
-    if mesh is not None:
-        shardings = nnx.to_flat_state(shd.state_shardings(abs_state, mesh, rules))
-        sharding_of = {p: v.get_value() for p, v in shardings}
-    else:
-        dev = SingleDeviceSharding(jax.devices()[0])
-        sharding_of = None
-
-    by_file: dict[str, list] = {}
-    for p, var in nnx.to_flat_state(abs_state):
-        name, n_in = _hf_name(p)
-        by_file.setdefault(where[name][0], []).append((p, var, name, n_in))
-
-    leaves = []
-    for fname, items in by_file.items():
-        try:
-            with safe_open(str(path / fname), framework="numpy") as f:
-                for p, var, name, n_in in items:
-                    aval = var.get_value()
-                    w = _to_ours(f.get_tensor(name), aval.shape, n_in)
-                    w = w.astype(aval.dtype, copy=False)
-                    s = dev if sharding_of is None else sharding_of[p]
-                    arr = jax.make_array_from_callback(aval.shape, s, lambda idx, w=w: w[idx])
-                    leaves.append((p, var.replace(arr)))
-                    del w
-        except ValueError:
-            raise
-        except Exception as e:
-            raise ValueError(f"{path / fname}: cannot read tensor data ({e})") from e
-    state = nnx.from_flat_state(leaves)
-    return nnx.merge(graphdef, state)
-
-
-# --------------------------------------------------------------------------- saving
+    # Some tied checkpoints store the shared matrix twice.
+    skip = ("lm_head.weight",) if config.tie_word_embeddings else ()
+    check_tensors(expected_shapes(abstract, _hf_name), where, skip=skip)
+    return load_params(path, abstract, _hf_name, where, mesh=mesh, rules=rules)
 
 
 def save_target(model: Target, path: str | os.PathLike, *, tokenizer=None,
@@ -310,56 +491,6 @@ def save_target(model: Target, path: str | os.PathLike, *, tokenizer=None,
       max_shard_bytes: above this size the weights are split into several files with
         a ``model.safetensors.index.json``.
     """
-    from safetensors.numpy import save_file
-
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    if path.exists() and not path.is_dir():
-        raise ValueError(f"{path}: exists and is not a directory")
-    config = model.config
-    dtype_name = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}.get(
-        jnp.dtype(model.dtype).name, "float32")
-
-    tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}.tmp-"))
-    try:
-        (tmp / "config.json").write_text(json.dumps(config.to_hf(dtype=dtype_name), indent=2))
-        # Group tensors into shards, fetching one at a time.
-        params = [(p, v) for p, v in nnx.to_flat_state(nnx.state(model, nnx.Param))]
-        shards: list[list] = [[]]
-        size = 0
-        for p, v in params:
-            nbytes = v.get_value().size * v.get_value().dtype.itemsize
-            if shards[-1] and size + nbytes > max_shard_bytes:
-                shards.append([])
-                size = 0
-            shards[-1].append((p, v))
-            size += nbytes
-        n = len(shards)
-        weight_map = {}
-        total = 0
-        for k, shard in enumerate(shards):
-            fname = SINGLE_FILE if n == 1 else f"model-{k + 1:05d}-of-{n:05d}.safetensors"
-            tensors = {}
-            for p, v in shard:
-                name, n_in = _hf_name(p)
-                tensors[name] = _to_hf(np.asarray(jax.device_get(v.get_value())), n_in)
-                weight_map[name] = fname
-                total += tensors[name].nbytes
-            save_file(tensors, str(tmp / fname), metadata={"format": "pt"})
-            del tensors
-        if n > 1:
-            (tmp / INDEX_FILE).write_text(json.dumps(
-                {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
-        if tokenizer is not None:
-            tokenizer.save(str(tmp / "tokenizer.json"))
-        if path.exists():
-            old = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}.old-"))
-            os.rmdir(old)
-            os.rename(path, old)
-            os.rename(tmp, path)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.rename(tmp, path)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    hf = model.config.to_hf(dtype=hf_dtype_name(model.dtype))
+    save_params(model, path, hf, _hf_name, tokenizer=tokenizer,
+                max_shard_bytes=max_shard_bytes)
