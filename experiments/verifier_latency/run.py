@@ -187,8 +187,14 @@ def main():
     ap.add_argument("--repeats", type=int, default=15)
     ap.add_argument("--min-time", type=float, default=2.0, help="seconds of timing per config")
     ap.add_argument("--out", default=str(HERE / "results.json"))
+    ap.add_argument("--config", help="one configuration N,V,T,B (e.g. 65,151936,0.6,8)")
+    ap.add_argument("--skip", default="", help="comma-separated methods to leave out")
     args = ap.parse_args()
-    if args.quick:
+    if args.config:
+        n, v, t, b = args.config.split(",")
+        grid = [(int(n), int(v), float(t), int(b))]
+        repeats, min_time = args.repeats, args.min_time
+    elif args.quick:
         grid = [(65, v, 1.0, 1) for v in (32_000, 151_936)]
         repeats, min_time = 5, 0.5
     else:
@@ -198,7 +204,7 @@ def main():
     load_start = os.getloadavg()
     rows = []
     for n, v, t, b in grid:
-        row = bench_config(n, v, t, b, repeats, min_time)
+        row = bench_config(n, v, t, b, repeats, min_time, skip=tuple(args.skip.split(",")))
         rows.append(row)
         m = row["median_ms"]
         print(f"N={n:4d} V={v:6d} T={t} B={b}: floor {m['floor']:8.2f} ms | "
