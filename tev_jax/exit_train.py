@@ -21,8 +21,10 @@ queries of one forward, node v of anchor a sits at position ``anchor + depth(v)`
 sees the sequence positions ``< anchor`` plus its tree ancestors (itself and the root,
 whose token is ``tokens[anchor]``, included)::
 
-    keys:     sequence 0..L-1          | anchor 0's tree | anchor 1's tree | ...
-    query (a, v):  positions < anchor_a | ancestors of v  |  (only its own tree)
+    keys:          sequence 0..L-1      | the tree of anchor a
+    query (a, v):  positions < anchor_a | ancestors of v (v included)
+
+Its cost is about one target forward over the A * N tree nodes (plus their LM head).
 """
 
 from __future__ import annotations
@@ -35,7 +37,9 @@ from flax import struct
 
 from tev_jax.exit_law import ExitLaw, exit_law
 from tev_jax.models.kv_cache import KVCache
+from tev_jax.models.layers import rope_inv_freq
 from tev_jax.sampling import Sampling
+from tev_jax.sharding import constrain
 from tev_jax.tree import DraftTree, ancestor_mask
 
 WEIGHTINGS = ("exit", "exit_depth", "prefix")
@@ -191,68 +195,83 @@ def target_context(target, tokens_BL: jax.Array, taps: Sequence[int]
     return jax.lax.stop_gradient((feats, KVCache(k=k, v=v)))
 
 
-@struct.dataclass
-class TreeQueries:
-    """Inputs of the batched tree scoring forward (T = A * N queries per row).
+def _anchor_attention(q_BTHd, k_BTKd, v_BTKd, kc_BLKd, vc_BLKd, anchors_BA, anc_BANN):
+    """GQA attention of T = A * N tree queries: prefix ``< anchor`` + own ancestors.
 
-    Attributes:
-      tokens: int32 [B, T] node tokens, anchor-major.
-      positions: int32 [B, T], ``anchor + depth``.
-      block_mask: bool [B, T, T], same anchor and ancestor-or-self.
-      prefix_mask: bool [B, T, L], sequence position ``< anchor``.
+    One joint softmax over two key segments: the sequence's cached keys (shared by the
+    anchors of a row, masked per anchor) and the keys of the query's own tree (masked by
+    the ancestor mask). Blocking by anchor keeps the tree part at [A, N, N] per row
+    instead of a block-diagonal [A*N, A*N].
     """
-
-    tokens: jax.Array
-    positions: jax.Array
-    block_mask: jax.Array
-    prefix_mask: jax.Array
-
-
-def tree_queries(trees: DraftTree, anchors_BA: jax.Array, seq_len: int) -> TreeQueries:
-    """Flattens the trees of all anchors into one masked forward (see module docstring).
-
-    Args:
-      trees: `DraftTree` with fields [B, A, N]; slot 0 of anchor a holds ``tokens[a]``.
-      anchors_BA: int [B, A] anchor positions.
-      seq_len: L.
-    """
-    b, a, n = trees.tokens.shape
-    anchors = anchors_BA.astype(jnp.int32)
-    anc_BANN = jax.vmap(jax.vmap(ancestor_mask))(trees)
-    same_AA = jnp.eye(a, dtype=bool)
-    block = same_AA[None, :, None, :, None] & anc_BANN[:, :, :, None, :]
-    positions = anchors[:, :, None] + trees.depths.astype(jnp.int32)
-    prefix = jnp.arange(seq_len, dtype=jnp.int32)[None, None, None, :] < anchors[:, :, None, None]
-    prefix = jnp.broadcast_to(prefix, (b, a, n, seq_len))
-    return TreeQueries(
-        tokens=trees.tokens.reshape(b, a * n).astype(jnp.int32),
-        positions=positions.reshape(b, a * n),
-        block_mask=block.reshape(b, a * n, a * n),
-        prefix_mask=prefix.reshape(b, a * n, seq_len),
-    )
+    b, t, hq, hd = q_BTHd.shape
+    a = anchors_BA.shape[1]
+    n, kh = t // a, k_BTKd.shape[2]
+    g = hq // kh
+    f32 = jnp.float32
+    q = q_BTHd.reshape(b, a, n, kh, g, hd)
+    k = k_BTKd.reshape(b, a, n, kh, hd).astype(q.dtype)
+    v = v_BTKd.reshape(b, a, n, kh, hd)
+    scale = hd ** -0.5
+    s_pre = jnp.einsum("bankgd,blkd->bakgnl", q, kc_BLKd.astype(q.dtype),
+                       preferred_element_type=f32) * scale
+    s_tree = jnp.einsum("bankgd,bamkd->bakgnm", q, k, preferred_element_type=f32) * scale
+    positions = jnp.arange(kc_BLKd.shape[1])
+    m_pre = (positions[None, None, :] < anchors_BA[:, :, None])[:, :, None, None, None, :]
+    m_tree = anc_BANN[:, :, None, None]
+    neg = jnp.finfo(f32).min
+    s_pre = jnp.where(m_pre, s_pre, neg)
+    s_tree = jnp.where(m_tree, s_tree, neg)
+    mx = jnp.maximum(jnp.max(s_pre, -1, keepdims=True), jnp.max(s_tree, -1, keepdims=True))
+    p_pre = jnp.where(m_pre, jnp.exp(s_pre - mx), 0.0)
+    p_tree = jnp.where(m_tree, jnp.exp(s_tree - mx), 0.0)
+    # Every query sees itself, so the denominator is >= 1.
+    denom = jnp.sum(p_pre, -1, keepdims=True) + jnp.sum(p_tree, -1, keepdims=True)
+    out = (jnp.einsum("bakgnl,blkd->bankgd", (p_pre / denom).astype(vc_BLKd.dtype), vc_BLKd,
+                      preferred_element_type=f32)
+           + jnp.einsum("bakgnm,bamkd->bankgd", (p_tree / denom).astype(v.dtype), v,
+                        preferred_element_type=f32))
+    return out.reshape(b, t, hq, hd).astype(q_BTHd.dtype)
 
 
 def score_tree_nodes(target, cache: KVCache, trees: DraftTree, anchors_BA: jax.Array
                      ) -> jax.Array:
     """Target logits of every node of every anchor's tree in one forward.
 
+    The T = A * N nodes of a row are the queries of one pass through the target's
+    layers (the same sub-modules and order as ``DecoderLayer``), with anchor-blocked
+    attention (`_anchor_attention`): node v of anchor a, at position
+    ``anchor_a + depth(v)``, sees the cached sequence positions ``< anchor_a`` and its
+    tree ancestors (itself included).
+
     Args:
       target: the frozen `Target`.
       cache: the sequence's keys/values from `target_context` (L slots).
-      trees: `DraftTree` with fields [B, A, N].
+      trees: `DraftTree` with fields [B, A, N]; slot 0 of anchor a holds
+        ``tokens[anchor_a]``.
       anchors_BA: int [B, A].
     Returns:
       float32 [B, A, N, V]; row (a, v) is the target's next-token logits after
       ``tokens[:anchor_a]`` and the path root..v. Detached.
     """
     b, a, n = trees.tokens.shape
-    q = tree_queries(trees, anchors_BA, cache.max_len)
-    h, _, _, _ = target._stack(q.tokens, q.positions, q.block_mask, q.prefix_mask, cache)
-    logits = target.unembed(h)
+    anchors = anchors_BA.astype(jnp.int32)
+    anc_BANN = jax.vmap(jax.vmap(ancestor_mask))(trees)
+    tokens = trees.tokens.reshape(b, a * n).astype(jnp.int32)
+    positions = (anchors[:, :, None] + trees.depths.astype(jnp.int32)).reshape(b, a * n)
+    inv_freq = rope_inv_freq(target.config)
+    x = target.embed(tokens)
+    for i, layer in enumerate(target.layers):
+        q, k, v = layer.self_attn.qkv(layer.input_layernorm(x), positions, inv_freq)
+        att = _anchor_attention(q, k, v, cache.k[i], cache.v[i], anchors, anc_BANN)
+        x = constrain(x + layer.self_attn.out(att), ("batch", "seq", "act_embed"))
+        x = x + layer.mlp(layer.post_attention_layernorm(x))
+        x = constrain(x, ("batch", "seq", "act_embed"))
+    logits = target.unembed(target.norm(x))
     return jax.lax.stop_gradient(logits.reshape(b, a, n, logits.shape[-1]))
 
 
 __all__ = [
-    "LossParts", "TreeQueries", "WEIGHTINGS", "check_weighting", "exit_loss", "node_weights",
-    "score_tree_nodes", "target_context", "token_loss", "tree_exit_weights", "tree_queries",
+    "LossParts", "WEIGHTINGS", "check_weighting", "exit_loss", "node_weights",
+    "score_tree_nodes", "target_context", "token_loss", "tree_exit_weights",
 ]
+

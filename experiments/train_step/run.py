@@ -16,7 +16,9 @@ own (so the stages do not sum exactly to the fused step):
     exit_loss_grad   gathered exit loss and its gradient w.r.t. logits  exit only
 
 All variants run round-robin (one call each per round, after a discarded warm-up
-round, compile timed separately); figures are medians over rounds.
+round, compile timed separately); figures are medians over rounds, of wall time and of
+process CPU time (XLA's thread pool included: less disturbed by other jobs on a shared
+machine).
 
     python experiments/train_step/run.py            # sparse + dense -> results.json
     python experiments/train_step/run.py --quick    # one small setup -> results_quick.json
@@ -73,8 +75,8 @@ HERE = Path(__file__).resolve().parent
 # is A*N against L: the paper's recipe (A=32 anchors, budget 32, sequences up to 3072)
 # has A*N ~ L/3 or less; `sparse` is A*N = L/2 and `dense` A*N = 2L.
 SETUPS = {
-    "sparse": dict(batch=2, seq_len=512, anchors=8, block=16, budget=32, rounds=5),
-    "dense": dict(batch=2, seq_len=256, anchors=16, block=16, budget=32, rounds=5),
+    "sparse": dict(batch=2, seq_len=512, anchors=8, block=16, budget=32, rounds=9),
+    "dense": dict(batch=2, seq_len=256, anchors=16, block=16, budget=32, rounds=9),
     "quick": dict(batch=2, seq_len=128, anchors=8, block=16, budget=16, rounds=3),
 }
 TARGET = ModelConfig(model_type="qwen3", vocab_size=4096, hidden_size=256,
@@ -84,9 +86,10 @@ TAPS = (1, 3)
 
 
 def timed(fn, *args):
-    t0 = time.perf_counter()
+    """(wall seconds, process CPU seconds) of one call up to ``block_until_ready``."""
+    t0, c0 = time.perf_counter(), time.process_time()
     jax.block_until_ready(fn(*args))
-    return time.perf_counter() - t0
+    return time.perf_counter() - t0, time.process_time() - c0
 
 
 def run_setup(name: str) -> dict:
@@ -180,16 +183,20 @@ def run_setup(name: str) -> dict:
         "exit_weights": lambda: exit_weights(trees, tlogits),
         "exit_loss_grad": lambda: exit_loss_grad(logits, trees, weights),
     }
-    compile_s = {k: timed(fn) for k, fn in variants.items()}   # first call: trace + compile
+    compile_s = {k: timed(fn)[0] for k, fn in variants.items()}  # first call: trace + compile
     times = {k: [] for k in variants}
+    cpu = {k: [] for k in variants}
     for r in range(s["rounds"] + 1):
         for k, fn in variants.items():
-            dt = timed(fn)
+            wall, used = timed(fn)
             if r > 0:
-                times[k].append(dt)
-        print(f"round {r}: " + " ".join(f"{k}={times[k][-1] * 1e3:.0f}ms"
-                                        for k in variants if times[k]), flush=True)
+                times[k].append(wall)
+                cpu[k].append(used)
+        if r > 0:
+            print(f"round {r}: " + " ".join(f"{k}={times[k][-1] * 1e3:.0f}ms" for k in variants),
+                  flush=True)
     med = {k: float(np.median(v)) for k, v in times.items()}
+    med_cpu = {k: float(np.median(v)) for k, v in cpu.items()}
     result = {
         "setup": name,
         "shapes": {"B": b, "L": length, "A": a, "H": h, "N": budget + 1,
@@ -199,14 +206,16 @@ def run_setup(name: str) -> dict:
         "drafter": {"layers": 1, "block_size": s["block"], "taps": list(TAPS)},
         "median_ms": {k: round(v * 1e3, 2) for k, v in med.items()},
         "min_ms": {k: round(min(v) * 1e3, 2) for k, v in times.items()},
+        "median_cpu_ms": {k: round(v * 1e3, 2) for k, v in med_cpu.items()},
         "first_call_s": {k: round(v, 2) for k, v in compile_s.items()},
         "exit_over_token": round(med["exit_step"] / med["token_step"], 3),
+        "exit_over_token_cpu": round(med_cpu["exit_step"] / med_cpu["token_step"], 3),
         "exit_extra_stages_ms": round(1e3 * sum(med[k] for k in (
             "tree_build", "target_scoring", "exit_weights", "exit_loss_grad")), 2),
         "rounds": s["rounds"],
         "load_avg_after": [round(x, 2) for x in os.getloadavg()],
     }
-    print(json.dumps({k: result[k] for k in ("setup", "median_ms", "exit_over_token")}, indent=2))
+    print(json.dumps({k: result[k] for k in ("setup", "median_ms", "exit_over_token", "exit_over_token_cpu")}, indent=2))
     return result
 
 
