@@ -735,13 +735,18 @@ _GRAPH_STAGES = ("prefill", "draft", "verify")
 
 
 @functools.lru_cache(maxsize=None)
-def _stage_fn(stage: str, static: _Static):
-    fn = functools.partial(_STAGES[stage], static=static)
-    return jax.jit(fn, static_argnames=("graphdef",) if stage in _GRAPH_STAGES else ())
+def _stage_fn(stage: str, static: _Static, graphdef=None):
+    # The graphdef is bound here rather than passed as a static argument: hashing it on
+    # every call would add a dispatch cost that dwarfs small stages.
+    if stage in _GRAPH_STAGES:
+        return jax.jit(functools.partial(_STAGES[stage], graphdef, static=static))
+    return jax.jit(functools.partial(_STAGES[stage], static=static))
 
 
-def _stage_fns(static: _Static) -> dict[str, Callable]:
-    fns = {stage: _stage_fn(stage, _reduced(static, stage)) for stage in _STAGES}
+def _stage_fns(static: _Static, graphdef) -> dict[str, Callable]:
+    fns = {stage: _stage_fn(stage, _reduced(static, stage),
+                            graphdef if stage in _GRAPH_STAGES else None)
+           for stage in _STAGES}
     fns["split"] = _split
     return fns
 
@@ -765,7 +770,7 @@ def profile_generate(target, drafter, prompt_ids, config: DecodeConfig, key=0, *
     graphdef, params, tokens_BT, lengths_B, static = _prepare(target, drafter, prompt_ids, config)
     if isinstance(key, int):
         key = jax.random.key(key)
-    fns = _stage_fns(static)
+    fns = _stage_fns(static, graphdef)
     m = config.max_new_tokens
     times = dict.fromkeys(("prefill", "draft", "build", "verify", "decide", "commit"), 0.0)
 
@@ -777,18 +782,20 @@ def profile_generate(target, drafter, prompt_ids, config: DecodeConfig, key=0, *
                 times[name] += time.perf_counter() - t0
             return out
 
-        draft_logits, ctx = timed("draft", fns["draft"], graphdef=graphdef, params=params, st=st)
+        if static.has_drafter:
+            draft_logits, ctx = timed("draft", fns["draft"], params, st)
+        else:
+            draft_logits, ctx = None, st.ctx
         tree = timed("build", fns["build"], draft_logits, st.root_B)
-        logits, feats, cache = timed("verify", fns["verify"], graphdef=graphdef,
-                                     params=params, cache=st.cache, tree=tree,
-                                     start_B=st.start_B)
+        logits, feats, cache = timed("verify", fns["verify"], params, st.cache, tree,
+                                     st.start_B)
         key, sub = fns["split"](st.key)
         verdict = timed("decide", fns["decide"], sub, tree, logits)
         return timed("commit", fns["commit"], st, ctx, draft_logits, tree, logits, feats,
                      cache, verdict, key)
 
-    prefill = lambda: jax.block_until_ready(fns["prefill"](
-        graphdef=graphdef, params=params, tokens_BT=tokens_BT, lengths_B=lengths_B, key=key))
+    prefill = lambda: jax.block_until_ready(
+        fns["prefill"](params, tokens_BT, lengths_B, key))
     if warmup:
         prefill()
     t0 = time.perf_counter()
