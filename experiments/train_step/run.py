@@ -183,7 +183,8 @@ def run_setup(name: str) -> dict:
         "exit_weights": lambda: exit_weights(trees, tlogits),
         "exit_loss_grad": lambda: exit_loss_grad(logits, trees, weights),
     }
-    compile_s = {k: timed(fn)[0] for k, fn in variants.items()}  # first call: trace + compile
+    # First calls: trace + compile (the stages were compiled above, making their inputs).
+    compile_s = {k: timed(fn)[0] for k, fn in variants.items()}
     times = {k: [] for k in variants}
     cpu = {k: [] for k in variants}
     for r in range(s["rounds"] + 1):
@@ -207,7 +208,7 @@ def run_setup(name: str) -> dict:
         "median_ms": {k: round(v * 1e3, 2) for k, v in med.items()},
         "min_ms": {k: round(min(v) * 1e3, 2) for k, v in times.items()},
         "median_cpu_ms": {k: round(v * 1e3, 2) for k, v in med_cpu.items()},
-        "first_call_s": {k: round(v, 2) for k, v in compile_s.items()},
+        "compile_s": {k: round(compile_s[k], 2) for k in ("token_step", "exit_step")},
         "exit_over_token": round(med["exit_step"] / med["token_step"], 3),
         "exit_over_token_cpu": round(med_cpu["exit_step"] / med_cpu["token_step"], 3),
         "exit_extra_stages_ms": round(1e3 * sum(med[k] for k in (
