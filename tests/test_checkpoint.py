@@ -26,6 +26,8 @@ def test_kill_and_resume_gives_bitwise_identical_losses(tmp_path):
     cfg = tf.config(tmp_path / "resumed")
     first = _run(cfg, until_update=3)                  # "killed" after update 3
     assert [h["update"] for h in first.history] == [1, 2, 3]
+    with (tmp_path / "resumed" / "train_log.jsonl").open("a") as f:
+        f.write('{"update": 4, "loss": 0.0}\n')     # logged after the last checkpoint
     second = _run(cfg, until_update=6)
     assert second.start_update == 3
     keys = ("loss", "token_loss", "exit_loss", "tau", "grad_norm", "lr")

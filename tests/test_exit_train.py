@@ -21,7 +21,7 @@ from tev_jax.exit_train import (
 )
 from tev_jax.models import ModelConfig, init_target
 from tev_jax.sampling import Sampling
-from tev_jax.tree import DraftTree, make_tree
+from tev_jax.tree import make_tree
 
 
 def random_tree(rng, n_slots, vocab, horizon, root=None):

@@ -5,7 +5,6 @@ rollouts, config and CLI."""
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx

@@ -109,6 +109,15 @@ def _check_resume(meta: dict, cfg: TrainConfig, data: RolloutSet, step: int, ckd
                          f"(checkpoint {meta.get('data')}, now {data.fingerprint()})")
 
 
+def _truncate_log(path: Path, upto: int) -> None:
+    """Drops records after update ``upto`` (written by a run killed after its last
+    checkpoint; the resumed run writes them again)."""
+    if jax.process_index() != 0 or not path.exists():
+        return
+    keep = [r for r in read_log(path) if r.get("update", 0) <= upto]
+    path.write_text("".join(json.dumps(r) + "\n" for r in keep))
+
+
 def _write_log(path: Path, record: dict) -> None:
     if jax.process_index() == 0:
         with path.open("a") as f:
@@ -174,6 +183,7 @@ def train(cfg: TrainConfig, *, target=None, drafter=None, data: RolloutSet | Non
     else:
         state = init_state(params, optimizer, place)
     del params
+    _truncate_log(log_path, start)
 
     meta_base = {"config": cfg.run_fingerprint(), "data": data.fingerprint(),
                  "drafter": drafter.config.to_hf()}
@@ -214,14 +224,10 @@ def train(cfg: TrainConfig, *, target=None, drafter=None, data: RolloutSet | Non
     bar.close()
     ckpt.close()
 
-    drafter_out = _merged_drafter(graphs, frozen, state.params)
+    drafter_out = merge_drafter(graphs, frozen, state.params)
     if save_final_drafter and update >= cfg.steps:
         _save_drafter(drafter_out, out / "drafter")
     return TrainResult(state=state, history=history, start_update=start, drafter=drafter_out)
-
-
-def _merged_drafter(graphs, frozen, params):
-    return merge_drafter(graphs, frozen, params)
 
 
 def _save_drafter(drafter, path: Path) -> None:

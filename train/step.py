@@ -35,6 +35,7 @@ import numpy as np
 import optax
 from flax import nnx, struct
 
+from tev_jax import ddtree
 from tev_jax import sharding as shd
 from tev_jax.exit_train import (
     exit_loss,
@@ -205,16 +206,10 @@ def block_labels(tokens_BL: jax.Array, anchors_BA: jax.Array, horizon: int) -> j
 
 def build_trees(draft_logits_BAHV: jax.Array, roots_BA: jax.Array, budget: int) -> DraftTree:
     """DDTree of every anchor from its (detached) draft rows; fields [B, A, N]."""
-    from tev_jax import ddtree
-
     b, a, h, v = draft_logits_BAHV.shape
     logits = jax.lax.stop_gradient(draft_logits_BAHV).reshape(b * a, h, v)
-
-    def one(logits_HV, root):
-        built = ddtree.build_tree(logits_HV, root, budget)
-        return built if isinstance(built, DraftTree) else built[0]
-
-    trees = jax.vmap(one)(logits, roots_BA.reshape(b * a).astype(jnp.int32))
+    trees, _ = jax.vmap(lambda l, r: ddtree.build_tree(l, r, budget))(
+        logits, roots_BA.reshape(b * a).astype(jnp.int32))
     return jax.tree.map(lambda x: x.reshape((b, a) + x.shape[1:]), trees)
 
 
