@@ -429,7 +429,7 @@ class StepProgram:
 
 
 _PROGRAMS: collections.OrderedDict = collections.OrderedDict()
-_MAX_PROGRAMS = 4
+_MAX_PROGRAMS = 8
 
 
 def step_program(graphs: Graphs, cfg: StepConfig, ocfg: OptimConfig, mesh, param_state,
