@@ -3,10 +3,11 @@
 A small-vocabulary target (V = 8) makes the autoregressive law of the first three
 generated tokens enumerable exactly: ``p(t0) p(t1 | t0) p(t2 | t0, t1)`` over V^3 = 512
 sequences, from cache-free target logits. For each verifier, 10^5 generations of one
-prompt (a batch of 2 x 50 000 copies, keys fixed by the seeds below) with DDTree trees
+prompt (a batch of 2 x 50 000 copies, keys fixed by the seeds below) use DDTree trees
 from a cheap context-free drafter whose first-round rows are the oracle's (the target's
-logits along the greedy chain after the prompt and the root; so draft tokens are
-accepted often and the verifier decides most of the output) are compared with that law by a chi-square test at significance
+logits along the greedy chain after the prompt and the root), so draft tokens are
+accepted often and the verifier decides most of the output. Their counts over the 512
+sequences are compared with the exact law by a chi-square test at significance
 ``ALPHA`` = 1e-3 (cells with an expected count below 5 pooled). A negative control -
 TEV with the bonus drawn from the full distribution at the exit instead of the
 residual - must be rejected at the same level with half the sample (5 x 10^4).

@@ -5,7 +5,7 @@ One round for every row b of a batch, with static shapes::
     draft   : drafter(new context, [root, MASK x H] at start..start+H) -> draft logits [B, H, V]
     build   : ddtree / chain / root only                              -> DraftTree [B, N]
     verify  : target.verify_tree at positions start + depth           -> logits [B, N, V], taps
-    decide  : verifier(key, tree, logits)                             -> path [B, H+1], length, bonus
+    decide  : verifier(key, tree, logits)                 -> path [B, H+1], length, bonus
     commit  : KV slot start+j <- start+path[j]; output += path tokens after the root, then
               the bonus; the path's taps become the drafter's next context;
               start += length; root <- bonus
@@ -158,7 +158,7 @@ class DecodeConfig:
       verifier: 'tev', 'predraw', 'sequential', 'greedy' (T = 0 only), or a callable
         ``(key, tree, target_logits_NV, sampling, *, horizon) -> Verdict`` (for
         experiments and tests). Ignored when ``builder='none'``.
-      sampling: the target's sampling transform.
+      sampling: the target's sampling transform (default greedy, T = 0).
       stop_token_ids: a row ends after emitting any of these (the stop token is kept).
       max_cache_len: L, target and drafter cache slots; None picks the smallest that fits
         (longest prompt + M + N, rounded up to a multiple of 8).
@@ -181,7 +181,8 @@ class DecodeConfig:
         if self.builder not in BUILDERS:
             raise ValueError(f"builder must be one of {BUILDERS}, got {self.builder!r}")
         if self.builder == "ddtree" and (not isinstance(self.budget, int) or self.budget < 1):
-            raise ValueError(f"budget must be a positive int for builder='ddtree', got {self.budget!r}")
+            raise ValueError(
+                f"budget must be a positive int for builder='ddtree', got {self.budget!r}")
         if isinstance(self.verifier, str):
             if self.verifier not in VERIFIERS:
                 raise ValueError(f"verifier must be one of {VERIFIERS} or a callable, "
@@ -214,8 +215,9 @@ class DecodeStats:
         (before truncation at a stop token or at M); 0 where the row was finished.
       expected_lengths: float [R, B] the exit law's ``1 + coverage`` of the same trees
         (``track_exit_law``), else None.
-      stage_seconds: per-stage device seconds summed over rounds (`profile_generate`
-        only, keys 'prefill', 'draft', 'build', 'verify', 'decide', 'commit'), else None.
+      stage_seconds: per-stage wall seconds up to ``block_until_ready``, summed over
+        rounds (`profile_generate` only; keys 'prefill', 'draft', 'build', 'verify',
+        'decide', 'commit'; each includes the stage call's dispatch), else None.
       seconds: wall time of the timed call (`timed_generate`, `profile_generate`), else None.
     """
 
@@ -391,6 +393,10 @@ def _stage_draft(graphdef, params, st: DecodeState, *, static: _Static):
     ctx = drafter.extend_context(target, st.ctx, st.new_tokens_BP, st.new_feats_BPF,
                                  st.start_B - st.new_count_B, st.new_count_B)
     logits_BHV, ctx = drafter.draft(target, ctx, st.root_B, st.start_B)
+    want = (st.root_B.shape[0], static.horizon, target.config.vocab_size)
+    if logits_BHV.shape != want:  # raised while tracing, i.e. on the host
+        raise ValueError(f"the drafter returned draft logits of shape {logits_BHV.shape}; "
+                         f"expected [B, H, V] = {list(want)}")
     return logits_BHV.astype(jnp.float32), ctx
 
 
@@ -681,24 +687,38 @@ def generate_ar(target, prompt_ids: Sequence[Sequence[int]], config: DecodeConfi
     return generate(target, None, prompt_ids, dataclasses.replace(config, builder="none"), key)
 
 
-def timed_generate(target, drafter, prompt_ids, config: DecodeConfig, key=0, *,
-                   repeats: int = 3) -> Generation:
-    """`generate` after a warm-up (compile) call; ``stats.seconds`` = median wall time.
+def compiled_generate(target, drafter, prompt_ids, config: DecodeConfig, key=0
+                      ) -> Callable[[], Generation]:
+    """Validates and compiles `generate` once; returns a function that reruns it.
 
-    Timing covers the fused jitted call up to ``block_until_ready`` (host checks excluded).
+    Each call of the returned function runs the fused generation once and returns its
+    `Generation` with ``stats.seconds`` = wall time of the jitted call up to
+    ``block_until_ready`` (host checks excluded). Benchmarks compile every
+    configuration first and then time them round-robin.
     """
     graphdef, params, tokens_BT, lengths_B, static = _prepare(target, drafter, prompt_ids, config)
     if isinstance(key, int):
         key = jax.random.key(key)
-    run = lambda: jax.block_until_ready(
+    jax.block_until_ready(
         _generate_jit(graphdef, params, tokens_BT, lengths_B, key, static=static))
-    st = run()
-    times = []
-    for _ in range(max(repeats, 1)):
+
+    def run() -> Generation:
         t0 = time.perf_counter()
-        st = run()
-        times.append(time.perf_counter() - t0)
-    return _finish(st, config, seconds=float(np.median(times)))
+        st = jax.block_until_ready(
+            _generate_jit(graphdef, params, tokens_BT, lengths_B, key, static=static))
+        return _finish(st, config, seconds=time.perf_counter() - t0)
+
+    return run
+
+
+def timed_generate(target, drafter, prompt_ids, config: DecodeConfig, key=0, *,
+                   repeats: int = 3) -> Generation:
+    """`generate` after a compile call; ``stats.seconds`` = median over ``repeats`` runs."""
+    run = compiled_generate(target, drafter, prompt_ids, config, key)
+    gens = [run() for _ in range(max(repeats, 1))]
+    seconds = float(np.median([g.stats.seconds for g in gens]))
+    return dataclasses.replace(gens[-1], stats=dataclasses.replace(gens[-1].stats,
+                                                                   seconds=seconds))
 
 
 # ---------------------------------------------------------------------- profiling path

@@ -41,7 +41,8 @@ class OracleDrafter(nnx.Module):
         p = tokens_BP.shape[1]
         j = jnp.arange(p, dtype=jnp.int32)
         positions_BP = start_B[:, None] + j[None, :]
-        mask_BPP = (j[None, :, None] >= j[None, None, :]) & (j[None, None, :] < count_B[:, None, None])
+        mask_BPP = ((j[None, :, None] >= j[None, None, :])
+                    & (j[None, None, :] < count_B[:, None, None]))
         # Entries past ``count`` land on scratch slots >= start + count.
         _, _, ctx = target.extend_hidden(ctx, tokens_BP, positions_BP, start_B, mask_BPP)
         return ctx

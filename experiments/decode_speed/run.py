@@ -2,14 +2,16 @@
 
 Everything runs in one process on the same models, batch 1, float32:
 
-1. **Fused** (`tev_jax.decode.timed_generate`: the whole generation is one jitted
-   ``lax.while_loop``; a compile call first, then the median of ``--repeats`` timed
-   calls): tokens/s and τ of plain autoregressive decoding (AR), the DFlash chain
+1. **Fused** (`tev_jax.decode.compiled_generate`: the whole generation is one jitted
+   ``lax.while_loop``; every configuration is compiled first, then all are timed
+   round-robin ``--repeats`` times, so that load drift on a shared machine hits them
+   alike; medians): tokens/s and τ of plain autoregressive decoding (AR), the DFlash chain
    (verified by TEV) and DDTree trees of each budget verified by predraw and by TEV, at
    T = 0 and T = 1, with the DFlash drafter. Speed-ups are against the AR run of the same
    temperature.
 2. **Un-fused** (`tev_jax.decode.profile_generate`: every stage jitted separately and
-   timed with ``block_until_ready``, after a warm-up pass): per-stage seconds (prefill,
+   timed with ``block_until_ready``, after a warm-up pass; one run per configuration;
+   each stage call includes a dispatch overhead, measured and recorded): per-stage seconds (prefill,
    draft, build, verify, decide, commit) and τ, for the DFlash drafter and for the oracle
    drafter (`tev_jax.decode_drafters.OracleDrafter`, which drafts with the target's own
    greedy chain: τ is meaningful, but its draft stage costs H target decode steps).
@@ -104,6 +106,23 @@ def entropy_nats(target, prompt, temperature):
     return float(-(p * jax.nn.log_softmax(logits)).sum())
 
 
+def dispatch_seconds(target, drafter, prompt, max_new, repeats=200):
+    """Median wall time of a jitted no-op over the un-fused path's arguments (params and
+    decode state): the dispatch overhead included in every un-fused stage time."""
+    cfg = decode.DecodeConfig(max_new_tokens=max_new, builder="chain")
+    graphdef, params, tokens_BT, lengths_B, static = decode._prepare(target, drafter, [prompt], cfg)
+    st = decode._stage_fns(static, graphdef)["prefill"](params, tokens_BT, lengths_B,
+                                                        jax.random.key(0))
+    noop = jax.jit(lambda params, st: st.round)
+    jax.block_until_ready(noop(params, st))
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        jax.block_until_ready(noop(params, st))
+        times.append(time.perf_counter() - t0)
+    return float(np.median(times))
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true")
@@ -133,26 +152,40 @@ def main():
 
     runs = []
     t_start = time.time()
+    dispatch = dispatch_seconds(target, drafter, prompt, max_new)
+    print(f"un-fused dispatch overhead per stage call: {dispatch * 1e3:.2f} ms", flush=True)
+    # 1. fused tokens/s with the DFlash drafter: compile everything, then time round-robin
+    fused = {}
     for temp in args.temperatures:
-        ent = entropy_nats(target, prompt, temp)
-        # 1. fused tokens/s with the DFlash drafter
-        ar_speed = None
         for name, cfg in configs(budgets, temp, max_new):
             t0 = time.perf_counter()
-            gen = decode.timed_generate(target, None if cfg.builder == "none" else drafter,
-                                        [prompt], cfg, key=0, repeats=repeats)
+            fused[temp, name] = decode.compiled_generate(
+                target, None if cfg.builder == "none" else drafter, [prompt], cfg, key=0)
+            print(f"compiled T={temp} {name} in {time.perf_counter() - t0:.1f} s", flush=True)
+    times = {k: [] for k in fused}
+    gens = {}
+    for _ in range(repeats):
+        for k, run in fused.items():
+            gens[k] = run()
+            times[k].append(gens[k].stats.seconds)
+    for temp in args.temperatures:
+        ent = entropy_nats(target, prompt, temp)
+        ar_speed = None
+        for name, _ in configs(budgets, temp, max_new):
+            gen, secs = gens[temp, name], float(np.median(times[temp, name]))
             n = int(gen.lengths[0])
-            speed = n / gen.stats.seconds
+            speed = n / secs
             ar_speed = speed if name == "AR" else ar_speed
             row = dict(path="fused", drafter="dflash", temperature=temp, config=name,
-                       tokens=n, seconds=gen.stats.seconds, tokens_per_s=speed,
-                       speedup_vs_ar=speed / ar_speed, tau=gen.stats.tau,
-                       rounds=gen.stats.rounds, entropy_first_step=ent,
-                       wall_incl_compile=time.perf_counter() - t0)
+                       tokens=n, seconds=secs, seconds_all=times[temp, name],
+                       tokens_per_s=speed, speedup_vs_ar=speed / ar_speed, tau=gen.stats.tau,
+                       rounds=gen.stats.rounds, entropy_first_step=ent)
             runs.append(row)
-            print(f"T={temp} fused dflash {name:16s} {speed:8.1f} tok/s  x{row['speedup_vs_ar']:.2f}"
-                  f"  tau {row['tau']:.2f}", flush=True)
-        # 2. un-fused stage times, DFlash and oracle drafters
+            print(f"T={temp} fused dflash {name:16s} {speed:8.1f} tok/s  "
+                  f"x{row['speedup_vs_ar']:.2f}  tau {row['tau']:.2f}", flush=True)
+
+    # 2. un-fused stage times, DFlash and oracle drafters (one warmed-up run each)
+    for temp in args.temperatures:
         for dname, d in (("dflash", drafter), ("oracle", oracle)):
             for name, cfg in configs(budgets, temp, max_new):
                 if name == "AR" and dname == "oracle":
@@ -199,6 +232,7 @@ def main():
                      jax=jax.__version__, backend=jax.default_backend(),
                      load_average=os.getloadavg()),
         total_seconds=time.time() - t_start,
+        unfused_dispatch_seconds_per_call=dispatch,
         runs=runs,
         projections=projections,
     )
