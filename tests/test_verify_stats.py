@@ -183,9 +183,9 @@ def _tev_bonus_from_full(key, tree, logits, sampling, *, horizon):
     """Bug: the bonus is drawn from p_exit, child tokens included."""
     u = verify.uniform(key, (2,))
     w = exit_law(tree, logits, sampling).w
-    exit_node = verify.inverse_cdf(u[:1], Scores(jnp.log(w)[None], jnp.zeros(1), 1.0))[0]
+    exit_node = verify.inverse_cdf(u[:1], Scores(jnp.log(w)[None], 1.0))[0]
     scores = target_scores(logits, sampling)
-    row = Scores(scores.x[exit_node][None], scores.shift[exit_node][None], scores.scale)
+    row = Scores(scores.x[exit_node][None], scores.scale)
     bonus = verify.inverse_cdf(u[1:], row)[0]
     return verify._verdict(tree, exit_node, bonus, horizon)
 
@@ -194,7 +194,7 @@ def _tev_exit_from_reach(key, tree, logits, sampling, *, horizon):
     """Bug: the exit node is drawn from P (normalised) instead of w."""
     u = verify.uniform(key, (2,))
     reach = exit_law(tree, logits, sampling).reach
-    exit_node = verify.inverse_cdf(u[:1], Scores(jnp.log(reach)[None], jnp.zeros(1), 1.0))[0]
+    exit_node = verify.inverse_cdf(u[:1], Scores(jnp.log(reach)[None], 1.0))[0]
     bonus = verify._residual_draw(u[1], tree, target_scores(logits, sampling), exit_node)
     return verify._verdict(tree, exit_node, bonus, horizon)
 

@@ -59,86 +59,107 @@ class ExitLaw:
 
 @struct.dataclass
 class Scores:
-    """Target log-weights ``z = (x - shift) * scale`` with ``p = softmax(z)`` per row.
+    """Target log-weights ``z = x * scale`` with ``p = softmax(z)`` per row.
 
-    ``z`` is never materialised for a plain temperature: each consumer (the
-    log-normaliser, the N edge gathers, one row for a bonus draw) applies the shift and
-    scale to what it reads from ``x``, so XLA fuses them and the [N, V] logits are only
-    read. (A shared ``z`` array with several consumers gets written out by XLA:CPU.)
-    Every row maximum of ``z`` is in ``[-log V, 0]``, so ``exp(z)`` is safe.
+    ``z`` is never materialised for a plain temperature: each consumer applies the
+    scale to what it reads from ``x``. Every exact verifier reads the [N, V] logits
+    through ``block_masses`` only (plus gathers of a few 128-token blocks), so XLA
+    emits one fused kernel for the pass over the logits: row max, exp, block sums. A
+    row max or a shared ``z`` array needed elsewhere would cost a second pass over the
+    logits (or a written [N, V] buffer) on XLA:CPU.
 
     Attributes:
       x: [..., V] logits (raw, or already transformed for top-k / top-p / T = 0).
-      shift: [...] per-row shift (the row max of ``x``, or 0).
       scale: static 1 / T (1 when ``x`` is already transformed).
     """
 
     x: jax.Array
-    shift: jax.Array
     scale: float = struct.field(pytree_node=False)
-
-    def full(self) -> jax.Array:
-        return (self.x - self.shift[..., None]) * jnp.float32(self.scale)
-
-    def take(self, rows: jax.Array, cols: jax.Array) -> jax.Array:
-        return (self.x[rows, cols] - self.shift[rows]) * jnp.float32(self.scale)
-
-    def row(self, i: jax.Array) -> jax.Array:
-        return (self.x[i] - self.shift[i]) * jnp.float32(self.scale)
 
 
 def target_scores(logits_NV: jax.Array, sampling: Sampling) -> Scores:
-    """The target's log-weights for ``sampling``, unmaterialised when possible.
-
-    For a plain temperature this is one pass over the logits (the row max; the max of
-    ``x / T`` is the max of ``x`` for T > 0); with top-k, top-p or T = 0 it is the
-    materialised ``sampling.log_probs``.
-    """
+    """The target's log-weights for ``sampling``; unmaterialised for a plain temperature,
+    the materialised ``sampling.log_probs`` with top-k, top-p or T = 0."""
     if sampling.greedy or sampling.top_k is not None or sampling.top_p is not None:
-        logp = log_probs(logits_NV, sampling)
-        return Scores(logp, jnp.zeros(logp.shape[:-1], jnp.float32), 1.0)
-    x = logits_NV.astype(jnp.float32)
-    return Scores(x, jnp.max(x, axis=-1), 1.0 / sampling.temperature)
+        return Scores(log_probs(logits_NV, sampling), 1.0)
+    return Scores(logits_NV.astype(jnp.float32), 1.0 / sampling.temperature)
 
 
-BLOCK = 128  # vocabulary block of the two-stage row reductions (see block_masses)
+BLOCK = 128  # vocabulary block of the two-stage reductions (see block_masses)
+
+
+def _blocks(x: jax.Array, block: int):
+    """[..., V] -> ([..., V // block, block] full blocks, [..., V % block] tail)."""
+    *lead, vocab = x.shape
+    n_full = vocab // block
+    return x[..., : n_full * block].reshape(*lead, n_full, block), x[..., n_full * block :]
 
 
 def block_masses(scores: Scores, block: int = BLOCK) -> jax.Array:
-    """``sum exp z`` over consecutive vocabulary blocks; float32 [..., ceil(V / block)].
+    """Masses ``sum exp((x - max x) * scale)`` of consecutive vocabulary blocks.
 
-    The first stage of a two-stage row reduction, and the block index of the
-    inverse-CDF sampler. The optimization barrier keeps XLA from merging this stage
-    with the next reduction into one long-row reduction, which XLA:CPU runs several
-    times slower on large inputs (950 ms vs 280 ms for [8, 65, 151 936]); blocks of
-    256 or more are slower again (see experiments/verifier_latency).
+    float32 [..., ceil(V / block)], in units of each row's largest weight (the row
+    max stays inside the kernel). Every row needs a finite maximum. This is the one
+    pass over the logits: XLA:CPU fuses the row max, the exp and the block sums into
+    one kernel. The optimization barrier stops XLA from merging the block sums with a
+    following row sum into one long-row reduction, which XLA:CPU ran 3.4x slower on
+    [8, 65, 151 936]; blocks of 256 or more were ~4x slower than 128 (see
+    experiments/verifier_latency).
     """
-    x, shift, scale = scores.x, scores.shift, jnp.float32(scores.scale)
-    *lead, vocab = x.shape
-    block = min(block, vocab)
-    n_full, rem = divmod(vocab, block)
-    x_blocks = x[..., : n_full * block].reshape(*lead, n_full, block)
-    mass = jnp.sum(jnp.exp((x_blocks - shift[..., None, None]) * scale), axis=-1)
-    if rem:
-        tail = jnp.exp((x[..., n_full * block :] - shift[..., None]) * scale)
-        mass = jnp.concatenate([mass, jnp.sum(tail, axis=-1, keepdims=True)], axis=-1)
+    x, scale = scores.x, jnp.float32(scores.scale)
+    block = min(block, x.shape[-1])
+    m = jnp.max(x, axis=-1)
+    full, tail = _blocks(x, block)
+    mass = jnp.sum(jnp.exp((full - m[..., None, None]) * scale), axis=-1)
+    if tail.shape[-1]:
+        tail_mass = jnp.sum(jnp.exp((tail - m[..., None]) * scale), axis=-1, keepdims=True)
+        mass = jnp.concatenate([mass, tail_mass], axis=-1)
     return jax.lax.optimization_barrier(mass)
 
 
 def log_normalizer(scores: Scores) -> jax.Array:
-    """``log sum exp z`` per row; float32 [N]. Two-stage: per-block sums, then their sum."""
+    """``log sum_y exp((x_y - max x) * scale)`` per row; float32 [...].
+
+    The log-normaliser relative to the row maximum (the benchmark's floor).
+    """
     return jnp.log(jnp.sum(block_masses(scores), axis=-1))
 
 
-def edge_log_probs(tree: DraftTree, scores: Scores, lse_N: jax.Array) -> jax.Array:
+def gather_blocks(x_NV: jax.Array, rows_R: jax.Array, block_R: jax.Array, block: int):
+    """Vocabulary block ``block_R[r]`` (``block`` wide) of row ``rows_R[r]``; [R, block],
+    -inf past the end of the vocabulary. One gather of R x block entries."""
+    vocab = x_NV.shape[-1]
+    idx_RK = block_R[:, None] * block + jnp.arange(block)[None, :]
+    x_RK = x_NV[rows_R[:, None], jnp.minimum(idx_RK, vocab - 1)]
+    return jnp.where(idx_RK < vocab, x_RK, -jnp.inf)
+
+
+def edge_log_probs(tree: DraftTree, scores: Scores, block: int = BLOCK) -> jax.Array:
     """``log a`` [N]: ``log p_parent(token)`` per node, 0 at the root, -inf on padding.
 
-    Reads N entries of the logits (one gather), not whole rows.
+    Needs the row max of the parent, which ``block_masses`` keeps inside its kernel; it
+    is recovered from the 128-token block B that holds the token (gathered, N x 128
+    entries): with ``b = max_B x`` and ``S_B = sum_B exp((x - b) s)``, the block's mass
+    ``M_B = S_B exp((b - max x) s)``, so
+    ``log a = (x_tok - b) s + log M_B - log S_B - log sum_blocks M``. A token whose
+    block mass underflows (probability below ~1e-38) gets ``log a = -inf``.
     """
+    x, scale = scores.x, jnp.float32(scores.scale)
+    block = min(block, x.shape[-1])
     slots = jnp.arange(tree.num_slots)
     edge_N = tree.valid & (slots > 0)
     parent_N = jnp.where(edge_N, tree.parents, 0)
-    log_a = scores.take(parent_N, tree.tokens) - lse_N[parent_N]
+    mass_NB = block_masses(scores, block)
+    blk_N = tree.tokens // block
+    seg_NK = gather_blocks(x, parent_N, blk_N, block)
+    top_N = jnp.max(seg_NK, axis=-1)
+    top_N = jnp.where(jnp.isfinite(top_N), top_N, 0.0)
+    seg_mass_N = jnp.sum(jnp.exp((seg_NK - top_N[:, None]) * scale), axis=-1)
+    x_tok = x[parent_N, tree.tokens]
+    mass_B = mass_NB[parent_N, blk_N]
+    log_a = ((x_tok - top_N) * scale + jnp.log(mass_B)
+             - jnp.log(seg_mass_N) - jnp.log(jnp.sum(mass_NB, axis=-1))[parent_N])
+    log_a = jnp.where((x_tok > -jnp.inf) & (mass_B > 0), jnp.minimum(log_a, 0.0), -jnp.inf)
     return jnp.where(edge_N, log_a, jnp.where(slots == 0, 0.0, -jnp.inf))
 
 
@@ -185,5 +206,4 @@ def exit_law(tree: DraftTree, target_logits_NV: jax.Array, sampling: Sampling) -
       An ``ExitLaw``. Jittable (``sampling`` static) and vmappable over a batch of
       trees and logits.
     """
-    scores = target_scores(target_logits_NV, sampling)
-    return exit_law_from_edges(tree, edge_log_probs(tree, scores, log_normalizer(scores)))
+    return exit_law_from_edges(tree, edge_log_probs(tree, target_scores(target_logits_NV, sampling)))

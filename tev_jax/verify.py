@@ -37,7 +37,7 @@ from tev_jax.exit_law import (
     block_masses,
     edge_log_probs,
     exit_law_from_edges,
-    log_normalizer,
+    gather_blocks,
     target_scores,
 )
 from tev_jax.sampling import Sampling
@@ -82,40 +82,32 @@ def _first_above(cum_RK: jax.Array, t_R: jax.Array, mass_RK: jax.Array) -> jax.A
 def inverse_cdf(u_R: jax.Array, scores: Scores, block: int = BLOCK) -> jax.Array:
     """Token ``y ~ softmax(z)`` per row by a blocked inverse-CDF search; int32 [R].
 
-    One pass over the logits forms per-block masses of ``exp(z)`` [R, V/block]; the
-    block holding ``u * total`` is found by a cumulative sum over blocks, then the
-    token inside it by a cumulative sum over that block's entries (``R * block``
-    gathered logits). So the logits are read about once and no [R, V] buffer is
-    written, against N x V random numbers for Gumbel-max or an [R, V] cumulative sum
-    for a plain inverse CDF.
+    ``block_masses`` (the one pass over the logits) gives per-block masses; the block
+    holding ``u * total`` is found by a cumulative sum over blocks, then the token
+    inside it by a cumulative sum over that block's gathered entries, searched at the
+    same fraction of the block's mass (so the row max is never needed outside the
+    kernel). The logits are read once plus ``R * block`` gathered entries; Gumbel-max
+    needs R x V random numbers, a plain inverse CDF an [R, V] cumulative sum.
 
     Args:
       u_R: [R] uniforms in [0, 1).
-      scores: the rows' log-weights ``z`` ([R, V] logits with [R] shifts); every row
-        must have a finite maximum at most ~0.
+      scores: the rows' log-weights ``z = x * scale``; every row needs a finite max.
       block: vocabulary block size.
     """
-    x_RV, shift_R, scale = scores.x, scores.shift, jnp.float32(scores.scale)
-    vocab = x_RV.shape[-1]
-    block = min(block, vocab)
+    x_RV, scale = scores.x, jnp.float32(scores.scale)
+    block = min(block, x_RV.shape[-1])
     mass_RB = block_masses(scores, block)
     cum_RB = jnp.cumsum(mass_RB, axis=-1)
     t_R = u_R * cum_RB[:, -1]
     blk_R = _first_above(cum_RB, t_R, mass_RB)
-    before_R = jnp.where(
-        blk_R > 0, jnp.take_along_axis(cum_RB, jnp.maximum(blk_R - 1, 0)[:, None], -1)[:, 0], 0.0
-    )
-    idx_RK = blk_R[:, None] * block + jnp.arange(block)[None, :]
-    in_row_RK = idx_RK < vocab
-    x_RK = jnp.take_along_axis(x_RV, jnp.minimum(idx_RK, vocab - 1), axis=-1)
-    mass_RK = jnp.where(in_row_RK, jnp.exp((x_RK - shift_R[:, None]) * scale), 0.0)
-    pos_R = _first_above(jnp.cumsum(mass_RK, axis=-1), t_R - before_R, mass_RK)
+    take = lambda a_RB, i_R: jnp.take_along_axis(a_RB, i_R[:, None], axis=-1)[:, 0]
+    before_R = jnp.where(blk_R > 0, take(cum_RB, jnp.maximum(blk_R - 1, 0)), 0.0)
+    frac_R = (t_R - before_R) / take(mass_RB, blk_R)
+    seg_RK = gather_blocks(x_RV, jnp.arange(x_RV.shape[0]), blk_R, block)
+    seg_mass_RK = jnp.exp((seg_RK - jnp.max(seg_RK, axis=-1, keepdims=True)) * scale)
+    seg_cum_RK = jnp.cumsum(seg_mass_RK, axis=-1)
+    pos_R = _first_above(seg_cum_RK, frac_R * seg_cum_RK[:, -1], seg_mass_RK)
     return blk_R * block + pos_R
-
-
-def _rows(z_RV: jax.Array) -> Scores:
-    """Scores of already-shifted log-weights."""
-    return Scores(z_RV, jnp.zeros(z_RV.shape[:-1], jnp.float32), 1.0)
 
 
 def _verdict(tree: DraftTree, exit_node: jax.Array, bonus: jax.Array, horizon: int) -> Verdict:
@@ -154,18 +146,17 @@ def _residual_draw(u: jax.Array, tree: DraftTree, scores: Scores, node: jax.Arra
     rounding) the bonus falls back to ``p_node`` itself.
     """
     vocab = scores.x.shape[-1]
-    z_V = scores.row(node)
+    x_V = scores.x[node]
     child_tok_N = jnp.where(_child_of(tree, node), tree.tokens, vocab)
     covered_V = jnp.zeros((vocab,), bool).at[child_tok_N].set(True, mode="drop")
-    resid_V = jnp.where(covered_V, -jnp.inf, z_V)
-    top = jnp.max(resid_V)
-    resid_V = jnp.where(top > -jnp.inf, resid_V - top, z_V)
-    return inverse_cdf(u[None], _rows(resid_V[None, :]))[0]
+    resid_V = jnp.where(covered_V, -jnp.inf, x_V)
+    resid_V = jnp.where(jnp.any(resid_V > -jnp.inf), resid_V, x_V)
+    return inverse_cdf(u[None], Scores(resid_V[None, :], scores.scale))[0]
 
 
 def _tev(u_2: jax.Array, tree, target_logits_NV, sampling, *, horizon) -> Verdict:
     scores = target_scores(target_logits_NV, sampling)
-    law = exit_law_from_edges(tree, edge_log_probs(tree, scores, log_normalizer(scores)))
+    law = exit_law_from_edges(tree, edge_log_probs(tree, scores))
     w_N = law.w
     cum_N = jnp.cumsum(w_N)
     exit_node = _first_above(cum_N[None], u_2[0:1] * cum_N[-1], w_N[None])[0]
@@ -242,7 +233,7 @@ def predraw(
         )
     if method == "gumbel":
         scores = target_scores(target_logits_NV, sampling)
-        draws_N = jax.random.categorical(key, scores.full(), axis=-1)
+        draws_N = jax.random.categorical(key, scores.x * jnp.float32(scores.scale), axis=-1)
         return _follow(tree, draws_N, horizon)
     raise ValueError(f"predraw method must be 'blocked' or 'gumbel', got {method!r}")
 
@@ -256,7 +247,7 @@ def _sequential_residual(
     """
     n = tree.num_slots
     scores = target_scores(target_logits_NV, sampling)
-    log_a_N = edge_log_probs(tree, scores, log_normalizer(scores))
+    log_a_N = edge_log_probs(tree, scores)
     is_child_N = _child_of_any(tree)
     a_N = jnp.where(is_child_N, jnp.exp(log_a_N), 0.0)
     slots = jnp.arange(n)

@@ -164,8 +164,8 @@ def bench_config(n, vocab, temperature, batch, repeats, min_time, seed=0, skip=(
     med = {name: float(np.median(ts)) * 1e3 for name, ts in times.items()}
     best = {name: float(np.min(ts)) * 1e3 for name, ts in times.items()}
     # The floor is the fastest way we have to take one log-normaliser per row.
-    med["floor"] = min(med[k] for k in LSE)
-    best["floor"] = min(best[k] for k in LSE)
+    med["floor"] = min(med[k] for k in LSE if k in med)
+    best["floor"] = min(best[k] for k in LSE if k in best)
     return {
         "N": n, "V": vocab, "T": temperature, "batch": batch,
         "median_ms": med,
