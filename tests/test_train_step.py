@@ -137,6 +137,11 @@ def test_thirty_step_run_lowers_the_loss(tmp_path):
     taus = np.array([h["tau"] for h in result.history])
     assert (taus >= 1).all()
     assert (tmp_path / "run" / "drafter" / "config.json").is_file()
+    again = train(cfg, target=target, drafter=drafter, data=tf.progressions(), progress=False,
+                  save_final_drafter=False)     # a finished run restores and stops
+    assert again.start_update == 30 and not again.history
+    jax.tree.map(np.testing.assert_array_equal, jax.device_get(again.state.params),
+                 jax.device_get(result.state.params))
 
 
 # ----------------------------------------------------------------- anchors, data
