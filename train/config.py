@@ -20,7 +20,9 @@ class TrainConfig:
     Models:
       target_path: Hugging Face directory of the frozen target.
       drafter_path: DFlash drafter directory to fine-tune; None initialises a new one
-        with ``drafter_layers``, ``block_size``, ``mask_token_id``, ``target_layer_ids``.
+        with ``drafter_layers``, ``block_size``, ``mask_token_id`` (default: the id of
+        ``<|mask|>`` in the target's tokenizer) and ``target_layer_ids`` (default: the
+        DFlash spacing).
       dtype: parameter dtype of both models ('float32' or 'bfloat16').
 
     Data:

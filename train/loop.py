@@ -62,7 +62,6 @@ def make_mesh_for(cfg: TrainConfig):
 
 def load_models(cfg: TrainConfig, mesh=None):
     """(target, drafter) from the config's paths (a new drafter if no drafter_path)."""
-    from tev_jax.data import MASK_ID
     from tev_jax.models import load_target
     from tev_jax.models.drafter_io import init_drafter, load_drafter
 
@@ -74,11 +73,27 @@ def load_models(cfg: TrainConfig, mesh=None):
     if cfg.drafter_path is not None:
         drafter = load_drafter(cfg.drafter_path, target, dtype=dtype, mesh=mesh)
     else:
-        mask = MASK_ID if cfg.mask_token_id is None else cfg.mask_token_id
+        mask = cfg.mask_token_id if cfg.mask_token_id is not None else _mask_id(cfg.target_path)
         drafter = init_drafter(target, num_layers=cfg.drafter_layers, block_size=cfg.block_size,
                                mask_token_id=mask, key=cfg.seed,
                                target_layer_ids=cfg.target_layer_ids, dtype=dtype)
     return target, drafter
+
+
+def _mask_id(target_path: str) -> int:
+    """The id of ``<|mask|>`` in the target's tokenizer (the bundled tokenizer has one)."""
+    from tev_jax.data.tokenizer import MASK
+    from tev_jax.models import load_tokenizer
+
+    try:
+        mask = load_tokenizer(target_path).token_to_id(MASK)
+    except ValueError:
+        mask = None
+    if mask is None:
+        raise ValueError(f"a new drafter needs mask_token_id: the target at {target_path} has "
+                         f"no tokenizer with a {MASK} token (DFlash drafters of Qwen3 use "
+                         "the id listed in their dflash_config)")
+    return int(mask)
 
 
 def step_config(cfg: TrainConfig, drafter) -> StepConfig:
