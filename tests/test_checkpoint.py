@@ -24,7 +24,7 @@ def _run(cfg, **kw):
 
 # On a data x fsdp mesh when 8 (host) devices exist: restoring sharded state is the
 # harder path (the single-device restore is checked by the 30-step test).
-MESH = dict(mesh_data=2, mesh_fsdp=4) if shd.device_count_ok(8) else {}
+MESH = dict(mesh_data=2, mesh_fsdp=4, mesh_tensor=1) if shd.device_count_ok(8) else {}
 
 
 def test_kill_and_resume_gives_bitwise_identical_losses(tmp_path):

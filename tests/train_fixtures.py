@@ -43,7 +43,7 @@ def progressions(num: int = 64, seed: int = 0) -> RolloutSet:
 
 def config(out_dir, **kw) -> TrainConfig:
     base = dict(loss="exit", budget=8, exit_lambda=0.5, batch_size=8, num_anchors=2,
-                steps=30, lr=1e-2, warmup_steps=2, b2=0.99, checkpoint_every=3,
+                steps=30, lr=1e-2, warmup_steps=0, b2=0.99, checkpoint_every=3,
                 keep_checkpoints=2, out_dir=str(out_dir), seed=0)
     base.update(kw)
     return TrainConfig(**base)
