@@ -86,14 +86,27 @@ class TableDrafter(nnx.Module):
         return self.table[...][root_B], ctx
 
 
+def jit_score(target):
+    """``tokens [B, L] -> float32 logits [B, L, V]``, jitted (eager forwards are slow)."""
+    graphdef, state = nnx.split(target)
+    fn = jax.jit(lambda state, tokens: score(nnx.merge(graphdef, state), tokens))
+    return lambda tokens: np.asarray(fn(state, jnp.asarray(tokens, jnp.int32)))
+
+
 def oracle_table(target, prompt, horizon):
     """[V, H, V]: for every root r, the target's logits along its greedy chain after
     ``prompt + [r]`` (what the oracle drafter proposes in the first round)."""
     vocab = target.config.vocab_size
-    seqs = np.concatenate([np.tile(prompt, (vocab, 1)), np.arange(vocab)[:, None]], axis=1)
+    run = jit_score(target)
+    p = len(prompt)
+    # One fixed width: causal logits at a position do not depend on what follows it.
+    seqs = np.zeros((vocab, p + horizon), np.int32)
+    seqs[:, :p] = prompt
+    seqs[:, p] = np.arange(vocab)
     rows = []
-    for _ in range(horizon):
-        logits = np.asarray(score(target, jnp.asarray(seqs, jnp.int32))[:, -1])
+    for d in range(horizon):
+        logits = run(seqs)[:, p + d]
         rows.append(logits)
-        seqs = np.concatenate([seqs, logits.argmax(-1)[:, None]], axis=1)
+        if p + d + 1 < seqs.shape[1]:
+            seqs[:, p + d + 1] = logits.argmax(-1)
     return np.stack(rows, axis=1)

@@ -26,10 +26,9 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from decode_fixtures import TableDrafter, oracle_table, tiny_target
+from decode_fixtures import TableDrafter, jit_score, oracle_table, tiny_target
 from tev_jax import decode
 from tev_jax import verify as verify_lib
-from tev_jax.models import score
 from tev_jax.sampling import Sampling, log_probs
 
 V = 8
@@ -61,7 +60,7 @@ def ar_law(target):
     p = len(PROMPT)
     pairs = np.stack(np.meshgrid(np.arange(V), np.arange(V), indexing="ij"), -1).reshape(-1, 2)
     seqs = np.concatenate([np.tile(PROMPT, (V * V, 1)), pairs], axis=1)
-    logits = score(target, jnp.asarray(seqs, jnp.int32))
+    logits = jit_score(target)(seqs)
     lp = np.asarray(log_probs(logits, SAMPLING), np.float64).reshape(V, V, p + 2, V)
     law = (lp[0, 0, p - 1][:, None, None] + lp[:, 0, p][:, :, None] + lp[:, :, p + 1])
     law = np.exp(law)

@@ -49,7 +49,7 @@ from flax import nnx, struct
 from tev_jax import exit_law as exit_law_lib
 from tev_jax import verify as verify_lib
 from tev_jax.models import kv_cache as kvc
-from tev_jax.sampling import Sampling, log_probs
+from tev_jax.sampling import Sampling
 from tev_jax.tree import DraftTree, ancestor_mask
 
 BUILDERS = ("ddtree", "chain", "none")
@@ -218,6 +218,9 @@ class DecodeStats:
       stage_seconds: per-stage wall seconds up to ``block_until_ready``, summed over
         rounds (`profile_generate` only; keys 'prefill', 'draft', 'build', 'verify',
         'decide', 'commit'; each includes the stage call's dispatch), else None.
+      round_seconds: the per-round stage times behind ``stage_seconds`` (stage ->
+        float [R]; the prefill has one entry), for robust statistics such as medians
+        on a loaded machine (`profile_generate` only), else None.
       seconds: wall time of the timed call (`timed_generate`, `profile_generate`), else None.
     """
 
@@ -227,6 +230,7 @@ class DecodeStats:
     block_lengths: np.ndarray
     expected_lengths: np.ndarray | None = None
     stage_seconds: dict[str, float] | None = None
+    round_seconds: dict[str, np.ndarray] | None = None
     seconds: float | None = None
 
     @property
@@ -320,12 +324,16 @@ def _not_finite(x: jax.Array) -> jax.Array:
 
 
 def sample_token(key: jax.Array, logits_BV: jax.Array, sampling: Sampling) -> jax.Array:
-    """One token per row from ``softmax(transform(logits))``; int32 [B]. Argmax at T = 0."""
+    """One token per row from ``softmax(transform(logits))``; int32 [B]. Argmax at T = 0.
+
+    Uses the verifiers' samplers: their two-stage argmax, and one uniform per row with
+    the blocked inverse-CDF search (cheaper on CPU than Gumbel-max, which draws V random
+    numbers per row).
+    """
     if sampling.greedy:
-        return jnp.argmax(logits_BV, axis=-1).astype(jnp.int32)
-    keys = jax.random.split(key, logits_BV.shape[0])
-    return jax.vmap(lambda k, l: jax.random.categorical(k, log_probs(l, sampling)))(
-        keys, logits_BV).astype(jnp.int32)
+        return verify_lib.argmax(logits_BV)
+    scores = exit_law_lib.target_scores(logits_BV, sampling)
+    return verify_lib.inverse_cdf(verify_lib.uniform(key, (logits_BV.shape[0],)), scores)
 
 
 def _stop_mask(tokens: jax.Array, stop_ids: tuple[int, ...]) -> jax.Array:
@@ -627,7 +635,7 @@ def _prepare(target, drafter, prompt_ids, config: DecodeConfig):
 
 
 def _finish(st: DecodeState, config: DecodeConfig, *, stage_seconds=None,
-            seconds=None) -> Generation:
+            round_seconds=None, seconds=None) -> Generation:
     """Host checks and conversion of the final state."""
     if bool(st.bad_target):
         raise ValueError("the target produced non-finite logits (NaN or +inf) during "
@@ -647,6 +655,7 @@ def _finish(st: DecodeState, config: DecodeConfig, *, stage_seconds=None,
             expected_lengths=(np.asarray(st.expected_len_RB)[:rounds]
                               if config.track_exit_law else None),
             stage_seconds=stage_seconds,
+            round_seconds=round_seconds,
             seconds=seconds,
         ),
     )
@@ -792,20 +801,22 @@ def profile_generate(target, drafter, prompt_ids, config: DecodeConfig, key=0, *
         key = jax.random.key(key)
     fns = _stage_fns(static, graphdef)
     m = config.max_new_tokens
-    times = dict.fromkeys(("prefill", "draft", "build", "verify", "decide", "commit"), 0.0)
+    times = {k: [] for k in ("prefill", "draft", "build", "verify", "decide", "commit")}
 
     def one_round(st, record: bool):
         def timed(name, fn, *args, **kw):
             t0 = time.perf_counter()
             out = jax.block_until_ready(fn(*args, **kw))
             if record:
-                times[name] += time.perf_counter() - t0
+                times[name].append(time.perf_counter() - t0)
             return out
 
         if static.has_drafter:
             draft_logits, ctx = timed("draft", fns["draft"], params, st)
         else:
             draft_logits, ctx = None, st.ctx
+            if record:
+                times["draft"].append(0.0)
         tree = timed("build", fns["build"], draft_logits, st.root_B)
         logits, feats, cache = timed("verify", fns["verify"], params, st.cache, tree,
                                      st.start_B)
@@ -820,11 +831,13 @@ def profile_generate(target, drafter, prompt_ids, config: DecodeConfig, key=0, *
         prefill()
     t0 = time.perf_counter()
     st = prefill()
-    times["prefill"] = time.perf_counter() - t0
+    times["prefill"].append(time.perf_counter() - t0)
     if warmup and bool(np.any(~np.asarray(st.done_B))):
         one_round(st, record=False)
     start = time.perf_counter()
     while int(st.round) < m and bool(np.any(~np.asarray(st.done_B))):
         st = one_round(st, record=True)
-    seconds = time.perf_counter() - start + times["prefill"]
-    return _finish(st, config, stage_seconds=times, seconds=seconds)
+    seconds = time.perf_counter() - start + times["prefill"][0]
+    rounds = {k: np.asarray(v) for k, v in times.items()}
+    return _finish(st, config, stage_seconds={k: float(v.sum()) for k, v in rounds.items()},
+                   round_seconds=rounds, seconds=seconds)

@@ -15,9 +15,11 @@ Everything runs in one process on the same models, batch 1, float32:
    draft, build, verify, decide, commit) and τ, for the DFlash drafter and for the oracle
    drafter (`tev_jax.decode_drafters.OracleDrafter`, which drafts with the target's own
    greedy chain: τ is meaningful, but its draft stage costs H target decode steps).
+   Stage times are medians over rounds (robust to load spikes on a shared machine).
    From these, a *projection*: the tokens/s of the oracle's trees if drafting cost what
-   the DFlash drafter's draft stage costs (oracle's non-draft stages + oracle rounds x
-   DFlash draft time per round), against the un-fused AR run.
+   the DFlash drafter's draft stage costs (prefill + oracle rounds x (the oracle run's
+   median non-draft stage times + the DFlash run's median draft time)), against the
+   un-fused AR run computed the same way.
 
 Models. By default a random target shaped like the demo target of
 ``train/train_target.py`` (D = 256, 6 layers, 4 / 2 heads of 64, MLP 768, V = 4096) but
@@ -123,6 +125,51 @@ def dispatch_seconds(target, drafter, prompt, max_new, repeats=200):
     return float(np.median(times))
 
 
+def report(result) -> str:
+    """Markdown tables of a results dict (what README.md shows)."""
+    runs = result["runs"]
+    temps = result["setup"]["temperatures"]
+    names = [n for n, _ in configs(result["setup"]["budgets"], 0.0, 1)]
+    lines = ["| configuration | " + " | ".join(f"T={t}: tok/s | x AR | tau" for t in temps)
+             + " |", "|---|" + "---|---|---|" * len(temps)]
+    for name in names:
+        cells = []
+        for t in temps:
+            r = next(r for r in runs if r["path"] == "fused" and r["temperature"] == t
+                     and r["config"] == name)
+            cells.append(f"{r['tokens_per_s']:.1f} | {r['speedup_vs_ar']:.2f} | {r['tau']:.2f}")
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    lines.append("")
+    for drafter in ("dflash", "oracle"):
+        for t in temps:
+            lines.append(f"un-fused, {drafter} drafter, T={t}: tau, median ms per round by "
+                         "stage (share of a round); prefill: ms once")
+            lines.append("")
+            lines.append("| configuration | tau | rounds | " + " | ".join(STAGES) + " |")
+            lines.append("|---|---|---|" + "---|" * len(STAGES))
+            for name in names:
+                r = next((r for r in runs if r["path"] == "unfused" and r["drafter"] == drafter
+                          and r["temperature"] == t and r["config"] == name), None)
+                if r is None:
+                    continue
+                med = r["median_round_seconds"]
+                per = [f"{med['prefill'] * 1e3:.1f}"] + [
+                    f"{med[k] * 1e3:.2f} ({r['round_shares'][k] * 100:.0f}%)" for k in STAGES[1:]]
+                lines.append(f"| {name} | {r['tau']:.2f} | {r['rounds']} | "
+                             + " | ".join(per) + " |")
+            lines.append("")
+    lines.append("projection: oracle trees at the DFlash drafter's draft cost (un-fused)")
+    lines.append("")
+    lines.append("| T | configuration | tau (oracle) | projected tok/s | un-fused AR tok/s "
+                 "| projected x AR |")
+    lines.append("|---|---|---|---|---|---|")
+    for p in result["projections"]:
+        lines.append(f"| {p['temperature']} | {p['config']} | {p['tau_oracle']:.2f} | "
+                     f"{p['projected_tokens_per_s']:.1f} | {p['unfused_ar_tokens_per_s']:.1f} | "
+                     f"{p['projected_speedup']:.2f} |")
+    return "\n".join(lines)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true")
@@ -136,7 +183,12 @@ def main():
     ap.add_argument("--head-scale", type=float, default=10.0)
     ap.add_argument("--repeats", type=int, default=None)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--report", default=None, metavar="JSON",
+                    help="only print the markdown tables of an existing results file")
     args = ap.parse_args()
+    if args.report:
+        print(report(json.loads(Path(args.report).read_text())))
+        return
     budgets = args.budgets or ([16, 64] if args.quick else [16, 32, 64, 128])
     max_new = args.max_new_tokens or (32 if args.quick else 128)
     repeats = args.repeats or (1 if args.quick else 3)
@@ -192,15 +244,17 @@ def main():
                     continue
                 gen = decode.profile_generate(target, None if cfg.builder == "none" else d,
                                               [prompt], cfg, key=0)
-                st = gen.stats.stage_seconds
-                total = sum(st.values())
+                med = {k: float(np.median(v)) for k, v in gen.stats.round_seconds.items()}
+                per_round = sum(v for k, v in med.items() if k != "prefill")
                 runs.append(dict(path="unfused", drafter=dname, temperature=temp, config=name,
                                  tokens=int(gen.lengths[0]), seconds=gen.stats.seconds,
                                  tau=gen.stats.tau, rounds=gen.stats.rounds,
-                                 stage_seconds=st,
-                                 stage_shares={k: v / total for k, v in st.items()}))
+                                 stage_seconds=gen.stats.stage_seconds,
+                                 median_round_seconds=med,
+                                 round_shares={k: v / per_round for k, v in med.items()
+                                               if k != "prefill"}))
                 print(f"T={temp} unfused {dname:6s} {name:16s} tau {gen.stats.tau:5.2f}  "
-                      + " ".join(f"{k} {v * 1e3:7.1f}ms" for k, v in st.items()), flush=True)
+                      + " ".join(f"{k} {v * 1e3:7.2f}ms" for k, v in med.items()), flush=True)
 
     # 3. projection: oracle trees at the DFlash drafter's drafting cost (un-fused times)
     def find(**kw):
@@ -209,13 +263,14 @@ def main():
     projections = []
     for temp in args.temperatures:
         ar = find(path="unfused", drafter="dflash", temperature=temp, config="AR")
-        ar_speed = ar["tokens"] / sum(ar["stage_seconds"].values())
+        ar_secs = ar["median_round_seconds"]
+        ar_speed = ar["tokens"] / (ar_secs["prefill"] + ar["rounds"] * sum(
+            v for k, v in ar_secs.items() if k != "prefill"))
         for name, _ in configs(budgets, temp, max_new)[1:]:
             o = find(path="unfused", drafter="oracle", temperature=temp, config=name)
             dfl = find(path="unfused", drafter="dflash", temperature=temp, config=name)
-            draft_per_round = dfl["stage_seconds"]["draft"] / dfl["rounds"]
-            secs = (sum(v for k, v in o["stage_seconds"].items() if k != "draft")
-                    + o["rounds"] * draft_per_round)
+            med = dict(o["median_round_seconds"], draft=dfl["median_round_seconds"]["draft"])
+            secs = med["prefill"] + o["rounds"] * sum(v for k, v in med.items() if k != "prefill")
             projections.append(dict(temperature=temp, config=name, tau_oracle=o["tau"],
                                     projected_tokens_per_s=o["tokens"] / secs,
                                     unfused_ar_tokens_per_s=ar_speed,
@@ -237,6 +292,7 @@ def main():
         projections=projections,
     )
     out_path.write_text(json.dumps(result, indent=1))
+    print(report(result))
     print(f"wrote {out_path} ({result['total_seconds']:.0f} s)")
 
 
