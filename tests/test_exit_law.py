@@ -188,3 +188,24 @@ def test_extreme_logits_no_nan():
         for f in ("reach", "rho", "w", "coverage"):
             assert not np.any(np.isnan(np.asarray(getattr(law, f)))), (s, f)
         np.testing.assert_allclose(float(law.w.sum()), 1.0, atol=1e-6)
+
+
+@pytest.mark.parametrize("sampling", [Sampling(1.0), Sampling(0.6), Sampling(1.0, top_k=50)])
+def test_edge_log_probs_from_gathered_blocks(sampling):
+    """``log a`` is recovered from the token's 128-block; compare with float64 for tokens
+    in every block (the short tail block included), at tiny and removed probabilities."""
+    vocab, n = 1000, 16
+    rng = np.random.default_rng(7)
+    logits = (rng.standard_normal((n, vocab)) * 6).astype(np.float32)
+    logits[:, 990:] = -np.inf  # part of the tail block is removed
+    tokens = [0] + [int(t) for t in rng.choice(vocab, n - 1, replace=False)]
+    tokens[1], tokens[2] = 999, 995  # removed tokens
+    parents = [-1] + [int(rng.integers(0, i)) for i in range(1, n)]
+    law = jax.jit(functools.partial(exit_law, sampling=sampling))(
+        make_tree(tokens, parents, n), logits)
+    logp = _ref_logp(logits, sampling)
+    want = np.array([0.0] + [logp[parents[i], tokens[i]] for i in range(1, n)])
+    got = np.asarray(law.log_a)
+    np.testing.assert_array_equal(np.isfinite(got), np.isfinite(want))
+    fin = np.isfinite(want)
+    np.testing.assert_allclose(got[fin], want[fin], atol=2e-5, rtol=1e-5)
