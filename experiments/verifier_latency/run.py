@@ -8,7 +8,8 @@ configuration and every figure is a median over repeats, so the ratios come from
 same run under the same machine load.
 
     python experiments/verifier_latency/run.py            # full grid -> results.json
-    python experiments/verifier_latency/run.py --quick    # N = 65 only, fewer repeats
+    python experiments/verifier_latency/run.py --quick    # N = 65 only -> results_quick.json
+    python experiments/verifier_latency/run.py --table    # results.json as a markdown table
 """
 
 from __future__ import annotations
@@ -186,15 +187,37 @@ def bench_config(n, vocab, temperature, batch, repeats, min_time, seed=0, skip=(
     }
 
 
+def markdown_table(results: dict) -> str:
+    """The README's table: median ms of the floor and every method's ratio to it."""
+    cols = ["tev", "predraw", "sequential_residual", "greedy", "predraw_gumbel",
+            "predraw_cumsum_draws", "lse_two_stage", "lse_rowwise", "lse_naive"]
+    head = "| N | V | T | B | floor ms | " + " | ".join(cols) + " | TEV / predraw |"
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    for r in results["rows"]:
+        ratio = r["ratio_to_floor"]
+        cells = [f"{ratio[c]:.2f}" if c in ratio else "-" for c in cols]
+        lines.append(f"| {r['N']} | {r['V']} | {r['T']} | {r['batch']} | "
+                     f"{r['median_ms']['floor']:.1f} | " + " | ".join(cells)
+                     + f" | {r['tev_over_predraw']:.2f} |")
+    return "\n".join(lines)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="N = 65, T = 1, batch 1, few repeats")
     ap.add_argument("--repeats", type=int, default=15)
     ap.add_argument("--min-time", type=float, default=2.0, help="seconds of timing per config")
-    ap.add_argument("--out", default=str(HERE / "results.json"))
+    ap.add_argument("--out", default=None,
+                    help="results file (default results.json, results_quick.json with --quick)")
     ap.add_argument("--config", help="one configuration N,V,T,B (e.g. 65,151936,0.6,8)")
     ap.add_argument("--skip", default="", help="comma-separated methods to leave out")
+    ap.add_argument("--table", action="store_true", help="print --out as a markdown table")
     args = ap.parse_args()
+    if args.out is None:
+        args.out = str(HERE / ("results_quick.json" if args.quick else "results.json"))
+    if args.table:
+        print(markdown_table(json.loads(Path(args.out).read_text())))
+        return
     if args.config:
         n, v, t, b = args.config.split(",")
         grid = [(int(n), int(v), float(t), int(b))]
