@@ -209,3 +209,14 @@ def test_edge_log_probs_from_gathered_blocks(sampling):
     np.testing.assert_array_equal(np.isfinite(got), np.isfinite(want))
     fin = np.isfinite(want)
     np.testing.assert_allclose(got[fin], want[fin], atol=2e-5, rtol=1e-5)
+
+
+def test_cli_demo(capsys):
+    from tev_jax.cli import main
+
+    assert main(["exit-law", "--demo", "--draws", "2000", "--temperature", "0.8"]) == 0
+    out = capsys.readouterr().out
+    assert "sum w = 1.0000" in out and "expected block length 1 + C" in out
+    assert out.count("exit slot") == 5
+    with pytest.raises(SystemExit):
+        main(["exit-law", "--demo", "--temperature", "-1"])
