@@ -5,8 +5,13 @@ is `tev_jax.verify`, DDTree's best-first builder is `tev_jax.ddtree`; draft tree
 `tev_jax.tree.DraftTree`, and the target's sampling transform is `tev_jax.sampling`.
 """
 
+from tev_jax.exit_law import ExitLaw, exit_law
 from tev_jax.sampling import Sampling
 from tev_jax.tree import DraftTree, make_tree, validate
+from tev_jax.verify import Verdict, greedy, predraw, sequential_residual, tev
 
-__all__ = ["DraftTree", "Sampling", "make_tree", "validate"]
+__all__ = [
+    "DraftTree", "ExitLaw", "Sampling", "Verdict", "exit_law", "greedy", "make_tree",
+    "predraw", "sequential_residual", "tev", "validate",
+]
 __version__ = "0.1.0"
