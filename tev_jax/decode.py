@@ -46,8 +46,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx, struct
 
-from tev_jax import exit_law as exit_law_lib
 from tev_jax import verify as verify_lib
+from tev_jax.exit_law import exit_law, target_scores
 from tev_jax.models import kv_cache as kvc
 from tev_jax.sampling import Sampling
 from tev_jax.tree import DraftTree, ancestor_mask
@@ -332,7 +332,7 @@ def sample_token(key: jax.Array, logits_BV: jax.Array, sampling: Sampling) -> ja
     """
     if sampling.greedy:
         return verify_lib.argmax(logits_BV)
-    scores = exit_law_lib.target_scores(logits_BV, sampling)
+    scores = target_scores(logits_BV, sampling)
     return verify_lib.inverse_cdf(verify_lib.uniform(key, (logits_BV.shape[0],)), scores)
 
 
@@ -502,7 +502,7 @@ def _stage_commit(st: DecodeState, ctx, draft_logits_BHV, tree: DraftTree, logit
 
     expected_RB = st.expected_len_RB
     if cfg.track_exit_law:
-        law = jax.vmap(lambda t, l: exit_law_lib.exit_law(t, l, cfg.sampling))(tree, logits_BNV)
+        law = jax.vmap(lambda t, l: exit_law(t, l, cfg.sampling))(tree, logits_BNV)
         expected_RB = expected_RB.at[st.round].set(
             jnp.where(active_B, law.expected_length, 0.0), mode="drop")
 
