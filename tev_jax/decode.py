@@ -28,7 +28,7 @@ on its own and timed with ``block_until_ready`` from a Python loop over rounds. 
 per-stage seconds are the only stage timings; end-to-end tokens/s should be measured on
 the fused path (`generate`, see `timed_generate`).
 
-Drafters plug in through the `Drafter` protocol. The engine splits the target and the
+Drafters plug in through the `DrafterProtocol`. The engine splits the target and the
 drafter together (``nnx.split((target, drafter))``, so a drafter that shares the target's
 embedding or head is not copied) and merges them inside the jitted function.
 """
@@ -60,7 +60,7 @@ _LEN_ALIGN = 8  # prompt and cache lengths are rounded up to this, to share comp
 VerifierFn = Callable[..., verify_lib.Verdict]
 
 
-class Drafter(Protocol):
+class DrafterProtocol(Protocol):
     """What the engine needs from a drafter.
 
     The drafter is an ``nnx.Module`` used inside jit (split together with the target,
@@ -105,7 +105,7 @@ class Drafter(Protocol):
 
 
 class DFlashDrafter(nnx.Module):
-    """The `Drafter` protocol over a DFlash `tev_jax.models.drafter.Drafter`."""
+    """The `DrafterProtocol` over a DFlash `tev_jax.models.drafter.Drafter`."""
 
     def __init__(self, drafter):
         self.drafter = drafter
@@ -129,7 +129,7 @@ class DFlashDrafter(nnx.Module):
         return dflash.draft_logits(self.drafter, target, ctx, root_B), ctx
 
 
-def as_drafter(drafter) -> Drafter | None:
+def as_drafter(drafter) -> DrafterProtocol | None:
     """Wraps a DFlash drafter module in `DFlashDrafter`; returns protocol drafters as is."""
     if drafter is None:
         return None
@@ -140,8 +140,8 @@ def as_drafter(drafter) -> Drafter | None:
     missing = [m for m in ("block_size", "target_layer_ids", "init_context",
                            "extend_context", "draft") if not hasattr(drafter, m)]
     if missing:
-        raise ValueError(f"drafter {type(drafter).__name__} lacks {missing} of the Drafter "
-                         "protocol (tev_jax.decode.Drafter)")
+        raise ValueError(f"drafter {type(drafter).__name__} lacks {missing} of "
+                         "tev_jax.decode.DrafterProtocol")
     return drafter
 
 
@@ -661,13 +661,13 @@ def _finish(st: DecodeState, config: DecodeConfig, *, stage_seconds=None,
     )
 
 
-def generate(target, drafter: Drafter | None, prompt_ids: Sequence[Sequence[int]],
+def generate(target, drafter: DrafterProtocol | None, prompt_ids: Sequence[Sequence[int]],
              config: DecodeConfig, key: jax.Array | int = 0) -> Generation:
     """Generates up to ``config.max_new_tokens`` tokens per prompt (the fused path).
 
     Args:
       target: a `tev_jax.models.Target`.
-      drafter: a DFlash drafter or any `Drafter`; None with ``builder='none'``.
+      drafter: a DFlash drafter or any `DrafterProtocol`; None with ``builder='none'``.
       prompt_ids: B prompts, each a non-empty list of token ids (lengths may differ).
       config: a `DecodeConfig`.
       key: PRNG key or int seed.
