@@ -18,7 +18,6 @@ Tensor names (PyTorch ``[out, in]`` weights, no embedding or lm_head)::
 
 from __future__ import annotations
 
-import functools
 import os
 from pathlib import Path
 
@@ -34,7 +33,7 @@ from tev_jax.models.checkpoint_io import (
 )
 from tev_jax.models.config import ModelConfig
 from tev_jax.models.drafter import Drafter, DrafterConfig, default_target_layer_ids
-from tev_jax.models.layers import fast_init
+from tev_jax.models.layers import jitted_initializer
 
 
 def _dflash_name(path: tuple) -> tuple[str, int]:
@@ -155,17 +154,8 @@ def init_drafter(target, *, num_layers: int, block_size: int, mask_token_id: int
     if isinstance(key, int):
         key = jax.random.key(key)
     dtype = target.dtype if dtype is None else jnp.dtype(dtype)
-    graphdef, init = _initializer(config, dtype, mesh, rules)
+    graphdef, init = jitted_initializer(Drafter, config, dtype, mesh, rules)
     return nnx.merge(graphdef, init(key))
-
-
-@functools.lru_cache(maxsize=16)
-def _initializer(config: DrafterConfig, dtype, mesh, rules):
-    """(graphdef, jitted key -> state), cached so repeated inits compile once."""
-    abstract = nnx.eval_shape(lambda: Drafter(config, dtype=dtype, rngs=nnx.Rngs(0)))
-    graphdef, abs_state = nnx.split(abstract)
-    out = None if mesh is None else shd.state_shardings(abs_state, mesh, rules)
-    return graphdef, jax.jit(lambda k: fast_init(abs_state, k), out_shardings=out)
 
 
 __all__ = ["drafter_config_for", "drafter_param_names", "init_drafter", "load_drafter",

@@ -29,6 +29,8 @@ its block and keys/values from ``[context ; block]``::
 
 from __future__ import annotations
 
+import functools
+
 import math
 from collections.abc import Sequence
 
@@ -83,6 +85,21 @@ def fast_init(abs_state: nnx.State, key: jax.Array) -> nnx.State:
             value = jnp.zeros(aval.shape, jnp.float32)
         out.append((path, v.replace(value.astype(aval.dtype))))
     return nnx.from_flat_state(out)
+
+
+@functools.lru_cache(maxsize=32)
+def jitted_initializer(module_cls, config, dtype, mesh, rules):
+    """(graphdef, jitted key -> state) for ``module_cls(config, dtype=, rngs=)``.
+
+    Cached so repeated inits of one configuration compile once; the state is born with
+    its shardings when ``mesh`` is given.
+    """
+    from tev_jax import sharding as shd
+
+    abstract = nnx.eval_shape(lambda: module_cls(config, dtype=dtype, rngs=nnx.Rngs(0)))
+    graphdef, abs_state = nnx.split(abstract)
+    out_shardings = None if mesh is None else shd.state_shardings(abs_state, mesh, rules)
+    return graphdef, jax.jit(lambda k: fast_init(abs_state, k), out_shardings=out_shardings)
 
 
 class Linear(nnx.Module):

@@ -37,7 +37,6 @@ Use the model functionally in hot loops: split once, jit a function of
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Sequence
 
 import jax
@@ -47,7 +46,9 @@ from flax import nnx
 from tev_jax.models import kv_cache as kvc
 from tev_jax.models.config import ModelConfig
 from tev_jax.models.kv_cache import KVCache
-from tev_jax.models.layers import DecoderLayer, RMSNorm, _param, fast_init, rope_inv_freq
+from tev_jax.models.layers import (
+    DecoderLayer, RMSNorm, _param, jitted_initializer, rope_inv_freq,
+)
 from tev_jax.sharding import constrain
 
 
@@ -261,19 +262,9 @@ def init_target(config: ModelConfig, *, key: jax.Array | int = 0, dtype=jnp.floa
         key = jax.random.key(key)
     from tev_jax import sharding as shd
 
-    graphdef, init = _initializer(config, jnp.dtype(dtype), mesh, shd.current_rules())
+    graphdef, init = jitted_initializer(Target, config, jnp.dtype(dtype), mesh,
+                                        shd.current_rules())
     return nnx.merge(graphdef, init(key))
-
-
-@functools.lru_cache(maxsize=32)
-def _initializer(config: ModelConfig, dtype, mesh, rules):
-    """(graphdef, jitted key -> state), cached so repeated inits compile once."""
-    from tev_jax import sharding as shd
-
-    abstract = nnx.eval_shape(lambda: Target(config, dtype=dtype, rngs=nnx.Rngs(0)))
-    graphdef, abs_state = nnx.split(abstract)
-    out_shardings = None if mesh is None else shd.state_shardings(abs_state, mesh, rules)
-    return graphdef, jax.jit(lambda k: fast_init(abs_state, k), out_shardings=out_shardings)
 
 
 def score(model: Target, tokens_BL: jax.Array) -> jax.Array:
