@@ -11,6 +11,7 @@ import argparse
 import dataclasses
 import functools
 import sys
+import time
 
 import jax
 import numpy as np
@@ -87,46 +88,108 @@ def _add_exit_law(sub) -> None:
     p.set_defaults(func=exit_law_demo)
 
 
-def generate_command(args) -> int:
-    """``tev-jax generate PROMPT``: decode one prompt and print a one-line summary."""
+def _checkpoint_dirs(args) -> tuple[str, str | None, str]:
+    """(target dir, drafter dir or None, description) from the flags and the bundle."""
+    from tev_jax.models.bundled import bundled_paths
+
+    needs_drafter = args.builder != "none"
+    if args.target is None:
+        paths = bundled_paths()
+        drafter = args.drafter if args.drafter is not None else paths.drafter
+        where = "bundled target" + (
+            "" if not needs_drafter else
+            " + bundled drafter" if args.drafter is None else f" + drafter {args.drafter}")
+        return str(paths.target), str(drafter) if needs_drafter else None, where
+    if needs_drafter and args.drafter is None:
+        raise ValueError(f"--drafter is required with --target and --builder {args.builder}: "
+                         "the bundled drafter only fits the bundled target (or use "
+                         "--builder none for plain autoregressive decoding)")
+    where = f"target {args.target}" + (f" + drafter {args.drafter}" if needs_drafter else "")
+    return args.target, args.drafter if needs_drafter else None, where
+
+
+def _stop_ids(target, tokenizer) -> tuple[int, ...]:
+    """config.json's eos ids, else the project tokenizer's <|end|> / <|eos|> if present."""
+    from tev_jax.data.tokenizer import END, EOS
+
+    if target.config.eos_token_ids:
+        return tuple(target.config.eos_token_ids)
+    ids = (tokenizer.token_to_id(t) for t in (END, EOS))
+    return tuple(i for i in ids if i is not None)
+
+
+def _timed(target, drafter, prompt, config, seed, repeats):
+    """(Generation with the median seconds of ``repeats`` runs, compile seconds)."""
     from tev_jax import decode
+
+    t0 = time.perf_counter()
+    run = decode.compiled_generate(target, drafter, [prompt], config, seed)
+    compile_s = time.perf_counter() - t0
+    gens = [run() for _ in range(max(repeats, 1))]
+    seconds = float(np.median([g.stats.seconds for g in gens]))
+    stats = dataclasses.replace(gens[-1].stats, seconds=seconds)
+    return dataclasses.replace(gens[-1], stats=stats), compile_s
+
+
+def generate_command(args) -> int:
+    """``tev-jax generate PROMPT``: decode one prompt and print a summary.
+
+    The completion goes to stdout; the summary (models, method, tokens, τ, tokens/s,
+    compile time, and with ``--compare-ar`` the AR speed and the speed-up) to stderr.
+    """
+    from tev_jax import decode
+    from tev_jax.data.tokenizer import format_chat
     from tev_jax.models import load_drafter, load_target, load_tokenizer
 
+    sampling = _sampling_from(args)
     config = decode.DecodeConfig(
         max_new_tokens=args.max_new_tokens, builder=args.builder, budget=args.budget,
-        verifier=args.verifier, sampling=_sampling_from(args))
-    if args.builder != "none" and args.drafter is None:
-        raise ValueError(f"--drafter is required with --builder {args.builder} "
-                         "(or use --builder none for plain autoregressive decoding)")
-    target = load_target(args.target)
-    tokenizer = load_tokenizer(args.target)
-    drafter = None if args.builder == "none" else load_drafter(args.drafter, target)
-    config = dataclasses.replace(config, stop_token_ids=tuple(target.config.eos_token_ids))
-    prompt = tokenizer.encode(args.prompt).ids
-    gen = decode.timed_generate(target, drafter, [prompt], config, args.seed,
-                                repeats=args.repeats)
+        verifier=args.verifier, sampling=sampling)
+    target_dir, drafter_dir, where = _checkpoint_dirs(args)
+    target = load_target(target_dir)
+    tokenizer = load_tokenizer(target_dir)
+    drafter = None if drafter_dir is None else load_drafter(drafter_dir, target)
+    config = dataclasses.replace(config, stop_token_ids=_stop_ids(target, tokenizer))
+    text = format_chat(args.prompt) if args.chat else args.prompt
+    prompt = tokenizer.encode(text).ids
+    gen, compile_s = _timed(target, drafter, prompt, config, args.seed, args.repeats)
     n = int(gen.lengths[0])
     print(tokenizer.decode(prompt + gen.tokens[0, :n].tolist()))
+
     speed = n / gen.stats.seconds
-    summary = (f"[{args.builder}/{args.verifier}, T={args.temperature}] {n} tokens, "
-               f"tau = {gen.stats.tau:.2f}, {speed:.1f} tokens/s")
+    method = ("autoregressive" if args.builder == "none" else
+              f"{args.builder}" + (f" (budget {args.budget})" if args.builder == "ddtree" else "")
+              + f" + {args.verifier}")
+    lines = [f"[{where}; {method}; T={sampling.temperature:g}]",
+             f"{n} new tokens in {gen.stats.rounds} rounds: tau = {gen.stats.tau:.2f} "
+             f"tokens/round, {speed:.1f} tokens/s "
+             f"({gen.stats.seconds:.3f} s; compile {compile_s:.1f} s, not counted)"]
     if args.compare_ar:
-        ar = decode.timed_generate(target, None, [prompt],
-                                   dataclasses.replace(config, builder="none"), args.seed,
-                                   repeats=args.repeats)
-        ar_speed = int(ar.lengths[0]) / ar.stats.seconds
-        summary += f", AR {ar_speed:.1f} tokens/s, speed-up {speed / ar_speed:.2f}x"
-    print(summary, file=sys.stderr)
+        if args.builder == "none":
+            lines.append("--compare-ar: this run is already autoregressive")
+        else:
+            ar, _ = _timed(target, None, prompt, dataclasses.replace(config, builder="none"),
+                           args.seed, args.repeats)
+            ar_speed = int(ar.lengths[0]) / ar.stats.seconds
+            lines.append(f"AR {ar_speed:.1f} tokens/s -> speed-up {speed / ar_speed:.2f}x "
+                         "(same target, same run)")
+    print("\n".join(lines), file=sys.stderr)
     return 0
 
 
 def _add_generate(sub) -> None:
-    p = sub.add_parser("generate", help="speculative decoding of one prompt")
+    p = sub.add_parser("generate", help="speculative decoding of one prompt",
+                       description="Decodes PROMPT with the bundled demo models (or "
+                                   "--target/--drafter) and prints the text and a summary.")
     p.add_argument("prompt", help="the prompt text")
-    p.add_argument("--target", required=True,
-                   help="target checkpoint directory (config.json, safetensors, tokenizer.json)")
-    p.add_argument("--drafter", default=None, help="DFlash drafter checkpoint directory")
-    p.add_argument("--builder", choices=("ddtree", "chain", "none"), default="ddtree")
+    p.add_argument("--target", default=None,
+                   help="target checkpoint directory (config.json, safetensors, "
+                        "tokenizer.json); default: the bundled demo target")
+    p.add_argument("--drafter", default=None,
+                   help="DFlash drafter checkpoint directory; default: the bundled drafter "
+                        "when --target is not given")
+    p.add_argument("--builder", choices=("ddtree", "chain", "none"), default="ddtree",
+                   help="ddtree (default), chain (plain DFlash) or none (autoregressive)")
     p.add_argument("--budget", type=int, default=64, help="DDTree node budget")
     p.add_argument("--verifier", choices=("tev", "predraw", "sequential", "greedy"),
                    default="tev")
@@ -134,6 +197,8 @@ def _add_generate(sub) -> None:
     p.add_argument("--top-k", type=int, default=None)
     p.add_argument("--top-p", type=float, default=None)
     p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--chat", action="store_true",
+                   help="wrap the prompt in the chat template (one user turn)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--repeats", type=int, default=1,
                    help="timed runs after the compile run (the median is reported)")

@@ -21,3 +21,8 @@ from tev_jax.models.drafter_io import init_drafter, load_drafter, save_drafter  
 
 __all__ += ["Drafter", "DrafterCache", "DrafterConfig", "init_drafter", "load_drafter",
             "save_drafter"]
+
+# The demo models shipped inside the package (`tev_jax.models.bundled`).
+from tev_jax.models.bundled import bundled_paths, load_bundled  # noqa: E402
+
+__all__ += ["bundled_paths", "load_bundled"]

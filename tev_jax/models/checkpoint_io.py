@@ -388,7 +388,8 @@ def write_atomically(path: str | os.PathLike, write: Callable[[Path], None]) -> 
 
 
 def save_params(module: nnx.Module, path: str | os.PathLike, hf_config: Mapping[str, Any],
-                name_of: NameOf, *, tokenizer=None, max_shard_bytes: int = 4 << 30) -> None:
+                name_of: NameOf, *, tokenizer=None, max_shard_bytes: int = 4 << 30,
+                dtype=None) -> None:
     """Writes ``module``'s parameters as a safetensors checkpoint directory, atomically.
 
     Tensors are fetched and converted to PyTorch layout one shard at a time; above
@@ -402,14 +403,18 @@ def save_params(module: nnx.Module, path: str | os.PathLike, hf_config: Mapping[
       name_of: parameter path -> (tensor name, n_in).
       tokenizer: optional `tokenizers.Tokenizer`, written as tokenizer.json.
       max_shard_bytes: the largest file size before splitting.
+      dtype: if given, every tensor is cast to it on the host before writing
+        (round-to-nearest-even for bfloat16); default: each parameter's own dtype.
     """
     from safetensors.numpy import save_file
 
+    out_dtype = None if dtype is None else np.dtype(jnp.dtype(dtype))
     params = nnx.to_flat_state(nnx.state(module, nnx.Param))
     shards: list[list] = [[]]
     size = 0
     for p, v in params:
-        nbytes = v.get_value().size * v.get_value().dtype.itemsize
+        itemsize = (v.get_value().dtype if out_dtype is None else out_dtype).itemsize
+        nbytes = v.get_value().size * itemsize
         if shards[-1] and size + nbytes > max_shard_bytes:
             shards.append([])
             size = 0
@@ -426,7 +431,8 @@ def save_params(module: nnx.Module, path: str | os.PathLike, hf_config: Mapping[
             tensors = {}
             for p, v in shard:
                 name, n_in = name_of(p)
-                tensors[name] = _to_hf(np.asarray(jax.device_get(v.get_value())), n_in)
+                w = np.asarray(jax.device_get(v.get_value()))
+                tensors[name] = _to_hf(w if out_dtype is None else w.astype(out_dtype), n_in)
                 weight_map[name] = fname
                 total += tensors[name].nbytes
             save_file(tensors, str(tmp / fname), metadata={"format": "pt"})
@@ -477,7 +483,7 @@ def load_target(path: str | os.PathLike, *, dtype=jnp.float32, mesh: Mesh | None
 
 
 def save_target(model: Target, path: str | os.PathLike, *, tokenizer=None,
-                max_shard_bytes: int = 4 << 30) -> None:
+                max_shard_bytes: int = 4 << 30, dtype=None) -> None:
     """Writes ``model`` as a Hugging Face checkpoint directory at ``path``.
 
     The directory is assembled in a temporary sibling and renamed into place, so a
@@ -490,7 +496,10 @@ def save_target(model: Target, path: str | os.PathLike, *, tokenizer=None,
       tokenizer: optional `tokenizers.Tokenizer`, written as tokenizer.json.
       max_shard_bytes: above this size the weights are split into several files with
         a ``model.safetensors.index.json``.
+      dtype: the stored dtype (e.g. ``jnp.bfloat16`` to halve a float32 model's files;
+        config.json's ``torch_dtype`` says it); default: the model's own dtype.
     """
-    hf = model.config.to_hf(dtype=hf_dtype_name(model.dtype))
+    stored = model.dtype if dtype is None else dtype
+    hf = model.config.to_hf(dtype=hf_dtype_name(stored))
     save_params(model, path, hf, _hf_name, tokenizer=tokenizer,
-                max_shard_bytes=max_shard_bytes)
+                max_shard_bytes=max_shard_bytes, dtype=dtype)

@@ -88,14 +88,20 @@ def load_drafter(path: str | os.PathLike, target, *, dtype=None, mesh: Mesh | No
     return load_params(path, abstract, _dflash_name, where, mesh=mesh, rules=rules)
 
 
-def save_drafter(drafter: Drafter, path: str | os.PathLike) -> None:
+def save_drafter(drafter: Drafter, path: str | os.PathLike, *, dtype=None) -> None:
     """Writes ``drafter`` in the DFlash layout (config.json + model.safetensors).
 
     The directory is assembled in a temporary sibling and renamed into place, so a
     failed save never leaves a half-written ``path``.
+
+    Args:
+      drafter: the `Drafter`.
+      path: output directory.
+      dtype: the stored dtype (e.g. ``jnp.bfloat16``); default: the drafter's own.
     """
-    hf = drafter.config.to_hf(dtype=hf_dtype_name(drafter.dtype))
-    save_params(drafter, path, hf, _dflash_name)
+    stored = drafter.dtype if dtype is None else dtype
+    hf = drafter.config.to_hf(dtype=hf_dtype_name(stored))
+    save_params(drafter, path, hf, _dflash_name, dtype=dtype)
 
 
 def drafter_config_for(target_config: ModelConfig, *, num_layers: int, block_size: int,

@@ -1,0 +1,185 @@
+"""The demo models that ship inside the package: where they are, and are they intact.
+
+``tev_jax/data/models/`` (written by ``python -m train.export_bundled``)::
+
+    manifest.json         format, dtype, and the SHA-256 and size of every file below
+                          except the READMEs
+    target/               Hugging Face layout: config.json, generation_config.json,
+                          model.safetensors (bfloat16), tokenizer.json,
+                          tokenizer_config.json, README.md
+    drafter/              DFlash layout: config.json, model.safetensors (bfloat16),
+                          README.md
+
+`bundled_paths` finds the directories through ``importlib.resources`` (so it works from
+an installed wheel as well as from a checkout) and, by default, checks every file
+against the manifest first, so a truncated or corrupted install fails with a message
+naming the file instead of loading garbage weights.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from collections.abc import Mapping
+from importlib import resources
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import jax.numpy as jnp
+
+MANIFEST_FILE = "manifest.json"
+MANIFEST_FORMAT = 1
+TARGET_DIR, DRAFTER_DIR = "target", "drafter"
+# Bundles are small by design: the repository and the wheel stay light.
+MAX_BUNDLE_BYTES = 40 * 1000**2
+EXPORT_COMMAND = ("python -m train.export_bundled --target runs/target/hf "
+                  "--drafter runs/drafters/ft_exit/drafter")
+# Free-text files the manifest does not pin, so their text can be edited after export.
+UNPINNED_NAMES = ("README.md",)
+
+
+class BundledPaths(NamedTuple):
+    """The bundled checkpoint directories (`load_target` / `load_drafter` read them)."""
+
+    target: Path
+    drafter: Path
+
+
+def bundle_root() -> Path:
+    """``tev_jax/data/models`` of the imported package (it may not exist)."""
+    return Path(str(resources.files("tev_jax.data").joinpath("models")))
+
+
+def file_sha256(path: str | os.PathLike) -> str:
+    """Hex SHA-256 of a file's bytes (read in 1 MiB chunks)."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def pinned_files(root: str | os.PathLike) -> list[str]:
+    """Relative POSIX paths of the files under ``root`` that a manifest pins (sorted)."""
+    root = Path(root)
+    return sorted(p.relative_to(root).as_posix() for p in root.rglob("*")
+                  if p.is_file() and p.name not in UNPINNED_NAMES and p.name != MANIFEST_FILE
+                  and not any(part.startswith(".") for part in p.relative_to(root).parts))
+
+
+def write_manifest(root: str | os.PathLike, info: Mapping[str, Any]) -> dict[str, Any]:
+    """Writes ``root/manifest.json``: ``info`` plus the SHA-256 and size of every pinned file.
+
+    Returns:
+      The manifest dict.
+    """
+    root = Path(root)
+    files = {rel: {"sha256": file_sha256(root / rel), "bytes": (root / rel).stat().st_size}
+             for rel in pinned_files(root)}
+    manifest = {"format": MANIFEST_FORMAT, **info, "files": files}
+    (root / MANIFEST_FILE).write_text(json.dumps(manifest, indent=2) + "\n")
+    return manifest
+
+
+def _missing(root: Path, what: str) -> ValueError:
+    return ValueError(
+        f"the bundled demo models are missing ({what} in {root}). Create them from a "
+        f"repository checkout with `{EXPORT_COMMAND}` (see train/README.md) and "
+        "reinstall, or pass your own checkpoints with --target and --drafter")
+
+
+def verify_bundle(root: str | os.PathLike) -> dict[str, Any]:
+    """Checks a bundle directory against its manifest.
+
+    Args:
+      root: the bundle directory (``manifest.json``, ``target/``, ``drafter/``).
+    Returns:
+      The manifest dict.
+    Raises:
+      ValueError: no manifest (the message names the export command), an unreadable
+        manifest, or a pinned file that is missing, has another size or another SHA-256.
+    """
+    root = Path(root)
+    f = root / MANIFEST_FILE
+    if not f.is_file():
+        raise _missing(root, f"no {MANIFEST_FILE}")
+    try:
+        manifest = json.loads(f.read_text())
+        files = manifest["files"]
+        fmt = manifest["format"]
+    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as e:
+        raise ValueError(f"{f}: malformed bundle manifest ({e!r}); re-export with "
+                         f"`{EXPORT_COMMAND}`") from e
+    if fmt != MANIFEST_FORMAT:
+        raise ValueError(f"{f}: bundle manifest format {fmt!r}, this tev-jax reads "
+                         f"{MANIFEST_FORMAT}")
+    for sub in (TARGET_DIR, DRAFTER_DIR):
+        if not (root / sub).is_dir():
+            raise _missing(root, f"no {sub}/ directory")
+    for rel, want in files.items():
+        p = root / rel
+        if not p.is_file():
+            raise ValueError(f"bundled model file {rel} is missing from {root}; reinstall "
+                             f"tev-jax or re-export with `{EXPORT_COMMAND}`")
+        size = p.stat().st_size
+        if size != want["bytes"]:
+            raise ValueError(f"bundled model file {p} is corrupted: {size} bytes, the "
+                             f"manifest says {want['bytes']} (truncated or replaced?); "
+                             f"reinstall tev-jax or re-export with `{EXPORT_COMMAND}`")
+        got = file_sha256(p)
+        if got != want["sha256"]:
+            raise ValueError(f"bundled model file {p} is corrupted: sha256 {got[:16]}..., "
+                             f"the manifest says {want['sha256'][:16]}...; reinstall "
+                             f"tev-jax or re-export with `{EXPORT_COMMAND}`")
+    return manifest
+
+
+def bundled_paths(root: str | os.PathLike | None = None, *, verify: bool = True
+                  ) -> BundledPaths:
+    """The bundled target and drafter directories.
+
+    Args:
+      root: the bundle directory (default: `bundle_root`, inside the installed package).
+      verify: check every pinned file's size and SHA-256 against the manifest first
+        (about 10 ms per 8 MB).
+    Returns:
+      `BundledPaths` (target, drafter).
+    Raises:
+      ValueError: the bundle is missing (the message names the command that creates
+        it) or a file does not match the manifest.
+    """
+    root = bundle_root() if root is None else Path(root)
+    if verify:
+        verify_bundle(root)
+    paths = BundledPaths(root / TARGET_DIR, root / DRAFTER_DIR)
+    for p in paths:
+        if not (p / "config.json").is_file():
+            raise _missing(root, f"no {p.name}/config.json")
+    return paths
+
+
+def load_bundled(*, dtype=jnp.float32, root: str | os.PathLike | None = None):
+    """Loads the bundled demo models.
+
+    Args:
+      dtype: parameter/activation dtype of both models (the files are bfloat16; float32
+        computes faster on CPU).
+      root: the bundle directory (default: inside the installed package).
+    Returns:
+      (target, drafter, tokenizer): a `Target`, its DFlash `Drafter` and the
+      `tokenizers.Tokenizer`.
+    Raises:
+      ValueError: see `bundled_paths`.
+    """
+    from tev_jax.models.checkpoint_io import load_target, load_tokenizer
+    from tev_jax.models.drafter_io import load_drafter
+
+    paths = bundled_paths(root)
+    target = load_target(paths.target, dtype=dtype)
+    return target, load_drafter(paths.drafter, target), load_tokenizer(paths.target)
+
+
+__all__ = ["BundledPaths", "EXPORT_COMMAND", "MAX_BUNDLE_BYTES", "bundle_root",
+           "bundled_paths", "file_sha256", "load_bundled", "verify_bundle",
+           "write_manifest"]
