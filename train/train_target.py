@@ -7,7 +7,7 @@ with ``--export-only``) the model is written as a Hugging Face directory with th
 tokenizer::
 
     python -m train.prepare_corpus --update-bundled        # once: runs/corpus
-    python -m train.train_target --out runs/target --steps 20000
+    python -m train.train_target --out runs/target --steps 1700
 """
 
 from __future__ import annotations
@@ -36,13 +36,13 @@ class TargetTrainConfig:
 
     hidden_size: int = 256
     intermediate_size: int = 768
-    num_layers: int = 6
+    num_layers: int = 4
     num_heads: int = 4
     num_kv_heads: int = 2
     head_dim: int = 64
     seq_len: int = 256
     batch_size: int = 16
-    steps: int = 20000
+    steps: int = 1700
     peak_lr: float = 2e-3
     warmup_steps: int = 300
     weight_decay: float = 0.1

@@ -1,0 +1,154 @@
+"""Every bundled demo artefact, from the shared data to the shipped models, in order.
+
+    python -m train.demo_models                  # all stages; a finished stage is skipped
+    python -m train.demo_models --only rollouts  # one stage (reruns it if its output exists)
+    python -m train.demo_models --set prompts=64 --set dflash_steps=10 --runs /tmp/demo
+
+Stages (outputs under ``--runs``, default ``runs/``; every stage resumes or restarts
+deterministically, and its seed and log are in its output folder):
+
+=============  =====================================================================
+corpus         token arrays of the offline corpus (``train.prepare_corpus``)
+target         the Qwen3 target pre-trained on it (``train.train_target``)
+prompts        training prompts from the corpus' train split (``train.demo_prompts``)
+rollouts       the target's answers to them, T = 1 (``python -m train rollouts``)
+dflash         the DFlash drafter, token objective, from scratch (``python -m train run``)
+ft_token       fine-tunes of ``dflash`` with the same data, steps and optimiser:
+ft_exit        token-only, ExitTrain with exit weights (the shipped drafter), prefix
+ft_prefix      weights and exit-depth weights (budget 64; the ablation of the paper's
+ft_exit_depth  Table 2)
+bundle         target + ExitTrain drafter into ``tev_jax/data/models`` (bfloat16)
+=============  =====================================================================
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+@dataclasses.dataclass(frozen=True)
+class DemoPlan:
+    """The settings of the shipped demo models (what the README's numbers come from)."""
+
+    target_steps: int = 1700
+    prompts: int = 3000
+    max_prompt_len: int = 128
+    max_new_tokens: int = 192
+    drafter_layers: int = 1
+    block_size: int = 16
+    batch_size: int = 8
+    num_anchors: int = 16
+    dflash_steps: int = 2000
+    dflash_lr: float = 1e-3
+    finetune_steps: int = 300
+    finetune_lr: float = 2e-4
+    budget: int = 64
+    exit_lambda: float = 1.0
+    seed: int = 0
+
+
+FINETUNES = {"ft_token": "token", "ft_exit": "exit", "ft_prefix": "prefix",
+             "ft_exit_depth": "exit_depth"}
+STAGES = ("corpus", "target", "prompts", "rollouts", "dflash", *FINETUNES, "bundle")
+
+
+def _drafter_args(plan: DemoPlan, runs: Path, name: str) -> list[str]:
+    common = ["run", "--target-path", str(runs / "target" / "hf"),
+              "--data-dir", str(runs / "rollouts"), "--batch-size", str(plan.batch_size),
+              "--num-anchors", str(plan.num_anchors), "--seed", str(plan.seed),
+              "--out-dir", str(runs / "drafters" / name), "--checkpoint-every", "100"]
+    if name == "dflash":
+        return common + ["--loss", "token", "--drafter-layers", str(plan.drafter_layers),
+                         "--block-size", str(plan.block_size), "--steps",
+                         str(plan.dflash_steps), "--lr", str(plan.dflash_lr),
+                         "--warmup-steps", str(min(100, plan.dflash_steps // 10)),
+                         "--end-lr-ratio", "0.05"]
+    return common + ["--drafter-path", str(runs / "drafters" / "dflash" / "drafter"),
+                     "--loss", FINETUNES[name], "--budget", str(plan.budget),
+                     "--exit-lambda", str(plan.exit_lambda), "--tree-metrics", "true",
+                     "--steps", str(plan.finetune_steps), "--lr", str(plan.finetune_lr),
+                     "--warmup-steps", str(min(20, plan.finetune_steps // 10)),
+                     "--end-lr-ratio", "0.1"]
+
+
+def _output(stage: str, runs: Path) -> Path:
+    return {
+        "corpus": runs / "corpus" / "manifest.json",
+        "target": runs / "target" / "hf" / "config.json",
+        "prompts": runs / "prompts.jsonl",
+        "rollouts": runs / "rollouts" / "manifest.json",
+        "bundle": REPO_ROOT / "tev_jax" / "data" / "models" / "target" / "config.json",
+    }.get(stage, runs / "drafters" / stage / "drafter" / "config.json")
+
+
+def run_stage(stage: str, plan: DemoPlan, runs: Path) -> None:
+    """Runs one stage through its own command-line entry point."""
+    if stage == "corpus":
+        from train.prepare_corpus import main
+        main(["--out", str(runs / "corpus")])
+    elif stage == "target":
+        from train.train_target import main
+        main(["--corpus", str(runs / "corpus"), "--out", str(runs / "target"),
+              "--steps", str(plan.target_steps), "--seed", str(plan.seed),
+              "--eval-every", str(plan.target_steps // 4)])
+    elif stage == "prompts":
+        from train.demo_prompts import main
+        main(["--out", str(runs / "prompts.jsonl"), "--count", str(plan.prompts),
+              "--seed", str(plan.seed)])
+    elif stage == "rollouts":
+        from train.__main__ import main
+        code = main(["rollouts", "--target", str(runs / "target" / "hf"),
+                     "--prompts-file", str(runs / "prompts.jsonl"),
+                     "--out", str(runs / "rollouts"),
+                     "--max-prompt-len", str(plan.max_prompt_len),
+                     "--max-new-tokens", str(plan.max_new_tokens),
+                     "--temperature", "1.0", "--batch-size", "64", "--seed", str(plan.seed)])
+        if code:
+            raise SystemExit(code)
+    elif stage == "bundle":
+        from train.export_bundled import main
+        main(["--target", str(runs / "target" / "hf"),
+              "--drafter", str(runs / "drafters" / "ft_exit" / "drafter")])
+    else:
+        from train.__main__ import main
+        code = main(_drafter_args(plan, runs, stage))
+        if code:
+            raise SystemExit(code)
+
+
+def plan_with(overrides: list[str]) -> DemoPlan:
+    """`DemoPlan` with ``name=value`` overrides (values parsed as the field's type)."""
+    plan = DemoPlan()
+    types = {f.name: type(getattr(plan, f.name)) for f in dataclasses.fields(plan)}
+    changes = {}
+    for item in overrides:
+        name, sep, value = item.partition("=")
+        if not sep or name not in types:
+            raise ValueError(f"--set expects name=value with name in {sorted(types)}, got {item!r}")
+        changes[name] = types[name](value)
+    return dataclasses.replace(plan, **changes)
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--runs", default=str(REPO_ROOT / "runs"))
+    p.add_argument("--only", choices=STAGES, action="append",
+                   help="run just these stages (even when their output exists)")
+    p.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
+                   help="override a DemoPlan field (smoke runs)")
+    args = p.parse_args(argv)
+    plan, runs = plan_with(args.set), Path(args.runs)
+    for stage in args.only or STAGES:
+        if not args.only and _output(stage, runs).exists():
+            print(f"[demo_models] {stage}: done ({_output(stage, runs)})")
+            continue
+        print(f"[demo_models] {stage}: running")
+        run_stage(stage, plan, runs)
+
+
+if __name__ == "__main__":
+    main()
