@@ -64,15 +64,20 @@ def prose_prompt(text: str, max_chars: int = 240) -> str:
     return head[: cut + 1] if cut > 40 else head
 
 
-def training_prompts(data_dir: str | Path, count: int, seed: int = 0) -> list[dict]:
+def training_prompts(corpus: CorpusConfig, count: int, seed: int = 0) -> list[dict]:
     """``count`` prompts, domains taking turns, documents drawn without replacement.
+
+    Args:
+      corpus: the corpus whose train split is used (the one the target learnt from).
+      count: number of prompts.
+      seed: document order and code cut points.
 
     Returns:
       Records ``{"prompt": str, "domain": str, "doc": document id}``.
     """
     rng = np.random.default_rng(seed)
     by_domain: dict[str, list] = {}
-    for doc in build_documents(CorpusConfig(data_dir=str(data_dir))):
+    for doc in build_documents(corpus):
         if doc.split == "train":
             by_domain.setdefault(doc.domain, []).append(doc)
     queues = {d: list(rng.permutation(len(docs))) for d, docs in sorted(by_domain.items())}
@@ -104,7 +109,7 @@ def main(argv=None) -> None:
     p.add_argument("--count", type=int, default=3000)
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
-    records = training_prompts(args.data_dir, args.count, args.seed)
+    records = training_prompts(CorpusConfig(data_dir=args.data_dir), args.count, args.seed)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text("".join(json.dumps(r) + "\n" for r in records))
     counts = {d: sum(r["domain"] == d for r in records) for d in sorted({r["domain"] for r in records})}
