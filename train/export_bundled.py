@@ -207,7 +207,8 @@ def drafter_readme(drafter, source: Path, target_source: Path, weight_bytes: int
     run_cfg = _read_json(source.parent / "config.json")
     last = _last_record_with(source.parent / "train_log.jsonl", "tau")
     rows = [
-        ("architecture", f"DFlash block drafter: {c.model.num_layers} Qwen3 layers "
+        ("architecture", f"DFlash block drafter: {c.model.num_layers} Qwen3 "
+                         f"layer{'s' if c.model.num_layers > 1 else ''} "
                          f"(D = {c.model.hidden_size}), block size {c.block_size} "
                          f"(horizon H = {c.block_size - 1}), reads target layers "
                          f"{list(c.target_layer_ids)}; MASK token id {c.mask_token_id}"),
@@ -236,8 +237,8 @@ tags: [dflash, speculative-decoding, exittrain, demo]
 The DFlash block-diffusion drafter of the bundled target, fine-tuned with Exit-Guided
 Draft-Tree Training (ExitTrain): it proposes {c.block_size - 1} tokens per round from the
 target's hidden states, a DDTree is built from its per-depth distributions, and the target
-verifies the tree with TEV. Output text is exactly the target's (the verifiers are
-exact); the drafter only decides the speed.
+verifies the tree with TEV. The verifiers are exact, so the output follows the target's
+distribution (at T = 0 it is the target's greedy text); the drafter only decides the speed.
 
 {table}
 {tau_text}
