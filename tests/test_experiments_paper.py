@@ -1,0 +1,105 @@
+"""The shared code of the paper-reproduction studies (experiments/paper_common.py).
+
+On a tiny random target/drafter pair saved and reloaded through the library's checkpoint
+functions: batch-1 timed runs reproduce the AR tokens at T = 0 and give τ = (sum of block
+lengths) / rounds consistent with the number of generated tokens; the captured decode
+round's logits equal a plain forward pass over context + tree path; tables have a column
+per set plus the average; the fixed-tree verifications are deterministic at T = 0.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "experiments"))
+
+import paper_common as pc  # noqa: E402
+from tev_jax.exit_law import exit_law  # noqa: E402
+from tev_jax.models import score  # noqa: E402
+from tev_jax.sampling import Sampling  # noqa: E402
+from tev_jax.tree import validate  # noqa: E402
+
+SETS = ("gsm", "math")
+BUDGET = 6
+SETUP = pc.Setup(prompts_per_set=1, max_new_tokens=10, prompt_len=24, temperatures=(0.0,),
+                 sets=SETS, stop=False)
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("paper_models")
+    target_dir, drafter_root = pc.make_random_models(root, ("dflash", "ft_exit"))
+    return pc.load_models(target_dir, drafter_root, ("dflash", "ft_exit"))
+
+
+@pytest.fixture(scope="module")
+def prompts(models):
+    return pc.eval_prompts(models.tokenizer, SETUP)
+
+
+def test_prompt_selection_and_truncation():
+    assert pc.select_indices(80, 8) == [0, 11, 23, 34, 45, 56, 68, 79]
+    assert pc.select_indices(3, 8) == [0, 1, 2]
+    assert pc.truncate([1, 2, 3, 4, 5], 3) == [1, 4, 5]
+    assert pc.truncate([1, 2], 3) == [1, 2]
+
+
+def test_timed_runs_match_ar_and_count_rounds(models, prompts):
+    methods = [pc.AR, pc.ddtree_method(BUDGET), pc.exittrain_method(BUDGET)]
+    records = pc.timed_runs(models, methods, prompts, SETUP)
+    assert len(records) == len(methods) * len(SETS)
+    horizon = models.drafters["dflash"].config.block_size - 1
+    for r in records:
+        assert r["matches_ar"], r  # T = 0: every exact verifier follows the argmax
+        assert r["tokens"] == SETUP.max_new_tokens  # no stop tokens: M per prompt
+        # every round emits its block; the first token comes from the prefill
+        assert r["tau"] == pytest.approx(r["block_sum"] / r["rounds"])
+        assert SETUP.max_new_tokens - 1 <= r["block_sum"] <= SETUP.max_new_tokens + horizon
+        assert 1.0 <= r["tau"] <= horizon + 1
+        assert r["sr"] > 0
+    assert all(r["tau"] == 1.0 and r["sr"] == 1.0 for r in pc.select(records, method="AR"))
+    table = pc.per_set_table(records, [m.label for m in methods], 0.0, ("tau", "sr"), SETS,
+                             ratio_rows=[(methods[2].label, methods[1].label)])
+    lines = table.splitlines()
+    assert len(lines) == 2 + len(methods) + 1
+    assert lines[0].count("|") - 1 == 1 + 2 * len(SETS) + 2  # sets x (τ, SR) + averages
+    ar_row = lines[2].split("|")[1:-1]
+    assert ar_row[0].strip() == "AR" and all(c.strip() == "1.00" for c in ar_row[1:])
+
+
+def test_captured_round_is_a_real_decode_round(models, prompts):
+    contexts = [p + [7] for p in prompts.values()]
+    cap = pc.capture_trees(models, "dflash", contexts, BUDGET)
+    horizon = models.drafters["dflash"].config.block_size - 1
+    for c, ctx in enumerate(contexts):
+        tree = cap.tree_at(c)
+        validate(tree, horizon)
+        assert int(tree.tokens[0]) == ctx[-1] and cap.starts[c] == len(ctx) - 1
+        # the logits at a node = a plain forward over the context + the path to the node
+        node = int(np.flatnonzero(np.asarray(tree.valid))[-1])
+        path = [node]
+        while path[-1] > 0:
+            path.append(int(tree.parents[path[-1]]))
+        seq = ctx[:-1] + [int(tree.tokens[i]) for i in reversed(path)]
+        want = np.asarray(score(models.target, jnp.asarray([seq], jnp.int32)))[0, -1]
+        np.testing.assert_allclose(cap.logits[c, node], want, atol=2e-4, rtol=2e-4)
+    law = pc.exit_laws(cap, Sampling(temperature=1.0))
+    np.testing.assert_allclose(law.w.sum(-1), 1.0, atol=1e-5)
+
+
+def test_fixed_tree_lengths_at_t0_follow_the_argmax(models, prompts):
+    cap = pc.capture_trees(models, "ft_exit", [p + [9] for p in prompts.values()], BUDGET)
+    horizon = models.drafters["ft_exit"].config.block_size - 1
+    greedy = Sampling(temperature=0.0)
+    for v in ("tev", "predraw"):
+        lengths = pc.fixed_tree_lengths(cap, greedy, v, horizon, draws=5)
+        law = jax.vmap(lambda t, l: exit_law(t, l, greedy))(cap.tree, cap.logits)
+        # at T = 0 the exit law is a point mass: every draw has length 1 + C exactly
+        np.testing.assert_array_equal(lengths, np.repeat(
+            np.asarray(law.expected_length).round().astype(int)[:, None], 5, axis=1))
