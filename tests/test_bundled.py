@@ -1,8 +1,9 @@
 """The bundled demo models: export (bfloat16, atomic, size-limited, pinned by SHA-256),
 lookup, corruption detection, and `tev-jax generate` with and without explicit paths.
 
-The models here are tiny random ones with the project's tokenizer (V = 4096), exported
-into a temporary bundle; the last test runs the real bundle inside the package.
+The models here are random ones of the shipped shapes with the project's tokenizer
+(V = 4096), exported into a temporary bundle; the last test runs the real bundle inside
+the package.
 """
 
 from __future__ import annotations
@@ -20,25 +21,28 @@ from decode_fixtures import greedy_reference
 from drafter_fixtures import _numpy_build
 from tev_jax import cli
 from tev_jax.data import tokenizer as tok_lib
-from tev_jax.models import ModelConfig, Target, bundled, load_target, save_target, score
+from tev_jax.models import Target, bundled, load_target, save_target, score
 from tev_jax.models.checkpoint_io import read_headers
 from tev_jax.models.drafter import Drafter
 from tev_jax.models.drafter_io import drafter_config_for, load_drafter, save_drafter
+from train.demo_models import DemoPlan
 from train.export_bundled import PROBE_TEXT, export_bundle
+from train.train_target import TargetTrainConfig
 
-V = 4096
-PROMPT = "def add(a, b):"
+PROMPT = "def fibonacci(n):"
 
 
-def _tiny_models():
-    cfg = ModelConfig(model_type="qwen3", vocab_size=V, hidden_size=32, intermediate_size=64,
-                      num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8,
-                      tie_word_embeddings=True, qk_norm=True, max_position_embeddings=512)
+def _random_demo_models():
+    """Random models shaped like the shipped ones (`train.train_target`,
+    `train.demo_models`), so the real bundle's test reuses the CLI test's compilation."""
+    cfg = TargetTrainConfig().model_config(tok_lib.load_default_tokenizer().get_vocab_size())
     rng = np.random.default_rng(0)
-    target = _numpy_build(lambda: Target(cfg, rngs=nnx.Rngs(0)), rng, kernel_std=0.3,
+    target = _numpy_build(lambda: Target(cfg, rngs=nnx.Rngs(0)), rng, kernel_std=0.05,
                           norm_std=0.2)
-    dcfg = drafter_config_for(cfg, num_layers=1, block_size=4, mask_token_id=tok_lib.MASK_ID)
-    drafter = _numpy_build(lambda: Drafter(dcfg, rngs=nnx.Rngs(0)), rng, kernel_std=0.12,
+    plan = DemoPlan()
+    dcfg = drafter_config_for(cfg, num_layers=plan.drafter_layers, block_size=plan.block_size,
+                              mask_token_id=tok_lib.MASK_ID)
+    drafter = _numpy_build(lambda: Drafter(dcfg, rngs=nnx.Rngs(0)), rng, kernel_std=0.05,
                            norm_std=0.3)
     return target, drafter
 
@@ -47,7 +51,7 @@ def _tiny_models():
 def sources(tmp_path_factory):
     """Float32 source checkpoints laid out like the training runs (logs next to them)."""
     root = tmp_path_factory.mktemp("runs")
-    target, drafter = _tiny_models()
+    target, drafter = _random_demo_models()
     save_target(target, root / "target" / "hf", tokenizer=tok_lib.load_default_tokenizer())
     (root / "target" / "log.jsonl").write_text(
         json.dumps({"step": 10, "loss": 5.0}) + "\n"
@@ -185,7 +189,7 @@ def test_cli_generate_explicit_paths_and_bundled_defaults(bundle, monkeypatch, c
     prompt = tokenizer.encode(PROMPT).ids
     loaded = load_target(bundle / "target")
     want = tokenizer.decode(prompt + greedy_reference(loaded, [prompt], 8)[0])
-    common = ["--builder", "chain", "--max-new-tokens", "8"]  # compiles faster than ddtree
+    common = ["--max-new-tokens", "8"]  # ddtree (budget 64) + tev, T = 0
 
     rc = cli.main(["generate", PROMPT, "--target", str(bundle / "target"),
                    "--drafter", str(bundle / "drafter"), *common])

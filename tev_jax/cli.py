@@ -154,7 +154,7 @@ def generate_command(args) -> int:
     prompt = tokenizer.encode(text).ids
     gen, compile_s = _timed(target, drafter, prompt, config, args.seed, args.repeats)
     n = int(gen.lengths[0])
-    print(tokenizer.decode(prompt + gen.tokens[0, :n].tolist()))
+    print(tokenizer.decode(prompt + gen.tokens[0, :n].tolist()), flush=True)
 
     speed = n / gen.stats.seconds
     method = ("autoregressive" if args.builder == "none" else

@@ -133,8 +133,8 @@ def target_readme(target, source: Path, weight_bytes: int) -> str:
                          f"{'tied' if c.tie_word_embeddings else 'untied'} embeddings, "
                          f"RoPE θ = {c.rope_theta:g}"),
         ("parameters", f"{c.num_params / 1e6:.2f} M"),
-        ("vocabulary", f"V = {c.vocab_size}, byte-level BPE (`tokenizer.json`, the same as "
-                       "`tev_jax/data/tokenizer.json`)"),
+        ("vocabulary", f"V = {c.vocab_size}, byte-level BPE (`tokenizer.json`, the tokenizer "
+                       "of `tev_jax/data/tokenizer.json`)"),
         ("weights", f"bfloat16, `model.safetensors` ({_mb(weight_bytes)})"),
     ]
     if isinstance(train_cfg, dict) and "seq_len" in train_cfg:
