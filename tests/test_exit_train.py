@@ -1,6 +1,6 @@
 """ExitTrain objectives against slow references: node weights vs the float64 exit law of
 `reference.py`, the gathered exit loss vs a materialised [nodes x V] log-softmax (values
-and gradients), and the tree scoring pass vs a target forward over each node's path."""
+and gradients), and the sequence and tree scoring passes vs plain target forwards."""
 
 from __future__ import annotations
 
@@ -155,10 +155,13 @@ TINY = ModelConfig(model_type="qwen3", vocab_size=48, hidden_size=32, intermedia
                    num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8, qk_norm=True)
 
 
-def test_scoring_pass_equals_forward_over_each_nodes_path():
+def test_context_and_scoring_passes_equal_plain_forwards():
+    """The sequence pass (taps, the last one after the final norm) equals the target's
+    own forward; every scored tree node equals a plain forward over prefix + path."""
     target = init_target(TINY, key=3)
     rng = np.random.default_rng(3)
     b, length, a, n, h = 2, 14, 3, 7, 3
+    taps = (0, TINY.num_layers - 1)
     tokens = rng.integers(0, TINY.vocab_size, (b, length)).astype(np.int32)
     anchors = np.array([[1, 6, 10], [3, 4, 9]], np.int32)
     trees = [random_tree(rng, n, TINY.vocab_size, h, root=tokens[i, anchors[i, j]])
@@ -167,10 +170,10 @@ def test_scoring_pass_equals_forward_over_each_nodes_path():
 
     @jax.jit
     def score(tokens, anchors, trees):
-        _, cache = target_context(target, tokens, taps=(0,))
-        return score_tree_nodes(target, cache, trees, anchors)
+        feats, cache = target_context(target, tokens, taps)
+        return feats, score_tree_nodes(target, cache, trees, anchors)
 
-    got = np.asarray(score(jnp.asarray(tokens), jnp.asarray(anchors), batched))
+    feats, got = map(np.asarray, score(jnp.asarray(tokens), jnp.asarray(anchors), batched))
     seqs, where = [], []
     for i in range(b):
         for j in range(a):
@@ -179,13 +182,16 @@ def test_scoring_pass_equals_forward_over_each_nodes_path():
                 path = [tok[p] for p in ref.ancestors(par, node)[::-1]]
                 seqs.append(np.concatenate([tokens[i, :anchors[i, j]], path]))
                 where.append((i, j, node))
-    # Each node's reference: a plain causal forward over prefix + path, padded on the
-    # right (causal, so the padding does not change the last real position).
-    padded = np.zeros((len(seqs), length + h + 1), np.int32)
-    for k, seq in enumerate(seqs):
+    # Each reference is a plain causal forward, padded on the right (causal, so the
+    # padding does not change the real positions); the last b rows are the sequences.
+    padded = np.zeros((len(seqs) + b, length + h + 1), np.int32)
+    for k, seq in enumerate(seqs + list(tokens)):
         padded[k, :len(seq)] = seq
-    want, _ = jax.jit(target)(jnp.asarray(padded))
-    want = np.asarray(want)
+    want, want_feats = jax.jit(lambda x: target(x, taps=taps))(jnp.asarray(padded))
+    want, want_feats = np.asarray(want), np.asarray(want_feats)
+    np.testing.assert_allclose(feats, want_feats[-b:, :length], atol=1e-5)
     for k, (i, j, node) in enumerate(where):
         np.testing.assert_allclose(got[i, j, node], want[k, len(seqs[k]) - 1], atol=1e-4)
     assert len(where) > b * a
+    with pytest.raises(ValueError, match="tap layer"):
+        target_context(target, jnp.asarray(tokens), (TINY.num_layers,))

@@ -174,25 +174,58 @@ def exit_loss(draft_logits_XHV: jax.Array, trees: DraftTree, weights_XN: jax.Arr
 
 
 # ---------------------------------------------------------------- scoring pass
+#
+# Attention layout. XLA:CPU runs attention fastest (about 2x the einsums over
+# [B, T, K, G, hd] operands) when each kv head's queries form the rows of one matrix:
+# queries [B, K, T*G, hd] (row t*G + g) against keys [B, K, S, hd], so that each
+# segment is one plain batched matmul; the masks then broadcast over [B, K, T, G, S].
 
 
-def target_context(target, tokens_BL: jax.Array, taps: Sequence[int]
-                   ) -> tuple[jax.Array, KVCache]:
-    """The frozen target's causal pass over whole sequences, without the LM head.
+def _kv_major(x_BSKd: jax.Array) -> jax.Array:
+    """[B, S, K, hd] -> [B, K, S, hd]."""
+    return jnp.swapaxes(x_BSKd, 1, 2)
 
-    Args:
-      target: the `Target`.
-      tokens_BL: int [B, L].
-      taps: target layer ids whose outputs form the drafter's context features.
-    Returns:
-      (features [B, L, len(taps) * D], `KVCache` of the sequence with L slots), both
-      detached.
-    """
-    b, length = tokens_BL.shape
-    positions = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (b, length))
-    causal = jnp.tril(jnp.ones((length, length), bool))[None]
-    _, feats, k, v = target._stack(tokens_BL.astype(jnp.int32), positions, causal, taps=taps)
-    return jax.lax.stop_gradient((feats, KVCache(k=k, v=v)))
+
+def _query_rows(q_BTHd: jax.Array, kv_heads: int) -> jax.Array:
+    """Queries [B, T, H, hd] -> [B, K, T*G, hd] (head h = k*G + g)."""
+    b, t, h, hd = q_BTHd.shape
+    g = h // kv_heads
+    return q_BTHd.reshape(b, t, kv_heads, g, hd).transpose(0, 2, 1, 3, 4).reshape(
+        b, kv_heads, t * g, hd)
+
+
+def _heads_out(o_BKRd: jax.Array, t: int, dtype) -> jax.Array:
+    """[B, K, T*G, hd] -> [B, T, H, hd]."""
+    b, kh, r, hd = o_BKRd.shape
+    g = r // t
+    return o_BKRd.reshape(b, kh, t, g, hd).transpose(0, 2, 1, 3, 4).reshape(b, t, kh * g, hd).astype(dtype)
+
+
+def _scores(q, k, spec):
+    """Scaled attention scores in float32 (as `tev_jax.models.layers.attend_segments`)."""
+    s = jnp.einsum(spec, q, k.astype(q.dtype), preferred_element_type=jnp.float32)
+    return s * (q.shape[-1] ** -0.5)
+
+
+def _mix(p, v, spec):
+    """Probabilities (float32) times values, accumulated in float32."""
+    return jnp.einsum(spec, p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+
+
+def _causal_attention(q_BTHd, k_BTKd, v_BTKd):
+    """Causal GQA self-attention of a whole sequence (every row sees itself)."""
+    b, t, _, hd = q_BTHd.shape
+    kh = k_BTKd.shape[2]
+    q = _query_rows(q_BTHd, kh)
+    s = _scores(q, _kv_major(k_BTKd), "bkrd,bksd->bkrs").reshape(b, kh, t, -1, t)
+    pos = jnp.arange(t)
+    causal = (pos[None, :] <= pos[:, None])[:, None, :]                       # [T, 1, T]
+    s = jnp.where(causal, s, -jnp.inf)
+    p = jnp.exp(s - jnp.max(s, axis=-1, keepdims=True))
+    denom = jnp.sum(p, axis=-1, keepdims=True)
+    o = _mix(p.reshape(b, kh, -1, t), _kv_major(v_BTKd), "bkrs,bksd->bkrd")
+    o = o.reshape(b, kh, t, -1, hd) / denom
+    return _heads_out(o.reshape(b, kh, -1, hd), t, q_BTHd.dtype)
 
 
 def _anchor_attention(q_BTHd, k_BTKd, v_BTKd, kc_BLKd, vc_BLKd, anchors_BA, anc_BANN):
@@ -203,34 +236,86 @@ def _anchor_attention(q_BTHd, k_BTKd, v_BTKd, kc_BLKd, vc_BLKd, anchors_BA, anc_
     the ancestor mask). Blocking by anchor keeps the tree part at [A, N, N] per row
     instead of a block-diagonal [A*N, A*N].
     """
-    b, t, hq, hd = q_BTHd.shape
+    b, t, _, hd = q_BTHd.shape
     a = anchors_BA.shape[1]
     n, kh = t // a, k_BTKd.shape[2]
-    g = hq // kh
-    f32 = jnp.float32
-    q = q_BTHd.reshape(b, a, n, kh, g, hd)
-    k = k_BTKd.reshape(b, a, n, kh, hd).astype(q.dtype)
-    v = v_BTKd.reshape(b, a, n, kh, hd)
-    scale = hd ** -0.5
-    s_pre = jnp.einsum("bankgd,blkd->bakgnl", q, kc_BLKd.astype(q.dtype),
-                       preferred_element_type=f32) * scale
-    s_tree = jnp.einsum("bankgd,bamkd->bakgnm", q, k, preferred_element_type=f32) * scale
-    positions = jnp.arange(kc_BLKd.shape[1])
-    m_pre = (positions[None, None, :] < anchors_BA[:, :, None])[:, :, None, None, None, :]
-    m_tree = anc_BANN[:, :, None, None]
-    neg = jnp.finfo(f32).min
-    s_pre = jnp.where(m_pre, s_pre, neg)
-    s_tree = jnp.where(m_tree, s_tree, neg)
+    length = kc_BLKd.shape[1]
+    q = _query_rows(q_BTHd, kh)                                               # [B,K,AN*G,hd]
+    s_pre = _scores(q, _kv_major(kc_BLKd), "bkrd,bkld->bkrl").reshape(b, kh, a, n, -1, length)
+    q_tree = q.reshape(b, kh, a, -1, hd)
+    k_tree = _kv_major(k_BTKd).reshape(b, kh, a, n, hd)
+    s_tree = _scores(q_tree, k_tree, "bkard,bkamd->bkarm").reshape(b, kh, a, n, -1, n)
+    m_pre = (jnp.arange(length)[None, None, :] < anchors_BA[:, :, None])    # [B, A, L]
+    s_pre = jnp.where(m_pre[:, None, :, None, None, :], s_pre, -jnp.inf)
+    s_tree = jnp.where(anc_BANN[:, None, :, :, None, :], s_tree, -jnp.inf)
+    # Every query sees itself, so the max is finite and the denominator >= 1.
     mx = jnp.maximum(jnp.max(s_pre, -1, keepdims=True), jnp.max(s_tree, -1, keepdims=True))
-    p_pre = jnp.where(m_pre, jnp.exp(s_pre - mx), 0.0)
-    p_tree = jnp.where(m_tree, jnp.exp(s_tree - mx), 0.0)
-    # Every query sees itself, so the denominator is >= 1.
+    p_pre = jnp.exp(s_pre - mx)
+    p_tree = jnp.exp(s_tree - mx)
     denom = jnp.sum(p_pre, -1, keepdims=True) + jnp.sum(p_tree, -1, keepdims=True)
-    out = (jnp.einsum("bakgnl,blkd->bankgd", (p_pre / denom).astype(vc_BLKd.dtype), vc_BLKd,
-                      preferred_element_type=f32)
-           + jnp.einsum("bakgnm,bamkd->bankgd", (p_tree / denom).astype(v.dtype), v,
-                        preferred_element_type=f32))
-    return out.reshape(b, t, hq, hd).astype(q_BTHd.dtype)
+    o = (_mix(p_pre.reshape(b, kh, -1, length), _kv_major(vc_BLKd), "bkrl,bkld->bkrd")
+         .reshape(b, kh, a, n, -1, hd)
+         + _mix(p_tree.reshape(b, kh, a, -1, n), _kv_major(v_BTKd).reshape(b, kh, a, n, hd),
+                "bkarm,bkamd->bkard").reshape(b, kh, a, n, -1, hd))
+    o = o / denom
+    return _heads_out(o.reshape(b, kh, -1, hd), t, q_BTHd.dtype)
+
+
+def _run_layers(target, tokens_BT, positions_BT, attention, taps=()):
+    """The target's decoder layers (same sub-modules and order as ``DecoderLayer``) with
+    a custom attention ``attention(i, q, k, v) -> [B, T, H, hd]``.
+
+    Returns:
+      (residual after the last layer, {tap: layer output}, keys [layers, B, T, K, hd],
+       values)
+    """
+    inv_freq = rope_inv_freq(target.config)
+    x = target.embed(tokens_BT)
+    tapped, ks, vs = {}, [], []
+    for i, layer in enumerate(target.layers):
+        q, k, v = layer.self_attn.qkv(layer.input_layernorm(x), positions_BT, inv_freq)
+        att = attention(i, q, k, v)
+        x = constrain(x + layer.self_attn.out(att), ("batch", "seq", "act_embed"))
+        x = x + layer.mlp(layer.post_attention_layernorm(x))
+        x = constrain(x, ("batch", "seq", "act_embed"))
+        ks.append(k)
+        vs.append(v)
+        if i in taps:
+            tapped[i] = x
+    return x, tapped, jnp.stack(ks), jnp.stack(vs)
+
+
+def target_context(target, tokens_BL: jax.Array, taps: Sequence[int]
+                   ) -> tuple[jax.Array, KVCache]:
+    """The frozen target's causal pass over whole sequences, without the LM head.
+
+    Equal to the target's own forward (``Target._stack``) up to float rounding; only the
+    attention layout differs (see the note above `_kv_major`). Layers above the last
+    tap feed only the returned cache, so a caller that ignores the cache (the token-only
+    step) does not pay for them.
+
+    Args:
+      target: the `Target`.
+      tokens_BL: int [B, L].
+      taps: target layer ids whose outputs form the drafter's context features (the
+        last layer's output is taken after the final norm, as in `Target`).
+    Returns:
+      (features [B, L, len(taps) * D], `KVCache` of the sequence with L slots), both
+      detached.
+    """
+    taps = tuple(int(t) for t in taps)
+    last = target.config.num_layers - 1
+    for t in taps:
+        if not 0 <= t <= last:
+            raise ValueError(f"tap layer {t} out of range [0, {last + 1})")
+    b, length = tokens_BL.shape
+    positions = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (b, length))
+    x, tapped, k, v = _run_layers(target, tokens_BL.astype(jnp.int32), positions,
+                                  lambda i, q, k, v: _causal_attention(q, k, v), taps)
+    if last in tapped:
+        tapped[last] = target.norm(x)
+    feats = jnp.concatenate([tapped[t] for t in taps], axis=-1)
+    return jax.lax.stop_gradient((feats, KVCache(k=k, v=v)))
 
 
 def score_tree_nodes(target, cache: KVCache, trees: DraftTree, anchors_BA: jax.Array
@@ -238,10 +323,9 @@ def score_tree_nodes(target, cache: KVCache, trees: DraftTree, anchors_BA: jax.A
     """Target logits of every node of every anchor's tree in one forward.
 
     The T = A * N nodes of a row are the queries of one pass through the target's
-    layers (the same sub-modules and order as ``DecoderLayer``), with anchor-blocked
-    attention (`_anchor_attention`): node v of anchor a, at position
-    ``anchor_a + depth(v)``, sees the cached sequence positions ``< anchor_a`` and its
-    tree ancestors (itself included).
+    layers with anchor-blocked attention (`_anchor_attention`): node v of anchor a, at
+    position ``anchor_a + depth(v)``, sees the cached sequence positions ``< anchor_a``
+    and its tree ancestors (itself included).
 
     Args:
       target: the frozen `Target`.
@@ -258,14 +342,11 @@ def score_tree_nodes(target, cache: KVCache, trees: DraftTree, anchors_BA: jax.A
     anc_BANN = jax.vmap(jax.vmap(ancestor_mask))(trees)
     tokens = trees.tokens.reshape(b, a * n).astype(jnp.int32)
     positions = (anchors[:, :, None] + trees.depths.astype(jnp.int32)).reshape(b, a * n)
-    inv_freq = rope_inv_freq(target.config)
-    x = target.embed(tokens)
-    for i, layer in enumerate(target.layers):
-        q, k, v = layer.self_attn.qkv(layer.input_layernorm(x), positions, inv_freq)
-        att = _anchor_attention(q, k, v, cache.k[i], cache.v[i], anchors, anc_BANN)
-        x = constrain(x + layer.self_attn.out(att), ("batch", "seq", "act_embed"))
-        x = x + layer.mlp(layer.post_attention_layernorm(x))
-        x = constrain(x, ("batch", "seq", "act_embed"))
+
+    def attention(i, q, k, v):
+        return _anchor_attention(q, k, v, cache.k[i], cache.v[i], anchors, anc_BANN)
+
+    x, _, _, _ = _run_layers(target, tokens, positions, attention)
     logits = target.unembed(target.norm(x))
     return jax.lax.stop_gradient(logits.reshape(b, a, n, logits.shape[-1]))
 
