@@ -190,16 +190,17 @@ def _add_generate(sub) -> None:
                         "when --target is not given")
     p.add_argument("--builder", choices=("ddtree", "chain", "none"), default="ddtree",
                    help="ddtree (default), chain (plain DFlash) or none (autoregressive)")
-    p.add_argument("--budget", type=int, default=64, help="DDTree node budget")
+    p.add_argument("--budget", type=int, default=64, help="DDTree node budget (default %(default)s)")
     p.add_argument("--verifier", choices=("tev", "predraw", "sequential", "greedy"),
-                   default="tev")
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--top-k", type=int, default=None)
-    p.add_argument("--top-p", type=float, default=None)
-    p.add_argument("--max-new-tokens", type=int, default=256)
+                   default="tev", help="exact tree verifier (default %(default)s; greedy: T = 0 only)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-k", type=int, default=None, help="sampling: keep the k best")
+    p.add_argument("--top-p", type=float, default=None, help="sampling: nucleus mass")
+    p.add_argument("--max-new-tokens", type=int, default=256,
+                   help="at most this many (default %(default)s); stops at <|end|> / <|eos|>")
     p.add_argument("--chat", action="store_true",
                    help="wrap the prompt in the chat template (one user turn)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="sampling seed (default %(default)s)")
     p.add_argument("--repeats", type=int, default=1,
                    help="timed runs after the compile run (the median is reported)")
     p.add_argument("--compare-ar", action="store_true",

@@ -106,9 +106,11 @@ def verify_bundle(root: str | os.PathLike) -> dict[str, Any]:
         raise _missing(root, f"no {MANIFEST_FILE}")
     try:
         manifest = json.loads(f.read_text())
-        files = manifest["files"]
         fmt = manifest["format"]
-    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as e:
+        files = {str(rel): {"bytes": int(w["bytes"]), "sha256": str(w["sha256"])}
+                 for rel, w in manifest["files"].items()}
+    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, ValueError,
+            AttributeError) as e:
         raise ValueError(f"{f}: malformed bundle manifest ({e!r}); re-export with "
                          f"`{EXPORT_COMMAND}`") from e
     if fmt != MANIFEST_FORMAT:
