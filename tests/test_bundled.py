@@ -1,4 +1,4 @@
-"""The bundled demo models: export (bfloat16, atomic, size-limited, pinned by SHA-256),
+"""The bundled demo models: export (float32 or bfloat16, atomic, size-limited, pinned by SHA-256),
 lookup, corruption detection, and `tev-jax generate` with and without explicit paths.
 
 The models here are random ones of the shipped shapes with the project's tokenizer
@@ -12,6 +12,7 @@ import json
 import shutil
 
 import jax
+import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
@@ -65,7 +66,7 @@ def sources(tmp_path_factory):
 @pytest.fixture(scope="module")
 def bundle(sources, tmp_path_factory):
     out = tmp_path_factory.mktemp("pkg") / "models"
-    export_bundle(sources[0], sources[1], out)
+    export_bundle(sources[0], sources[1], out, dtype=jnp.bfloat16)  # the lossy path
     return out
 
 
@@ -212,7 +213,7 @@ def test_real_bundle_generates_with_defaults(capsys):
     """The bundle inside the package (shipped by the lead): must exist, verify and run."""
     paths = bundled.bundled_paths()  # fails, naming the export command, if it is missing
     manifest = bundled.verify_bundle(paths.target.parent)
-    assert manifest["dtype"] == "bfloat16"
+    assert manifest["dtype"] == "float32"  # shipped as trained
     assert cli.main(["generate", "def fibonacci(n):", "--max-new-tokens", "8"]) == 0
     out, err = capsys.readouterr()
     assert out.startswith("def fibonacci(n):")

@@ -5,7 +5,8 @@ paths::
 
 Writes ``tev_jax/data/models/`` (the layout of `tev_jax.models.bundled`) as one
 directory, assembled in a temporary sibling and renamed into place only once complete
-and checked: the weights are stored in bfloat16, the target directory gets the
+and checked: the weights are stored as trained (float32; ``--dtype bfloat16`` halves
+the size at some cost in fidelity), the target directory gets the
 tokenizer, a ``tokenizer_config.json`` (special tokens, chat template) and a
 ``generation_config.json``, both get a README (model card), and ``manifest.json`` pins
 the SHA-256 of every file. The export refuses (ValueError) a bundle above 40 MB and
@@ -121,7 +122,7 @@ def _json_block(obj: Any) -> str:
     return "```json\n" + json.dumps(obj, indent=2) + "\n```\n"
 
 
-def target_readme(target, source: Path, weight_bytes: int) -> str:
+def target_readme(target, source: Path, weight_bytes: int, stored: str = "float32") -> str:
     """The target's model card: what it is, how it was trained, licence."""
     c = target.config
     train_cfg = _read_json(source.parent / "train_config.json")
@@ -135,7 +136,7 @@ def target_readme(target, source: Path, weight_bytes: int) -> str:
         ("parameters", f"{c.num_params / 1e6:.2f} M"),
         ("vocabulary", f"V = {c.vocab_size}, byte-level BPE (`tokenizer.json`, the tokenizer "
                        "of `tev_jax/data/tokenizer.json`)"),
-        ("weights", f"bfloat16, `model.safetensors` ({_mb(weight_bytes)})"),
+        ("weights", f"{stored}, `model.safetensors` ({_mb(weight_bytes)})"),
     ]
     if isinstance(train_cfg, dict) and "seq_len" in train_cfg:
         rows.append(("context", f"trained on {train_cfg['seq_len']}-token windows "
@@ -195,13 +196,13 @@ or every stage of the demo models at once, with their settings:
 `python -m train.demo_models` (`train/demo_models.py`).
 
 {config_text}
-Exported from `{source}` by `train/export_bundled.py` (float32 → bfloat16, round to
-nearest even).
+Exported from `{source}` by `train/export_bundled.py` ({_conversion(stored)}).
 
 {LICENCE_TEXT}"""
 
 
-def drafter_readme(drafter, source: Path, target_source: Path, weight_bytes: int) -> str:
+def drafter_readme(drafter, source: Path, target_source: Path, weight_bytes: int,
+                   stored: str = "float32") -> str:
     """The drafter's model card: what it is, how it was trained, licence."""
     c = drafter.config
     run_cfg = _read_json(source.parent / "config.json")
@@ -214,7 +215,7 @@ def drafter_readme(drafter, source: Path, target_source: Path, weight_bytes: int
                          f"{list(c.target_layer_ids)}; MASK token id {c.mask_token_id}"),
         ("parameters", f"{_num_params(drafter) / 1e6:.2f} M (embedding and LM head are "
                        "the target's)"),
-        ("weights", f"bfloat16, `model.safetensors` ({_mb(weight_bytes)})"),
+        ("weights", f"{stored}, `model.safetensors` ({_mb(weight_bytes)})"),
         ("target", "the bundled target (`../target`); it fits no other model"),
     ]
     if isinstance(run_cfg, dict):
@@ -268,9 +269,14 @@ of the shipped models.
 
 {config_text}
 Exported from `{source}` (target `{target_source}`) by `train/export_bundled.py`
-(float32 → bfloat16, round to nearest even).
+({_conversion(stored)}).
 
 {LICENCE_TEXT}"""
+
+
+def _conversion(stored: str) -> str:
+    return ("weights as trained" if stored == "float32"
+            else f"float32 → {stored}, round to nearest even")
 
 
 def _logit_check(original, bundle_dir: Path, tokenizer):
@@ -290,7 +296,7 @@ def _logit_check(original, bundle_dir: Path, tokenizer):
 
 def export_bundle(target_dir: str | Path, drafter_dir: str | Path,
                   out: str | Path = DEFAULT_OUT, *, max_bytes: int = bundled.MAX_BUNDLE_BYTES,
-                  dtype=jnp.bfloat16) -> dict[str, Any]:
+                  dtype=jnp.float32) -> dict[str, Any]:
     """Writes the bundle (target + drafter, ``dtype`` weights, manifest) to ``out``.
 
     Args:
@@ -332,9 +338,9 @@ def export_bundle(target_dir: str | Path, drafter_dir: str | Path,
         save_drafter(drafter, d_dir, dtype=dtype)
         t_bytes = (t_dir / "model.safetensors").stat().st_size
         d_bytes = (d_dir / "model.safetensors").stat().st_size
-        (t_dir / "README.md").write_text(target_readme(target, target_dir, t_bytes))
+        (t_dir / "README.md").write_text(target_readme(target, target_dir, t_bytes, stored))
         (d_dir / "README.md").write_text(
-            drafter_readme(drafter, drafter_dir, target_dir, d_bytes))
+            drafter_readme(drafter, drafter_dir, target_dir, d_bytes, stored))
         total = sum(p.stat().st_size for p in tmp.rglob("*") if p.is_file())
         if total > max_bytes:
             raise ValueError(f"the bundle is {_mb(total)} ({total} bytes), above the "
@@ -354,6 +360,8 @@ def export_bundle(target_dir: str | Path, drafter_dir: str | Path,
             "check": check,
         })
         bundled.verify_bundle(tmp)
+        for path in (tmp, *tmp.rglob("*")):  # temporary folders are private (0700)
+            path.chmod(0o755 if path.is_dir() else 0o644)
 
     write_atomically(out, write)
     return bundled.verify_bundle(out)
@@ -368,16 +376,19 @@ def main(argv: list[str] | None = None) -> int:
                    help="bundle directory (default: the package's tev_jax/data/models)")
     p.add_argument("--max-mb", type=float, default=bundled.MAX_BUNDLE_BYTES / 1e6,
                    help="refuse a bundle above this many MB (10^6 bytes)")
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                   help="stored weight dtype (default: as trained)")
     args = p.parse_args(argv)
     try:
         manifest = export_bundle(args.target, args.drafter, args.out,
-                                 max_bytes=int(args.max_mb * 1e6))
+                                 max_bytes=int(args.max_mb * 1e6), dtype=args.dtype)
     except ValueError as e:
         p.error(str(e))
     total = sum(f["bytes"] for f in manifest["files"].values())
     print(f"wrote {args.out}: {len(manifest['files'])} pinned files, {_mb(total)}; target "
           f"{manifest['target']['params'] / 1e6:.2f} M params, drafter "
-          f"{manifest['drafter']['params'] / 1e6:.2f} M; bf16 vs float32 logits: max |Δ| "
+          f"{manifest['drafter']['params'] / 1e6:.2f} M; {manifest['dtype']} vs float32 logits: "
+          f"max |Δ| "
           f"{manifest['check']['max_abs_logit_diff']:.4f}, top-1 agreement "
           f"{manifest['check']['top1_agreement']:.3f}")
     return 0

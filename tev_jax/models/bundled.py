@@ -5,9 +5,9 @@
     manifest.json         format, dtype, and the SHA-256 and size of every file below
                           except the READMEs
     target/               Hugging Face layout: config.json, generation_config.json,
-                          model.safetensors (bfloat16), tokenizer.json,
+                          model.safetensors (float32), tokenizer.json,
                           tokenizer_config.json, README.md
-    drafter/              DFlash layout: config.json, model.safetensors (bfloat16),
+    drafter/              DFlash layout: config.json, model.safetensors (float32),
                           README.md
 
 `bundled_paths` finds the directories through ``importlib.resources`` (so it works from
@@ -165,8 +165,8 @@ def load_bundled(*, dtype=jnp.float32, root: str | os.PathLike | None = None):
     """Loads the bundled demo models.
 
     Args:
-      dtype: parameter/activation dtype of both models (the files are bfloat16; float32
-        computes faster on CPU).
+      dtype: parameter/activation dtype of both models (float32, as stored, computes
+        fastest on CPU).
       root: the bundle directory (default: inside the installed package).
     Returns:
       (target, drafter, tokenizer): a `Target`, its DFlash `Drafter` and the
