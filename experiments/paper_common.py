@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import os
 import platform
@@ -674,10 +675,14 @@ def continuation_contexts(models: Models, prompts: dict[str, list[list[int]]], s
     return out
 
 
+@functools.lru_cache(maxsize=None)
+def _exit_laws_jit(sampling: Sampling):
+    return jax.jit(jax.vmap(lambda t, l: exit_law(t, l, sampling)))
+
+
 def exit_laws(cap: Captured, sampling: Sampling):
     """The exit law (`tev_jax.exit_law.ExitLaw`, [C, ...] numpy fields) of every tree."""
-    law = jax.jit(jax.vmap(lambda t, l: exit_law(t, l, sampling)))(cap.tree, cap.logits)
-    return jax.tree.map(np.asarray, law)
+    return jax.tree.map(np.asarray, _exit_laws_jit(sampling)(cap.tree, cap.logits))
 
 
 def verifier_fn(name: str, sampling: Sampling, horizon: int) -> Callable:
@@ -689,20 +694,24 @@ def verifier_fn(name: str, sampling: Sampling, horizon: int) -> Callable:
     return lambda key, tree, logits: fn(key, tree, logits, sampling, horizon=horizon)
 
 
-def fixed_tree_lengths(cap: Captured, sampling: Sampling, verifier: str, horizon: int,
-                       draws: int, seed: int = 0) -> np.ndarray:
-    """Output-block lengths of ``draws`` independent verifications of every captured tree
-    (the same tree and logits each time); int [C, draws]."""
+@functools.lru_cache(maxsize=None)
+def _lengths_jit(verifier: str, sampling: Sampling, horizon: int):
     fn = verifier_fn(verifier, sampling, horizon)
 
-    @jax.jit
     def run(keys_CK, tree, logits):
         one_tree = lambda ks, t, l: jax.vmap(lambda k: fn(k, t, l).length)(ks)
         return jax.lax.map(lambda a: one_tree(*a), (keys_CK, tree, logits))
 
+    return jax.jit(run)
+
+
+def fixed_tree_lengths(cap: Captured, sampling: Sampling, verifier: str, horizon: int,
+                       draws: int, seed: int = 0) -> np.ndarray:
+    """Output-block lengths of ``draws`` independent verifications of every captured tree
+    (the same tree and logits each time); int [C, draws]."""
     c = cap.logits.shape[0]
     keys = jax.random.split(jax.random.key(seed), c * draws).reshape(c, draws)
-    return np.asarray(run(keys, cap.tree, cap.logits))
+    return np.asarray(_lengths_jit(verifier, sampling, horizon)(keys, cap.tree, cap.logits))
 
 
 # -------------------------------------------------------------------------- timing
@@ -725,8 +734,23 @@ def time_round_robin(calls: dict[str, Callable[[int], Any]], repeats: int, seed:
     return {k: np.asarray(v) for k, v in out.items()}
 
 
+@functools.lru_cache(maxsize=None)
+def _decide_jits(name: str, sampling: Sampling, horizon: int):
+    """(decide, decide + commit) jitted as decode's decide stage runs them (batch 1)."""
+    fn = verifier_fn(name, sampling, horizon)
+
+    def decide(k, t, l):
+        return jax.vmap(fn)(k[None], t, l)
+
+    def step(k, t, l, cache, start):
+        v = decide(k, t, l)
+        return v, kvc.commit(cache, start, v.path, v.length)
+
+    return jax.jit(decide), jax.jit(step, donate_argnums=(3,))
+
+
 def verifier_stage_calls(cap: Captured, sampling: Sampling, verifiers: Sequence[str],
-                         horizon: int, cache_len: int, target, *, commit: bool = True
+                         horizon: int, cache_len: int, target
                          ) -> dict[str, Callable[[int], Any]]:
     """Batch-1 calls of the verify stage as decode runs it, cycling over the captured
     trees: ``name`` = the verifier alone (decide), ``name+commit`` = the verifier then the
@@ -738,23 +762,16 @@ def verifier_stage_calls(cap: Captured, sampling: Sampling, verifiers: Sequence[
     keys = jax.random.split(jax.random.key(0), c)
     calls = {}
     for name in verifiers:
-        fn = verifier_fn(name, sampling, horizon)
-        decide = jax.jit(lambda k, t, l, fn=fn: jax.vmap(fn)(k[None], t, l))
+        decide, step = _decide_jits(name, sampling, horizon)
         calls[name] = (lambda i, d=decide: d(keys[i % c], trees[i % c], logits[i % c]))
-        if commit:
-            def step(k, t, l, cache, start, fn=fn):
-                v = jax.vmap(fn)(k[None], t, l)
-                return v, kvc.commit(cache, start, v.path, v.length)
+        holder = {"cache": target.init_cache(1, cache_len)}
 
-            step = jax.jit(step, donate_argnums=(3,))
-            holder = {"cache": target.init_cache(1, cache_len)}
+        def call(i, step=step, holder=holder):
+            v, holder["cache"] = step(keys[i % c], trees[i % c], logits[i % c],
+                                      holder["cache"], starts[i % c])
+            return v
 
-            def call(i, step=step, holder=holder):
-                v, holder["cache"] = step(keys[i % c], trees[i % c], logits[i % c],
-                                          holder["cache"], starts[i % c])
-                return v
-
-            calls[name + "+commit"] = call
+        calls[name + "+commit"] = call
     return calls
 
 

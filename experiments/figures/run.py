@@ -115,8 +115,10 @@ def draw_tree(ax, tree: dict, tokenizer, title: str, wmax: float):
                edgecolors="k", linewidths=0.5, zorder=2)
     for i in range(n):
         note = f"  P={reach[i]:.2f} w={w[i]:.2f}" if (w[i] >= 0.02 or reach[i] >= 0.1) else ""
-        ax.text(depths[i] + 0.12, y[i], show_token(tokenizer, int(tree["tokens"][i])) + note,
-                fontsize=7, va="center", zorder=3)
+        radius = np.sqrt(40 + 500 * reach[i]) / 2  # points
+        ax.annotate(show_token(tokenizer, int(tree["tokens"][i])) + note, (depths[i], y[i]),
+                    xytext=(radius + 3, 0), textcoords="offset points", fontsize=7,
+                    va="center", zorder=3)
     ax.set_title(title, fontsize=10)
     ax.set_xlabel("depth")
     ax.set_yticks([])
@@ -157,8 +159,9 @@ def plot_exit_trees(models, args, path: Path) -> dict:
     sm = ScalarMappable(norm=Normalize(0, wmax), cmap=plt.get_cmap("magma_r"))
     fig.colorbar(sm, ax=axes, fraction=0.02, label="exit weight w = P·ρ")
     tail = models.tokenizer.decode(context[-24:], skip_special_tokens=False)
-    fig.suptitle(f"Where the tree loses target mass ({pc.SET_LABELS[args.set]} prompt "
-                 f"{args.prompt_index}, B = {args.tree_budget}, T = {args.temperature:g}); "
+    fig.suptitle(f"Where the tree loses target mass ({args.set} prompt {args.prompt_index} "
+                 f"+ {args.cut} generated tokens, B = {args.tree_budget}, "
+                 f"T = {args.temperature:g}); "
                  f"context ends: …{tail[-70:]!r}", fontsize=10)
     fig.savefig(path, dpi=130, bbox_inches="tight")
     plt.close(fig)
@@ -187,23 +190,24 @@ def main():
     started = time.time()
     pc.enable_compile_cache(args)
     out_dir = Path(args.out_dir)
+    suffix = "_random" if args.random_models else ""
     result = {}
     budget_path = Path(args.budget_results)
     if budget_path.is_file():
         result["tau_vs_budget"] = plot_budget(json.loads(budget_path.read_text()),
-                                              out_dir / "tau_vs_budget.png")
+                                              out_dir / f"tau_vs_budget{suffix}.png")
         result["budget_results"] = str(budget_path)
-        print(f"wrote {out_dir / 'tau_vs_budget.png'}")
+        print(f"wrote {out_dir / f'tau_vs_budget{suffix}.png'}")
     else:
         print(f"no budget results at {budget_path}: run experiments/budget/run.py first; "
               "skipping tau_vs_budget.png")
     models = pc.models_from_args(args, ("dflash", "ft_exit"))
-    result["exit_tree"] = plot_exit_trees(models, args, out_dir / "exit_tree.png")
+    result["exit_tree"] = plot_exit_trees(models, args, out_dir / f"exit_tree{suffix}.png")
     result["models"] = models.describe()
     result["total_seconds"] = time.time() - started
-    name = "results_random.json" if args.random_models else "results.json"
+    name = f"results{suffix}.json"
     (out_dir / name).write_text(json.dumps(result, indent=1))
-    print(f"wrote {out_dir / 'exit_tree.png'} and {out_dir / name}")
+    print(f"wrote {out_dir / f'exit_tree{suffix}.png'} and {out_dir / name}")
 
 
 if __name__ == "__main__":
