@@ -44,8 +44,10 @@ class DemoPlan:
     num_anchors: int = 16
     dflash_steps: int = 2000
     dflash_lr: float = 1e-3
-    finetune_steps: int = 300
+    finetune_steps: int = 400
     finetune_lr: float = 2e-4
+    finetune_batch_size: int = 4
+    finetune_anchors: int = 8
     budget: int = 64
     exit_lambda: float = 1.0
     seed: int = 0
@@ -58,16 +60,19 @@ STAGES = ("corpus", "target", "prompts", "rollouts", "dflash", *FINETUNES, "bund
 
 def _drafter_args(plan: DemoPlan, runs: Path, name: str) -> list[str]:
     common = ["run", "--target-path", str(runs / "target" / "hf"),
-              "--data-dir", str(runs / "rollouts"), "--batch-size", str(plan.batch_size),
-              "--num-anchors", str(plan.num_anchors), "--seed", str(plan.seed),
+              "--data-dir", str(runs / "rollouts"), "--seed", str(plan.seed),
               "--out-dir", str(runs / "drafters" / name), "--checkpoint-every", "100"]
     if name == "dflash":
         return common + ["--loss", "token", "--drafter-layers", str(plan.drafter_layers),
+                         "--batch-size", str(plan.batch_size),
+                         "--num-anchors", str(plan.num_anchors),
                          "--block-size", str(plan.block_size), "--steps",
                          str(plan.dflash_steps), "--lr", str(plan.dflash_lr),
                          "--warmup-steps", str(min(100, plan.dflash_steps // 10)),
                          "--end-lr-ratio", "0.05"]
     return common + ["--drafter-path", str(runs / "drafters" / "dflash" / "drafter"),
+                     "--batch-size", str(plan.finetune_batch_size),
+                     "--num-anchors", str(plan.finetune_anchors),
                      "--loss", FINETUNES[name], "--budget", str(plan.budget),
                      "--exit-lambda", str(plan.exit_lambda), "--tree-metrics", "true",
                      "--steps", str(plan.finetune_steps), "--lr", str(plan.finetune_lr),
