@@ -14,6 +14,8 @@ from tev_jax.exit_train import (
     WEIGHTINGS,
     exit_loss,
     node_weights,
+    parent_mask,
+    score_parent_nodes,
     score_tree_nodes,
     target_context,
     token_loss,
@@ -195,3 +197,48 @@ def test_context_and_scoring_passes_equal_plain_forwards():
     assert len(where) > b * a
     with pytest.raises(ValueError, match="tap layer"):
         target_context(target, jnp.asarray(tokens), (TINY.num_layers,))
+
+
+def test_parent_scoring_equals_full_scoring_on_the_rows_the_exit_law_reads():
+    """`score_parent_nodes` = `score_tree_nodes` on nodes with children of valid anchors
+    (0 elsewhere), whether they fit the capacity (pooled pass) or not (full pass); the
+    exit weights from either are the same."""
+    target = init_target(TINY, key=3)
+    rng = np.random.default_rng(11)
+    b, length, a, n, h = 2, 14, 3, 7, 3
+    tokens = rng.integers(0, TINY.vocab_size, (b, length)).astype(np.int32)
+    anchors = np.array([[2, 6, 10], [3, 4, 9]], np.int32)
+    host = [random_tree(rng, n, TINY.vocab_size, h, root=tokens[i, anchors[i, j]])
+            for i in range(b) for j in range(a)]
+    trees = stack(host, (b, a))
+
+    def needed_of(valid):                         # nodes that are some valid node's parent
+        needed = np.zeros((b, a, n), bool)
+        for k, tree in enumerate(host):
+            _, parents, m = ref.host_tree(tree)
+            if valid.flat[k]:
+                needed[k // a, k % a, [parents[v] for v in range(1, m)]] = True
+        return needed
+
+    some = np.array([[True, False, True], [True, False, True]])
+    every = np.ones((b, a), bool)
+    capacity = int(needed_of(some).sum((1, 2)).max())
+    assert 0 < capacity < int(needed_of(every).sum((1, 2)).max()) < a * n
+
+    @jax.jit
+    def run(valid):
+        _, cache = target_context(target, jnp.asarray(tokens), (0,))
+        full = score_tree_nodes(target, cache, trees, anchors)
+        parent = score_parent_nodes(target, cache, trees, anchors, capacity, valid)
+        weights = [tree_exit_weights(trees, z, Sampling(1.0), "exit")[0] * valid[..., None]
+                   for z in (full, parent)]
+        return parent_mask(trees), full, parent, weights
+
+    for valid in (some, every):                   # the pooled pass, then the full pass
+        mask, full, parent, (want_w, got_w) = jax.device_get(run(valid))
+        needed = needed_of(valid)
+        np.testing.assert_array_equal(mask & valid[..., None], needed)
+        np.testing.assert_allclose(parent, np.where(needed[..., None], full, 0.0), atol=1e-5)
+        np.testing.assert_allclose(got_w, want_w, atol=1e-6)
+    with pytest.raises(ValueError, match="capacity"):
+        score_parent_nodes(target, None, trees, anchors, 0)

@@ -4,6 +4,8 @@ rollouts, config and CLI."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import numpy as np
 import optax
@@ -12,6 +14,7 @@ from flax import nnx
 
 import train_fixtures as tf
 from tev_jax import sharding as shd
+from tev_jax.exit_train import parent_mask, target_context
 from tev_jax.models.drafter import anchor_logits
 from train.__main__ import build_parser, config_from_args
 from train.anchors import anchor_range, sample_anchors, step_rng
@@ -19,6 +22,7 @@ from train.config import TrainConfig
 from train.loop import optim_config, step_config, train
 from train.rollouts import RolloutConfig, RolloutSet, make_rollouts
 from train.step import (
+    Batch,
     block_labels,
     exit_targets,
     init_state,
@@ -116,8 +120,6 @@ def test_vjp_route_equals_jax_grad_of_the_whole_objective():
     @jax.jit
     def both(params, batch):
         grads, metrics = loss_and_grads(params, graphs, frozen, batch, scfg)
-        from tev_jax.exit_train import target_context
-
         tgt = nnx.merge(graphs.target, frozen.target)
         feats, cache = target_context(tgt, batch.tokens, scfg.taps)
         logits0 = anchor_logits(merge_drafter(graphs, frozen, params), tgt, feats,
@@ -137,6 +139,36 @@ def test_vjp_route_equals_jax_grad_of_the_whole_objective():
     np.testing.assert_allclose(loss, loss2, rtol=1e-6)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-6), grads, direct)
 
+
+def test_leaf_skipping_scoring_gives_the_same_exit_targets():
+    """``score_capacity``: the pooled scoring pass over the nodes with children gives the
+    trees, exit weights and coverage of the full scoring pass, so the same losses and
+    gradients (its full fallback: tests/test_exit_train.py)."""
+    target, drafter = tf.models()
+    scfg = step_config(tf.config("unused"), drafter)
+    n = scfg.budget + 1
+    graphs, frozen, _ = split_models(target, drafter)
+    hb = tf.progressions().batch_at(0, 2, B, A, tf.BLOCK - 1)
+    batch = Batch(*(jax.numpy.asarray(x) for x in (hb.tokens, hb.anchors, hb.valid)))
+    rng = np.random.default_rng(2)
+    draft = jax.numpy.asarray(4 * rng.standard_normal((B, A, scfg.horizon, tf.TARGET.vocab_size)),
+                              np.float32)
+    pooled = dataclasses.replace(scfg, score_capacity=(n - 1) / n)   # always fits
+
+    @jax.jit
+    def targets(batch, draft):
+        tgt = nnx.merge(graphs.target, frozen.target)
+        _, cache = target_context(tgt, batch.tokens, scfg.taps)
+        return [exit_targets(tgt, cache, draft, batch, c) for c in (scfg, pooled)]
+
+    (trees, weights, coverage), other = jax.device_get(targets(batch, draft))
+    assert (np.asarray(parent_mask(trees)).sum(-1) > 1).any()      # trees deeper than 1
+    jax.tree.map(np.testing.assert_array_equal, other[0], trees)
+    np.testing.assert_allclose(other[1], weights, atol=1e-6)
+    np.testing.assert_allclose(np.where(hb.valid, other[2], 0.0),
+                               np.where(hb.valid, coverage, 0.0), atol=1e-6)
+    with pytest.raises(ValueError, match="score_capacity"):
+        dataclasses.replace(scfg, score_capacity=0.0)
 
 def test_thirty_step_run_lowers_the_loss(tmp_path):
     target, drafter = tf.models()

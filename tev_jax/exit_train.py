@@ -198,7 +198,8 @@ def _heads_out(o_BKRd: jax.Array, t: int, dtype) -> jax.Array:
     """[B, K, T*G, hd] -> [B, T, H, hd]."""
     b, kh, r, hd = o_BKRd.shape
     g = r // t
-    return o_BKRd.reshape(b, kh, t, g, hd).transpose(0, 2, 1, 3, 4).reshape(b, t, kh * g, hd).astype(dtype)
+    o = o_BKRd.reshape(b, kh, t, g, hd).transpose(0, 2, 1, 3, 4)
+    return o.reshape(b, t, kh * g, hd).astype(dtype)
 
 
 def _scores(q, k, spec):
@@ -212,17 +213,29 @@ def _mix(p, v, spec):
     return jnp.einsum(spec, p.astype(v.dtype), v, preferred_element_type=jnp.float32)
 
 
+def _joint_softmax(*segments):
+    """Softmax over the concatenated last axes of masked score segments ``(s, mask)``.
+
+    Every query must see at least one key (here: itself), so the max is finite and the
+    denominator >= 1. Returns the unnormalised probabilities of each segment and the
+    shared denominator (keepdims).
+    """
+    s = [jnp.where(m, x, -jnp.inf) for x, m in segments]
+    mx = s[0].max(-1, keepdims=True)
+    for x in s[1:]:
+        mx = jnp.maximum(mx, x.max(-1, keepdims=True))
+    p = [jnp.exp(x - mx) for x in s]
+    return p, sum(x.sum(-1, keepdims=True) for x in p)
+
+
 def _causal_attention(q_BTHd, k_BTKd, v_BTKd):
-    """Causal GQA self-attention of a whole sequence (every row sees itself)."""
+    """Causal GQA self-attention of a whole sequence."""
     b, t, _, hd = q_BTHd.shape
     kh = k_BTKd.shape[2]
     q = _query_rows(q_BTHd, kh)
     s = _scores(q, _kv_major(k_BTKd), "bkrd,bksd->bkrs").reshape(b, kh, t, -1, t)
     pos = jnp.arange(t)
-    causal = (pos[None, :] <= pos[:, None])[:, None, :]                       # [T, 1, T]
-    s = jnp.where(causal, s, -jnp.inf)
-    p = jnp.exp(s - jnp.max(s, axis=-1, keepdims=True))
-    denom = jnp.sum(p, axis=-1, keepdims=True)
+    (p,), denom = _joint_softmax((s, (pos[None, :] <= pos[:, None])[:, None, :]))
     o = _mix(p.reshape(b, kh, -1, t), _kv_major(v_BTKd), "bkrs,bksd->bkrd")
     o = o.reshape(b, kh, t, -1, hd) / denom
     return _heads_out(o.reshape(b, kh, -1, hd), t, q_BTHd.dtype)
@@ -242,23 +255,35 @@ def _anchor_attention(q_BTHd, k_BTKd, v_BTKd, kc_BLKd, vc_BLKd, anchors_BA, anc_
     length = kc_BLKd.shape[1]
     q = _query_rows(q_BTHd, kh)                                               # [B,K,AN*G,hd]
     s_pre = _scores(q, _kv_major(kc_BLKd), "bkrd,bkld->bkrl").reshape(b, kh, a, n, -1, length)
-    q_tree = q.reshape(b, kh, a, -1, hd)
     k_tree = _kv_major(k_BTKd).reshape(b, kh, a, n, hd)
-    s_tree = _scores(q_tree, k_tree, "bkard,bkamd->bkarm").reshape(b, kh, a, n, -1, n)
+    s_tree = _scores(q.reshape(b, kh, a, -1, hd), k_tree, "bkard,bkamd->bkarm")
     m_pre = (jnp.arange(length)[None, None, :] < anchors_BA[:, :, None])    # [B, A, L]
-    s_pre = jnp.where(m_pre[:, None, :, None, None, :], s_pre, -jnp.inf)
-    s_tree = jnp.where(anc_BANN[:, None, :, :, None, :], s_tree, -jnp.inf)
-    # Every query sees itself, so the max is finite and the denominator >= 1.
-    mx = jnp.maximum(jnp.max(s_pre, -1, keepdims=True), jnp.max(s_tree, -1, keepdims=True))
-    p_pre = jnp.exp(s_pre - mx)
-    p_tree = jnp.exp(s_tree - mx)
-    denom = jnp.sum(p_pre, -1, keepdims=True) + jnp.sum(p_tree, -1, keepdims=True)
+    (p_pre, p_tree), denom = _joint_softmax(
+        (s_pre, m_pre[:, None, :, None, None, :]),
+        (s_tree.reshape(b, kh, a, n, -1, n), anc_BANN[:, None, :, :, None, :]))
     o = (_mix(p_pre.reshape(b, kh, -1, length), _kv_major(vc_BLKd), "bkrl,bkld->bkrd")
          .reshape(b, kh, a, n, -1, hd)
          + _mix(p_tree.reshape(b, kh, a, -1, n), _kv_major(v_BTKd).reshape(b, kh, a, n, hd),
                 "bkarm,bkamd->bkard").reshape(b, kh, a, n, -1, hd))
     o = o / denom
     return _heads_out(o.reshape(b, kh, -1, hd), t, q_BTHd.dtype)
+
+
+def _pooled_attention(q_BMHd, k_BMKd, v_BMKd, kc_BLKd, vc_BLKd, prefix_end_BM, tree_BMM):
+    """GQA attention of M queries of any anchors: prefix ``< prefix_end`` + ``tree`` mask."""
+    b, m, _, hd = q_BMHd.shape
+    kh = k_BMKd.shape[2]
+    length = kc_BLKd.shape[1]
+    q = _query_rows(q_BMHd, kh)                                               # [B,K,M*G,hd]
+    s_pre = _scores(q, _kv_major(kc_BLKd), "bkrd,bkld->bkrl").reshape(b, kh, m, -1, length)
+    s_tree = _scores(q, _kv_major(k_BMKd), "bkrd,bksd->bkrs").reshape(b, kh, m, -1, m)
+    m_pre = jnp.arange(length)[None, None, :] < prefix_end_BM[:, :, None]      # [B, M, L]
+    (p_pre, p_tree), denom = _joint_softmax((s_pre, m_pre[:, None, :, None, :]),
+                                            (s_tree, tree_BMM[:, None, :, None, :]))
+    o = (_mix(p_pre.reshape(b, kh, -1, length), _kv_major(vc_BLKd), "bkrl,bkld->bkrd")
+         + _mix(p_tree.reshape(b, kh, -1, m), _kv_major(v_BMKd), "bkrs,bksd->bkrd"))
+    o = o.reshape(b, kh, m, -1, hd) / denom
+    return _heads_out(o.reshape(b, kh, -1, hd), m, q_BMHd.dtype)
 
 
 def _run_layers(target, tokens_BT, positions_BT, attention, taps=()):
@@ -351,8 +376,100 @@ def score_tree_nodes(target, cache: KVCache, trees: DraftTree, anchors_BA: jax.A
     return jax.lax.stop_gradient(logits.reshape(b, a, n, logits.shape[-1]))
 
 
+def parent_mask(trees: DraftTree) -> jax.Array:
+    """bool [..., N]: the valid nodes with at least one child.
+
+    These are the only rows of the target logits the exit law reads (edge ``a(v)`` reads
+    the row of v's parent; a leaf has ``rho = 1``). They are closed under ancestors, and a
+    leaf's keys/values are seen by no other node, so a scoring pass over them alone gives
+    the same logits on their rows.
+    """
+    n = trees.tokens.shape[-1]
+    slots = jnp.arange(n)
+    parents = jnp.where(trees.valid & (slots > 0), trees.parents, -1)
+    return jnp.any(parents[..., None, :] == slots[:, None], axis=-1)
+
+
+def _score_pooled(target, cache: KVCache, trees: DraftTree, anchors_BA, needed_BAN,
+                  capacity: int) -> jax.Array:
+    """`score_tree_nodes` on the first ``capacity`` needed nodes of each row (slot order).
+
+    Rows that are not needed come out 0; needs ``sum(needed[b]) <= capacity`` for all b.
+    """
+    b, a, n = trees.tokens.shape
+    t = a * n
+    needed_BT = needed_BAN.reshape(b, t)
+    order = jnp.argsort(jnp.where(needed_BT, 0, t) + jnp.arange(t), axis=1)
+    idx_BM = order[:, :capacity]
+    ok_BM = jnp.take_along_axis(needed_BT, idx_BM, axis=1)
+    anchor_BM, slot_BM = idx_BM // n, idx_BM % n
+    flat = lambda x: jnp.take_along_axis(x.reshape(b, t).astype(jnp.int32), idx_BM, axis=1)
+    anchors = anchors_BA.astype(jnp.int32)
+    start_BM = jnp.take_along_axis(anchors, anchor_BM, axis=1)
+    positions = start_BM + flat(trees.depths)
+    anc_BANN = jax.vmap(jax.vmap(ancestor_mask))(trees)
+    rows = jnp.arange(b)[:, None, None]
+    tree_BMM = (anc_BANN[rows, anchor_BM[:, :, None], slot_BM[:, :, None], slot_BM[:, None, :]]
+                & (anchor_BM[:, :, None] == anchor_BM[:, None, :])
+                & ok_BM[:, :, None] & ok_BM[:, None, :])
+    # Padding queries see only themselves (finite softmax); their outputs are dropped.
+    tree_BMM = tree_BMM | jnp.eye(capacity, dtype=bool)
+    prefix_end = jnp.where(ok_BM, start_BM, 0)
+
+    def attention(i, q, k, v):
+        return _pooled_attention(q, k, v, cache.k[i], cache.v[i], prefix_end, tree_BMM)
+
+    x, _, _, _ = _run_layers(target, flat(trees.tokens), positions, attention)
+    logits_BMV = target.unembed(target.norm(x))
+    # Row of slot t in the compact order (needed slots come first, in slot order), or
+    # the appended zero row.
+    row_BT = jnp.where(needed_BT, jnp.cumsum(needed_BT, axis=1) - 1, capacity)
+    padded = jnp.concatenate([logits_BMV, jnp.zeros_like(logits_BMV[:, :1])], axis=1)
+    logits = jnp.take_along_axis(padded, row_BT[:, :, None], axis=1)
+    return logits.reshape(b, a, n, -1)
+
+
+def score_parent_nodes(target, cache: KVCache, trees: DraftTree, anchors_BA: jax.Array,
+                       capacity: int, valid_BA: jax.Array | None = None) -> jax.Array:
+    """`score_tree_nodes` on the rows the exit law reads, skipping leaves when they fit.
+
+    The nodes with children (`parent_mask`) of valid anchors are gathered, per row, into
+    ``capacity`` query slots and scored in one pass (each sees the sequence before its
+    anchor and its tree ancestors, as in `score_tree_nodes`). If some row has more such
+    nodes, every node is scored instead (``lax.cond``): the result is the same, only
+    the cost depends on the trees (about ``capacity / (A * N)`` of the full pass when
+    they fit).
+
+    Args:
+      target, cache, trees, anchors_BA: as in `score_tree_nodes`.
+      capacity: static query slots per row (``1 .. A * N``).
+      valid_BA: optional bool [B, A]; rows of invalid anchors are not needed.
+    Returns:
+      float32 [B, A, N, V]: on every node with children (of a valid anchor) the logits
+      of `score_tree_nodes`; 0 on all other rows. Detached.
+    """
+    b, a, n = trees.tokens.shape
+    if not 1 <= capacity <= a * n:
+        raise ValueError(f"capacity must be in [1, A * N = {a * n}], got {capacity}")
+    needed = parent_mask(trees)
+    if valid_BA is not None:
+        needed = needed & valid_BA[:, :, None]
+    fits = jnp.max(jnp.sum(needed, axis=(1, 2))) <= capacity
+
+    def full():
+        logits = score_tree_nodes(target, cache, trees, anchors_BA)
+        return jnp.where(needed[..., None], logits, 0.0)
+
+    if capacity == a * n:
+        return full()
+    out = jax.lax.cond(fits, lambda: _score_pooled(target, cache, trees, anchors_BA, needed,
+                                                    capacity), full)
+    return jax.lax.stop_gradient(out)
+
+
 __all__ = [
-    "LossParts", "WEIGHTINGS", "check_weighting", "exit_loss", "node_weights",
-    "score_tree_nodes", "target_context", "token_loss", "tree_exit_weights",
+    "LossParts", "WEIGHTINGS", "check_weighting", "exit_loss", "node_weights", "parent_mask",
+    "score_parent_nodes", "score_tree_nodes", "target_context", "token_loss",
+    "tree_exit_weights",
 ]
 

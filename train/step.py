@@ -6,6 +6,7 @@ Per micro-batch (B sequences, A anchors each, DESIGN.md §8)::
     drafter       all A blocks of a row in one forward   -> draft logits [B, A, H, V]  (vjp)
     trees         DDTree from the detached rows           -> DraftTree [B, A, N]
     scoring       one target forward over all tree nodes  -> target logits [B, A, N, V]
+                  (or only over the nodes with children, ``score_capacity``)
     exit weights  exit law (detached)                     -> weights [B, A, N], coverage
     objective     token CE + lambda * exit loss           -> d loss / d logits
     update        vjp -> drafter grads -> optax (clip, AdamW, warmup + cosine, MultiSteps)
@@ -27,6 +28,7 @@ import collections
 import contextlib
 import dataclasses
 import functools
+import math
 from typing import Any
 
 import jax
@@ -39,6 +41,7 @@ from tev_jax import ddtree
 from tev_jax import sharding as shd
 from tev_jax.exit_train import (
     exit_loss,
+    score_parent_nodes,
     score_tree_nodes,
     target_context,
     token_loss,
@@ -63,6 +66,11 @@ class StepConfig:
       decay_gamma: optional DFlash position decay of the token loss.
       tree_metrics: build and score trees with loss='token' too (logs tau).
       grad_accum: micro-batches per optimiser update (for the logged learning rate).
+      score_capacity: None: the scoring pass runs over every tree node. A fraction in
+        (0, 1]: it runs over the nodes the exit law reads (nodes with children, of valid
+        anchors) in ``ceil(score_capacity * A * N)`` query slots per row whenever they
+        fit, else over every node (`tev_jax.exit_train.score_parent_nodes`); same
+        losses and gradients, a cost that follows the trees.
     """
 
     loss: str
@@ -74,6 +82,12 @@ class StepConfig:
     decay_gamma: float | None = None
     tree_metrics: bool = False
     grad_accum: int = 1
+    score_capacity: float | None = None
+
+    def __post_init__(self):
+        if self.score_capacity is not None and not 0 < self.score_capacity <= 1:
+            raise ValueError("score_capacity must be None or in (0, 1], got "
+                             f"{self.score_capacity}")
 
     @property
     def builds_trees(self) -> bool:
@@ -223,7 +237,13 @@ def exit_targets(target, cache, draft_logits_BAHV, batch: Batch, cfg: StepConfig
     roots = jnp.take_along_axis(batch.tokens.astype(jnp.int32),
                                 batch.anchors.astype(jnp.int32), axis=1)
     trees = build_trees(draft_logits_BAHV, roots, cfg.budget)
-    target_logits = score_tree_nodes(target, cache, trees, batch.anchors)
+    if cfg.score_capacity is None:
+        target_logits = score_tree_nodes(target, cache, trees, batch.anchors)
+    else:
+        slots = batch.anchors.shape[1] * (cfg.budget + 1)
+        capacity = min(slots, max(1, math.ceil(cfg.score_capacity * slots)))
+        target_logits = score_parent_nodes(target, cache, trees, batch.anchors, capacity,
+                                           batch.valid)
     weights, law = tree_exit_weights(trees, target_logits, cfg.sampling, cfg.weighting)
     weights = jnp.where(batch.valid[:, :, None], weights, 0.0)
     return trees, weights, law.coverage
