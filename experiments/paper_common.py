@@ -802,12 +802,13 @@ def machine_info() -> dict:
                 backend=jax.default_backend(), load_average=os.getloadavg())
 
 
-def setup_line(setup: Setup, models: Models) -> str:
+def setup_line(setup: Setup, models: Models, *, timed: bool = True) -> str:
     """One sentence stating what a table was measured on."""
     d = models.describe()
+    repeats = f", {setup.repeats} timed repeat(s)" if timed else ""
     return (f"{setup.prompts_per_set} prompts per set, {setup.max_new_tokens} new tokens, "
-            f"prompts ≤ {setup.prompt_len} tokens, seed {setup.seed}, "
-            f"{setup.repeats} timed repeat(s); target {d['target_params'] / 1e6:.1f} M params "
+            f"prompts ≤ {setup.prompt_len} tokens, seed {setup.seed}{repeats}; "
+            f"target {d['target_params'] / 1e6:.1f} M params "
             f"(V = {d['vocab']}), drafter {d['drafter_layers']} layer(s), block "
             f"{d['block_size']}; {platform.machine()} CPU x{os.cpu_count()}, jax "
             f"{jax.__version__}, load average {os.getloadavg()[0]:.1f}")

@@ -138,7 +138,7 @@ def main():
     repeats = 30 if args.quick else args.latency_repeats
     contexts = pc.continuation_contexts(models, prompts, setup, args.cuts)
     mc, latency = fixed_trees(models, contexts, setup, args.budget, draws, repeats)
-    table = (pc.setup_line(setup, models) + "\n\n"
+    table = (pc.setup_line(setup, models, timed=False) + "\n\n"
              + tables(records, mc, latency, setup, args.budget))
     pc.write_outputs(HERE, args, setup, models,
                      dict(budget=args.budget, records=records, fixed_tree=mc,
