@@ -25,7 +25,8 @@ Definitions used in every table:
   the bonus token, pooled over the rounds of all prompts of a set (``sum of block
   lengths / number of rounds``, `tev_jax.decode.DecodeStats.tau`). The first token,
   sampled from the prefill's logits, is not a round and is not counted. A block that
-  crosses ``max_new_tokens`` or a stop token counts in full. AR has τ = 1.
+  crosses ``max_new_tokens`` or a stop token counts in full. AR has τ = 1. Its standard
+  error treats prompts as independent clusters (`ratio_se`), not rounds.
 - SR: tokens/s of a method divided by tokens/s of autoregressive decoding (AR, the same
   target through the same engine with ``builder='none'``), both timed batch 1 in the
   same process; tokens/s of a set = its generated tokens / the sum of its per-prompt
@@ -432,16 +433,40 @@ def _row_blocks(stats: decode.DecodeStats, row: int) -> np.ndarray:
     return stats.block_lengths[: int(stats.rounds_per_row[row]), row]
 
 
+def ratio_se(num_i: Sequence[float], den_i: Sequence[float]) -> float:
+    """Standard error of ``sum(num) / sum(den)`` with the items (prompts) as independent
+    clusters (delta method). Rounds of one generation are not independent (a prompt
+    whose continuation repeats itself has long blocks in every round), so τ's error is
+    taken over prompts, not rounds."""
+    num, den = np.asarray(num_i, np.float64), np.asarray(den_i, np.float64)
+    if num.size < 2 or den.sum() == 0:
+        return 0.0
+    z = (num - num.sum() / den.sum() * den) / den.sum()
+    return float(np.sqrt(num.size / (num.size - 1) * np.sum(z ** 2)))
+
+
+def paired_diff_se(a: dict, b: dict) -> float:
+    """Standard error of ``a['tau'] - b['tau']`` for two records over the same prompts
+    (paired clusters: what the two runs share per prompt cancels; 0 if they agree on
+    every prompt, e.g. two exact verifiers at T = 0)."""
+    za, zb = (np.asarray(r["prompt_block_sums"], np.float64)
+              - r["tau"] * np.asarray(r["prompt_rounds"], np.float64) for r in (a, b))
+    z = za / max(a["rounds"], 1) - zb / max(b["rounds"], 1)
+    n = z.size
+    return float(np.sqrt(n / (n - 1) * np.sum(z ** 2))) if n > 1 else 0.0
+
+
 def _set_record(method: Method, temperature: float, set_name: str, blocks: list[np.ndarray],
                 tokens: int, **extra) -> dict:
-    """τ, its standard error (rounds treated as independent) and the raw counts."""
+    """τ, its standard error over prompts (`ratio_se`) and the raw per-prompt counts."""
     b = np.concatenate(blocks) if blocks else np.zeros(0)
     n = int(b.size)
+    sums, rounds = [int(x.sum()) for x in blocks], [int(x.size) for x in blocks]
     return dict(method=method.label, drafter=method.drafter, verifier=method.verifier,
                 budget=method.budget, temperature=temperature, set=set_name,
                 prompts=len(blocks), rounds=n, block_sum=int(b.sum()), tokens=int(tokens),
-                tau=float(b.mean()) if n else 1.0,
-                tau_se=float(b.std(ddof=1) / np.sqrt(n)) if n > 1 else 0.0, **extra)
+                tau=float(b.mean()) if n else 1.0, tau_se=ratio_se(sums, rounds),
+                prompt_block_sums=sums, prompt_rounds=rounds, **extra)
 
 
 def tau_runs(models: Models, methods: Sequence[Method], prompts: dict[str, list[list[int]]],
@@ -475,7 +500,8 @@ def tau_runs(models: Models, methods: Sequence[Method], prompts: dict[str, list[
                                   seconds_batched=st.seconds, **extra)
                 records.append(rec)
                 print(f"T={temp} {method.label:28s} {set_name:10s} tau {rec['tau']:.3f}"
-                      f" ± {rec['tau_se']:.3f}  ({rec['rounds']} rounds)", flush=True)
+                      f" ± {rec['tau_se']:.3f} (SE over prompts; {rec['rounds']} rounds)",
+                      flush=True)
     return records
 
 

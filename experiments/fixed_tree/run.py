@@ -48,7 +48,7 @@ def end_to_end(records, setup):
             for s in setup.sets:
                 a, b = (pc.one(sel[v], set=s) for v in VERIFIERS)
                 diffs.append(a["tau"] - b["tau"])
-                ses.append(float(np.hypot(a["tau_se"], b["tau_se"])))
+                ses.append(pc.paired_diff_se(a, b))
             k = int(np.argmax(np.abs(diffs)))
             rows.append([f"{temp:g}", d] + [
                 f"{pc.set_average(sel[v], 'tau', setup.sets):.3f}" for v in VERIFIERS] + [
@@ -69,17 +69,22 @@ def fixed_trees(models, contexts, setup, budget, draws, repeats):
             law = pc.exit_laws(cap, sampling)
             row = dict(drafter=d, temperature=temp, trees=len(contexts), draws=draws,
                        exit_law=float(np.mean(law.expected_length)))
-            for v in VERIFIERS:
-                lengths = pc.fixed_tree_lengths(cap, sampling, v, horizon, draws,
-                                                seed=setup.seed)
-                row[v] = float(lengths.mean())
-                row[v + "_se"] = float(lengths.std(ddof=1) / np.sqrt(lengths.size))
-            row["diff"] = row["predraw"] - row["tev"]
-            row["diff_se"] = float(np.hypot(row["predraw_se"], row["tev_se"]))
+            lengths = {}
+            for i, v in enumerate(VERIFIERS):
+                lengths[v] = pc.fixed_tree_lengths(cap, sampling, v, horizon, draws,
+                                                   seed=setup.seed + i)
+                # residual against the tree's own 1 + C: the between-tree spread cancels
+                res = lengths[v] - np.asarray(law.expected_length)[:, None]
+                row[v] = float(lengths[v].mean())
+                row[v + "_minus_law"] = float(res.mean())
+                row[v + "_se"] = float(res.std(ddof=1) / np.sqrt(res.size))
+            diff = (lengths["predraw"] - lengths["tev"]).astype(np.float64)
+            row["diff"] = float(diff.mean())
+            row["diff_se"] = float(diff.std(ddof=1) / np.sqrt(diff.size))
             mc.append(row)
-            print(f"fixed trees {d} T={temp}: exit law {row['exit_law']:.4f}  predraw "
-                  f"{row['predraw']:.4f} ± {row['predraw_se']:.4f}  TEV {row['tev']:.4f} ± "
-                  f"{row['tev_se']:.4f}", flush=True)
+            print(f"fixed trees {d} T={temp}: 1+C {row['exit_law']:.4f}  predraw "
+                  f"{row['predraw']:.4f}  TEV {row['tev']:.4f}  predraw - TEV "
+                  f"{row['diff']:+.4f} ± {row['diff_se']:.4f}", flush=True)
             calls = pc.verifier_stage_calls(cap, sampling, VERIFIERS, horizon, cache_len,
                                             models.target)
             secs = pc.time_round_robin(calls, repeats, seed=setup.seed)
@@ -93,15 +98,20 @@ def fixed_trees(models, contexts, setup, budget, draws, repeats):
 
 def tables(records, mc, latency, setup, budget) -> str:
     parts = [f"**1. End to end** (B = {budget}; τ = mean accepted tokens + 1 per verify "
-             "round, pooled over each set's rounds; SE treats rounds as independent)\n",
+             "round, pooled over each set's rounds; SE of the difference over prompts, "
+             "paired by prompt; at T = 0 both verifiers emit the same tokens, so Δ = 0)\n",
              end_to_end(records, setup), ""]
     parts.append(f"**2. On fixed trees** ({mc[0]['trees']} real trees per drafter, "
-                 f"{mc[0]['draws']} verifications of each per verifier; mean output-block "
-                 "length ± SE; 1 + C = the exit law's exact expectation)\n")
+                 f"{mc[0]['draws']} verifications of each per verifier, independent keys; "
+                 "1 + C = the exit law's exact expectation of the block length, averaged over "
+                 "the trees; '- (1+C)' = mean of (block length - that tree's 1 + C); "
+                 "± = standard error over the draws)\n")
     parts.append(pc.markdown(
-        ["T", "drafter", "1 + C", "predraw", "TEV", "predraw - TEV"],
-        [[f"{r['temperature']:g}", r["drafter"], f"{r['exit_law']:.4f}",
-          f"{r['predraw']:.4f} ± {r['predraw_se']:.4f}", f"{r['tev']:.4f} ± {r['tev_se']:.4f}",
+        ["T", "drafter", "1 + C", "predraw", "TEV", "predraw - (1+C)", "TEV - (1+C)",
+         "predraw - TEV"],
+        [[f"{r['temperature']:g}", r["drafter"], f"{r['exit_law']:.4f}", f"{r['predraw']:.4f}",
+          f"{r['tev']:.4f}", f"{r['predraw_minus_law']:+.4f} ± {r['predraw_se']:.4f}",
+          f"{r['tev_minus_law']:+.4f} ± {r['tev_se']:.4f}",
           f"{r['diff']:+.4f} ± {r['diff_se']:.4f}"] for r in mc]))
     parts.append("")
     parts.append("**3. Verify-stage latency** on the same trees (batch 1, median ms; "
