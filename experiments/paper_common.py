@@ -785,7 +785,9 @@ def verifier_stage_calls(cap: Captured, sampling: Sampling, verifiers: Sequence[
     trees = [jax.tree.map(lambda x: jnp.asarray(x[i:i + 1]), cap.tree) for i in range(c)]
     logits = [jnp.asarray(cap.logits[i:i + 1]) for i in range(c)]
     starts = [jnp.asarray(cap.starts[i:i + 1], jnp.int32) for i in range(c)]
-    keys = jax.random.split(jax.random.key(0), c)
+    # a list of per-tree keys: indexing a key array inside a timed call would add an
+    # eager device op to every measurement
+    keys = list(jax.random.split(jax.random.key(0), c))
     calls = {}
     for name in verifiers:
         decide, step = _decide_jits(name, sampling, horizon)
