@@ -143,10 +143,11 @@ def test_size_limit_refused_and_previous_bundle_kept(sources, bundle, tmp_path):
     out = _copy(bundle, tmp_path)
     total = sum(p.stat().st_size for p in bundle.rglob("*")
                 if p.is_file() and p.name != bundled.MANIFEST_FILE)
-    export_bundle(sources[0], sources[1], out, max_bytes=total)  # exactly at the limit
+    export_bundle(sources[0], sources[1], out, max_bytes=total,
+                  dtype=jnp.bfloat16)  # exactly at the limit (the fixture's dtype)
     before = (out / bundled.MANIFEST_FILE).read_bytes()
     with pytest.raises(ValueError, match="above the"):
-        export_bundle(sources[0], sources[1], out, max_bytes=total - 1)
+        export_bundle(sources[0], sources[1], out, max_bytes=total - 1, dtype=jnp.bfloat16)
     assert (out / bundled.MANIFEST_FILE).read_bytes() == before
     bundled.verify_bundle(out)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["models"]  # no temporary left
