@@ -201,8 +201,8 @@ def test_context_and_scoring_passes_equal_plain_forwards():
 
 def test_parent_scoring_equals_full_scoring_on_the_rows_the_exit_law_reads():
     """`score_parent_nodes` = `score_tree_nodes` on nodes with children of valid anchors
-    (0 elsewhere), whether they fit the capacity (pooled pass) or not (full pass); the
-    exit weights from either are the same."""
+    (0 elsewhere) in every branch: the smaller pooled pass, the larger one, the full
+    pass; the exit weights from any of them are the same."""
     target = init_target(TINY, key=3)
     rng = np.random.default_rng(11)
     b, length, a, n, h = 2, 14, 3, 7, 3
@@ -220,25 +220,27 @@ def test_parent_scoring_equals_full_scoring_on_the_rows_the_exit_law_reads():
                 needed[k // a, k % a, [parents[v] for v in range(1, m)]] = True
         return needed
 
-    some = np.array([[True, False, True], [True, False, True]])
-    every = np.ones((b, a), bool)
-    capacity = int(needed_of(some).sum((1, 2)).max())
-    assert 0 < capacity < int(needed_of(every).sum((1, 2)).max()) < a * n
+    masks = [np.array([[True, False, False], [True, False, False]]),
+             np.array([[True, False, True], [True, False, True]]), np.ones((b, a), bool)]
+    counts = [int(needed_of(m).sum((1, 2)).max()) for m in masks]
+    assert 0 < counts[0] < counts[1] < counts[2] < a * n
+    capacities = counts[:2]                       # masks[2] falls back to the full pass
 
     @jax.jit
     def run(valid):
         _, cache = target_context(target, jnp.asarray(tokens), (0,))
         full = score_tree_nodes(target, cache, trees, anchors)
-        parent = score_parent_nodes(target, cache, trees, anchors, capacity, valid)
+        parent = score_parent_nodes(target, cache, trees, anchors, capacities, valid)
         weights = [tree_exit_weights(trees, z, Sampling(1.0), "exit")[0] * valid[..., None]
                    for z in (full, parent)]
         return parent_mask(trees), full, parent, weights
 
-    for valid in (some, every):                   # the pooled pass, then the full pass
+    for valid in masks:
         mask, full, parent, (want_w, got_w) = jax.device_get(run(valid))
         needed = needed_of(valid)
         np.testing.assert_array_equal(mask & valid[..., None], needed)
         np.testing.assert_allclose(parent, np.where(needed[..., None], full, 0.0), atol=1e-5)
         np.testing.assert_allclose(got_w, want_w, atol=1e-6)
-    with pytest.raises(ValueError, match="capacity"):
-        score_parent_nodes(target, None, trees, anchors, 0)
+    for bad in (0, [], [3, a * n + 1]):
+        with pytest.raises(ValueError, match="capacities"):
+            score_parent_nodes(target, None, trees, anchors, bad)

@@ -141,7 +141,7 @@ def test_vjp_route_equals_jax_grad_of_the_whole_objective():
 
 
 def test_leaf_skipping_scoring_gives_the_same_exit_targets():
-    """``score_capacity``: the pooled scoring pass over the nodes with children gives the
+    """``score_capacities``: the pooled scoring pass over the nodes with children gives the
     trees, exit weights and coverage of the full scoring pass, so the same losses and
     gradients (its full fallback: tests/test_exit_train.py)."""
     target, drafter = tf.models()
@@ -153,7 +153,7 @@ def test_leaf_skipping_scoring_gives_the_same_exit_targets():
     rng = np.random.default_rng(2)
     draft = jax.numpy.asarray(4 * rng.standard_normal((B, A, scfg.horizon, tf.TARGET.vocab_size)),
                               np.float32)
-    pooled = dataclasses.replace(scfg, score_capacity=(n - 1) / n)   # always fits
+    pooled = dataclasses.replace(scfg, score_capacities=((n - 1) / n,))   # always fits
 
     @jax.jit
     def targets(batch, draft):
@@ -167,8 +167,9 @@ def test_leaf_skipping_scoring_gives_the_same_exit_targets():
     np.testing.assert_allclose(other[1], weights, atol=1e-6)
     np.testing.assert_allclose(np.where(hb.valid, other[2], 0.0),
                                np.where(hb.valid, coverage, 0.0), atol=1e-6)
-    with pytest.raises(ValueError, match="score_capacity"):
-        dataclasses.replace(scfg, score_capacity=0.0)
+    for bad in ((0.0,), (0.5, 1.0), [0.5]):
+        with pytest.raises(ValueError, match="score_capacities"):
+            dataclasses.replace(scfg, score_capacities=bad)
 
 def test_thirty_step_run_lowers_the_loss(tmp_path):
     target, drafter = tf.models()

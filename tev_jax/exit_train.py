@@ -25,6 +25,10 @@ whose token is ``tokens[anchor]``, included)::
     query (a, v):  positions < anchor_a | ancestors of v (v included)
 
 Its cost is about one target forward over the A * N tree nodes (plus their LM head).
+The exit law reads only the rows of nodes with children, and a leaf's keys/values are
+seen by no other node, so `score_parent_nodes` scores only those nodes (pooled per
+row into a static number of query slots, with a full pass as the fallback when they
+do not fit): same weights, a cost that follows the trees' shape.
 """
 
 from __future__ import annotations
@@ -430,42 +434,47 @@ def _score_pooled(target, cache: KVCache, trees: DraftTree, anchors_BA, needed_B
 
 
 def score_parent_nodes(target, cache: KVCache, trees: DraftTree, anchors_BA: jax.Array,
-                       capacity: int, valid_BA: jax.Array | None = None) -> jax.Array:
+                       capacities: int | Sequence[int], valid_BA: jax.Array | None = None
+                       ) -> jax.Array:
     """`score_tree_nodes` on the rows the exit law reads, skipping leaves when they fit.
 
     The nodes with children (`parent_mask`) of valid anchors are gathered, per row, into
-    ``capacity`` query slots and scored in one pass (each sees the sequence before its
-    anchor and its tree ancestors, as in `score_tree_nodes`). If some row has more such
-    nodes, every node is scored instead (``lax.cond``): the result is the same, only
-    the cost depends on the trees (about ``capacity / (A * N)`` of the full pass when
-    they fit).
+    the smallest of ``capacities`` (query slots per row) that holds every row's nodes,
+    and scored in one pass (each sees the sequence before its anchor and its tree
+    ancestors, as in `score_tree_nodes`). If none does, every node is scored. One
+    ``lax.switch``: the result is the same whichever branch runs, only the cost follows
+    the trees (about ``capacity / (A * N)`` of the full pass, a little more for the
+    all-pairs tree mask of the pooled queries).
 
     Args:
       target, cache, trees, anchors_BA: as in `score_tree_nodes`.
-      capacity: static query slots per row (``1 .. A * N``).
+      capacities: static query slots per row, each in ``1 .. A * N`` (one int or
+        several; each is one compiled branch).
       valid_BA: optional bool [B, A]; rows of invalid anchors are not needed.
     Returns:
       float32 [B, A, N, V]: on every node with children (of a valid anchor) the logits
       of `score_tree_nodes`; 0 on all other rows. Detached.
     """
     b, a, n = trees.tokens.shape
-    if not 1 <= capacity <= a * n:
-        raise ValueError(f"capacity must be in [1, A * N = {a * n}], got {capacity}")
+    caps = (capacities,) if isinstance(capacities, int) else tuple(capacities)
+    if not caps or any(not 1 <= c <= a * n for c in caps):
+        raise ValueError(f"capacities must be in [1, A * N = {a * n}], got {capacities}")
+    caps = sorted({int(c) for c in caps if c < a * n})
     needed = parent_mask(trees)
     if valid_BA is not None:
         needed = needed & valid_BA[:, :, None]
-    fits = jnp.max(jnp.sum(needed, axis=(1, 2))) <= capacity
 
     def full():
         logits = score_tree_nodes(target, cache, trees, anchors_BA)
         return jnp.where(needed[..., None], logits, 0.0)
 
-    if capacity == a * n:
+    if not caps:
         return full()
-    out = jax.lax.cond(fits, lambda: _score_pooled(target, cache, trees, anchors_BA, needed,
-                                                    capacity), full)
-    return jax.lax.stop_gradient(out)
-
+    count = jnp.max(jnp.sum(needed, axis=(1, 2)))
+    branch = sum((count > c).astype(jnp.int32) for c in caps)     # smallest that fits
+    pooled = [lambda c=c: _score_pooled(target, cache, trees, anchors_BA, needed, c)
+              for c in caps]
+    return jax.lax.stop_gradient(jax.lax.switch(branch, pooled + [full]))
 
 __all__ = [
     "LossParts", "WEIGHTINGS", "check_weighting", "exit_loss", "node_weights", "parent_mask",

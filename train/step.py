@@ -6,7 +6,7 @@ Per micro-batch (B sequences, A anchors each, DESIGN.md §8)::
     drafter       all A blocks of a row in one forward   -> draft logits [B, A, H, V]  (vjp)
     trees         DDTree from the detached rows           -> DraftTree [B, A, N]
     scoring       one target forward over all tree nodes  -> target logits [B, A, N, V]
-                  (or only over the nodes with children, ``score_capacity``)
+                  (or only over the nodes with children, ``score_capacities``)
     exit weights  exit law (detached)                     -> weights [B, A, N], coverage
     objective     token CE + lambda * exit loss           -> d loss / d logits
     update        vjp -> drafter grads -> optax (clip, AdamW, warmup + cosine, MultiSteps)
@@ -66,11 +66,12 @@ class StepConfig:
       decay_gamma: optional DFlash position decay of the token loss.
       tree_metrics: build and score trees with loss='token' too (logs tau).
       grad_accum: micro-batches per optimiser update (for the logged learning rate).
-      score_capacity: None: the scoring pass runs over every tree node. A fraction in
-        (0, 1]: it runs over the nodes the exit law reads (nodes with children, of valid
-        anchors) in ``ceil(score_capacity * A * N)`` query slots per row whenever they
-        fit, else over every node (`tev_jax.exit_train.score_parent_nodes`); same
-        losses and gradients, a cost that follows the trees.
+      score_capacities: empty: the scoring pass runs over every tree node. Fractions
+        in (0, 1), e.g. (0.25, 0.5, 0.75): it runs over the nodes the exit law reads
+        (nodes with children, of valid anchors) in the smallest of
+        ``ceil(fraction * A * N)`` query slots per row that holds them, else over every
+        node (`tev_jax.exit_train.score_parent_nodes`); same losses and gradients, a
+        cost that follows the trees, one more compiled scoring pass per fraction.
     """
 
     loss: str
@@ -82,12 +83,13 @@ class StepConfig:
     decay_gamma: float | None = None
     tree_metrics: bool = False
     grad_accum: int = 1
-    score_capacity: float | None = None
+    score_capacities: tuple[float, ...] = ()
 
     def __post_init__(self):
-        if self.score_capacity is not None and not 0 < self.score_capacity <= 1:
-            raise ValueError("score_capacity must be None or in (0, 1], got "
-                             f"{self.score_capacity}")
+        caps = self.score_capacities
+        if not isinstance(caps, tuple) or any(not 0 < c < 1 for c in caps):
+            raise ValueError(f"score_capacities must be a tuple of fractions in (0, 1), "
+                             f"got {caps!r}")
 
     @property
     def builds_trees(self) -> bool:
@@ -237,12 +239,12 @@ def exit_targets(target, cache, draft_logits_BAHV, batch: Batch, cfg: StepConfig
     roots = jnp.take_along_axis(batch.tokens.astype(jnp.int32),
                                 batch.anchors.astype(jnp.int32), axis=1)
     trees = build_trees(draft_logits_BAHV, roots, cfg.budget)
-    if cfg.score_capacity is None:
+    if not cfg.score_capacities:
         target_logits = score_tree_nodes(target, cache, trees, batch.anchors)
     else:
         slots = batch.anchors.shape[1] * (cfg.budget + 1)
-        capacity = min(slots, max(1, math.ceil(cfg.score_capacity * slots)))
-        target_logits = score_parent_nodes(target, cache, trees, batch.anchors, capacity,
+        capacities = [min(slots, math.ceil(f * slots)) for f in cfg.score_capacities]
+        target_logits = score_parent_nodes(target, cache, trees, batch.anchors, capacities,
                                            batch.valid)
     weights, law = tree_exit_weights(trees, target_logits, cfg.sampling, cfg.weighting)
     weights = jnp.where(batch.valid[:, :, None], weights, 0.0)
