@@ -592,24 +592,41 @@ def markdown(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
 
 def per_set_table(records: Sequence[dict], labels: Sequence[str], temperature: float,
                   fields: Sequence[str], sets: Sequence[str], *, key: str = "method",
-                  ratio_rows: Sequence[tuple[str, str]] = (), **match) -> str:
+                  ratio_rows: Sequence[tuple[str, str]] = (),
+                  delta_rows: Sequence[tuple[str, str]] = (), **match) -> str:
     """Rows = methods (``records[key]`` in ``labels``), columns = each set's ``fields``
-    then their averages over the sets; ``ratio_rows`` adds ``a / b`` rows."""
+    then their averages over the sets; ``ratio_rows`` adds ``a / b`` rows and
+    ``delta_rows`` adds ``a - b`` rows of τ with its standard error over prompts, paired
+    by prompt (`paired_diff_se`; the average's error combines the sets')."""
     name = lambda f: FIELD_LABELS.get(f, f)
     header = ["method"] + [f"{SET_LABELS.get(s, s)} {name(f)}" for s in sets
                            for f in fields] + [f"avg {name(f)}" for f in fields]
     rows = []
 
+    def sel(label):
+        return dict(match, temperature=temperature, **{key: label})
+
     def values(label):
-        sel = dict(match, temperature=temperature, **{key: label})
-        return ([one(records, set=s, **sel)[f] for s in sets for f in fields]
-                + [set_average(records, f, sets, **sel) for f in fields])
+        return ([one(records, set=s, **sel(label))[f] for s in sets for f in fields]
+                + [set_average(records, f, sets, **sel(label)) for f in fields])
 
     for label in labels:
         rows.append([label] + values(label))
     for a, b in ratio_rows:
         va, vb = values(a), values(b)
         rows.append([f"{a} / {b}"] + [f"{x / y:.3f}x" for x, y in zip(va, vb)])
+    for a, b in delta_rows:
+        cells, diffs, ses = [], [], []
+        for s in sets:
+            ra, rb = one(records, set=s, **sel(a)), one(records, set=s, **sel(b))
+            diffs.append(ra["tau"] - rb["tau"])
+            ses.append(paired_diff_se(ra, rb))
+            cells += [f"{diffs[-1]:+.2f} ± {ses[-1]:.2f}" if f == "tau" else ""
+                      for f in fields]
+        avg_se = float(np.sqrt(np.sum(np.square(ses)))) / len(sets)
+        cells += [f"{np.mean(diffs):+.2f} ± {avg_se:.2f}" if f == "tau" else ""
+                  for f in fields]
+        rows.append([f"{a} - {b} (τ ± SE)"] + cells)
     return markdown(header, rows)
 
 

@@ -35,7 +35,7 @@ def tables(records, setup, drafters) -> str:
         parts.append(f"**T = {temp:g}**: τ (mean accepted tokens + 1 per verify round), "
                      "TEV, B = " + str(records[0]["budget"]) + "\n")
         parts.append(pc.per_set_table(records, drafters, temp, ("tau",), setup.sets,
-                                      key="drafter", ratio_rows=ratios))
+                                      key="drafter", ratio_rows=ratios, delta_rows=ratios))
         rows = []
         for d in drafters:
             sel = [r for r in records if r["drafter"] == d and r["temperature"] == temp]
@@ -43,7 +43,7 @@ def tables(records, setup, drafters) -> str:
                          max(r["tau_se"] for r in sel),
                          pc.set_average(sel, "tau_exit_law", setup.sets)])
         parts.append("")
-        parts.append(pc.markdown(["drafter", "avg τ", "largest per-set SE of τ",
+        parts.append(pc.markdown(["drafter", "avg τ", "largest per-set SE of τ (over prompts)",
                                   "avg 1+C (exit law)"], rows))
         parts.append("")
     return "\n".join(parts)

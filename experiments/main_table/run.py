@@ -31,7 +31,8 @@ def tables(records, setup, budget) -> str:
         parts.append(f"**T = {temp:g}** (τ: mean accepted tokens + 1 per verify round; "
                      "SR: tokens/s over AR)\n")
         parts.append(pc.per_set_table(records, labels, temp, ("tau", "sr"), setup.sets,
-                                      ratio_rows=[(labels[2], labels[1])]))
+                                      ratio_rows=[(labels[2], labels[1])],
+                                      delta_rows=[(labels[2], labels[1])]))
         parts.append("")
     return "\n".join(parts)
 
