@@ -702,6 +702,18 @@ def capture_trees(models: Models, drafter: str, contexts: Sequence[Sequence[int]
                     contexts=[list(c) for c in contexts])
 
 
+def target_continuations(models: Models, prompts: dict[str, list[list[int]]], setup: Setup,
+                         temperature: float = 0.0) -> dict[str, list[list[int]]]:
+    """The target's own continuation of every prompt at ``temperature`` (greedy at 0;
+    ``setup.max_new_tokens`` tokens, fewer where it stopped), per set."""
+    pool = RunnerPool(models, setup)
+    out = {}
+    for name, ps in prompts.items():
+        runner, params = pool.get(AR, Sampling(temperature=temperature), len(ps))
+        out[name] = runner(params, ps, jax.random.key(setup.seed)).rows()
+    return out
+
+
 def continuation_contexts(models: Models, prompts: dict[str, list[list[int]]], setup: Setup,
                           cuts: Sequence[int]) -> list[list[int]]:
     """Contexts = prompt + the target's greedy continuation up to each cut (root included).
@@ -709,13 +721,9 @@ def continuation_contexts(models: Models, prompts: dict[str, list[list[int]]], s
     Cut k gives ``prompt + continuation[:k + 1]`` (the root is the (k+1)-th generated
     token); cuts past a continuation that stopped early are skipped.
     """
-    pool = RunnerPool(models, setup)
-    out = []
-    for ps in prompts.values():
-        runner, params = pool.get(AR, Sampling(temperature=0.0), len(ps))
-        for p, cont in zip(ps, runner(params, ps, jax.random.key(setup.seed)).rows()):
-            out += [list(p) + cont[: k + 1] for k in cuts if k + 1 <= len(cont)]
-    return out
+    conts = target_continuations(models, prompts, setup)
+    return [list(p) + cont[: k + 1] for name, ps in prompts.items()
+            for p, cont in zip(ps, conts[name]) for k in cuts if k + 1 <= len(cont)]
 
 
 @functools.lru_cache(maxsize=None)

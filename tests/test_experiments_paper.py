@@ -105,3 +105,45 @@ def test_captured_round_is_a_real_decode_round(models, prompts):
     lengths = pc.fixed_tree_lengths(cap, greedy, "tev", horizon, draws=5)
     np.testing.assert_array_equal(
         lengths, np.repeat(np.asarray(law.expected_length).round().astype(int)[:, None], 5, 1))
+
+
+def _coverage_module():
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[1] / "experiments" / "coverage" / "run.py"
+    spec = importlib.util.spec_from_file_location("coverage_study", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_coverage_study_is_the_greedy_block_length_at_t0(models, prompts):
+    cov = _coverage_module()
+    cuts = [0, 2, 5]
+    records = cov.coverage(models, prompts, SETUP, cuts, BUDGET, ("dflash", "ft_exit"))
+    assert len(records) == 2 * len(SETS)
+    horizon = models.drafters["dflash"].config.block_size - 1
+    conts = pc.target_continuations(models, prompts, SETUP)
+    for r in records:
+        ps = prompts[r["set"]]
+        contexts = [list(p) + c[: k + 1] for p, c in zip(ps, conts[r["set"]]) for k in cuts]
+        assert r["contexts"] == len(contexts) == len(r["values"]) == len(r["prompt"])
+        # an independent path: the greedy verifier's block length on the same trees
+        cap = pc.capture_trees(models, r["drafter"], contexts, BUDGET)
+        greedy = pc.fixed_tree_lengths(cap, Sampling(temperature=0.0), "greedy", horizon, 1)
+        np.testing.assert_allclose(r["values"], greedy[:, 0], atol=1e-5)
+
+
+def test_coverage_ratios_are_paired_and_harmonic():
+    cov = _coverage_module()
+    ref = dict(values=[1.0, 2.0, 4.0, 1.5], prompt=[0, 0, 1, 1])
+    same_shift = dict(values=[2.0, 4.0, 8.0, 3.0], prompt=ref["prompt"])  # 2x everywhere
+    one_prompt = dict(values=[2.0, 4.0, 4.0, 1.5], prompt=ref["prompt"])  # 2x on prompt 0
+    for harmonic in (True, False):
+        assert cov.avg_ratio([ref], [ref], harmonic) == (1.0, 0.0)
+        ratio, se = cov.avg_ratio([same_shift], [ref], harmonic)
+        assert ratio == pytest.approx(2.0) and se == pytest.approx(0.0, abs=1e-12)
+        ratio, se = cov.avg_ratio([one_prompt], [ref], harmonic)
+        assert 1.0 < ratio < 2.0 and se > 0.05  # the gain is one prompt's: not certain
+    assert cov.set_mean(ref, harmonic=True) == pytest.approx(4 / (1 + 0.5 + 0.25 + 1 / 1.5))
+    assert cov.set_mean(ref, harmonic=False) == pytest.approx(8.5 / 4)
