@@ -36,6 +36,15 @@ import paper_common as pc  # noqa: E402
 from tev_jax.sampling import Sampling  # noqa: E402
 
 
+def by_depth(tree, law) -> dict[str, list[float]]:
+    """Mean over the trees of the node count and the exit mass at each depth 0..H."""
+    depth = np.where(tree.valid, tree.depths, -1)
+    levels = np.arange(depth.max() + 1)[:, None, None]
+    at = depth[None] == levels  # [H + 1, C, N]
+    return dict(nodes_by_depth=at.sum(-1).mean(-1).tolist(),
+                exit_by_depth=(at * np.asarray(law.w)[None]).sum(-1).mean(-1).tolist())
+
+
 def coverage(models, prompts, setup, cuts, budget, names):
     """Records: one per (drafter, T, set) with the per-context 1 + C and its prompt ids.
 
@@ -52,11 +61,12 @@ def coverage(models, prompts, setup, cuts, budget, names):
             owner, contexts = [i for i, _ in pairs], [c for _, c in pairs]
             for name in names:
                 cap = pc.capture_trees(models, name, contexts, budget)
-                values = np.asarray(pc.exit_laws(cap, sampling).expected_length, np.float64)
+                law = pc.exit_laws(cap, sampling)
+                values = np.asarray(law.expected_length, np.float64)
                 records.append(dict(drafter=name, temperature=temp, set=set_name,
                                     budget=budget, contexts=len(contexts),
                                     mean=float(values.mean()), values=values.tolist(),
-                                    prompt=owner))
+                                    prompt=owner, **by_depth(cap.tree, law)))
                 print(f"T={temp:g} {set_name:9s} {name:16s} 1+C {values.mean():.4f} "
                       f"({len(contexts)} contexts)", flush=True)
     return records
@@ -108,8 +118,31 @@ def tables(records, setup, names, reference) -> str:
                        for s in setup.sets)
         parts += [f"**T = {temp:g}** ({contexts} contexts; τ̂: harmonic mean of the exact "
                   "1 + C over a set's contexts, the expected tokens per decode round; "
-                  "1+C: its plain mean)\n", pc.markdown(header, rows), ""]
+                  "1+C: its plain mean)\n", pc.markdown(header, rows), "",
+                  f"Where the trees put their nodes and where the target mass leaves them "
+                  f"(T = {temp:g}, mean per tree over all contexts):\n",
+                  depth_table(records, temp, names), ""]
     return "\n".join(parts)
+
+
+def depth_table(records, temp, names, deepest: int = 3) -> str:
+    """Nodes per depth 1, 2, .., >= deepest and exit mass at the root, 1, .., >= deepest."""
+    def pooled(recs, field):
+        width = max(deepest + 1, *(len(r[field]) for r in recs))
+        total = sum(np.pad(r[field], (0, width - len(r[field]))) * r["contexts"] for r in recs)
+        mean = total / sum(r["contexts"] for r in recs)
+        return list(mean[:deepest]) + [mean[deepest:].sum()]
+
+    labels = [str(d) for d in range(1, deepest)] + [f"≥{deepest}"]
+    header = (["drafter"] + [f"nodes d={x}" for x in labels]
+              + ["exit at root"] + [f"exit d={x}" for x in labels])
+    rows = []
+    for name in names:
+        recs = pc.select(records, drafter=name, temperature=temp)
+        nodes, exits = pooled(recs, "nodes_by_depth"), pooled(recs, "exit_by_depth")
+        rows.append([pc.DRAFTER_LABELS.get(name, name)] + [f"{x:.1f}" for x in nodes[1:]]
+                    + [f"{x:.3f}" for x in exits])
+    return pc.markdown(header, rows)
 
 
 def main():

@@ -48,9 +48,13 @@ def finetune(name: str, flags: dict[str, str], plan: demo_models.DemoPlan, runs:
     if (out / "drafter" / "config.json").exists():
         print(f"[sweep] {name}: done")
         return
-    args = demo_models._drafter_args(plan, runs, "ft_token") + ["--out-dir", str(out)]
-    for k, v in flags.items():
-        args += ["--" + k.replace("_", "-"), v]
+    args = demo_models._drafter_args(plan, runs, "ft_token")
+    for k, v in {"out_dir": str(out), **flags}.items():  # replace the flag's value
+        flag = "--" + k.replace("_", "-")
+        if flag in args:
+            args[args.index(flag) + 1] = v
+        else:
+            args += [flag, v]
     print(f"[sweep] {name}: python -m train {' '.join(args)}", flush=True)
     if train_main(args):
         raise SystemExit(f"fine-tune {name} failed")
