@@ -102,14 +102,13 @@ class Method:
 
     def config(self, sampling: Sampling, setup: "Setup", *, track_exit_law: bool = False,
                stop_ids: tuple[int, ...] = ()) -> decode.DecodeConfig:
-        """The `DecodeConfig` of this method (cache length fixed by the setup)."""
+        """The `DecodeConfig` of this method (prompt buffer, hence cache length, fixed by
+        the setup)."""
         builder = "none" if self.drafter is None else "ddtree"
-        slots = 1 if self.drafter is None else self.budget + 1
-        need = setup.prompt_len + setup.max_new_tokens + slots
         return decode.DecodeConfig(
             max_new_tokens=setup.max_new_tokens, builder=builder, budget=self.budget,
             verifier=self.verifier, sampling=sampling, stop_token_ids=stop_ids,
-            max_cache_len=-(-need // _ALIGN) * _ALIGN,
+            prompt_len=setup.prompt_len,
             track_exit_law=track_exit_law and self.drafter is not None)
 
 
@@ -332,18 +331,18 @@ class FusedRunner:
     """The fused generation of one configuration, compiled once for a batch size and a
     prompt buffer of ``prompt_len`` slots; any drafter of the same architecture reuses it.
 
-    `tev_jax.decode.generate` pads prompts only to the longest prompt rounded up to 8,
-    so prompts of different lengths would recompile; this runner pads every batch to
-    ``prompt_len`` (the prefill masks the padding) and fixes the cache length. It uses
-    decode's internal ``_prepare`` / ``_generate_jit`` / ``_finish`` (a
-    ``DecodeConfig.prompt_len`` field in the library would make this unnecessary).
+    The configuration's ``prompt_len`` fixes the prompt buffer (and so the cache
+    length). Unlike `tev_jax.decode.generate`, the runner splits each drafter's
+    parameters once and times only the jitted call, through decode's internal
+    ``_prepare`` / ``_generate_jit`` / ``_finish``.
     """
 
-    def __init__(self, target, drafter, config: decode.DecodeConfig, batch: int,
-                 prompt_len: int):
-        self.config, self.batch, self.prompt_len = config, batch, prompt_len
+    def __init__(self, target, drafter, config: decode.DecodeConfig, batch: int):
+        if config.prompt_len is None:
+            raise ValueError("FusedRunner needs a config with a fixed prompt_len")
+        self.config, self.batch, self.prompt_len = config, batch, config.prompt_len
         self.vocab = target.config.vocab_size
-        dummy = [[0] * prompt_len] * batch
+        dummy = [[0] * self.prompt_len] * batch
         self.graphdef, self._params, _, _, self.static = decode._prepare(
             target, drafter, dummy, config)
         self.compile_seconds = None
@@ -408,8 +407,7 @@ class RunnerPool:
         drafter = None if method.drafter is None else self.models.drafters[method.drafter]
         key = (cfg, batch)
         if key not in self._runners:
-            runner = FusedRunner(self.models.target, drafter, cfg, batch,
-                                 self.setup.prompt_len)
+            runner = FusedRunner(self.models.target, drafter, cfg, batch)
             params = self._params_of(runner, method)
             secs = runner.compile(params)
             what = f"{method.verifier} B={method.budget}" if method.drafter else "AR"

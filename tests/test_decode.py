@@ -136,6 +136,26 @@ def test_fused_path_equals_profiled_path_at_t1(target, drafter):
 # ------------------------------------------------------------------------------ errors
 
 
+def test_prompt_len_reuses_one_compilation(target, drafter, reference):
+    config = _config(builder="ddtree", max_new_tokens=12, prompt_len=16)
+    decode.generate(target, drafter, [PROMPTS[0]], config)  # compiles for P = 16
+    compiled = decode._generate_jit._cache_size()
+    for i in (1, 2):  # other prompt lengths (11 and 1 tokens): the same program
+        out = decode.generate(target, drafter, [PROMPTS[i]], config)
+        assert out.rows()[0] == reference[i][:12]
+    assert decode._generate_jit._cache_size() == compiled
+    # the negative control: without a fixed buffer the 11-token prompt needs its own
+    free = _config(builder="ddtree", max_new_tokens=12)
+    decode.generate(target, drafter, [PROMPTS[0]], free)
+    before = decode._generate_jit._cache_size()
+    decode.generate(target, drafter, [PROMPTS[1]], free)
+    assert decode._generate_jit._cache_size() == before + 1
+    with pytest.raises(ValueError, match="more than prompt_len"):
+        decode.generate(target, drafter, [PROMPTS[1]], _config(prompt_len=8))
+    with pytest.raises(ValueError, match="prompt_len must be a positive int"):
+        _config(prompt_len=0)
+
+
 def test_bad_inputs_raise(target, drafter):
     config = _config(builder="chain")
     with pytest.raises(ValueError, match="empty"):

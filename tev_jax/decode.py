@@ -160,8 +160,11 @@ class DecodeConfig:
         experiments and tests). Ignored when ``builder='none'``.
       sampling: the target's sampling transform (default greedy, T = 0).
       stop_token_ids: a row ends after emitting any of these (the stop token is kept).
+      prompt_len: P, a fixed prompt buffer: every batch is padded to P slots (prompts of
+        up to P tokens), so that prompts of any length reuse one compilation. None pads
+        to the longest prompt of the batch, rounded up to a multiple of 8.
       max_cache_len: L, target and drafter cache slots; None picks the smallest that fits
-        (longest prompt + M + N, rounded up to a multiple of 8).
+        (P or the longest prompt, + M + N, rounded up to a multiple of 8).
       track_exit_law: also record, every round, the exit law's expected block length
         ``1 + coverage`` of the verified tree (costs one exit law per round).
     """
@@ -172,6 +175,7 @@ class DecodeConfig:
     verifier: str | VerifierFn = "tev"
     sampling: Sampling = Sampling(temperature=0.0)
     stop_token_ids: tuple[int, ...] = ()
+    prompt_len: int | None = None
     max_cache_len: int | None = None
     track_exit_law: bool = False
 
@@ -198,6 +202,9 @@ class DecodeConfig:
                              "'predraw' or 'sequential')")
         if not isinstance(self.stop_token_ids, tuple):
             raise ValueError("stop_token_ids must be a tuple of ints")
+        if self.prompt_len is not None and (not isinstance(self.prompt_len, int)
+                                            or self.prompt_len < 1):
+            raise ValueError(f"prompt_len must be a positive int or None, got {self.prompt_len!r}")
         if self.max_cache_len is not None and self.max_cache_len < 2:
             raise ValueError(f"max_cache_len must be >= 2, got {self.max_cache_len}")
 
@@ -612,17 +619,22 @@ def _prepare(target, drafter, prompt_ids, config: DecodeConfig):
         num_slots = config.budget + 1 if config.builder == "ddtree" else horizon + 1
 
     longest = max(len(p) for p in prompts)
-    need = longest + config.max_new_tokens + num_slots
+    if config.prompt_len is not None and longest > config.prompt_len:
+        raise ValueError(f"a prompt has {longest} tokens, more than prompt_len "
+                         f"({config.prompt_len}); raise prompt_len or shorten the prompt")
+    width = longest if config.prompt_len is None else config.prompt_len
+    need = width + config.max_new_tokens + num_slots
     if config.max_cache_len is None:
         max_len = -(-need // _LEN_ALIGN) * _LEN_ALIGN
     else:
         max_len = config.max_cache_len
         if max_len < need:
             raise ValueError(
-                f"the cache is too short: the longest prompt ({longest} tokens) + "
+                f"the cache is too short: the prompt buffer ({width} tokens) + "
                 f"max_new_tokens ({config.max_new_tokens}) + tree slots ({num_slots}) = "
                 f"{need} > max_cache_len ({max_len})")
-    t_pad = min(-(-longest // _LEN_ALIGN) * _LEN_ALIGN, max_len)
+    t_pad = (config.prompt_len if config.prompt_len is not None
+             else min(-(-longest // _LEN_ALIGN) * _LEN_ALIGN, max_len))
     tokens_BT = np.zeros((len(prompts), t_pad), np.int32)
     for i, p in enumerate(prompts):
         tokens_BT[i, : len(p)] = p

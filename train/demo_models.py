@@ -39,6 +39,7 @@ class DemoPlan:
     max_prompt_len: int = 128
     max_new_tokens: int = 192
     drafter_layers: int = 1
+    drafter_taps: str = ""  # target layers the drafter reads, e.g. "1,3" ("" = DFlash spacing)
     block_size: int = 16
     batch_size: int = 8
     num_anchors: int = 16
@@ -63,7 +64,8 @@ def _drafter_args(plan: DemoPlan, runs: Path, name: str) -> list[str]:
               "--data-dir", str(runs / "rollouts"), "--seed", str(plan.seed),
               "--out-dir", str(runs / "drafters" / name), "--checkpoint-every", "100"]
     if name == "dflash":
-        return common + ["--loss", "token", "--drafter-layers", str(plan.drafter_layers),
+        taps = ["--target-layer-ids", plan.drafter_taps] if plan.drafter_taps else []
+        return common + taps + ["--loss", "token", "--drafter-layers", str(plan.drafter_layers),
                          "--batch-size", str(plan.batch_size),
                          "--num-anchors", str(plan.num_anchors),
                          "--block-size", str(plan.block_size), "--steps",
