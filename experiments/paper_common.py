@@ -431,27 +431,32 @@ def _row_blocks(stats: decode.DecodeStats, row: int) -> np.ndarray:
     return stats.block_lengths[: int(stats.rounds_per_row[row]), row]
 
 
+def _ratio_influence(num_i, den_i) -> np.ndarray:
+    """Per-cluster linearisation of ``sum(num) / sum(den)`` (delta method)."""
+    num, den = np.asarray(num_i, np.float64), np.asarray(den_i, np.float64)
+    total = max(den.sum(), 1e-300)
+    return (num - num.sum() / total * den) / total
+
+
+def _cluster_se(z: np.ndarray) -> float:
+    n = z.size
+    return float(np.sqrt(n / (n - 1) * np.sum(z ** 2))) if n > 1 else 0.0
+
+
 def ratio_se(num_i: Sequence[float], den_i: Sequence[float]) -> float:
     """Standard error of ``sum(num) / sum(den)`` with the items (prompts) as independent
     clusters (delta method). Rounds of one generation are not independent (a prompt
     whose continuation repeats itself has long blocks in every round), so τ's error is
     taken over prompts, not rounds."""
-    num, den = np.asarray(num_i, np.float64), np.asarray(den_i, np.float64)
-    if num.size < 2 or den.sum() == 0:
-        return 0.0
-    z = (num - num.sum() / den.sum() * den) / den.sum()
-    return float(np.sqrt(num.size / (num.size - 1) * np.sum(z ** 2)))
+    return _cluster_se(_ratio_influence(num_i, den_i))
 
 
 def paired_diff_se(a: dict, b: dict) -> float:
     """Standard error of ``a['tau'] - b['tau']`` for two records over the same prompts
     (paired clusters: what the two runs share per prompt cancels; 0 if they agree on
     every prompt, e.g. two exact verifiers at T = 0)."""
-    za, zb = (np.asarray(r["prompt_block_sums"], np.float64)
-              - r["tau"] * np.asarray(r["prompt_rounds"], np.float64) for r in (a, b))
-    z = za / max(a["rounds"], 1) - zb / max(b["rounds"], 1)
-    n = z.size
-    return float(np.sqrt(n / (n - 1) * np.sum(z ** 2))) if n > 1 else 0.0
+    za, zb = (_ratio_influence(r["prompt_block_sums"], r["prompt_rounds"]) for r in (a, b))
+    return _cluster_se(za - zb)
 
 
 def _set_record(method: Method, temperature: float, set_name: str, blocks: list[np.ndarray],

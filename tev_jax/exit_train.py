@@ -44,7 +44,7 @@ from tev_jax.models.kv_cache import KVCache
 from tev_jax.models.layers import rope_inv_freq
 from tev_jax.sampling import Sampling
 from tev_jax.sharding import constrain
-from tev_jax.tree import DraftTree, ancestor_mask
+from tev_jax.tree import DraftTree, ancestor_mask, children_mask
 
 WEIGHTINGS = ("exit", "exit_depth", "prefix")
 
@@ -388,10 +388,7 @@ def parent_mask(trees: DraftTree) -> jax.Array:
     leaf's keys/values are seen by no other node, so a scoring pass over them alone gives
     the same logits on their rows.
     """
-    n = trees.tokens.shape[-1]
-    slots = jnp.arange(n)
-    parents = jnp.where(trees.valid & (slots > 0), trees.parents, -1)
-    return jnp.any(parents[..., None, :] == slots[:, None], axis=-1)
+    return jnp.any(children_mask(trees), axis=-1)
 
 
 def _score_pooled(target, cache: KVCache, trees: DraftTree, anchors_BA, needed_BAN,
@@ -475,6 +472,7 @@ def score_parent_nodes(target, cache: KVCache, trees: DraftTree, anchors_BA: jax
     pooled = [lambda c=c: _score_pooled(target, cache, trees, anchors_BA, needed, c)
               for c in caps]
     return jax.lax.stop_gradient(jax.lax.switch(branch, pooled + [full]))
+
 
 __all__ = [
     "LossParts", "WEIGHTINGS", "check_weighting", "exit_loss", "node_weights", "parent_mask",

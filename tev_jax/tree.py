@@ -183,9 +183,10 @@ def path_to(tree: DraftTree, node: jax.Array, horizon: int) -> jax.Array:
 
 
 def children_mask(tree: DraftTree) -> jax.Array:
-    """``child[i, j]`` = slot j is a (valid) child of slot i; bool [N, N]."""
+    """``child[..., i, j]`` = slot j is a (valid) child of slot i; bool [..., N, N]
+    (leading axes of batched trees kept)."""
     slots = jnp.arange(tree.num_slots)
-    return (tree.parents[None, :] == slots[:, None]) & tree.valid[None, :]
+    return (tree.parents[..., None, :] == slots[:, None]) & tree.valid[..., None, :]
 
 
 def render(

@@ -59,19 +59,19 @@ FINETUNES = {"ft_token": "token", "ft_exit": "exit", "ft_prefix": "prefix",
 STAGES = ("corpus", "target", "prompts", "rollouts", "dflash", *FINETUNES, "bundle")
 
 
-def _drafter_args(plan: DemoPlan, runs: Path, name: str) -> list[str]:
+def drafter_args(plan: DemoPlan, runs: Path, name: str) -> list[str]:
+    """The `python -m train` arguments of drafter stage ``name`` (dflash or a fine-tune)."""
     common = ["run", "--target-path", str(runs / "target" / "hf"),
               "--data-dir", str(runs / "rollouts"), "--seed", str(plan.seed),
               "--out-dir", str(runs / "drafters" / name), "--checkpoint-every", "100"]
     if name == "dflash":
         taps = ["--target-layer-ids", plan.drafter_taps] if plan.drafter_taps else []
-        return common + taps + ["--loss", "token", "--drafter-layers", str(plan.drafter_layers),
-                         "--batch-size", str(plan.batch_size),
-                         "--num-anchors", str(plan.num_anchors),
-                         "--block-size", str(plan.block_size), "--steps",
-                         str(plan.dflash_steps), "--lr", str(plan.dflash_lr),
-                         "--warmup-steps", str(min(100, plan.dflash_steps // 10)),
-                         "--end-lr-ratio", "0.05"]
+        return common + taps + [
+            "--loss", "token", "--drafter-layers", str(plan.drafter_layers),
+            "--batch-size", str(plan.batch_size), "--num-anchors", str(plan.num_anchors),
+            "--block-size", str(plan.block_size), "--steps", str(plan.dflash_steps),
+            "--lr", str(plan.dflash_lr),
+            "--warmup-steps", str(min(100, plan.dflash_steps // 10)), "--end-lr-ratio", "0.05"]
     return common + ["--drafter-path", str(runs / "drafters" / "dflash" / "drafter"),
                      "--batch-size", str(plan.finetune_batch_size),
                      "--num-anchors", str(plan.finetune_anchors),
@@ -122,7 +122,7 @@ def run_stage(stage: str, plan: DemoPlan, runs: Path) -> None:
               "--drafter", str(runs / "drafters" / "ft_exit" / "drafter")])
     else:
         from train.__main__ import main
-        code = main(_drafter_args(plan, runs, stage))
+        code = main(drafter_args(plan, runs, stage))
         if code:
             raise SystemExit(code)
 

@@ -387,9 +387,8 @@ def main(argv: list[str] | None = None) -> int:
     total = sum(f["bytes"] for f in manifest["files"].values())
     print(f"wrote {args.out}: {len(manifest['files'])} pinned files, {_mb(total)}; target "
           f"{manifest['target']['params'] / 1e6:.2f} M params, drafter "
-          f"{manifest['drafter']['params'] / 1e6:.2f} M; {manifest['dtype']} vs float32 logits: "
-          f"max |Δ| "
-          f"{manifest['check']['max_abs_logit_diff']:.4f}, top-1 agreement "
+          f"{manifest['drafter']['params'] / 1e6:.2f} M; {manifest['dtype']} vs float32 "
+          f"logits: max |Δ| {manifest['check']['max_abs_logit_diff']:.4f}, top-1 agreement "
           f"{manifest['check']['top1_agreement']:.3f}")
     return 0
 

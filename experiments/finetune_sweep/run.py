@@ -48,7 +48,7 @@ def finetune(name: str, flags: dict[str, str], plan: demo_models.DemoPlan, runs:
     if (out / "drafter" / "config.json").exists():
         print(f"[sweep] {name}: done")
         return
-    args = demo_models._drafter_args(plan, runs, "ft_token")
+    args = demo_models.drafter_args(plan, runs, "ft_token")
     for k, v in {"out_dir": str(out), **flags}.items():  # replace the flag's value
         flag = "--" + k.replace("_", "-")
         if flag in args:
