@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 import train_fixtures as tf
+from train.__main__ import main
 from train.rollouts import (
     FORMAT_V1,
     RolloutConfig,
@@ -54,7 +55,7 @@ def test_rollouts_round_trip(tmp_path):
         RolloutSet.load(tmp_path / "roll")
 
 
-def test_two_processes_write_the_same_set_and_the_last_writes_the_manifest(tmp_path):
+def test_two_processes_write_the_same_set_and_the_last_writes_the_manifest(tmp_path, capsys):
     target, _ = tf.models()
     make_rollouts(target, PROMPTS, tmp_path / "one", RC)
     one = RolloutSet.load(tmp_path / "one")
@@ -67,6 +68,8 @@ def test_two_processes_write_the_same_set_and_the_last_writes_the_manifest(tmp_p
         RolloutSet.load(tmp_path / "two")
     with pytest.raises(ValueError, match=r"1 of 2 shards are not written yet \(missing \[0\]\)"):
         write_manifest(tmp_path / "two")
+    assert main(["rollouts", "--merge", "--out", str(tmp_path / "two")]) == 2
+    assert "not written yet" in capsys.readouterr().err
     assert make_rollouts(target, PROMPTS, tmp_path / "two", RC, process_index=0,
                          process_count=2) is not None
     two = RolloutSet.load(tmp_path / "two")
@@ -85,6 +88,9 @@ def test_two_processes_write_the_same_set_and_the_last_writes_the_manifest(tmp_p
     assert not (tmp_path / "mixed" / "manifest.json").exists()
     with pytest.raises(ValueError, match="shards disagree on key"):
         write_manifest(tmp_path / "mixed")
+    (tmp_path / "two" / "manifest.json").unlink()
+    assert main(["rollouts", "--merge", "--out", str(tmp_path / "two")]) == 0
+    assert RolloutSet.load(tmp_path / "two").fingerprint() == one.fingerprint()
 
 
 def test_format_1_folders_still_load(tmp_path):
