@@ -1,6 +1,6 @@
 """``python -m train``: a thin CLI over `train.loop.train` and `train.rollouts`.
 
-    python -m train rollouts --target DIR --prompts-file prompts.jsonl --out DATA \
+    python -m train rollouts --target DIR --prompts-file prompts.jsonl --out DATA \\
         [--process-index I --process-count P | --distributed]
     python -m train rollouts --merge --out DATA     # manifest of shards already written
     python -m train run --target-path DIR --data-dir DATA --loss exit --steps 2000 \\

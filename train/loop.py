@@ -21,6 +21,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from tev_jax import sharding as shd
@@ -190,8 +191,9 @@ def train(cfg: TrainConfig, *, target=None, drafter=None, data: RolloutSet | Non
     scfg = step_config(cfg, drafter)
     graphs, frozen, params = split_models(target, drafter)
     _, param_state, _ = nnx.split(drafter, nnx.Param, ...)
+    batch_shape = (cfg.batch_size, data.seq_len, cfg.num_anchors)
     program = step_program(graphs, scfg, optim_config(cfg), mesh, param_state, frozen,
-                           (cfg.batch_size, data.seq_len, cfg.num_anchors))
+                           batch_shape)
     place, optimizer, step_fn = program.place, program.optimizer, program.step_fn
     frozen = place_frozen(frozen, place)
 
@@ -215,7 +217,6 @@ def train(cfg: TrainConfig, *, target=None, drafter=None, data: RolloutSet | Non
     meta_base = {"config": cfg.run_fingerprint(), "data": data.fingerprint(),
                  "drafter": drafter.config.to_hf()}
     stop = cfg.steps if until_update is None else min(cfg.steps, until_update)
-    batch_shape = (cfg.batch_size, data.seq_len, cfg.num_anchors)
     rows = batch_rows(place, batch_shape)
     history: list[dict[str, float]] = []
     bar = tqdm(total=cfg.steps, initial=start, disable=not progress, desc=f"train[{cfg.loss}]")
@@ -245,8 +246,8 @@ def train(cfg: TrainConfig, *, target=None, drafter=None, data: RolloutSet | Non
                 if not math.isfinite(host["loss"]):
                     raise FloatingPointError(f"non-finite loss {host['loss']} at update {update}")
             bar.update(1)
-            out_of_time = (max_minutes is not None
-                           and time.perf_counter() - t_start > 60 * max_minutes)
+            out_of_time = max_minutes is not None and _on_process_0(
+                time.perf_counter() - t_start > 60 * max_minutes)
             preempted = preemption.reached(update)
             last = update == stop or out_of_time or preempted
             ckpt.save(update, state, {**meta_base, "update": update,
@@ -261,6 +262,15 @@ def train(cfg: TrainConfig, *, target=None, drafter=None, data: RolloutSet | Non
         _save_drafter(drafter_out, out / "drafter")
     return TrainResult(state=state, history=history, start_update=start, drafter=drafter_out,
                        preempted=preempted)
+
+
+def _on_process_0(flag: bool) -> bool:
+    """Process 0's ``flag`` on every process (clocks differ; all must stop together)."""
+    if jax.process_count() == 1:
+        return flag
+    from jax.experimental import multihost_utils
+
+    return bool(multihost_utils.broadcast_one_to_all(np.asarray(flag)))
 
 
 def _save_drafter(drafter, path: Path) -> None:

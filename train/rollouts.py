@@ -353,7 +353,9 @@ class RolloutSet:
     """
 
     def __init__(self, tokens, spans: np.ndarray, manifest: dict | None = None):
-        shards = list(tokens) if isinstance(tokens, (list, tuple)) else [np.asarray(tokens)]
+        is_shards = isinstance(tokens, (list, tuple)) and tokens and all(
+            isinstance(t, np.ndarray) and t.ndim == 2 for t in tokens)
+        shards = list(tokens) if is_shards else [np.asarray(tokens)]
         spans = np.asarray(spans)
         widths = {s.shape[1] if s.ndim == 2 else None for s in shards}
         if len(widths) != 1 or None in widths or not sum(len(s) for s in shards):
