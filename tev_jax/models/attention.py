@@ -102,8 +102,10 @@ def attention(q_BTHd: jax.Array, segments: Sequence[tuple[jax.Array, jax.Array, 
       q_BTHd: queries [B, T, H, hd] (already roped).
       segments: tuples ``(k [B, S_i, K, hd], v [B, S_i, K, hd], mask)`` with ``mask`` a
         `Mask` or a bool array broadcastable to [B, T, S_i]; H % K == 0.
-      key_block: keys per block (static); a segment shorter than it is one block.
-      query_block: queries per block (static); T is padded up to a multiple of it.
+      key_block: most keys per block (static); a segment of S keys is cut into
+        ``ceil(S / key_block)`` blocks of equal size.
+      query_block: most queries per block (static), likewise; T is padded up to a
+        multiple of the block size.
       scale: score scale; default ``hd ** -0.5``.
     Returns:
       [B, T, H, hd] in q's dtype. A query that sees no key gives zeros (never NaN).
@@ -119,8 +121,8 @@ def attention(q_BTHd: jax.Array, segments: Sequence[tuple[jax.Array, jax.Array, 
     kh = segments[0][0].shape[2]
     if h % kh:
         raise ValueError(f"{h} query heads are not a multiple of {kh} key/value heads")
-    qb = min(query_block, t)
-    nq = -(-t // qb)
+    nq = -(-t // query_block)
+    qb = -(-t // nq)  # balanced: the padding is less than one query per block
     pad = nq * qb - t
     kvs, masks, kbs, nks = [], [], [], []
     for k, v, mask in segments:
@@ -132,8 +134,8 @@ def attention(q_BTHd: jax.Array, segments: Sequence[tuple[jax.Array, jax.Array, 
             continue
         kvs.append((k, v))
         masks.append(_padded(_as_mask(mask), b, t, s, pad))
-        kbs.append(min(key_block, s))
-        nks.append(-(-s // kbs[-1]))
+        nks.append(-(-s // key_block))
+        kbs.append(-(-s // nks[-1]))
     if not kvs:
         return jnp.zeros_like(q_BTHd)
     static = _Static(qb, nq, tuple(kbs), tuple(nks),
