@@ -40,6 +40,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from tev_jax.exit_law import ExitLaw, exit_law
+from tev_jax.models.attention import Mask, attention
 from tev_jax.models.kv_cache import KVCache
 from tev_jax.models.layers import rope_inv_freq
 from tev_jax.sampling import Sampling
@@ -178,116 +179,32 @@ def exit_loss(draft_logits_XHV: jax.Array, trees: DraftTree, weights_XN: jax.Arr
 
 
 # ---------------------------------------------------------------- scoring pass
-#
-# Attention layout. XLA:CPU runs attention fastest (about 2x the einsums over
-# [B, T, K, G, hd] operands) when each kv head's queries form the rows of one matrix:
-# queries [B, K, T*G, hd] (row t*G + g) against keys [B, K, S, hd], so that each
-# segment is one plain batched matmul; the masks then broadcast over [B, K, T, G, S].
-
-
-def _kv_major(x_BSKd: jax.Array) -> jax.Array:
-    """[B, S, K, hd] -> [B, K, S, hd]."""
-    return jnp.swapaxes(x_BSKd, 1, 2)
-
-
-def _query_rows(q_BTHd: jax.Array, kv_heads: int) -> jax.Array:
-    """Queries [B, T, H, hd] -> [B, K, T*G, hd] (head h = k*G + g)."""
-    b, t, h, hd = q_BTHd.shape
-    g = h // kv_heads
-    return q_BTHd.reshape(b, t, kv_heads, g, hd).transpose(0, 2, 1, 3, 4).reshape(
-        b, kv_heads, t * g, hd)
-
-
-def _heads_out(o_BKRd: jax.Array, t: int, dtype) -> jax.Array:
-    """[B, K, T*G, hd] -> [B, T, H, hd]."""
-    b, kh, r, hd = o_BKRd.shape
-    g = r // t
-    o = o_BKRd.reshape(b, kh, t, g, hd).transpose(0, 2, 1, 3, 4)
-    return o.reshape(b, t, kh * g, hd).astype(dtype)
-
-
-def _scores(q, k, spec):
-    """Scaled attention scores in float32 (as `tev_jax.models.layers.attend_segments`)."""
-    s = jnp.einsum(spec, q, k.astype(q.dtype), preferred_element_type=jnp.float32)
-    return s * (q.shape[-1] ** -0.5)
-
-
-def _mix(p, v, spec):
-    """Probabilities (float32) times values, accumulated in float32."""
-    return jnp.einsum(spec, p.astype(v.dtype), v, preferred_element_type=jnp.float32)
-
-
-def _joint_softmax(*segments):
-    """Softmax over the concatenated last axes of masked score segments ``(s, mask)``.
-
-    Every query must see at least one key (here: itself), so the max is finite and the
-    denominator >= 1. Returns the unnormalised probabilities of each segment and the
-    shared denominator (keepdims).
-    """
-    s = [jnp.where(m, x, -jnp.inf) for x, m in segments]
-    mx = s[0].max(-1, keepdims=True)
-    for x in s[1:]:
-        mx = jnp.maximum(mx, x.max(-1, keepdims=True))
-    p = [jnp.exp(x - mx) for x in s]
-    return p, sum(x.sum(-1, keepdims=True) for x in p)
 
 
 def _causal_attention(q_BTHd, k_BTKd, v_BTKd):
     """Causal GQA self-attention of a whole sequence."""
-    b, t, _, hd = q_BTHd.shape
-    kh = k_BTKd.shape[2]
-    q = _query_rows(q_BTHd, kh)
-    s = _scores(q, _kv_major(k_BTKd), "bkrd,bksd->bkrs").reshape(b, kh, t, -1, t)
-    pos = jnp.arange(t)
-    (p,), denom = _joint_softmax((s, (pos[None, :] <= pos[:, None])[:, None, :]))
-    o = _mix(p.reshape(b, kh, -1, t), _kv_major(v_BTKd), "bkrs,bksd->bkrd")
-    o = o.reshape(b, kh, t, -1, hd) / denom
-    return _heads_out(o.reshape(b, kh, -1, hd), t, q_BTHd.dtype)
+    return attention(q_BTHd, ((k_BTKd, v_BTKd, Mask.causal(q_BTHd.shape[1])),))
 
 
 def _anchor_attention(q_BTHd, k_BTKd, v_BTKd, kc_BLKd, vc_BLKd, anchors_BA, anc_BANN):
     """GQA attention of T = A * N tree queries: prefix ``< anchor`` + own ancestors.
 
     One joint softmax over two key segments: the sequence's cached keys (shared by the
-    anchors of a row, masked per anchor) and the keys of the query's own tree (masked by
-    the ancestor mask). Blocking by anchor keeps the tree part at [A, N, N] per row
-    instead of a block-diagonal [A*N, A*N].
+    anchors of a row, masked per anchor) and the keys of the trees, where a query sees
+    its own tree's slots (a key range) that are its ancestors (the block-diagonal of the
+    ancestor masks).
     """
-    b, t, _, hd = q_BTHd.shape
-    a = anchors_BA.shape[1]
-    n, kh = t // a, k_BTKd.shape[2]
-    length = kc_BLKd.shape[1]
-    q = _query_rows(q_BTHd, kh)                                               # [B,K,AN*G,hd]
-    s_pre = _scores(q, _kv_major(kc_BLKd), "bkrd,bkld->bkrl").reshape(b, kh, a, n, -1, length)
-    k_tree = _kv_major(k_BTKd).reshape(b, kh, a, n, hd)
-    s_tree = _scores(q.reshape(b, kh, a, -1, hd), k_tree, "bkard,bkamd->bkarm")
-    m_pre = (jnp.arange(length)[None, None, :] < anchors_BA[:, :, None])    # [B, A, L]
-    (p_pre, p_tree), denom = _joint_softmax(
-        (s_pre, m_pre[:, None, :, None, None, :]),
-        (s_tree.reshape(b, kh, a, n, -1, n), anc_BANN[:, None, :, :, None, :]))
-    o = (_mix(p_pre.reshape(b, kh, -1, length), _kv_major(vc_BLKd), "bkrl,bkld->bkrd")
-         .reshape(b, kh, a, n, -1, hd)
-         + _mix(p_tree.reshape(b, kh, a, -1, n), _kv_major(v_BTKd).reshape(b, kh, a, n, hd),
-                "bkarm,bkamd->bkard").reshape(b, kh, a, n, -1, hd))
-    o = o / denom
-    return _heads_out(o.reshape(b, kh, -1, hd), t, q_BTHd.dtype)
+    b, a, n, _ = anc_BANN.shape
+    own = jnp.eye(a, dtype=bool)[None, :, None, :, None]
+    tree = (anc_BANN[:, :, :, None, :] & own).reshape(b, a * n, a * n)
+    return attention(q_BTHd, ((kc_BLKd, vc_BLKd, Mask(end=jnp.repeat(anchors_BA, n, axis=1))),
+                              (k_BTKd, v_BTKd, Mask.blocks(a * n, n).replace(dense=tree))))
 
 
 def _pooled_attention(q_BMHd, k_BMKd, v_BMKd, kc_BLKd, vc_BLKd, prefix_end_BM, tree_BMM):
     """GQA attention of M queries of any anchors: prefix ``< prefix_end`` + ``tree`` mask."""
-    b, m, _, hd = q_BMHd.shape
-    kh = k_BMKd.shape[2]
-    length = kc_BLKd.shape[1]
-    q = _query_rows(q_BMHd, kh)                                               # [B,K,M*G,hd]
-    s_pre = _scores(q, _kv_major(kc_BLKd), "bkrd,bkld->bkrl").reshape(b, kh, m, -1, length)
-    s_tree = _scores(q, _kv_major(k_BMKd), "bkrd,bksd->bkrs").reshape(b, kh, m, -1, m)
-    m_pre = jnp.arange(length)[None, None, :] < prefix_end_BM[:, :, None]      # [B, M, L]
-    (p_pre, p_tree), denom = _joint_softmax((s_pre, m_pre[:, None, :, None, :]),
-                                            (s_tree, tree_BMM[:, None, :, None, :]))
-    o = (_mix(p_pre.reshape(b, kh, -1, length), _kv_major(vc_BLKd), "bkrl,bkld->bkrd")
-         + _mix(p_tree.reshape(b, kh, -1, m), _kv_major(v_BMKd), "bkrs,bksd->bkrd"))
-    o = o.reshape(b, kh, m, -1, hd) / denom
-    return _heads_out(o.reshape(b, kh, -1, hd), m, q_BMHd.dtype)
+    return attention(q_BMHd, ((kc_BLKd, vc_BLKd, Mask(end=prefix_end_BM)),
+                              (k_BMKd, v_BMKd, tree_BMM)))
 
 
 def _run_layers(target, tokens_BT, positions_BT, attention, taps=()):
@@ -318,9 +235,8 @@ def target_context(target, tokens_BL: jax.Array, taps: Sequence[int]
                    ) -> tuple[jax.Array, KVCache]:
     """The frozen target's causal pass over whole sequences, without the LM head.
 
-    Equal to the target's own forward (``Target._stack``) up to float rounding; only the
-    attention layout differs (see the note above `_kv_major`). Layers above the last
-    tap feed only the returned cache, so a caller that ignores the cache (the token-only
+    Equal to the target's own forward (``Target._stack``) up to float rounding. Layers
+    above the last tap feed only the returned cache, so a caller that ignores the cache (the token-only
     step) does not pay for them.
 
     Args:

@@ -313,7 +313,7 @@ def _layers(drafter: Drafter, x_BQD, positions_BQ, block_mask, ctx_k, ctx_v, ctx
     inv_freq = rope_inv_freq(drafter.config.model)
     x = x_BQD.astype(drafter.dtype)
     for i, layer in enumerate(drafter.layers):
-        x, _, _ = layer(x, positions_BQ, inv_freq, block_mask, (ctx_k[i], ctx_v[i], ctx_mask))
+        x, _, _ = layer(x, positions_BQ, inv_freq, block_mask, (ctx_k, ctx_v, ctx_mask, i))
     return drafter.norm(x)
 
 
