@@ -18,7 +18,6 @@ an accelerator needs; float32 on CPU is the honest figure.
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import os
 import time
@@ -28,6 +27,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from tev_jax.models.checkpoint_io import read_config
 from tev_jax.models.config import ModelConfig, RopeScaling
 
 PRESETS: dict[str, ModelConfig] = {
@@ -85,18 +85,12 @@ def model_config(name_or_path: str, *, num_layers: int | None = None) -> ModelCo
     if name_or_path in PRESETS:
         return preset(name_or_path, num_layers=num_layers)
     path = Path(name_or_path)
-    if path.is_dir():
-        path = path / "config.json"
-    if not path.is_file():
+    if path.name == "config.json" and path.is_file():
+        path = path.parent
+    if not path.is_dir():
         raise ValueError(f"{name_or_path!r} is neither a model preset {sorted(PRESETS)} "
                          "nor a config.json file (or a directory with one)")
-    try:
-        hf = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise ValueError(f"{path}: not a readable JSON config ({e})") from e
-    if not isinstance(hf, dict):
-        raise ValueError(f"{path}: config.json must hold a JSON object")
-    return with_layers(ModelConfig.from_hf(hf), num_layers)
+    return with_layers(read_config(path), num_layers)
 
 
 # ------------------------------------------------------------------ abstract models
