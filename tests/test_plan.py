@@ -115,7 +115,7 @@ def test_preflight_refuses_from_shapes_before_compiling(tiny_models, monkeypatch
     config = dataclasses.replace(CONFIG, budget=2000, max_cache_len=None)
     floor = plan.decode_floor(target, drafter, config, 1)
     assert floor["tree mask"] == 2001 ** 2 and floor["tree logits"] == 2001 * 256 * 4
-    monkeypatch.setattr(plan, "available_bytes", lambda device=None: (2**20, "test memory"))
+    monkeypatch.setattr(plan, "available_bytes", lambda devices=None: (2**20, "test memory"))
     monkeypatch.setattr(plan, "compile_report", _refuse_compiling)
     with pytest.raises(plan.NotEnoughMemory, match=r"lower the budget \(2000\)") as e:
         plan.check_decode_fits(target, drafter, config, 1)
@@ -125,16 +125,16 @@ def test_preflight_refuses_from_shapes_before_compiling(tiny_models, monkeypatch
 def test_preflight_uses_the_compiled_program(tiny_models, monkeypatch):
     target, drafter = tiny_models
     floor = sum(plan.decode_floor(target, drafter, CONFIG, 1).values())
-    monkeypatch.setattr(plan, "available_bytes", lambda device=None: (floor, "test memory"))
+    monkeypatch.setattr(plan, "available_bytes", lambda devices=None: (floor, "test memory"))
     with pytest.raises(plan.NotEnoughMemory, match="test memory is free"):
         plan.check_decode_fits(target, drafter, CONFIG, 1)
-    monkeypatch.setattr(plan, "available_bytes", lambda device=None: (2**40, "test memory"))
+    monkeypatch.setattr(plan, "available_bytes", lambda devices=None: (2**40, "test memory"))
     report = plan.check_decode_fits(target, drafter, CONFIG, 1)
     assert floor < report.output_bytes + report.temp_bytes
 
 
 def test_generate_refuses_in_one_line(monkeypatch, capsys):
-    monkeypatch.setattr(plan, "available_bytes", lambda device=None: (2**30, "test memory"))
+    monkeypatch.setattr(plan, "available_bytes", lambda devices=None: (2**30, "test memory"))
     monkeypatch.setattr(plan, "compile_report", _refuse_compiling)
     assert cli.main(["generate", "Once upon a time", "--budget", "100000"]) == 2
     err = capsys.readouterr().err.strip()

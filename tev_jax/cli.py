@@ -14,6 +14,7 @@ import sys
 import time
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from tev_jax.exit_law import exit_law
@@ -119,12 +120,12 @@ def _stop_ids(target, tokenizer) -> tuple[int, ...]:
     return tuple(i for i in ids if i is not None)
 
 
-def _timed(target, drafter, prompt, config, seed, repeats):
+def _timed(target, drafter, prompt, config, seed, repeats, mesh=None):
     """(Generation with the median seconds of ``repeats`` runs, compile seconds)."""
     from tev_jax import decode
 
     t0 = time.perf_counter()
-    run = decode.compiled_generate(target, drafter, [prompt], config, seed)
+    run = decode.compiled_generate(target, drafter, [prompt], config, seed, mesh=mesh)
     compile_s = time.perf_counter() - t0
     gens = [run() for _ in range(max(repeats, 1))]
     seconds = float(np.median([g.stats.seconds for g in gens]))
@@ -148,21 +149,24 @@ def generate_command(args) -> int:
     sampling = _sampling_from(args)
     config = decode.DecodeConfig(
         max_new_tokens=args.max_new_tokens, builder=args.builder, budget=args.budget,
-        verifier=args.verifier, sampling=sampling)
+        verifier=args.verifier, sampling=sampling, prefill_chunk=args.prefill_chunk)
     target_dir, drafter_dir, where = _checkpoint_dirs(args)
-    target = load_target(target_dir)
+    mesh = _mesh_from(args)
+    dtype = jnp.dtype(args.dtype)
+    target = load_target(target_dir, dtype=dtype, mesh=mesh)
     tokenizer = load_tokenizer(target_dir)
-    drafter = None if drafter_dir is None else load_drafter(drafter_dir, target)
+    drafter = (None if drafter_dir is None
+               else load_drafter(drafter_dir, target, dtype=dtype, mesh=mesh))
     config = dataclasses.replace(config, stop_token_ids=_stop_ids(target, tokenizer))
     text = format_chat(args.prompt) if args.chat else args.prompt
     prompt = tokenizer.encode(text).ids
     config = dataclasses.replace(config, prompt_len=max(len(prompt), 1))
     try:  # compiles once; the run below reuses the compilation
-        planned = plan.check_decode_fits(target, drafter, config, 1)
+        planned = plan.check_decode_fits(target, drafter, config, 1, mesh=mesh)
     except plan.NotEnoughMemory as e:
         print(f"tev-jax generate: {e}", file=sys.stderr)
         return 2
-    gen, compile_s = _timed(target, drafter, prompt, config, args.seed, args.repeats)
+    gen, compile_s = _timed(target, drafter, prompt, config, args.seed, args.repeats, mesh)
     compile_s += planned.compile_seconds
     n = int(gen.lengths[0])
     print(tokenizer.decode(prompt + gen.tokens[0, :n].tolist()), flush=True)
@@ -180,7 +184,7 @@ def generate_command(args) -> int:
             lines.append("--compare-ar: this run is already autoregressive")
         else:
             ar, _ = _timed(target, None, prompt, dataclasses.replace(config, builder="none"),
-                           args.seed, args.repeats)
+                           args.seed, args.repeats, mesh)
             ar_speed = int(ar.lengths[0]) / ar.stats.seconds
             lines.append(f"AR {ar_speed:.1f} tokens/s -> speed-up {speed / ar_speed:.2f}x "
                          "(same target, same run)")
@@ -216,7 +220,29 @@ def _add_generate(sub) -> None:
                    help="timed runs after the compile run (the median is reported)")
     p.add_argument("--compare-ar", action="store_true",
                    help="also time plain autoregressive decoding and report the speed-up")
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                   help="parameter and KV-cache dtype (logits, exit law and verifier stay "
+                        "float32; default %(default)s)")
+    p.add_argument("--prefill-chunk", type=int, default=None,
+                   help="prefill the prompt in chunks of this many tokens (bounded memory)")
+    _add_mesh_flags(p)
     p.set_defaults(func=generate_command)
+
+
+def _add_mesh_flags(p) -> None:
+    for axis, what in (("data", "batch rows; weights whole on every device"),
+                       ("fsdp", "batch rows and the weights' embed axis"),
+                       ("tensor", "heads, MLP and vocabulary")):
+        p.add_argument(f"--mesh-{axis}", type=int, default=1,
+                       help=f"devices on the {axis} mesh axis ({what}; default 1)")
+
+
+def _mesh_from(args):
+    """The ('data', 'fsdp', 'tensor') mesh of the flags, or None for one device."""
+    from tev_jax import sharding as shd
+
+    axes = (args.mesh_data, args.mesh_fsdp, args.mesh_tensor)
+    return None if axes == (1, 1, 1) else shd.make_mesh(*axes)
 
 
 def plan_command(args) -> int:
@@ -225,7 +251,7 @@ def plan_command(args) -> int:
 
     import jax.numpy as jnp
 
-    from tev_jax import decode, plan, sharding
+    from tev_jax import decode, plan
 
     if (args.model is None) == (args.config is None):
         raise ValueError("give exactly one of --model PRESET or --config path/config.json")
@@ -233,23 +259,21 @@ def plan_command(args) -> int:
     config = decode.DecodeConfig(
         max_new_tokens=args.max_new_tokens, builder=args.builder, budget=args.budget,
         verifier=args.verifier, sampling=_sampling_from(args), prompt_len=args.prompt_len,
-        max_cache_len=args.cache_len)
+        max_cache_len=args.cache_len, prefill_chunk=args.prefill_chunk)
     axes = {"data": args.mesh_data, "fsdp": args.mesh_fsdp, "tensor": args.mesh_tensor}
-    mesh = None
-    if max(axes.values()) > 1:
-        try:
-            mesh = sharding.make_mesh(**axes)
-        except ValueError as e:
-            raise ValueError(f"{e} (on CPU simulate devices with XLA_FLAGS="
-                             "--xla_force_host_platform_device_count=8)") from e
+    try:
+        mesh = _mesh_from(args)
+    except ValueError as e:
+        raise ValueError(f"{e} (on CPU simulate devices with XLA_FLAGS="
+                         "--xla_force_host_platform_device_count=8)") from e
     report = plan.plan_decode(cfg, config, args.batch, dtype=jnp.dtype(args.dtype),
                               drafter_layers=args.drafter_layers, mesh=mesh)
     what = {"model": args.model or args.config, "layers": cfg.num_layers,
             "batch": args.batch, "prompt_len": args.prompt_len,
             "cache_len": args.cache_len, "max_new_tokens": args.max_new_tokens,
             "builder": args.builder, "budget": args.budget,
-            "temperature": args.temperature, "dtype": args.dtype,
-            "drafter_layers": args.drafter_layers, "mesh": axes}
+            "prefill_chunk": args.prefill_chunk, "temperature": args.temperature,
+            "dtype": args.dtype, "drafter_layers": args.drafter_layers, "mesh": axes}
     if args.json:
         print(json.dumps(what | {"per_device": report.as_dict()}))
     else:
@@ -286,10 +310,10 @@ def _add_plan(sub) -> None:
     p.add_argument("--top-k", type=int, default=None)
     p.add_argument("--top-p", type=float, default=None)
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    p.add_argument("--prefill-chunk", type=int, default=None,
+                   help="prefill the prompt in chunks of this many tokens")
     p.add_argument("--drafter-layers", type=int, default=1, help="DFlash drafter depth")
-    p.add_argument("--mesh-data", type=int, default=1)
-    p.add_argument("--mesh-fsdp", type=int, default=1)
-    p.add_argument("--mesh-tensor", type=int, default=1)
+    _add_mesh_flags(p)
     p.add_argument("--json", action="store_true", help="one JSON object on stdout")
     p.set_defaults(func=plan_command)
 

@@ -210,40 +210,11 @@ def plan_decode(target_cfg: ModelConfig, config, batch_size: int, *, dtype=jnp.f
     """
     from tev_jax import decode
 
-    if config.prompt_len is None:
-        raise ValueError("planning needs DecodeConfig.prompt_len (the prompt buffer)")
-    if not isinstance(batch_size, int) or batch_size < 1:
-        raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
     target = abstract_target(target_cfg, dtype)
     drafter = (None if config.builder == "none" else
                abstract_drafter(target_cfg, dtype, num_layers=drafter_layers,
                                 block_size=block_size))
-    lowered = _lower(target, drafter, config, batch_size, mesh)
-    return compile_report(lowered)[1]
-
-
-def _lower(target, drafter, config, batch_size, mesh):
-    # TEMPORARY stand-in for the lead's `decode.lower` (deleted once it is on main).
-    from tev_jax import decode
-    from tev_jax import sharding as shd
-
-    prompts = [[0]] * batch_size
-    graphdef, params, tokens, lengths, static = decode._prepare(target, drafter, prompts,
-                                                                config)
-    key = jax.random.key(0)
-    if mesh is None:
-        return decode._generate_jit.lower(graphdef, params, tokens, lengths, key,
-                                          static=static)
-    sh = shd.state_shardings(params, mesh)
-    params = jax.tree.map(lambda p, s: jax.ShapeDtypeStruct(p.shape, p.dtype, sharding=s),
-                          params, sh)
-    row = shd.logical_sharding(("batch",), (batch_size,), mesh)
-    tokens = jax.ShapeDtypeStruct(tokens.shape, tokens.dtype, sharding=shd.logical_sharding(
-        ("batch", "seq"), tokens.shape, mesh))
-    lengths = jax.ShapeDtypeStruct(lengths.shape, lengths.dtype, sharding=row)
-    with jax.set_mesh(mesh):
-        return decode._generate_jit.lower(graphdef, params, tokens, lengths, key,
-                                          static=static)
+    return compile_report(decode.lower(target, drafter, config, batch_size, mesh))[1]
 
 
 # ----------------------------------------------------------------------- pre-flight
@@ -269,8 +240,7 @@ def decode_floor(target, drafter, config, batch_size: int) -> dict[str, int]:
     """
     from tev_jax import decode
 
-    prompts = [[0] * config.prompt_len] * batch_size
-    _, _, _, _, static = decode._prepare(target, drafter, prompts, config)
+    _, _, static = decode._setup(target, drafter, config, batch_size, config.prompt_len, None)
     b, n, l = batch_size, static.num_slots, static.max_len
     caches = [jax.eval_shape(lambda: target.init_cache(b, l))]
     if static.has_drafter:
@@ -281,25 +251,26 @@ def decode_floor(target, drafter, config, batch_size: int) -> dict[str, int]:
             "tree mask": _bytes((b, n, n), jnp.bool_)}
 
 
-def available_bytes(device: jax.Device | None = None) -> tuple[int, str]:
-    """Free memory of ``device`` (default: the first) and where the figure comes from.
+def available_bytes(devices=None) -> tuple[int, str]:
+    """Free memory per device of ``devices`` (default: the first) and what it measures.
 
-    Accelerators report ``memory_stats()['bytes_limit'] - ['bytes_in_use']``. The CPU
-    backend reports nothing, so for it the host's available memory is used
-    (``MemAvailable`` of /proc/meminfo, else ``os.sysconf`` free pages).
+    Accelerators report ``memory_stats()['bytes_limit'] - ['bytes_in_use']`` (the least
+    over ``devices``). The CPU backend reports nothing: there the host's available
+    memory (``MemAvailable`` of /proc/meminfo, else ``os.sysconf`` free pages) is
+    shared by the simulated devices, so each gets an equal part.
     """
-    device = jax.devices()[0] if device is None else device
-    stats = device.memory_stats() or {}
-    if "bytes_limit" in stats:
-        return (int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0)),
-                f"{device.device_kind} memory")
+    devices = [jax.devices()[0]] if devices is None else list(devices)
+    stats = [d.memory_stats() or {} for d in devices]
+    if all("bytes_limit" in st for st in stats):
+        free = min(int(st["bytes_limit"]) - int(st.get("bytes_in_use", 0)) for st in stats)
+        return free, f"{devices[0].device_kind} memory"
     try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024, "available host memory"
-    except OSError:
-        pass
-    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"), "free host memory"
+        lines = Path("/proc/meminfo").read_text().splitlines()
+        host = next(int(x.split()[1]) * 1024 for x in lines if x.startswith("MemAvailable:"))
+    except (OSError, StopIteration):
+        host = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    n = len(devices)
+    return host // n, "host memory" + (f" (a {n}th each for {n} devices)" if n > 1 else "")
 
 
 def shortfall(need_bytes: int, floor: dict[str, int], have: int, where: str, config
@@ -323,24 +294,25 @@ def shortfall(need_bytes: int, floor: dict[str, int], have: int, where: str, con
                   "the batch")
     parts = ", ".join(f"{k} {v / GiB:.2f}" for k, v in floor.items())
     return (f"not enough memory: decoding needs {need_bytes / GiB:.1f} GiB (of which "
-            f"{parts} GiB) but {have / GiB:.1f} GiB of {where} is free; {advice}")
+            f"{parts} GiB) per device but {have / GiB:.1f} GiB of {where} is free; {advice}")
 
 
 class NotEnoughMemory(ValueError):
     """A program that would not fit the device (the message is one line)."""
 
 
-def check_decode_fits(target, drafter, config, batch_size: int, *,
-                      device: jax.Device | None = None) -> MemoryReport:
+def check_decode_fits(target, drafter, config, batch_size: int, *, mesh=None
+                      ) -> MemoryReport:
     """The pre-flight check before a generation: raises unless it fits the device.
 
-    First `decode_floor` against `available_bytes` (no compilation, so absurd settings
-    are refused at once); then the compiled program's new allocations (outputs and
-    scratch; the parameters are already resident). The compilation lands in jax's
-    cache, so running the same generation next does not compile again.
+    Per device: first `decode_floor` (its share on one of the mesh's devices) against
+    `available_bytes` (no compilation, so absurd settings are refused at once); then
+    the compiled program's new allocations (outputs and scratch; the parameters are
+    already resident). The compilation lands in jax's cache, so running the same
+    generation next does not compile again.
 
     Args:
-      target, drafter, config, batch_size: as for `tev_jax.decode.generate`;
+      target, drafter, config, batch_size, mesh: as for `tev_jax.decode.generate`;
         ``config.prompt_len`` must be set.
     Returns:
       The compiled program's `MemoryReport`.
@@ -349,11 +321,16 @@ def check_decode_fits(target, drafter, config, batch_size: int, *,
     """
     if config.prompt_len is None:
         raise ValueError("the pre-flight check needs DecodeConfig.prompt_len")
-    floor = decode_floor(target, drafter, config, batch_size)
-    have, where = available_bytes(device)
+    from tev_jax import decode
+
+    devices = None if mesh is None else mesh.devices.flat
+    n = 1 if mesh is None else mesh.devices.size
+    # the most loaded device holds at least an n-th of every buffer
+    floor = {k: -(-v // n) for k, v in decode_floor(target, drafter, config, batch_size).items()}
+    have, where = available_bytes(devices)
     msg = shortfall(sum(floor.values()), floor, have, where, config)
     if msg is None:
-        _, report = compile_report(_lower(target, drafter, config, batch_size, None))
+        _, report = compile_report(decode.lower(target, drafter, config, batch_size, mesh))
         need = (report.output_bytes + report.temp_bytes - report.alias_bytes
                 + report.code_bytes)
         msg = shortfall(need, floor, have, where, config)
