@@ -27,8 +27,11 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from tev_jax import decode
 from tev_jax.models.checkpoint_io import read_config
 from tev_jax.models.config import ModelConfig, RopeScaling
+from tev_jax.models.drafter import Drafter, DrafterConfig, default_target_layer_ids
+from tev_jax.models.target import Target
 
 PRESETS: dict[str, ModelConfig] = {
     "qwen3-0.6b": ModelConfig(
@@ -98,8 +101,6 @@ def model_config(name_or_path: str, *, num_layers: int | None = None) -> ModelCo
 
 def abstract_target(cfg: ModelConfig, dtype=jnp.float32):
     """A `Target` whose parameters are ``jax.ShapeDtypeStruct`` s (no weights made)."""
-    from tev_jax.models.target import Target
-
     return nnx.eval_shape(lambda: Target(cfg, dtype=jnp.dtype(dtype), rngs=nnx.Rngs(0)))
 
 
@@ -109,8 +110,6 @@ def drafter_config(target_cfg: ModelConfig, *, num_layers: int = 1, block_size: 
     The taps follow `default_target_layer_ids`; the mask token is the last vocabulary
     id (any id gives the same shapes).
     """
-    from tev_jax.models.drafter import DrafterConfig, default_target_layer_ids
-
     model = dataclasses.replace(target_cfg, model_type="qwen3", qk_norm=True,
                                 num_layers=num_layers, rope_scaling=None)
     return DrafterConfig(
@@ -122,8 +121,6 @@ def drafter_config(target_cfg: ModelConfig, *, num_layers: int = 1, block_size: 
 def abstract_drafter(target_cfg: ModelConfig, dtype=jnp.float32, *, num_layers: int = 1,
                      block_size: int = 16):
     """A DFlash `Drafter` (see `drafter_config`) without weights."""
-    from tev_jax.models.drafter import Drafter
-
     cfg = drafter_config(target_cfg, num_layers=num_layers, block_size=block_size)
     return nnx.eval_shape(lambda: Drafter(cfg, dtype=jnp.dtype(dtype), rngs=nnx.Rngs(0)))
 
@@ -188,11 +185,11 @@ class MemoryReport:
 # -------------------------------------------------------------------- decode plans
 
 
-def compile_report(lowered: jax.stages.Lowered) -> tuple[jax.stages.Compiled, MemoryReport]:
-    """Compiles ``lowered``; -> (the executable, its `MemoryReport` with the compile time)."""
+def compile_report(lowered: jax.stages.Lowered) -> MemoryReport:
+    """Compiles ``lowered``; -> its `MemoryReport`, with the compile time."""
     t0 = time.perf_counter()
     compiled = lowered.compile()
-    return compiled, MemoryReport.of(compiled, time.perf_counter() - t0)
+    return MemoryReport.of(compiled, time.perf_counter() - t0)
 
 
 def plan_decode(target_cfg: ModelConfig, config, batch_size: int, *, dtype=jnp.float32,
@@ -208,13 +205,11 @@ def plan_decode(target_cfg: ModelConfig, config, batch_size: int, *, dtype=jnp.f
         with ``builder='none'``.
       mesh: a mesh from `tev_jax.sharding.make_mesh`, or None for one device.
     """
-    from tev_jax import decode
-
     target = abstract_target(target_cfg, dtype)
     drafter = (None if config.builder == "none" else
                abstract_drafter(target_cfg, dtype, num_layers=drafter_layers,
                                 block_size=block_size))
-    return compile_report(decode.lower(target, drafter, config, batch_size, mesh))[1]
+    return compile_report(decode.lower(target, drafter, config, batch_size, mesh))
 
 
 # ----------------------------------------------------------------------- pre-flight
@@ -238,8 +233,6 @@ def decode_floor(target, drafter, config, batch_size: int) -> dict[str, int]:
     Returns:
       {'kv cache': ..., 'tree logits': ..., 'tree mask': ...}: bytes per buffer.
     """
-    from tev_jax import decode
-
     _, _, static = decode._setup(target, drafter, config, batch_size, config.prompt_len, None)
     b, n, l = batch_size, static.num_slots, static.max_len
     caches = [jax.eval_shape(lambda: target.init_cache(b, l))]
@@ -321,8 +314,6 @@ def check_decode_fits(target, drafter, config, batch_size: int, *, mesh=None
     """
     if config.prompt_len is None:
         raise ValueError("the pre-flight check needs DecodeConfig.prompt_len")
-    from tev_jax import decode
-
     devices = None if mesh is None else mesh.devices.flat
     n = 1 if mesh is None else mesh.devices.size
     # the most loaded device holds at least an n-th of every buffer
@@ -330,7 +321,7 @@ def check_decode_fits(target, drafter, config, batch_size: int, *, mesh=None
     have, where = available_bytes(devices)
     msg = shortfall(sum(floor.values()), floor, have, where, config)
     if msg is None:
-        _, report = compile_report(decode.lower(target, drafter, config, batch_size, mesh))
+        report = compile_report(decode.lower(target, drafter, config, batch_size, mesh))
         need = (report.output_bytes + report.temp_bytes - report.alias_bytes
                 + report.code_bytes)
         msg = shortfall(need, floor, have, where, config)
