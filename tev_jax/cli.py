@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import json
 import sys
 import time
 
@@ -247,10 +248,6 @@ def _mesh_from(args):
 
 def plan_command(args) -> int:
     """``tev-jax plan``: per-device memory of the fused decode program, without weights."""
-    import json
-
-    import jax.numpy as jnp
-
     from tev_jax import decode, plan
 
     if (args.model is None) == (args.config is None):
