@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import json
 import sys
 import time
 
@@ -18,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from tev_jax.exit_law import exit_law
+from tev_jax.plan import PRESETS
 from tev_jax.sampling import Sampling, check_finite
 from tev_jax.tree import make_tree, render
 from tev_jax.verify import tev
@@ -137,8 +139,11 @@ def generate_command(args) -> int:
 
     The completion goes to stdout; the summary (models, method, tokens, τ, tokens/s,
     compile time, and with ``--compare-ar`` the AR speed and the speed-up) to stderr.
+    First the pre-flight check (`tev_jax.plan.check_decode_fits`): a program that would
+    not fit the device's free memory is refused with one line naming the setting to
+    lower, exit code 2.
     """
-    from tev_jax import decode
+    from tev_jax import decode, plan
     from tev_jax.data.tokenizer import format_chat
     from tev_jax.models import load_drafter, load_target, load_tokenizer
 
@@ -156,7 +161,14 @@ def generate_command(args) -> int:
     config = dataclasses.replace(config, stop_token_ids=_stop_ids(target, tokenizer))
     text = format_chat(args.prompt) if args.chat else args.prompt
     prompt = tokenizer.encode(text).ids
+    config = dataclasses.replace(config, prompt_len=max(len(prompt), 1))
+    try:  # compiles once; the run below reuses the compilation
+        planned = plan.check_decode_fits(target, drafter, config, 1, mesh=mesh)
+    except plan.NotEnoughMemory as e:
+        print(f"tev-jax generate: {e}", file=sys.stderr)
+        return 2
     gen, compile_s = _timed(target, drafter, prompt, config, args.seed, args.repeats, mesh)
+    compile_s += planned.compile_seconds
     n = int(gen.lengths[0])
     print(tokenizer.decode(prompt + gen.tokens[0, :n].tolist()), flush=True)
 
@@ -234,6 +246,75 @@ def _mesh_from(args):
     return None if axes == (1, 1, 1) else shd.make_mesh(*axes)
 
 
+def plan_command(args) -> int:
+    """``tev-jax plan``: per-device memory of the fused decode program, without weights."""
+    from tev_jax import decode, plan
+
+    if (args.model is None) == (args.config is None):
+        raise ValueError("give exactly one of --model PRESET or --config path/config.json")
+    cfg = plan.model_config(args.model or args.config, num_layers=args.layers)
+    config = decode.DecodeConfig(
+        max_new_tokens=args.max_new_tokens, builder=args.builder, budget=args.budget,
+        verifier=args.verifier, sampling=_sampling_from(args), prompt_len=args.prompt_len,
+        max_cache_len=args.cache_len, prefill_chunk=args.prefill_chunk)
+    axes = {"data": args.mesh_data, "fsdp": args.mesh_fsdp, "tensor": args.mesh_tensor}
+    try:
+        mesh = _mesh_from(args)
+    except ValueError as e:
+        raise ValueError(f"{e} (on CPU simulate devices with XLA_FLAGS="
+                         "--xla_force_host_platform_device_count=8)") from e
+    report = plan.plan_decode(cfg, config, args.batch, dtype=jnp.dtype(args.dtype),
+                              drafter_layers=args.drafter_layers, mesh=mesh)
+    what = {"model": args.model or args.config, "layers": cfg.num_layers,
+            "batch": args.batch, "prompt_len": args.prompt_len,
+            "cache_len": args.cache_len, "max_new_tokens": args.max_new_tokens,
+            "builder": args.builder, "budget": args.budget,
+            "prefill_chunk": args.prefill_chunk, "temperature": args.temperature,
+            "dtype": args.dtype, "drafter_layers": args.drafter_layers, "mesh": axes}
+    if args.json:
+        print(json.dumps(what | {"per_device": report.as_dict()}))
+    else:
+        mesh_s = " x ".join(f"{k} {v}" for k, v in axes.items() if v > 1) or "one device"
+        print(f"{what['model']} ({cfg.num_layers} layers, {args.dtype}), batch {args.batch}, "
+              f"prompt {args.prompt_len}, cache {args.cache_len or 'auto'}, "
+              f"{args.builder} budget {args.budget}, T={args.temperature:g}; {mesh_s}")
+        print("per device:\n" + report.format())
+    return 0
+
+
+def _add_plan(sub) -> None:
+    p = sub.add_parser(
+        "plan", help="per-device memory of a decode program (no weights needed)",
+        description="Compiles the fused speculative generation for a model config on "
+                    "abstract parameters and prints XLA's per-device argument / output / "
+                    "temporary bytes. For a mesh on CPU set XLA_FLAGS="
+                    "--xla_force_host_platform_device_count=8. XLA:CPU copies bfloat16 "
+                    "weights to float32, so bfloat16 temporary memory on CPU overstates.")
+    p.add_argument("--model", default=None, help=f"a preset: {', '.join(sorted(PRESETS))}")
+    p.add_argument("--config", default=None, help="a Hugging Face config.json (or its directory)")
+    p.add_argument("--layers", type=int, default=None,
+                   help="plan with this many target layers (e.g. 2 for per-layer figures)")
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--prompt-len", type=int, default=1024, help="prompt buffer P")
+    p.add_argument("--cache-len", type=int, default=None,
+                   help="cache slots L (default: P + max-new-tokens + tree slots)")
+    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--builder", choices=("ddtree", "chain", "none"), default="ddtree")
+    p.add_argument("--budget", type=int, default=64, help="DDTree node budget")
+    p.add_argument("--verifier", choices=("tev", "predraw", "sequential", "greedy"),
+                   default="tev")
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-k", type=int, default=None)
+    p.add_argument("--top-p", type=float, default=None)
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    p.add_argument("--prefill-chunk", type=int, default=None,
+                   help="prefill the prompt in chunks of this many tokens")
+    p.add_argument("--drafter-layers", type=int, default=1, help="DFlash drafter depth")
+    _add_mesh_flags(p)
+    p.add_argument("--json", action="store_true", help="one JSON object on stdout")
+    p.set_defaults(func=plan_command)
+
+
 def train_command(args) -> int:
     """``tev-jax train ...``: the drafter-training CLI of the repository's ``train/``."""
     try:
@@ -251,7 +332,7 @@ def _add_train(sub) -> None:
     p.set_defaults(func=train_command)
 
 
-SUBCOMMANDS = [_add_exit_law, _add_generate, _add_train]
+SUBCOMMANDS = [_add_exit_law, _add_generate, _add_plan, _add_train]
 
 
 def main(argv: list[str] | None = None) -> int:
