@@ -244,3 +244,24 @@ def test_parent_scoring_equals_full_scoring_on_the_rows_the_exit_law_reads():
     for bad in (0, [], [3, a * n + 1]):
         with pytest.raises(ValueError, match="capacities"):
             score_parent_nodes(target, None, trees, anchors, bad)
+
+
+def test_chunked_scoring_attention_equals_one_piece():
+    """The context and scoring passes split queries into chunks (``lax.map``); each
+    query row is the one computed without chunks."""
+    from tev_jax.exit_train import _anchor_attention, _causal_attention
+    from tev_jax.tree import ancestor_mask
+
+    rng = np.random.default_rng(5)
+    b, t, h, kh, hd, a, n, length = 2, 12, 4, 2, 8, 4, 5, 10
+    arr = lambda *s: jnp.asarray(rng.standard_normal(s), jnp.float32)
+    q, k, v = arr(b, t, h, hd), arr(b, t, kh, hd), arr(b, t, kh, hd)
+    np.testing.assert_allclose(_causal_attention(q, k, v, chunk=4),
+                               _causal_attention(q, k, v, chunk=t), atol=1e-6)
+    trees = stack([random_tree(rng, n, 7, 3) for _ in range(b * a)], (b, a))
+    anc = jax.vmap(jax.vmap(ancestor_mask))(trees)
+    anchors = jnp.asarray(rng.integers(1, length, (b, a)), jnp.int32)
+    args = (arr(b, a * n, h, hd), arr(b, a * n, kh, hd), arr(b, a * n, kh, hd),
+            arr(b, length, kh, hd), arr(b, length, kh, hd), anchors, anc)
+    np.testing.assert_allclose(_anchor_attention(*args, chunk=2),
+                               _anchor_attention(*args, chunk=a), atol=1e-6)

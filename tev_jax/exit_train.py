@@ -37,7 +37,7 @@ from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
-from flax import struct
+from flax import nnx, struct
 
 from tev_jax.exit_law import ExitLaw, exit_law, exit_law_from_edges
 from tev_jax.models import lm_head
@@ -236,27 +236,72 @@ def _joint_softmax(*segments):
     return p, sum(x.sum(-1, keepdims=True) for x in p)
 
 
-def _causal_attention(q_BTHd, k_BTKd, v_BTKd):
-    """Causal GQA self-attention of a whole sequence."""
-    b, t, _, hd = q_BTHd.shape
-    kh = k_BTKd.shape[2]
-    q = _query_rows(q_BTHd, kh)
-    s = _scores(q, _kv_major(k_BTKd), "bkrd,bksd->bkrs").reshape(b, kh, t, -1, t)
-    pos = jnp.arange(t)
-    (p,), denom = _joint_softmax((s, (pos[None, :] <= pos[:, None])[:, None, :]))
+QUERY_CHUNK = 512   # context-pass queries per attention chunk
+ANCHOR_CHUNK = 8    # scoring-pass anchors per attention chunk
+
+
+def _chunk(total: int, want: int) -> int:
+    """The largest divisor of ``total`` that is at most ``want``."""
+    return max(c for c in range(1, min(total, want) + 1) if total % c == 0)
+
+
+def _causal_attention(q_BTHd, k_BTKd, v_BTKd, chunk: int = QUERY_CHUNK):
+    """Causal GQA self-attention of a whole sequence.
+
+    Queries go through in chunks (``lax.map``) of ``chunk`` positions, each against all
+    keys: scores are [B, K, chunk * G, T] at a time instead of [B, K, T * G, T]; every
+    query row is computed as in one piece.
+    """
+    b, t, h, hd = q_BTHd.shape
+    c = _chunk(t, chunk)
+    if c == t:
+        return _causal_rows(q_BTHd, k_BTKd, v_BTKd, jnp.arange(t))
+    q_nBcHd = jnp.swapaxes(q_BTHd.reshape(b, t // c, c, h, hd), 0, 1)
+    starts = jnp.arange(0, t, c)
+    out = jax.lax.map(lambda args: _causal_rows(args[0], k_BTKd, v_BTKd,
+                                                args[1] + jnp.arange(c)), (q_nBcHd, starts))
+    return jnp.swapaxes(out, 0, 1).reshape(b, t, h, hd)
+
+
+def _causal_rows(q_BCHd, k_BTKd, v_BTKd, pos_C):
+    """GQA attention of C queries at positions ``pos_C`` to the keys at positions <= pos."""
+    b, c, _, hd = q_BCHd.shape
+    t, kh = k_BTKd.shape[1], k_BTKd.shape[2]
+    q = _query_rows(q_BCHd, kh)
+    s = _scores(q, _kv_major(k_BTKd), "bkrd,bksd->bkrs").reshape(b, kh, c, -1, t)
+    (p,), denom = _joint_softmax((s, (jnp.arange(t)[None, :] <= pos_C[:, None])[:, None, :]))
     o = _mix(p.reshape(b, kh, -1, t), _kv_major(v_BTKd), "bkrs,bksd->bkrd")
-    o = o.reshape(b, kh, t, -1, hd) / denom
-    return _heads_out(o.reshape(b, kh, -1, hd), t, q_BTHd.dtype)
+    o = o.reshape(b, kh, c, -1, hd) / denom
+    return _heads_out(o.reshape(b, kh, -1, hd), c, q_BCHd.dtype)
 
 
-def _anchor_attention(q_BTHd, k_BTKd, v_BTKd, kc_BLKd, vc_BLKd, anchors_BA, anc_BANN):
+def _anchor_attention(q_BTHd, k_BTKd, v_BTKd, kc_BLKd, vc_BLKd, anchors_BA, anc_BANN,
+                      chunk: int = ANCHOR_CHUNK):
     """GQA attention of T = A * N tree queries: prefix ``< anchor`` + own ancestors.
 
     One joint softmax over two key segments: the sequence's cached keys (shared by the
     anchors of a row, masked per anchor) and the keys of the query's own tree (masked by
     the ancestor mask). Blocking by anchor keeps the tree part at [A, N, N] per row
-    instead of a block-diagonal [A*N, A*N].
+    instead of a block-diagonal [A*N, A*N]. Anchors go through in chunks of ``chunk``
+    (``lax.map``; each anchor's queries only read its own tree), so the prefix scores
+    are [B, K, chunk * N * G, L] at a time.
     """
+    b, t, h, hd = q_BTHd.shape
+    a = anchors_BA.shape[1]
+    c = _chunk(a, chunk)
+    if c == a:
+        return _anchor_rows(q_BTHd, k_BTKd, v_BTKd, kc_BLKd, vc_BLKd, anchors_BA, anc_BANN)
+    split = lambda x: jnp.swapaxes(x.reshape((b, a // c, -1) + x.shape[2:]), 0, 1)
+    n = t // a
+    args = (split(q_BTHd), split(k_BTKd), split(v_BTKd), split(anchors_BA),
+            split(anc_BANN.reshape(b, a, n * n)))
+    out = jax.lax.map(lambda x: _anchor_rows(x[0], x[1], x[2], kc_BLKd, vc_BLKd, x[3],
+                                             x[4].reshape(b, c, n, n)), args)
+    return jnp.swapaxes(out, 0, 1).reshape(b, t, h, hd)
+
+
+def _anchor_rows(q_BTHd, k_BTKd, v_BTKd, kc_BLKd, vc_BLKd, anchors_BA, anc_BANN):
+    """`_anchor_attention` of all the given anchors at once."""
     b, t, _, hd = q_BTHd.shape
     a = anchors_BA.shape[1]
     n, kh = t // a, k_BTKd.shape[2]
@@ -294,6 +339,25 @@ def _pooled_attention(q_BMHd, k_BMKd, v_BMKd, kc_BLKd, vc_BLKd, prefix_end_BM, t
     return _heads_out(o.reshape(b, kh, -1, hd), m, q_BMHd.dtype)
 
 
+def _after(layer, x):
+    """``layer`` with its parameters made to depend on ``x`` (under a mesh; else as is).
+
+    With the frozen target sharded over fsdp, XLA all-gathers each layer's weights
+    where they are used; XLA:CPU hoists every such gather to the start of the step (an
+    optimization barrier does not stop it: it is expanded before partitioning) and
+    shares them between the context and the scoring pass, so the whole target ends up
+    gathered on every device. Adding ``0`` (NaN if ``x`` is not finite, which it then
+    propagates anyway) computed from ``x`` to the local shards makes layer i's gathers
+    wait for its input: at most a layer or two of gathered weights are live.
+    """
+    if jax.sharding.get_abstract_mesh().empty:
+        return layer
+    graphdef, state = nnx.split(layer)
+    zero = jnp.where(jnp.all(jnp.isfinite(x)), 0.0, jnp.nan)
+    state = jax.tree.map(lambda w: w + zero.astype(w.dtype), state)
+    return nnx.merge(graphdef, state)
+
+
 def _run_layers(target, tokens_BT, positions_BT, attention, taps=()):
     """The target's decoder layers (same sub-modules and order as ``DecoderLayer``) with
     a custom attention ``attention(i, q, k, v) -> [B, T, H, hd]``.
@@ -304,18 +368,21 @@ def _run_layers(target, tokens_BT, positions_BT, attention, taps=()):
     """
     inv_freq = rope_inv_freq(target.config)
     x = target.embed(tokens_BT)
-    tapped, ks, vs = {}, [], []
+    tapped, ks, vs = {}, None, None
     for i, layer in enumerate(target.layers):
+        layer = _after(layer, x)
         q, k, v = layer.self_attn.qkv(layer.input_layernorm(x), positions_BT, inv_freq)
         att = attention(i, q, k, v)
         x = constrain(x + layer.self_attn.out(att), ("batch", "seq", "act_embed"))
         x = x + layer.mlp(layer.post_attention_layernorm(x))
         x = constrain(x, ("batch", "seq", "act_embed"))
-        ks.append(k)
-        vs.append(v)
+        if ks is None:   # written in place layer by layer (a stack would copy them all)
+            ks = jnp.zeros((len(target.layers),) + k.shape, k.dtype)
+            vs = jnp.zeros((len(target.layers),) + v.shape, v.dtype)
+        ks, vs = ks.at[i].set(k), vs.at[i].set(v)
         if i in taps:
             tapped[i] = x
-    return x, tapped, jnp.stack(ks), jnp.stack(vs)
+    return x, tapped, ks, vs
 
 
 def target_context(target, tokens_BL: jax.Array, taps: Sequence[int]

@@ -295,9 +295,17 @@ def tree_k(draft, budget: int) -> int:
     return max(1, min(budget, vocab))
 
 
-def build_trees(top: tuple[jax.Array, jax.Array], roots_BA: jax.Array, budget: int
-                ) -> DraftTree:
-    """DDTree of every anchor from its rows' `draft_top_k`; fields [B, A, N]."""
+def build_trees(draft, roots_BA: jax.Array, budget: int, *, top=None,
+                block: int = lm_head.BLOCK) -> DraftTree:
+    """DDTree of every anchor from its detached draft rows; fields [B, A, N].
+
+    Args:
+      draft: [B, A, H, V] draft logits or their `HeadRows`.
+      roots_BA: int [B, A] root tokens.
+      top: optional precomputed ``draft_top_k(draft, tree_k(draft, budget))``.
+    """
+    if top is None:
+        top = draft_top_k(draft, tree_k(draft, budget), block)
     tokens, logq = top
     b, a, h, k = tokens.shape
     build = jax.vmap(lambda t, q, r: ddtree.build_tree_from_topk(t, q, r, budget)[0])
@@ -318,9 +326,7 @@ def exit_targets(target, cache, draft, batch: Batch, cfg: StepConfig, top=None):
     """
     roots = jnp.take_along_axis(batch.tokens.astype(jnp.int32),
                                 batch.anchors.astype(jnp.int32), axis=1)
-    if top is None:
-        top = draft_top_k(draft, tree_k(draft, cfg.budget), cfg.vocab_block)
-    trees = build_trees(top, roots, cfg.budget)
+    trees = build_trees(draft, roots, cfg.budget, top=top, block=cfg.vocab_block)
     if not cfg.score_capacities:
         hidden = score_tree_hidden(target, cache, trees, batch.anchors)
     else:
