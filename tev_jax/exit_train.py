@@ -29,6 +29,14 @@ The exit law reads only the rows of nodes with children, and a leaf's keys/value
 seen by no other node, so `score_parent_nodes` scores only those nodes (pooled per
 row into a static number of query slots, with a full pass as the fallback when they
 do not fit): same weights, a cost that follows the trees' shape.
+
+Nothing here needs a [rows, V] array: the losses take the drafter's rows either as
+logits or as `tev_jax.models.lm_head.HeadRows` (hidden states + the frozen head), and
+the scoring pass returns hidden states (`score_tree_hidden`) from which
+`edge_log_probs_blocked` reads each node's log-normaliser and child logits over
+vocabulary blocks (a plain temperature; top-k / top-p / greedy need whole rows and go
+through `score_tree_nodes` + `tree_exit_weights`). Attention runs in query chunks
+(`QUERY_CHUNK` positions, `ANCHOR_CHUNK` anchors) to bound the score arrays.
 """
 
 from __future__ import annotations
@@ -236,7 +244,7 @@ def _joint_softmax(*segments):
     return p, sum(x.sum(-1, keepdims=True) for x in p)
 
 
-QUERY_CHUNK = 512   # context-pass queries per attention chunk
+QUERY_CHUNK = 256   # context-pass queries per attention chunk
 ANCHOR_CHUNK = 8    # scoring-pass anchors per attention chunk
 
 

@@ -175,7 +175,9 @@ def top_k(h_XD: jax.Array, head: Head, k: int, block: int = BLOCK):
         m, s = carry
         x, ids, fresh, _ = _block_logits(h_XD, head, i, block)
         x = jnp.where(fresh, jnp.where(x == 0, jnp.float32(0), x), -jnp.inf)
-        vals, pos = jax.lax.top_k(x, k)
+        # The barrier keeps XLA:CPU from rewriting top_k into a full sort of the block
+        # when its outputs are computed on (as in `tev_jax.ddtree.topk_logq`).
+        vals, pos = jax.lax.optimization_barrier(jax.lax.top_k(x, k))
         m_new = jnp.maximum(m, vals[..., 0])
         s = (jnp.where(m > -jnp.inf, s * jnp.exp(m - m_new), 0.0)
              + jnp.sum(jnp.exp(x - m_new[..., None]), axis=-1))
