@@ -4,8 +4,10 @@ Each configuration (target preset, drafter depth, mesh) is compiled on abstract 
 (`train.plan.plan_step`: ``nnx.eval_shape``, no weights; 8 simulated CPU devices) with
 the target cut to a few layers, and the per-device argument / temporary bytes and the
 compile time are extrapolated linearly to the preset's full depth (the step has no scan
-over layers: both grow with depth). ``--full`` also compiles the full-depth step once
-to check the extrapolation.
+over layers: both grow with depth; the temporaries only roughly linearly, as XLA's
+schedule changes). Compile times are the measured ones (on a shared 2-core machine they
+vary with its load). ``--full`` also compiles the full-depth step once to check the
+extrapolation.
 
 Batch: B 8 sequences x 2048 tokens, 32 anchors, DDTree budget 32, exit loss, a DFlash
 drafter reading 5 target layers; float32 on CPU (XLA:CPU makes float32 copies of
@@ -50,7 +52,7 @@ def extrapolated(name, drafter_layers, mesh, dtype, remat) -> dict:
             "mesh": mesh, "dtype": dtype, "remat": remat,
             "argument_gib": round(line(lo.argument, hi.argument) / GIB, 2),
             "temp_gib": round(line(lo.temp, hi.temp) / GIB, 2),
-            "compile_s": round(line(lo.compile_seconds, hi.compile_seconds), 0),
+            "compile_s_measured": [round(lo.compile_seconds), round(hi.compile_seconds)],
             "per_layer_argument_gib": round((hi.argument - lo.argument) / span / GIB, 3),
             "per_layer_temp_gib": round((hi.temp - lo.temp) / span / GIB, 3),
             "measured": [lo.to_dict(), hi.to_dict()]}
