@@ -38,7 +38,11 @@ B, A = 8, 2
 
 
 def _one_step(mesh):
-    """One step of the same program `train` builds for `tf.config` (shared compiles)."""
+    """One step of the same program `train` builds for `tf.config` (shared compiles).
+
+    Returns:
+      (new state, host metrics, the placed frozen models)
+    """
     target, drafter = tf.models()
     cfg = tf.config("unused")
     graphs, frozen, params = split_models(target, drafter)
@@ -50,23 +54,12 @@ def _one_step(mesh):
     hb = tf.progressions().batch_at(0, 0, B, A, tf.BLOCK - 1)
     with program.place.context():
         new, metrics = program.step_fn(state, place_batch(hb, program.place), frozen)
-    return new, jax.device_get(metrics)
-
-
-def _placed_target(mesh):
-    """The target's parameters as the step program places them on ``mesh``."""
-    target, drafter = tf.models()
-    cfg = tf.config("unused")
-    graphs, frozen, _ = split_models(target, drafter)
-    _, param_state, _ = nnx.split(drafter, nnx.Param, ...)
-    program = step_program(graphs, step_config(cfg, drafter), optim_config(cfg), mesh,
-                           param_state, frozen, (B, tf.SEQ_LEN, A))
-    return nnx.merge(graphs.target, place_frozen(frozen, program.place).target)
+    return new, jax.device_get(metrics), frozen
 
 
 @pytest.fixture(scope="module")
 def single_device_step():
-    new, metrics = _one_step(None)
+    new, metrics, _ = _one_step(None)
     return jax.device_get(new), metrics
 
 
@@ -77,7 +70,7 @@ MESHES = [dict(data=8, fsdp=1), dict(data=2, fsdp=4), dict(fsdp=4, tensor=2)]
 @pytest.mark.parametrize("axes", MESHES, ids=lambda d: "x".join(f"{k}{v}" for k, v in d.items()))
 def test_sharded_step_equals_single_device(axes, single_device_step):
     want, want_metrics = single_device_step
-    new, metrics = _one_step(shd.make_mesh(**axes))
+    new, metrics, frozen = _one_step(shd.make_mesh(**axes))
     for k in ("loss", "token_loss", "exit_loss", "tau", "grad_norm"):
         np.testing.assert_allclose(metrics[k], want_metrics[k], rtol=2e-5, err_msg=k)
     got = jax.device_get(new)
@@ -100,7 +93,8 @@ def test_sharded_step_equals_single_device(axes, single_device_step):
     if axes.get("fsdp", 1) > 1:
         assert not new.params["fc"]["kernel"].sharding.is_fully_replicated
         # target_sharding='fsdp' (the default): the frozen target is split over fsdp too.
-        assert not _placed_target(shd.make_mesh(**axes)).embed_tokens.sharding.is_fully_replicated
+        (embed,) = jax.tree.leaves(frozen.target["embed_tokens"])
+        assert not embed.sharding.is_fully_replicated
         moments = jax.tree.leaves(optax.tree_utils.tree_get(new.opt_state, "mu"))
         assert any(x.ndim > 1 and not x.sharding.is_fully_replicated for x in moments)
 
