@@ -29,6 +29,14 @@ The exit law reads only the rows of nodes with children, and a leaf's keys/value
 seen by no other node, so `score_parent_nodes` scores only those nodes (pooled per
 row into a static number of query slots, with a full pass as the fallback when they
 do not fit): same weights, a cost that follows the trees' shape.
+
+Nothing here needs a [rows, V] array: the losses take the drafter's rows either as
+logits or as `tev_jax.models.lm_head.HeadRows` (hidden states + the frozen head), and
+the scoring pass returns hidden states (`score_tree_hidden`) from which
+`edge_log_probs_blocked` reads each node's log-normaliser and child logits over
+vocabulary blocks (a plain temperature; top-k / top-p / greedy need whole rows and go
+through `score_tree_nodes` + `tree_exit_weights`). Attention is the blocked
+`tev_jax.models.attention.attention`, so no [T, S] score array exists either.
 """
 
 from __future__ import annotations
@@ -37,12 +45,14 @@ from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
-from flax import struct
+from flax import nnx, struct
 
-from tev_jax.exit_law import ExitLaw, exit_law
+from tev_jax.exit_law import ExitLaw, exit_law, exit_law_from_edges
+from tev_jax.models import lm_head
 from tev_jax.models.attention import Mask, attention
 from tev_jax.models.kv_cache import KVCache
 from tev_jax.models.layers import rope_inv_freq
+from tev_jax.models.lm_head import DenseRows, Head, HeadRows
 from tev_jax.sampling import Sampling
 from tev_jax.sharding import constrain
 from tev_jax.tree import DraftTree, ancestor_mask, children_mask
@@ -127,30 +137,35 @@ class LossParts:
         return jnp.where(self.weight > 0, self.total / safe, 0.0)
 
 
-def token_loss(draft_logits_XHV: jax.Array, labels_XH: jax.Array, mask_XH: jax.Array,
+def _rows(draft):
+    """`HeadRows` as given, a logits array as `DenseRows`."""
+    return draft if isinstance(draft, (HeadRows, DenseRows)) else DenseRows(draft)
+
+
+def token_loss(draft_logits_XHV, labels_XH: jax.Array, mask_XH: jax.Array,
                decay_gamma: float | None = None) -> LossParts:
     """The DFlash token objective: cross-entropy of each block row vs its label.
 
     Args:
-      draft_logits_XHV: [*X, H, V] draft logits (row d-1 predicts depth d).
+      draft_logits_XHV: [*X, H, V] draft logits (row d-1 predicts depth d), or their
+        `HeadRows` (hidden states + the frozen head: no [.., V] array is formed).
       labels_XH: int [*X, H], ``tokens[anchor + 1 .. anchor + H]``.
       mask_XH: bool or float [*X, H], which rows count.
       decay_gamma: optional DFlash position decay, row d weighted ``exp(-(d-1)/gamma)``.
     Returns:
       `LossParts` of the weighted cross-entropy (``.mean`` is the loss).
     """
-    logits = draft_logits_XHV.astype(jnp.float32)
-    lse = jax.nn.logsumexp(logits, axis=-1)
-    picked = jnp.take_along_axis(logits, labels_XH[..., None].astype(jnp.int32), axis=-1)[..., 0]
+    rows = _rows(draft_logits_XHV)
+    h = labels_XH.shape[-1]
+    row_XH = jnp.broadcast_to(jnp.arange(h, dtype=jnp.int32), labels_XH.shape)
+    picked = rows.at(row_XH, labels_XH)
     weight = mask_XH.astype(jnp.float32)
     if decay_gamma is not None:
-        h = logits.shape[-2]
         weight = weight * jnp.exp(-jnp.arange(h, dtype=jnp.float32) / decay_gamma)
-    return LossParts(total=jnp.sum(weight * (lse - picked)), weight=jnp.sum(weight))
+    return LossParts(total=jnp.sum(weight * (rows.lse - picked)), weight=jnp.sum(weight))
 
 
-def exit_loss(draft_logits_XHV: jax.Array, trees: DraftTree, weights_XN: jax.Array
-              ) -> LossParts:
+def exit_loss(draft_logits_XHV, trees: DraftTree, weights_XN: jax.Array) -> LossParts:
     """The exit-guided loss without a [nodes x V] tensor (App. C.2).
 
     ``sum_v weight(v) * (lse_{depth(v)} - logit_{depth(v)}(tokens[v]))``: one
@@ -158,24 +173,21 @@ def exit_loss(draft_logits_XHV: jax.Array, trees: DraftTree, weights_XN: jax.Arr
     row's nodes, and one gathered logit per node.
 
     Args:
-      draft_logits_XHV: [*X, H, V] draft logits of each anchor.
+      draft_logits_XHV: [*X, H, V] draft logits of each anchor, or their `HeadRows`.
       trees: `DraftTree` with fields [*X, N] (built from these rows).
       weights_XN: float [*X, N] detached node weights, 0 at the root and on padding.
     Returns:
       `LossParts` (``.mean`` is the loss normalised by the total weight).
     """
-    h, v = draft_logits_XHV.shape[-2:]
-    n = trees.tokens.shape[-1]
-    logits_RHV = draft_logits_XHV.astype(jnp.float32).reshape((-1, h, v))
-    r = logits_RHV.shape[0]
-    weights_RN = jax.lax.stop_gradient(weights_XN.astype(jnp.float32)).reshape((r, n))
-    row_RN = jnp.clip(trees.depths.reshape((r, n)) - 1, 0, h - 1)
-    tok_RN = trees.tokens.reshape((r, n)).astype(jnp.int32)
-    lse_RH = jax.nn.logsumexp(logits_RHV, axis=-1)
-    picked_RN = logits_RHV[jnp.arange(r)[:, None], row_RN, tok_RN]
-    row_weight_RH = jnp.einsum("rn,rnh->rh", weights_RN, jax.nn.one_hot(row_RN, h))
-    total = jnp.sum(row_weight_RH * lse_RH) - jnp.sum(weights_RN * picked_RN)
-    return LossParts(total=total, weight=jnp.sum(weights_RN))
+    rows = _rows(draft_logits_XHV)
+    lse_XH = rows.lse
+    h = lse_XH.shape[-1]
+    weights_XN = jax.lax.stop_gradient(weights_XN.astype(jnp.float32))
+    row_XN = jnp.clip(trees.depths - 1, 0, h - 1).astype(jnp.int32)
+    picked_XN = rows.at(row_XN, trees.tokens)
+    row_weight_XH = jnp.einsum("...n,...nh->...h", weights_XN, jax.nn.one_hot(row_XN, h))
+    total = jnp.sum(row_weight_XH * lse_XH) - jnp.sum(weights_XN * picked_XN)
+    return LossParts(total=total, weight=jnp.sum(weights_XN))
 
 
 # ---------------------------------------------------------------- scoring pass
@@ -207,6 +219,25 @@ def _pooled_attention(q_BMHd, k_BMKd, v_BMKd, kc_BLKd, vc_BLKd, prefix_end_BM, t
                               (k_BMKd, v_BMKd, tree_BMM)))
 
 
+def _after(layer, x):
+    """``layer`` with its parameters made to depend on ``x`` (under a mesh; else as is).
+
+    With the frozen target sharded over fsdp, XLA all-gathers each layer's weights
+    where they are used; XLA:CPU hoists every such gather to the start of the step (an
+    optimization barrier does not stop it: it is expanded before partitioning) and
+    shares them between the context and the scoring pass, so the whole target ends up
+    gathered on every device. Adding ``0`` (NaN if ``x`` is not finite, which it then
+    propagates anyway) computed from ``x`` to the local shards makes layer i's gathers
+    wait for its input: at most a layer or two of gathered weights are live.
+    """
+    if jax.sharding.get_abstract_mesh().empty:
+        return layer
+    graphdef, state = nnx.split(layer)
+    zero = jnp.where(jnp.all(jnp.isfinite(x)), 0.0, jnp.nan)
+    state = jax.tree.map(lambda w: w + zero.astype(w.dtype), state)
+    return nnx.merge(graphdef, state)
+
+
 def _run_layers(target, tokens_BT, positions_BT, attention, taps=()):
     """The target's decoder layers (same sub-modules and order as ``DecoderLayer``) with
     a custom attention ``attention(i, q, k, v) -> [B, T, H, hd]``.
@@ -217,18 +248,21 @@ def _run_layers(target, tokens_BT, positions_BT, attention, taps=()):
     """
     inv_freq = rope_inv_freq(target.config)
     x = target.embed(tokens_BT)
-    tapped, ks, vs = {}, [], []
+    tapped, ks, vs = {}, None, None
     for i, layer in enumerate(target.layers):
+        layer = _after(layer, x)
         q, k, v = layer.self_attn.qkv(layer.input_layernorm(x), positions_BT, inv_freq)
         att = attention(i, q, k, v)
         x = constrain(x + layer.self_attn.out(att), ("batch", "seq", "act_embed"))
         x = x + layer.mlp(layer.post_attention_layernorm(x))
         x = constrain(x, ("batch", "seq", "act_embed"))
-        ks.append(k)
-        vs.append(v)
+        if ks is None:   # written in place layer by layer (a stack would copy them all)
+            ks = jnp.zeros((len(target.layers),) + k.shape, k.dtype)
+            vs = jnp.zeros((len(target.layers),) + v.shape, v.dtype)
+        ks, vs = ks.at[i].set(k), vs.at[i].set(v)
         if i in taps:
             tapped[i] = x
-    return x, tapped, jnp.stack(ks), jnp.stack(vs)
+    return x, tapped, ks, vs
 
 
 def target_context(target, tokens_BL: jax.Array, taps: Sequence[int]
@@ -263,9 +297,9 @@ def target_context(target, tokens_BL: jax.Array, taps: Sequence[int]
     return jax.lax.stop_gradient((feats, KVCache(k=k, v=v)))
 
 
-def score_tree_nodes(target, cache: KVCache, trees: DraftTree, anchors_BA: jax.Array
-                     ) -> jax.Array:
-    """Target logits of every node of every anchor's tree in one forward.
+def score_tree_hidden(target, cache: KVCache, trees: DraftTree, anchors_BA: jax.Array
+                      ) -> jax.Array:
+    """The target's final-normed hidden state of every node of every anchor's tree.
 
     The T = A * N nodes of a row are the queries of one pass through the target's
     layers with anchor-blocked attention (`_anchor_attention`): node v of anchor a, at
@@ -279,8 +313,9 @@ def score_tree_nodes(target, cache: KVCache, trees: DraftTree, anchors_BA: jax.A
         ``tokens[anchor_a]``.
       anchors_BA: int [B, A].
     Returns:
-      float32 [B, A, N, V]; row (a, v) is the target's next-token logits after
-      ``tokens[:anchor_a]`` and the path root..v. Detached.
+      [B, A, N, D] in the target's dtype; ``target.unembed`` of row (a, v) is the
+      target's next-token logits after ``tokens[:anchor_a]`` and the path root..v.
+      Detached.
     """
     b, a, n = trees.tokens.shape
     anchors = anchors_BA.astype(jnp.int32)
@@ -292,8 +327,20 @@ def score_tree_nodes(target, cache: KVCache, trees: DraftTree, anchors_BA: jax.A
         return _anchor_attention(q, k, v, cache.k[i], cache.v[i], anchors, anc_BANN)
 
     x, _, _, _ = _run_layers(target, tokens, positions, attention)
-    logits = target.unembed(target.norm(x))
-    return jax.lax.stop_gradient(logits.reshape(b, a, n, logits.shape[-1]))
+    return jax.lax.stop_gradient(target.norm(x).reshape(b, a, n, -1))
+
+
+def score_tree_nodes(target, cache: KVCache, trees: DraftTree, anchors_BA: jax.Array
+                     ) -> jax.Array:
+    """Target logits of every node of every anchor's tree in one forward.
+
+    Args:
+      target, cache, trees, anchors_BA: as in `score_tree_hidden`.
+    Returns:
+      float32 [B, A, N, V]; row (a, v) is the target's next-token logits after
+      ``tokens[:anchor_a]`` and the path root..v. Detached.
+    """
+    return target.unembed(score_tree_hidden(target, cache, trees, anchors_BA))
 
 
 def parent_mask(trees: DraftTree) -> jax.Array:
@@ -309,7 +356,7 @@ def parent_mask(trees: DraftTree) -> jax.Array:
 
 def _score_pooled(target, cache: KVCache, trees: DraftTree, anchors_BA, needed_BAN,
                   capacity: int) -> jax.Array:
-    """`score_tree_nodes` on the first ``capacity`` needed nodes of each row (slot order).
+    """`score_tree_hidden` on the first ``capacity`` needed nodes of each row (slot order).
 
     Rows that are not needed come out 0; needs ``sum(needed[b]) <= capacity`` for all b.
     """
@@ -337,36 +384,36 @@ def _score_pooled(target, cache: KVCache, trees: DraftTree, anchors_BA, needed_B
         return _pooled_attention(q, k, v, cache.k[i], cache.v[i], prefix_end, tree_BMM)
 
     x, _, _, _ = _run_layers(target, flat(trees.tokens), positions, attention)
-    logits_BMV = target.unembed(target.norm(x))
+    hidden_BMD = target.norm(x)
     # Row of slot t in the compact order (needed slots come first, in slot order), or
     # the appended zero row.
     row_BT = jnp.where(needed_BT, jnp.cumsum(needed_BT, axis=1) - 1, capacity)
-    padded = jnp.concatenate([logits_BMV, jnp.zeros_like(logits_BMV[:, :1])], axis=1)
-    logits = jnp.take_along_axis(padded, row_BT[:, :, None], axis=1)
-    return logits.reshape(b, a, n, -1)
+    padded = jnp.concatenate([hidden_BMD, jnp.zeros_like(hidden_BMD[:, :1])], axis=1)
+    hidden = jnp.take_along_axis(padded, row_BT[:, :, None], axis=1)
+    return hidden.reshape(b, a, n, -1)
 
 
-def score_parent_nodes(target, cache: KVCache, trees: DraftTree, anchors_BA: jax.Array,
-                       capacities: int | Sequence[int], valid_BA: jax.Array | None = None
-                       ) -> jax.Array:
-    """`score_tree_nodes` on the rows the exit law reads, skipping leaves when they fit.
+def score_parent_hidden(target, cache: KVCache, trees: DraftTree, anchors_BA: jax.Array,
+                        capacities: int | Sequence[int], valid_BA: jax.Array | None = None
+                        ) -> jax.Array:
+    """`score_tree_hidden` on the rows the exit law reads, skipping leaves when they fit.
 
     The nodes with children (`parent_mask`) of valid anchors are gathered, per row, into
     the smallest of ``capacities`` (query slots per row) that holds every row's nodes,
     and scored in one pass (each sees the sequence before its anchor and its tree
-    ancestors, as in `score_tree_nodes`). If none does, every node is scored. One
+    ancestors, as in `score_tree_hidden`). If none does, every node is scored. One
     ``lax.switch``: the result is the same whichever branch runs, only the cost follows
     the trees (about ``capacity / (A * N)`` of the full pass, a little more for the
     all-pairs tree mask of the pooled queries).
 
     Args:
-      target, cache, trees, anchors_BA: as in `score_tree_nodes`.
+      target, cache, trees, anchors_BA: as in `score_tree_hidden`.
       capacities: static query slots per row, each in ``1 .. A * N`` (one int or
         several; each is one compiled branch).
       valid_BA: optional bool [B, A]; rows of invalid anchors are not needed.
     Returns:
-      float32 [B, A, N, V]: on every node with children (of a valid anchor) the logits
-      of `score_tree_nodes`; 0 on all other rows. Detached.
+      [B, A, N, D]: on every node with children (of a valid anchor) the hidden state of
+      `score_tree_hidden`; 0 on all other rows. Detached.
     """
     b, a, n = trees.tokens.shape
     caps = (capacities,) if isinstance(capacities, int) else tuple(capacities)
@@ -378,8 +425,8 @@ def score_parent_nodes(target, cache: KVCache, trees: DraftTree, anchors_BA: jax
         needed = needed & valid_BA[:, :, None]
 
     def full():
-        logits = score_tree_nodes(target, cache, trees, anchors_BA)
-        return jnp.where(needed[..., None], logits, 0.0)
+        hidden = score_tree_hidden(target, cache, trees, anchors_BA)
+        return jnp.where(needed[..., None], hidden, 0.0).astype(hidden.dtype)
 
     if not caps:
         return full()
@@ -390,9 +437,68 @@ def score_parent_nodes(target, cache: KVCache, trees: DraftTree, anchors_BA: jax
     return jax.lax.stop_gradient(jax.lax.switch(branch, pooled + [full]))
 
 
+def score_parent_nodes(target, cache: KVCache, trees: DraftTree, anchors_BA: jax.Array,
+                       capacities: int | Sequence[int], valid_BA: jax.Array | None = None
+                       ) -> jax.Array:
+    """Target logits of `score_parent_hidden`: float32 [B, A, N, V], on every node with
+    children (of a valid anchor) those of `score_tree_nodes`, 0 on all other rows."""
+    return target.unembed(score_parent_hidden(target, cache, trees, anchors_BA, capacities,
+                                              valid_BA))
+
+
+# -------------------------------------------------- exit law from hidden states
+
+
+def blocked_law_ok(sampling: Sampling) -> bool:
+    """Whether the exit law can read the target through `lm_head` blocks: a plain
+    temperature needs only each row's log-normaliser and a few logits; greedy, top-k
+    and top-p transform whole rows, so they keep the dense [.., V] path."""
+    return not (sampling.greedy or sampling.top_k is not None or sampling.top_p is not None)
+
+
+def edge_log_probs_blocked(trees: DraftTree, hidden_XND: jax.Array, head: Head,
+                           sampling: Sampling, block: int = lm_head.BLOCK) -> jax.Array:
+    """``log a`` [*X, N] of `tev_jax.exit_law.edge_log_probs` from the nodes' hidden states.
+
+    ``log a(v) = s * x_parent(tokens[v]) - logsumexp(s * x_parent)`` with ``s = 1 / T``:
+    one blocked log-normaliser per node and one gathered logit per edge, no [N, V] row.
+    0 at the root, -inf on padding (as the dense function).
+
+    Args:
+      trees: `DraftTree` with fields [*X, N].
+      hidden_XND: [*X, N, D] final-normed target hidden states of the nodes
+        (`score_tree_hidden`; rows of nodes without children are not read).
+      head: the target's `lm_head.Head`.
+      sampling: a plain temperature (`blocked_law_ok`).
+    """
+    if not blocked_law_ok(sampling):
+        raise ValueError(f"the blocked exit law needs a plain temperature, got {sampling}")
+    scale = 1.0 / sampling.temperature
+    hidden_XND = jax.lax.stop_gradient(hidden_XND)
+    n = trees.tokens.shape[-1]
+    slots = jnp.arange(n)
+    edge_XN = trees.valid & (slots > 0)
+    parent_XN = jnp.where(edge_XN, trees.parents, 0).astype(jnp.int32)
+    lse_XN = lm_head.logsumexp(hidden_XND, head, scale, block)
+    h_par = jnp.take_along_axis(hidden_XND, parent_XN[..., None], axis=-2)
+    x_tok = lm_head.logits_at(h_par, head, trees.tokens)
+    log_a = jnp.minimum(x_tok * scale - jnp.take_along_axis(lse_XN, parent_XN, axis=-1), 0.0)
+    return jnp.where(edge_XN, log_a, jnp.where(slots == 0, 0.0, -jnp.inf))
+
+
+def exit_laws_from_edges(trees: DraftTree, log_a_XN: jax.Array) -> ExitLaw:
+    """`exit_law_from_edges` of a batch of trees (any leading axes X); detached."""
+    lead = trees.tokens.shape[:-1]
+    n = trees.tokens.shape[-1]
+    flat = jax.tree.map(lambda x: x.reshape((-1, n)), trees)
+    law = jax.vmap(exit_law_from_edges)(flat, log_a_XN.reshape((-1, n)))
+    return jax.lax.stop_gradient(jax.tree.map(lambda x: x.reshape(lead + x.shape[1:]), law))
+
+
 __all__ = [
-    "LossParts", "WEIGHTINGS", "check_weighting", "exit_loss", "node_weights", "parent_mask",
-    "score_parent_nodes", "score_tree_nodes", "target_context", "token_loss",
-    "tree_exit_weights",
+    "LossParts", "WEIGHTINGS", "blocked_law_ok", "check_weighting", "edge_log_probs_blocked",
+    "exit_laws_from_edges", "exit_loss", "node_weights", "parent_mask", "score_parent_hidden",
+    "score_parent_nodes", "score_tree_hidden", "score_tree_nodes", "target_context",
+    "token_loss", "tree_exit_weights",
 ]
 
