@@ -10,9 +10,10 @@ A research extension is one pure function with one of three signatures, each a
 - `Verifier` ``(key, tree, target_logits_NV, sampling, *, horizon) -> Verdict``, for
   one row: passed as ``DecodeConfig(verifier=...)``, and checked for exactness by
   `tev_jax.testing.check_lossless`.
-- `NodeWeighting` ``(tree, law) -> weights_N``: ExitTrain's per-node weights of the exit
-  loss (beside the named 'exit', 'exit_depth', 'prefix'); the library detaches them
-  and zeroes the root and padding.
+- `NodeWeighting` ``(tree, law) -> weights_N``, for one tree: ExitTrain's per-node
+  weights of the exit loss, passed as ``train.step.StepConfig(loss=...)`` beside the
+  named weightings of `tev_jax.exit_train`; the library detaches them and zeroes the
+  root and padding.
 
 All three are called inside ``jax.jit`` with static shapes: no Python branching on
 array values, no host callbacks. A config that holds one is a static jit argument, so
@@ -82,14 +83,18 @@ class Verifier(Protocol):
 
 @runtime_checkable
 class NodeWeighting(Protocol):
-    """Per-node weights of ExitTrain's exit loss."""
+    """Per-node weights of ExitTrain's exit loss, for one tree."""
 
     def __call__(self, tree: DraftTree, law: ExitLaw) -> jax.Array:
-        """Returns float weights [..., N] (the leading axes of ``tree`` and ``law``).
+        """Returns float weights [N], one per slot.
 
         Args:
-          tree: `DraftTree` with fields [..., N].
-          law: its `ExitLaw` under the frozen target (fields [..., N]).
+          tree: one `DraftTree` [N] (the library applies the weighting over batches).
+          law: its `ExitLaw` under the frozen target (fields [N]).
+
+        The library checks the output's shape and dtype (a ValueError naming the
+        weighting, `tev_jax.exit_train.node_weights`), detaches it and zeroes the root
+        and padding slots.
         """
 
 
@@ -108,12 +113,9 @@ def chain_builder(draft_logits_HV: jax.Array, root_token: jax.Array) -> DraftTre
 
 
 def root_only_builder(draft_logits_HV: jax.Array | None, root_token: jax.Array) -> DraftTree:
-    """The root alone (N = 1): one autoregressive step of the target per round."""
-    del draft_logits_HV
-    one = lambda value, dtype: jnp.full((1,), value, dtype)
-    return DraftTree(tokens=jnp.asarray(root_token, jnp.int32)[None],
-                     parents=one(-1, jnp.int32), depths=one(0, jnp.int32),
-                     valid=one(True, bool))
+    """The root alone (N = 1): one autoregressive step of the target per round; the
+    draft logits are not read (None without a drafter)."""
+    return ddtree.build_tree(draft_logits_HV, root_token, 0)[0]
 
 
 BUILDERS: dict[str, Callable[[int], TreeBuilder]] = {
@@ -224,23 +226,9 @@ def check_verifier(verifier: Verifier, num_slots: int, horizon: int, vocab: int,
     check_verdict(out, horizon)
 
 
-def check_node_weights(weights, tree: DraftTree, field: str = "weighting") -> None:
-    """Checks that a `NodeWeighting`'s output is a float array shaped like ``tree.tokens``.
-
-    Raises:
-      ValueError: naming ``field``, the shape and dtype returned and the shape needed.
-    """
-    shape, dtype = getattr(weights, "shape", None), getattr(weights, "dtype", None)
-    want = tuple(tree.tokens.shape)
-    if shape is None or tuple(shape) != want or not jnp.issubdtype(dtype, jnp.floating):
-        raise ValueError(f"{field} must return float weights of shape {list(want)} (the "
-                         f"tree's [..., N]), got {type(weights).__name__} shape "
-                         f"{None if shape is None else list(shape)} dtype {dtype}")
-
-
 __all__ = [
     "BUILDERS", "NodeWeighting", "TreeBuilder", "Verifier", "builder_num_slots",
-    "chain_builder", "check_hashable", "check_node_weights", "check_tree_struct",
+    "chain_builder", "check_hashable", "check_tree_struct",
     "check_verdict", "check_verifier", "ddtree_builder", "resolve_builder",
     "root_only_builder",
 ]

@@ -60,9 +60,11 @@ class LosslessReport:
     """The outcome of `check_lossless`.
 
     Attributes:
-      statistic: the chi-square statistic over the possible cells (pooled).
+      statistic: the chi-square statistic of the (exit, bonus) table over the possible
+        cells (pooled).
       dof: its degrees of freedom (cells after pooling - 1; 0 if one cell).
       p_value: its chi-square survival function (1.0 when ``dof == 0``).
+      exit_statistic, exit_dof, exit_p_value: the same for the exit nodes alone.
       impossible_hits: draws that fell in cells of exact probability 0.
       inconsistent: draws whose exit node is outside the tree's real nodes, or whose
         ``path`` / ``length`` do not match the exit node.
@@ -71,13 +73,16 @@ class LosslessReport:
       max_impossible_hits: the impossible hits tolerated (float32 rounding).
       tv: total variation between the observed frequencies and the exact law (a
         descriptive number: it is about ``sqrt(cells / num_draws)`` even when exact).
-      passed: ``p_value > alpha``, ``impossible_hits <= max_impossible_hits`` and no
-        inconsistent draw.
+      passed: both p-values above ``alpha / 2``, ``impossible_hits <=
+        max_impossible_hits`` and no inconsistent draw.
     """
 
     statistic: float
     dof: int
     p_value: float
+    exit_statistic: float
+    exit_dof: int
+    exit_p_value: float
     impossible_hits: int
     inconsistent: int
     num_draws: int
@@ -87,13 +92,16 @@ class LosslessReport:
 
     @property
     def passed(self) -> bool:
-        return (self.p_value > self.alpha and self.inconsistent == 0
+        return (min(self.p_value, self.exit_p_value) > self.alpha / 2
+                and self.inconsistent == 0
                 and self.impossible_hits <= self.max_impossible_hits)
 
     def __str__(self) -> str:
         verdict = "lossless (not rejected)" if self.passed else "NOT lossless (rejected)"
-        return (f"{verdict}: chi2={self.statistic:.1f} dof={self.dof} "
-                f"p={self.p_value:.3g} (alpha={self.alpha:g}), impossible hits "
+        return (f"{verdict}: (exit, bonus) chi2={self.statistic:.1f} dof={self.dof} "
+                f"p={self.p_value:.3g}; exit chi2={self.exit_statistic:.1f} "
+                f"dof={self.exit_dof} p={self.exit_p_value:.3g} (each against "
+                f"alpha/2={self.alpha / 2:g}); impossible hits "
                 f"{self.impossible_hits} (max {self.max_impossible_hits}), inconsistent "
                 f"{self.inconsistent}, observed TV {self.tv:.4f}, {self.num_draws} draws")
 
@@ -105,6 +113,23 @@ def exact_law(tree: DraftTree, target_logits_NV, sampling: Sampling) -> np.ndarr
     logp = ref.log_probs(np.asarray(target_logits_NV)[:n], sampling.temperature,
                          sampling.top_k, sampling.top_p)
     return ref.exact_joint(tokens, parents, logp)
+
+
+def _pearson(observed, probs) -> tuple[float, int, float]:
+    """Pearson's chi-square of counts against cell probabilities: impossible cells left
+    out, possible cells expecting fewer than 5 pooled into one; -> (statistic, dof, p)."""
+    possible = probs > IMPOSSIBLE
+    obs, expected = observed[possible], probs[possible]
+    expected = expected * obs.sum() / max(expected.sum(), 1e-300)
+    small = expected < MIN_EXPECTED
+    if small.any():
+        obs = np.append(obs[~small], obs[small].sum())
+        expected = np.append(expected[~small], expected[small].sum())
+    dof = expected.size - 1
+    if dof < 1 or obs.sum() == 0:
+        return 0.0, 0, 1.0
+    stat = float(np.sum((obs - expected) ** 2 / expected))
+    return stat, dof, float(jax.scipy.stats.chi2.sf(stat, dof))
 
 
 def chi_square(exits, bonuses, joint, *, max_impossible_hits: int = 3,
@@ -121,28 +146,22 @@ def chi_square(exits, bonuses, joint, *, max_impossible_hits: int = 3,
       A `LosslessReport` (``inconsistent`` counts the out-of-range draws only).
     """
     exits, bonuses = np.asarray(exits).ravel(), np.asarray(bonuses).ravel()
+    joint = np.asarray(joint, np.float64)
     n, vocab = joint.shape
     draws = exits.size
     inside = (exits >= 0) & (exits < n) & (bonuses >= 0) & (bonuses < vocab)
     observed = np.bincount(exits[inside] * vocab + bonuses[inside],
                            minlength=n * vocab).astype(np.float64)
-    flat = np.asarray(joint, np.float64).reshape(-1)
-    impossible = flat <= IMPOSSIBLE
-    hits = int(observed[impossible].sum())
-    expected = flat * draws
-    keep = ~impossible & (expected >= MIN_EXPECTED)
-    small = ~impossible & ~keep
-    obs = np.concatenate([observed[keep], observed[small].sum(keepdims=True)])
-    exp = np.concatenate([expected[keep], expected[small].sum(keepdims=True)])
-    obs, exp = (obs, exp) if small.any() else (obs[:-1], exp[:-1])
-    exp = exp * obs.sum() / max(exp.sum(), 1e-300)
-    dof = max(exp.size - 1, 0)
-    stat = float(np.sum((obs - exp) ** 2 / np.maximum(exp, 1e-300))) if dof else 0.0
-    p_value = float(jax.scipy.stats.chi2.sf(stat, dof)) if dof else 1.0
-    tv = 0.5 * float(np.abs(observed / max(draws, 1) - flat).sum())
-    return LosslessReport(statistic=stat, dof=dof, p_value=p_value, impossible_hits=hits,
-                          inconsistent=int((~inside).sum()), num_draws=draws, alpha=alpha,
-                          max_impossible_hits=max_impossible_hits, tv=tv)
+    flat = joint.reshape(-1)
+    stat, dof, p_value = _pearson(observed, flat)
+    exit_stat, exit_dof, exit_p = _pearson(observed.reshape(n, vocab).sum(-1), joint.sum(-1))
+    return LosslessReport(
+        statistic=stat, dof=dof, p_value=p_value, exit_statistic=exit_stat,
+        exit_dof=exit_dof, exit_p_value=exit_p,
+        impossible_hits=int(observed[flat <= IMPOSSIBLE].sum()),
+        inconsistent=int((~inside).sum()), num_draws=draws, alpha=alpha,
+        max_impossible_hits=max_impossible_hits,
+        tv=0.5 * float(np.abs(observed / max(draws, 1) - flat).sum()))
 
 
 @functools.partial(jax.jit, static_argnames=("verifier", "sampling", "horizon", "chunk"))
