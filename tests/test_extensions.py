@@ -5,7 +5,6 @@ shapes."""
 
 from __future__ import annotations
 
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -37,6 +36,16 @@ def test_named_builders_are_builders(name, budget, slots):
         jax.tree.map(np.testing.assert_array_equal, tree, reference)
 
 
+def test_ddtree_batched_form_builds_the_rows_trees():
+    x_BHV = jnp.asarray(np.random.default_rng(1).standard_normal((3, H, V)), jnp.float32)
+    roots = jnp.asarray([1, 2, 3], jnp.int32)
+    builder = extensions.DDTreeBuilder(7)
+    jax.tree.map(np.testing.assert_array_equal, extensions.batched(builder)(x_BHV, roots),
+                 jax.vmap(builder)(x_BHV, roots))
+    assert builder == extensions.DDTreeBuilder(7) and hash(builder) == hash(
+        extensions.DDTreeBuilder(7))  # equal configs share a compilation
+
+
 def test_a_user_builder_is_taken_as_is():
     def star(draft_logits_HV, root_token):
         top = jax.lax.top_k(draft_logits_HV[0], 3)[1].astype(jnp.int32)
@@ -50,7 +59,7 @@ def test_a_user_builder_is_taken_as_is():
 
 
 def _bad_builders():
-    ok = functools.partial(extensions.ddtree_builder, budget=3)
+    ok = extensions.DDTreeBuilder(3)
     return {
         "a tuple": (lambda x, r: ddtree.build_tree(x, r, 3), "builder must return a .*got tuple"),
         "fields of two lengths": (lambda x, r: ok(x, r).replace(valid=jnp.ones(2, bool)),
@@ -111,14 +120,14 @@ def models():
 
 
 def test_a_callable_builder_takes_the_named_builders_path(models):
-    """The named builder and the same function passed as a callable decode alike (same
-    key, T = 1)."""
+    """The named builder (DDTree's batched form) and a plain one-row function that builds
+    the same trees (vmapped by the engine) decode alike (same key, T = 1)."""
     target, drafter = models
     prompts = [[5, 17, 3], [9, 1, 2, 33]]
     cfg = lambda **kw: decode.DecodeConfig(max_new_tokens=16, sampling=Sampling(1.0),
                                            budget=6, **kw)
     named = decode.generate(target, drafter, prompts, cfg(builder="ddtree"), key=3)
-    fn = functools.partial(extensions.ddtree_builder, budget=6)
+    fn = lambda draft_logits_HV, root: ddtree.build_tree(draft_logits_HV, root, 6)[0]
     passed = decode.generate(target, drafter, prompts, cfg(builder=fn), key=3)
     np.testing.assert_array_equal(named.tokens, passed.tokens)
     np.testing.assert_array_equal(named.stats.block_lengths, passed.stats.block_lengths)

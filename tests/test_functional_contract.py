@@ -12,7 +12,6 @@ function without an entry fails `test_every_public_function_has_an_entry`.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import inspect
 from collections.abc import Callable
 
@@ -81,6 +80,8 @@ LOGITS_NV = _logits((2, N, V), 0)
 DRAFT_HV = _logits((2, H, V), 1)
 KEYS = jax.random.split(jax.random.key(3), 2)
 ROOTS = jnp.asarray([2, 4], jnp.int32)
+DRAFT_BHV = jnp.stack([DRAFT_HV, DRAFT_HV[::-1]], axis=1)  # two rows of a batch of 2
+ROOTS_B = jnp.stack([ROOTS, ROOTS[::-1]], axis=1)
 UNIFORMS_N = jax.random.uniform(jax.random.key(4), (2, N))
 LAWS = jax.vmap(lambda t, x: exit_law.exit_law(t, x, T1))(TREES, LOGITS_NV)
 
@@ -157,8 +158,8 @@ CASES = {
                                            jnp.ones(H, bool), decay_gamma=2.0),
         (DRAFT_HV, ROOTS), grad=0),
     "tev_jax.exit_train.exit_loss": Case(_exit_loss, (DRAFT_HV, ROOTS), grad=0),
-    "tev_jax.extensions.ddtree_builder": Case(
-        functools.partial(extensions.ddtree_builder, budget=5), (DRAFT_HV, ROOTS)),
+    "tev_jax.extensions.batched": Case(extensions.batched(extensions.DDTreeBuilder(5)),
+                                       (DRAFT_BHV, ROOTS_B)),
     "tev_jax.extensions.chain_builder": Case(extensions.chain_builder, (DRAFT_HV, ROOTS)),
     "tev_jax.extensions.root_only_builder": Case(extensions.root_only_builder,
                                                  (DRAFT_HV, ROOTS)),

@@ -14,6 +14,7 @@ import sys
 import time
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from tev_jax.exit_law import exit_law
@@ -118,12 +119,12 @@ def _stop_ids(target, tokenizer) -> tuple[int, ...]:
     return tuple(i for i in ids if i is not None)
 
 
-def _timed(target, drafter, prompt, config, seed, repeats):
+def _timed(target, drafter, prompt, config, seed, repeats, mesh=None):
     """(Generation with the median seconds of ``repeats`` runs, compile seconds)."""
     from tev_jax import decode
 
     t0 = time.perf_counter()
-    run = decode.compiled_generate(target, drafter, [prompt], config, seed)
+    run = decode.compiled_generate(target, drafter, [prompt], config, seed, mesh=mesh)
     compile_s = time.perf_counter() - t0
     gens = [run() for _ in range(max(repeats, 1))]
     seconds = float(np.median([g.stats.seconds for g in gens]))
@@ -144,15 +145,18 @@ def generate_command(args) -> int:
     sampling = _sampling_from(args)
     config = decode.DecodeConfig(
         max_new_tokens=args.max_new_tokens, builder=args.builder, budget=args.budget,
-        verifier=args.verifier, sampling=sampling)
+        verifier=args.verifier, sampling=sampling, prefill_chunk=args.prefill_chunk)
     target_dir, drafter_dir, where = _checkpoint_dirs(args)
-    target = load_target(target_dir)
+    mesh = _mesh_from(args)
+    dtype = jnp.dtype(args.dtype)
+    target = load_target(target_dir, dtype=dtype, mesh=mesh)
     tokenizer = load_tokenizer(target_dir)
-    drafter = None if drafter_dir is None else load_drafter(drafter_dir, target)
+    drafter = (None if drafter_dir is None
+               else load_drafter(drafter_dir, target, dtype=dtype, mesh=mesh))
     config = dataclasses.replace(config, stop_token_ids=_stop_ids(target, tokenizer))
     text = format_chat(args.prompt) if args.chat else args.prompt
     prompt = tokenizer.encode(text).ids
-    gen, compile_s = _timed(target, drafter, prompt, config, args.seed, args.repeats)
+    gen, compile_s = _timed(target, drafter, prompt, config, args.seed, args.repeats, mesh)
     n = int(gen.lengths[0])
     print(tokenizer.decode(prompt + gen.tokens[0, :n].tolist()), flush=True)
 
@@ -169,7 +173,7 @@ def generate_command(args) -> int:
             lines.append("--compare-ar: this run is already autoregressive")
         else:
             ar, _ = _timed(target, None, prompt, dataclasses.replace(config, builder="none"),
-                           args.seed, args.repeats)
+                           args.seed, args.repeats, mesh)
             ar_speed = int(ar.lengths[0]) / ar.stats.seconds
             lines.append(f"AR {ar_speed:.1f} tokens/s -> speed-up {speed / ar_speed:.2f}x "
                          "(same target, same run)")
@@ -205,7 +209,29 @@ def _add_generate(sub) -> None:
                    help="timed runs after the compile run (the median is reported)")
     p.add_argument("--compare-ar", action="store_true",
                    help="also time plain autoregressive decoding and report the speed-up")
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                   help="parameter and KV-cache dtype (logits, exit law and verifier stay "
+                        "float32; default %(default)s)")
+    p.add_argument("--prefill-chunk", type=int, default=None,
+                   help="prefill the prompt in chunks of this many tokens (bounded memory)")
+    _add_mesh_flags(p)
     p.set_defaults(func=generate_command)
+
+
+def _add_mesh_flags(p) -> None:
+    for axis, what in (("data", "batch rows; weights whole on every device"),
+                       ("fsdp", "batch rows and the weights' embed axis"),
+                       ("tensor", "heads, MLP and vocabulary")):
+        p.add_argument(f"--mesh-{axis}", type=int, default=1,
+                       help=f"devices on the {axis} mesh axis ({what}; default 1)")
+
+
+def _mesh_from(args):
+    """The ('data', 'fsdp', 'tensor') mesh of the flags, or None for one device."""
+    from tev_jax import sharding as shd
+
+    axes = (args.mesh_data, args.mesh_fsdp, args.mesh_tensor)
+    return None if axes == (1, 1, 1) else shd.make_mesh(*axes)
 
 
 def train_command(args) -> int:

@@ -25,7 +25,7 @@ compilation). The ``check_*`` functions run on the host, on shapes only
 
 from __future__ import annotations
 
-import functools
+import dataclasses
 from collections.abc import Callable
 from typing import Protocol, runtime_checkable
 
@@ -55,6 +55,11 @@ class TreeBuilder(Protocol):
           A `DraftTree` with fields [N] satisfying DESIGN.md §2 (slot 0 the root, valid
           slots a prefix, parents first, depth at most H, distinct sibling tokens).
           N must not depend on values: it is read from the output shape.
+
+        A builder may also define ``batched(draft_logits_BHV, root_B) -> DraftTree
+        [B, N]`` returning the same trees for a whole batch (`DDTreeBuilder` does, for
+        its top-k over a sharded vocabulary); the engine then calls it instead of
+        ``jax.vmap(builder)``.
         """
 
 
@@ -101,10 +106,25 @@ class NodeWeighting(Protocol):
 # ------------------------------------------------------------------ built-in builders
 
 
-def ddtree_builder(draft_logits_HV: jax.Array, root_token: jax.Array, *,
-                   budget: int) -> DraftTree:
-    """DDTree's best-first tree of ``budget`` nodes (`tev_jax.ddtree.build_tree`); N = budget + 1."""
-    return ddtree.build_tree(draft_logits_HV, root_token, budget)[0]
+@dataclasses.dataclass(frozen=True)
+class DDTreeBuilder:
+    """DDTree's best-first tree of ``budget`` nodes (`tev_jax.ddtree.build_tree`),
+    N = budget + 1; a `TreeBuilder` that compares by value (two equal ones share a
+    compilation)."""
+
+    budget: int
+
+    def __call__(self, draft_logits_HV: jax.Array, root_token: jax.Array) -> DraftTree:
+        return ddtree.build_tree(draft_logits_HV, root_token, self.budget)[0]
+
+    def batched(self, draft_logits_BHV: jax.Array, root_B: jax.Array) -> DraftTree:
+        """The same trees for a batch [B, H, V], with one top-k over the whole batch, so
+        that a vocabulary sharded over a mesh gets the per-shard top-k with the batch
+        axis kept in place (`tev_jax.sharding.vocab_top_k`)."""
+        k = min(self.budget, draft_logits_BHV.shape[-1])
+        tokens_BHK, logq_BHK = ddtree.topk_logq(draft_logits_BHV, k, ("batch", None))
+        row = lambda t, q, r: ddtree.build_tree_from_topk(t, q, r, self.budget)[0]
+        return jax.vmap(row)(tokens_BHK, logq_BHK, root_B)
 
 
 def chain_builder(draft_logits_HV: jax.Array, root_token: jax.Array) -> DraftTree:
@@ -119,11 +139,17 @@ def root_only_builder(draft_logits_HV: jax.Array | None, root_token: jax.Array) 
 
 
 BUILDERS: dict[str, Callable[[int], TreeBuilder]] = {
-    "ddtree": lambda budget: functools.partial(ddtree_builder, budget=budget),
+    "ddtree": DDTreeBuilder,
     "chain": lambda budget: chain_builder,
     "none": lambda budget: root_only_builder,
 }
 """Builder names -> ``budget -> TreeBuilder``; the engine resolves names through it."""
+
+
+def batched(builder: TreeBuilder) -> Callable[[jax.Array, jax.Array], DraftTree]:
+    """``builder`` over a batch ``(draft_logits_BHV, root_B) -> DraftTree [B, N]``: its
+    own ``batched`` method when it has one, else ``jax.vmap(builder)``."""
+    return getattr(builder, "batched", None) or jax.vmap(builder)
 
 
 def resolve_builder(builder: str | TreeBuilder, budget: int) -> TreeBuilder:
@@ -227,8 +253,7 @@ def check_verifier(verifier: Verifier, num_slots: int, horizon: int, vocab: int,
 
 
 __all__ = [
-    "BUILDERS", "NodeWeighting", "TreeBuilder", "Verifier", "builder_num_slots",
-    "chain_builder", "check_hashable", "check_tree_struct",
-    "check_verdict", "check_verifier", "ddtree_builder", "resolve_builder",
-    "root_only_builder",
+    "BUILDERS", "DDTreeBuilder", "NodeWeighting", "TreeBuilder", "Verifier", "batched",
+    "builder_num_slots", "chain_builder", "check_hashable", "check_tree_struct",
+    "check_verdict", "check_verifier", "resolve_builder", "root_only_builder",
 ]
