@@ -21,10 +21,12 @@ Run: ``python -m examples.custom_verifier``.
 from __future__ import annotations
 
 import argparse
+import functools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 from tev_jax import ddtree, testing
 from tev_jax.exit_law import exit_law
@@ -76,15 +78,12 @@ def typical_acceptance(key, tree: DraftTree, target_logits_NV, sampling: Samplin
     return _verdict(tree, exit_node, bonus, horizon)
 
 
-def bundled_tree(prompt: str, budget: int):
-    """A DDTree from the bundled drafter at the end of ``prompt``, and the bundled
-    target's logits at its nodes; -> (tree [N], target_logits_NV, horizon)."""
-    target, drafter, tokenizer = load_bundled()
-    ids = tokenizer.encode(prompt).ids
-    context, root = jnp.asarray(ids[:-1], jnp.int32)[None], jnp.int32(ids[-1])
+@functools.partial(nnx.jit, static_argnames="budget")
+def _tree_and_logits(target, drafter, ids, budget: int):
+    context, root = ids[None, :-1], ids[-1]
     cfg = drafter.config
     _, feats = target(context, taps=cfg.target_layer_ids)
-    cache = init_drafter_cache(cfg, 1, len(ids) + cfg.block_size)
+    cache = init_drafter_cache(cfg, 1, ids.shape[0] + cfg.block_size)
     draft_BHV, _ = draft_step(drafter, target, cache, feats,
                               jnp.asarray([context.shape[1]]), root[None])
     tree, _ = ddtree.build_tree(draft_BHV[0], root, budget)
@@ -96,7 +95,16 @@ def bundled_tree(prompt: str, budget: int):
     tokens = jnp.concatenate([context[0], tree.tokens])
     positions = jnp.concatenate([jnp.arange(c), c + tree.depths])
     logits, _ = target(tokens[None], positions[None], mask[None])
-    return tree, np.asarray(logits[0, c:]), cfg.block_size - 1
+    return tree, logits[0, c:]
+
+
+def bundled_tree(prompt: str, budget: int):
+    """A DDTree from the bundled drafter at the end of ``prompt``, and the bundled
+    target's logits at its nodes; -> (tree [N], target_logits_NV, horizon)."""
+    target, drafter, tokenizer = load_bundled()
+    ids = jnp.asarray(tokenizer.encode(prompt).ids, jnp.int32)
+    tree, logits = _tree_and_logits(target, drafter, ids, budget)
+    return tree, np.asarray(logits), drafter.config.block_size - 1
 
 
 def main(prompt: str = "def fibonacci(n):", budget: int = 8, num_draws: int = 100_000,

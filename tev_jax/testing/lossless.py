@@ -52,7 +52,7 @@ import numpy as np
 from tev_jax.extensions import Verifier, check_hashable, check_verdict
 from tev_jax.sampling import Sampling, check_finite
 from tev_jax.testing import reference as ref
-from tev_jax.tree import DraftTree, node_paths, validate
+from tev_jax.tree import DraftTree, validate
 
 IMPOSSIBLE = 1e-12  # exact cell probability at or below which a cell is impossible
 MIN_EXPECTED = 5.0  # possible cells expecting fewer draws are pooled
@@ -238,11 +238,14 @@ def check_lossless(verifier: Verifier, tree: DraftTree, target_logits_NV, sampli
     joint = exact_law(tree, target_logits_NV, sampling)
     report = chi_square(out.exit_node, out.bonus, joint,
                         max_impossible_hits=max_impossible_hits, alpha=alpha)
-    n = joint.shape[0]
+    _, parents, n = ref.host_tree(tree)
+    paths_NP = np.full((n, horizon + 1), -1)
+    for v in range(n):
+        path = ref.ancestors(parents, v)[::-1]
+        paths_NP[v, :len(path)] = path
     exit_D = np.clip(out.exit_node, 0, n - 1)
-    paths = np.asarray(node_paths(tree, horizon))[exit_D]
-    depth = np.asarray(tree.depths)[exit_D]
-    wrong = (np.any(out.path != paths, axis=-1) | (out.length != depth + 1)) & (
+    wrong = (np.any(out.path != paths_NP[exit_D], axis=-1)
+             | (out.length != (paths_NP[exit_D] >= 0).sum(-1))) & (
         (out.exit_node >= 0) & (out.exit_node < n))
     return dataclasses.replace(report, inconsistent=report.inconsistent + int(wrong.sum()))
 
