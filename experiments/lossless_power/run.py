@@ -32,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from tev_jax import testing, verify
-from tev_jax.exit_law import exit_law
+from tev_jax.exit_law import Scores, exit_law
 from tev_jax.sampling import Sampling, log_probs
 from tev_jax.testing import reference as ref
 from tev_jax.tree import DraftTree, children_mask, make_tree, path_to
@@ -57,9 +57,10 @@ def biased(key, tree, logits_NV, sampling, *, horizon, bug):
     logp_NV = log_probs(logits_NV, sampling)
     weights = law.w if bug == "bonus_from_full" else jnp.where(tree.valid, law.reach, 0.0)
     exit_node = jax.random.categorical(k_exit, jnp.log(weights)).astype(jnp.int32)
-    row = logp_NV[exit_node] if bug == "bonus_from_full" else _residual_logp(
+    row_V = logp_NV[exit_node] if bug == "bonus_from_full" else _residual_logp(
         tree, logp_NV, exit_node)
-    bonus = jax.random.categorical(k_bonus, row).astype(jnp.int32)
+    # The library's blocked inverse CDF: one uniform per draw, not V Gumbel numbers.
+    bonus = verify.inverse_cdf(jax.random.uniform(k_bonus, (1,)), Scores(row_V[None], 1.0))[0]
     return verify.Verdict(path=path_to(tree, exit_node, horizon),
                           length=tree.depths[exit_node] + 1, bonus=bonus, exit_node=exit_node)
 
@@ -124,7 +125,7 @@ def main(argv=None):
     p.add_argument("--trials", type=int, default=20)
     p.add_argument("--no-bundled", action="store_true")
     args = p.parse_args(argv)
-    trees = synthetic_trees() | ({} if args.no_bundled else bundled_tree())
+    trees = ({} if args.no_bundled else bundled_tree()) | synthetic_trees()
     results = []
     t0 = time.time()
     for name, (tree, logits, horizon) in trees.items():
@@ -141,8 +142,9 @@ def main(argv=None):
                                     rejection_rate=rate, trials=args.trials))
                 print(f"{name:18s} {bug:16s} tv={tv:<7g} rejected {rate:.2f} "
                       f"({time.time() - t0:.0f} s)", flush=True)
-    (HERE / "results.json").write_text(json.dumps(
-        dict(draws=DRAWS, alpha=1e-4, trials=args.trials, results=results), indent=1))
+                (HERE / "results.json").write_text(json.dumps(  # after every point
+                    dict(draws=DRAWS, alpha=1e-4, trials=args.trials, results=results),
+                    indent=1))
     return results
 
 
