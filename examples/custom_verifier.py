@@ -37,14 +37,15 @@ from tev_jax.tree import DraftTree, ancestor_mask, children_mask, path_to
 from tev_jax.verify import Verdict
 
 
-def _verdict(tree: DraftTree, exit_node, bonus, horizon: int) -> Verdict:
+def verdict(tree: DraftTree, exit_node, bonus, horizon: int) -> Verdict:
+    """The `Verdict` of stopping at ``exit_node`` with ``bonus``."""
     exit_node = exit_node.astype(jnp.int32)
     return Verdict(path=path_to(tree, exit_node, horizon),
                    length=tree.depths[exit_node] + 1,
                    bonus=bonus.astype(jnp.int32), exit_node=exit_node)
 
 
-def _without_children(tree: DraftTree, logp_NV: jax.Array, node) -> jax.Array:
+def without_children(tree: DraftTree, logp_NV: jax.Array, node) -> jax.Array:
     """``log p_node`` with the tokens of ``node``'s children removed; [V]."""
     vocab = logp_NV.shape[-1]
     kid_tokens_N = jnp.where(children_mask(tree)[node], tree.tokens, vocab)
@@ -59,8 +60,8 @@ def exit_first(key, tree: DraftTree, target_logits_NV, sampling: Sampling, *,
     exit_node = jax.random.categorical(k_exit, jnp.log(exit_law(tree, target_logits_NV,
                                                                 sampling).w))
     logp_NV = log_probs(target_logits_NV, sampling)
-    bonus = jax.random.categorical(k_bonus, _without_children(tree, logp_NV, exit_node))
-    return _verdict(tree, exit_node, bonus, horizon)
+    bonus = jax.random.categorical(k_bonus, without_children(tree, logp_NV, exit_node))
+    return verdict(tree, exit_node, bonus, horizon)
 
 
 def typical_acceptance(key, tree: DraftTree, target_logits_NV, sampling: Sampling, *,
@@ -75,7 +76,7 @@ def typical_acceptance(key, tree: DraftTree, target_logits_NV, sampling: Samplin
     reached_N = tree.valid & jnp.all(~ancestor_mask(tree) | ok_N[None, :], axis=-1)
     exit_node = jnp.argmax(jnp.where(reached_N, tree.depths, -1))
     bonus = jax.random.categorical(key, logp_NV[exit_node])
-    return _verdict(tree, exit_node, bonus, horizon)
+    return verdict(tree, exit_node, bonus, horizon)
 
 
 @functools.partial(nnx.jit, static_argnames="budget")

@@ -13,11 +13,12 @@ Protocol (fixed seeds, so every run is the same):
   impossible under the exact law (expected probability 0) are checked apart: a float32
   verifier may land there only through rounding (~1e-7 per draw), so more than 3 hits
   in 10^5 draws is a failure.
-- Pass when the chi-square p-value exceeds ALPHA = 1e-4. There are 13 exactness
+- Pass when the chi-square p-values of the (exit, bonus) table and of the exit nodes
+  alone both exceed ALPHA / 2, ALPHA = 1e-4. There are 13 exactness
   configurations x 5 trees + 1 = 66 tests here, so by Bonferroni the chance that an
   exact verifier fails any of them is at most 66 * 1e-4 = 0.7%.
 - Negative controls, each a verifier with one deliberate bug, must be rejected by the
-  same test (p < ALPHA) wherever their law differs from the exact one by a total
+  same test wherever their law differs from the exact one by a total
   variation of at least 0.01; this shows the test has power.
 """
 

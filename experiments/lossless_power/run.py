@@ -31,23 +31,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from examples import custom_verifier
+from examples.custom_verifier import verdict, without_children
 from tev_jax import testing, verify
 from tev_jax.exit_law import Scores, exit_law
 from tev_jax.sampling import Sampling, log_probs
 from tev_jax.testing import reference as ref
-from tev_jax.tree import DraftTree, children_mask, make_tree, path_to
+from tev_jax.tree import make_tree
 
 HERE = Path(__file__).resolve().parent
 DRAWS = 100_000
 TVS = (0.0, 0.002, 0.005, 0.01, 0.02)
 SAMPLING = Sampling(1.0)
-
-
-def _residual_logp(tree: DraftTree, logp_NV, node):
-    vocab = logp_NV.shape[-1]
-    kid_tokens_N = jnp.where(children_mask(tree)[node], tree.tokens, vocab)
-    covered_V = jnp.zeros(vocab, bool).at[kid_tokens_N].set(True, mode="drop")
-    return jnp.where(covered_V, -jnp.inf, logp_NV[node])
 
 
 def biased(key, tree, logits_NV, sampling, *, horizon, bug):
@@ -57,12 +52,11 @@ def biased(key, tree, logits_NV, sampling, *, horizon, bug):
     logp_NV = log_probs(logits_NV, sampling)
     weights = law.w if bug == "bonus_from_full" else jnp.where(tree.valid, law.reach, 0.0)
     exit_node = jax.random.categorical(k_exit, jnp.log(weights)).astype(jnp.int32)
-    row_V = logp_NV[exit_node] if bug == "bonus_from_full" else _residual_logp(
+    row_V = logp_NV[exit_node] if bug == "bonus_from_full" else without_children(
         tree, logp_NV, exit_node)
     # The library's blocked inverse CDF: one uniform per draw, not V Gumbel numbers.
     bonus = verify.inverse_cdf(jax.random.uniform(k_bonus, (1,)), Scores(row_V[None], 1.0))[0]
-    return verify.Verdict(path=path_to(tree, exit_node, horizon),
-                          length=tree.depths[exit_node] + 1, bonus=bonus, exit_node=exit_node)
+    return verdict(tree, exit_node, bonus, horizon)
 
 
 def mixture(key, tree, logits_NV, sampling, *, horizon, bug, eps):
@@ -102,9 +96,7 @@ def synthetic_trees():
 
 def bundled_tree():
     """The bundled models' DDTree (budget 8) for one prompt and its target logits."""
-    from examples.custom_verifier import bundled_tree as build
-
-    tree, logits, horizon = build("def fibonacci(n):", 8)
+    tree, logits, horizon = custom_verifier.bundled_tree("def fibonacci(n):", 8)
     return {"bundled_N9_V4096": (tree, logits, horizon)}
 
 
