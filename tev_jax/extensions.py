@@ -4,9 +4,10 @@ A research extension is one pure function with one of three signatures, each a
 `typing.Protocol` below (structural: any function of that signature is one):
 
 - `TreeBuilder` ``(draft_logits_HV, root_token) -> DraftTree``, for one row: passed as
-  ``DecodeConfig(builder=...)``. The engine vmaps it over the batch and reads the slot
-  count N from its output shape while tracing (`builder_num_slots`). The built-in names
-  'ddtree', 'chain' and 'none' resolve to builders of the same form (`resolve_builder`).
+  ``DecodeConfig(builder=...)``. The engine vmaps it over the batch (or calls its
+  ``batched`` form, `batched`) and reads the slot count N from its output shape while
+  tracing (`builder_num_slots`). The built-in names 'ddtree', 'chain' and 'none'
+  resolve to builders of the same form (`resolve_builder`).
 - `Verifier` ``(key, tree, target_logits_NV, sampling, *, horizon) -> Verdict``, for
   one row: passed as ``DecodeConfig(verifier=...)``, and checked for exactness by
   `tev_jax.testing.check_lossless`.
@@ -17,9 +18,9 @@ A research extension is one pure function with one of three signatures, each a
 
 All three are called inside ``jax.jit`` with static shapes: no Python branching on
 array values, no host callbacks. A config that holds one is a static jit argument, so
-the function must be hashable (functions and ``functools.partial`` objects are; a
-partial made anew compares unequal, so build it once and reuse it to reuse the
-compilation). The ``check_*`` functions run on the host, on shapes only
+the function must be hashable: a function, a ``functools.partial`` (a partial made
+anew compares unequal: build it once to reuse the compilation) or a frozen dataclass
+with ``__call__`` (compared by value, like `DDTreeBuilder`). The ``check_*`` functions run on the host, on shapes only
 (``jax.eval_shape``), and raise ``ValueError`` naming the field and the shapes.
 """
 
@@ -180,32 +181,28 @@ def _shapes(x) -> str:
     return str(jax.tree.map(lambda a: (tuple(a.shape), str(a.dtype)), x))
 
 
-def check_tree_struct(tree, field: str = "builder", lead: tuple[int, ...] = ()) -> int:
-    """Checks a (possibly abstract) tree's type, shapes and dtypes; returns N.
+def check_tree_struct(tree, field: str = "builder") -> int:
+    """Checks a (possibly abstract) single tree's type, shapes and dtypes; returns N.
 
     Args:
       tree: what a builder returned (arrays or ``jax.ShapeDtypeStruct``).
       field: the name of the function that made it, for the message.
-      lead: expected leading (batch) axes of every field.
 
     Raises:
-      ValueError: ``tree`` is not a `DraftTree`, its fields differ in shape, are not
-        ``lead + [N]`` or have the wrong dtype (int32 tokens/parents/depths, bool valid).
+      ValueError: ``tree`` is not a `DraftTree`, its fields are not all [N], or have
+        the wrong dtype (int32 tokens, parents, depths and bool valid).
     """
     if not isinstance(tree, DraftTree):
         raise ValueError(f"{field} must return a tev_jax.tree.DraftTree, got "
                          f"{type(tree).__name__}: {_shapes(tree)}")
     fields = {f: getattr(tree, f) for f in ("tokens", "parents", "depths", "valid")}
     shapes = {f: tuple(x.shape) for f, x in fields.items()}
-    n = len(lead) + 1
-    if len(set(shapes.values())) != 1 or len(shapes["tokens"]) != n or (
-            shapes["tokens"][:-1] != tuple(lead)):
-        want = "[" + ", ".join([*map(str, lead), "N"]) + "]"
+    if len(set(shapes.values())) != 1 or len(shapes["tokens"]) != 1:
         raise ValueError(f"{field} returned a DraftTree whose fields must all have shape "
-                         f"{want}, got {shapes}")
-    want_dtypes = {"tokens": jnp.int32, "parents": jnp.int32, "depths": jnp.int32,
-                   "valid": jnp.bool_}
-    bad = {f: str(fields[f].dtype) for f, d in want_dtypes.items() if fields[f].dtype != d}
+                         f"[N] (one row), got {shapes}")
+    want = {"tokens": jnp.int32, "parents": jnp.int32, "depths": jnp.int32,
+            "valid": jnp.bool_}
+    bad = {f: str(fields[f].dtype) for f, d in want.items() if fields[f].dtype != d}
     if bad:
         raise ValueError(f"{field} returned DraftTree fields of the wrong dtype {bad}; "
                          "need int32 tokens, parents, depths and bool valid")
