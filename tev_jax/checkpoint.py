@@ -165,7 +165,7 @@ def _check_restored(state, abstract_state, step, path) -> None:
 
 
 def abstract_like(state: Any) -> Any:
-    """``jax.ShapeDtypeStruct``s (with shardings) of a pytree of arrays."""
+    """Abstract arrays (``jax.ShapeDtypeStruct``, with shardings) of a pytree of arrays."""
     return jax.tree.map(
         lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None)),
         state)

@@ -48,6 +48,7 @@ import numpy as np
 from flax import nnx, struct
 from jax.sharding import NamedSharding
 
+from tev_jax import extensions
 from tev_jax import sharding as shd
 from tev_jax import verify as verify_lib
 from tev_jax.exit_law import exit_law, target_scores
@@ -55,7 +56,7 @@ from tev_jax.models import kv_cache as kvc
 from tev_jax.sampling import Sampling
 from tev_jax.tree import DraftTree, ancestor_mask
 
-BUILDERS = ("ddtree", "chain", "none")
+BUILDERS = tuple(extensions.BUILDERS)
 VERIFIERS = ("tev", "predraw", "sequential", "greedy")
 PAD_TOKEN = -1
 _LEN_ALIGN = 8  # prompt and cache lengths are rounded up to this, to share compilations
@@ -161,8 +162,10 @@ class DecodeConfig:
     Attributes:
       max_new_tokens: M, output tokens per row (the first, from the prefill, included).
       builder: 'ddtree' (best-first tree of ``budget`` nodes, N = budget + 1), 'chain'
-        (the drafter's argmax per row, N = H + 1) or 'none' (plain autoregressive
-        decoding from the target, N = 1; no drafter).
+        (the drafter's argmax per row, N = H + 1), 'none' (plain autoregressive
+        decoding from the target, N = 1; no drafter), or a hashable callable
+        ``(draft_logits_HV, root_token) -> DraftTree`` for one row (a
+        `tev_jax.extensions.TreeBuilder`; N is read from its output shape).
       budget: DDTree node budget (non-root nodes); ignored by the other builders.
       verifier: 'tev', 'predraw', 'sequential', 'greedy' (T = 0 only), or a callable
         ``(key, tree, target_logits_NV, sampling, *, horizon) -> Verdict`` (for
@@ -181,7 +184,7 @@ class DecodeConfig:
     """
 
     max_new_tokens: int = 256
-    builder: str = "ddtree"
+    builder: str | extensions.TreeBuilder = "ddtree"
     budget: int = 64
     verifier: str | VerifierFn = "tev"
     sampling: Sampling = Sampling(temperature=0.0)
@@ -194,8 +197,11 @@ class DecodeConfig:
     def __post_init__(self):
         if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be a positive int, got {self.max_new_tokens!r}")
-        if self.builder not in BUILDERS:
-            raise ValueError(f"builder must be one of {BUILDERS}, got {self.builder!r}")
+        if not isinstance(self.builder, str):
+            extensions.check_hashable(self.builder, "builder")
+        elif self.builder not in BUILDERS:
+            raise ValueError(f"builder must be one of {BUILDERS} or a callable, "
+                             f"got {self.builder!r}")
         if self.builder == "ddtree" and (not isinstance(self.budget, int) or self.budget < 1):
             raise ValueError(
                 f"budget must be a positive int for builder='ddtree', got {self.budget!r}")
@@ -203,8 +209,8 @@ class DecodeConfig:
             if self.verifier not in VERIFIERS:
                 raise ValueError(f"verifier must be one of {VERIFIERS} or a callable, "
                                  f"got {self.verifier!r}")
-        elif not callable(self.verifier):
-            raise ValueError(f"verifier must be a name or a callable, got {self.verifier!r}")
+        else:
+            extensions.check_hashable(self.verifier, "verifier")
         if not isinstance(self.sampling, Sampling):
             raise ValueError(f"sampling must be a Sampling, got {type(self.sampling).__name__}")
         if (self.verifier == "greedy" and self.builder != "none"
@@ -474,35 +480,11 @@ def _stage_draft(graphdef, params, st: DecodeState, *, static: _Static):
     return logits_BHV.astype(jnp.float32), ctx
 
 
-def _root_only(root_B: jax.Array) -> DraftTree:
-    b = root_B.shape[0]
-    return DraftTree(tokens=root_B[:, None].astype(jnp.int32),
-                     parents=jnp.full((b, 1), -1, jnp.int32),
-                     depths=jnp.zeros((b, 1), jnp.int32),
-                     valid=jnp.ones((b, 1), bool))
-
-
 def _stage_build(draft_logits_BHV, root_B, *, static: _Static) -> DraftTree:
-    """The draft tree of every row (root = the pending token)."""
-    builder = static.config.builder
-    if builder == "none":
-        return _root_only(root_B)
-    from tev_jax import ddtree
-
-    if builder == "chain":
-        fn = lambda l, r: _tree_of(ddtree.build_chain(l, r))
-        return jax.vmap(fn)(draft_logits_BHV, root_B)
-    budget = static.config.budget
-    # The top-k runs on the whole batch, so that a vocabulary sharded over a mesh gets
-    # the per-shard top-k with the batch axis kept in place.
-    tokens_BHK, logq_BHK = ddtree.topk_logq(
-        draft_logits_BHV, min(budget, draft_logits_BHV.shape[-1]), ("batch", None))
-    fn = lambda t, q, r: _tree_of(ddtree.build_tree_from_topk(t, q, r, budget))
-    return jax.vmap(fn)(tokens_BHK, logq_BHK, root_B)
-
-
-def _tree_of(built) -> DraftTree:
-    return built[0]  # (tree, BuildInfo)
+    """The draft tree of every row (root = the pending token): the builder over the batch
+    (its ``batched`` form when it has one, e.g. DDTree's batch-level top-k)."""
+    builder = extensions.resolve_builder(static.config.builder, static.config.budget)
+    return extensions.batched(builder)(draft_logits_BHV, root_B)
 
 
 def _stage_verify(graphdef, params, cache, tree: DraftTree, start_B, *, static: _Static):
@@ -688,7 +670,7 @@ def _setup(target, drafter, config: DecodeConfig, batch: int, width: int, mesh):
         if not isinstance(s, (int, np.integer)) or not 0 <= s < vocab:
             raise ValueError(f"stop token id {s!r} is outside the vocabulary [0, {vocab})")
     if config.builder == "none":
-        horizon, num_slots, taps = 0, 1, ()
+        horizon, taps = 0, ()
         drafter = None
     else:
         drafter = as_drafter(drafter)
@@ -702,7 +684,10 @@ def _setup(target, drafter, config: DecodeConfig, batch: int, width: int, mesh):
             if not 0 <= t < target.config.num_layers:
                 raise ValueError(f"drafter taps target layer {t}, but the target has "
                                  f"{target.config.num_layers} layers")
-        num_slots = config.budget + 1 if config.builder == "ddtree" else horizon + 1
+    builder = extensions.resolve_builder(config.builder, config.budget)
+    num_slots = extensions.builder_num_slots(builder, horizon, vocab)
+    if callable(config.verifier) and config.builder != "none":
+        extensions.check_verifier(config.verifier, num_slots, horizon, vocab, config.sampling)
 
     need = width + config.max_new_tokens + num_slots
     if config.max_cache_len is None:
