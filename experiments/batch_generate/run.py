@@ -1,0 +1,160 @@
+"""Batch generation throughput: one prompt at a time vs static batches vs continuous batching.
+
+On the bundled models (ExitTrain drafter, DDTree budget 64 + TEV, and plain AR
+decoding of the same target), T = 0, at most ``--max-new-tokens`` (128) new tokens with
+the stop tokens <|end|> / <|eos|>: ``--num-prompts`` (256) prompts drawn evenly from the
+four bundled evaluation sets (mixed lengths: 24 to 576 tokens), all padded to one prompt
+buffer (the longest prompt), so every method decodes the same rows with the same cache:
+
+(a) one prompt at a time: `decode.generate` per prompt (batch 1);
+(b) static batches: `decode.generate` on consecutive chunks of B prompts, each chunk
+    running until its longest row is done;
+(c) continuous batching: `batching.generate_continuous` with B slots.
+
+Every program is compiled before the clock starts (a first call per shape; for (c) every
+(rows, width) refill bucket and the rounds program), so tokens/s are steady-state
+decoding. Greedy outputs are compared token for token across all methods (AR included:
+the verifier is exact). Results -> results.json (``--out``); figures in README.md.
+
+    python -m experiments.batch_generate.run                       # the full run
+    python -m experiments.batch_generate.run --num-prompts 32 --out results_quick.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import platform
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+
+from tev_jax import batching, decode
+from tev_jax.data.prompts import PROMPT_SETS, prompt_set
+from tev_jax.data.tokenizer import STOP_IDS
+from tev_jax.models import load_bundled
+
+HERE = Path(__file__).resolve().parent
+
+
+def mixed_prompts(tokenizer, n: int, seed: int = 0) -> list[list[int]]:
+    """``n`` prompts, an equal share from each evaluation set, in a shuffled order."""
+    rng = np.random.default_rng(seed)
+    per_set = -(-n // len(PROMPT_SETS))
+    picked = []
+    for name in PROMPT_SETS:
+        texts = prompt_set(name)
+        picked += [texts[i] for i in rng.choice(len(texts), per_set, replace=False)]
+    order = rng.permutation(len(picked))[:n]
+    return [tokenizer.encode(picked[i]).ids for i in order]
+
+
+def one_at_a_time(target, drafter, prompts, config):
+    decode.generate(target, drafter, prompts[:1], config)  # compile
+    t0 = time.perf_counter()
+    rows, rounds, blocks = [], 0, 0.0
+    for p in prompts:
+        g = decode.generate(target, drafter, [p], config)
+        rows += g.rows()
+        rounds += int(g.stats.rounds_per_row.sum())
+        blocks += float(g.stats.block_lengths.sum())
+    return rows, time.perf_counter() - t0, blocks / max(rounds, 1)
+
+
+def static_batches(target, drafter, prompts, config, b):
+    chunks = [prompts[i: i + b] for i in range(0, len(prompts), b)]
+    for size in {len(c) for c in chunks}:  # compile every chunk size
+        decode.generate(target, drafter, prompts[:size], config)
+    t0 = time.perf_counter()
+    rows, rounds, blocks = [], 0, 0.0
+    for chunk in chunks:
+        g = decode.generate(target, drafter, chunk, config)
+        rows += g.rows()
+        rounds += int(g.stats.rounds_per_row.sum())
+        blocks += float(g.stats.block_lengths.sum())
+    return rows, time.perf_counter() - t0, blocks / max(rounds, 1)
+
+
+def warm_up_continuous(target, drafter, config, b, widths):
+    """Compiles every refill bucket and the rounds program of ``b`` slots."""
+    graphdef, params, static, axes = decode.prepare_slots(target, drafter, config)
+    st = decode.empty_slots(graphdef, params, static, b, jax.random.key(0))
+    for k in batching.row_buckets(b):
+        for t in widths:
+            st = decode.refill_slots(graphdef, params, st, np.ones((k, t), np.int32),
+                                     np.ones((k,), np.int32), np.arange(k, dtype=np.int32),
+                                     jax.random.key(1), static=static, axes=axes)
+    jax.block_until_ready(decode.run_rounds(graphdef, params, st, b, 1, static=static))
+
+
+def continuous(target, drafter, prompts, config, b):
+    widths = batching.width_buckets(config.prompt_len)
+    warm_up_continuous(target, drafter, config, b, widths)
+    requests = [batching.Request(i, p) for i, p in enumerate(prompts)]
+    t0 = time.perf_counter()
+    results = {r.id: r for r in batching.generate_continuous(
+        target, drafter, requests, config, batch_size=b, widths=widths)}
+    seconds = time.perf_counter() - t0
+    ran = [r for r in results.values() if r.rounds]
+    tau = sum(r.tau * r.rounds for r in ran) / max(sum(r.rounds for r in ran), 1)
+    return [results[i].token_ids for i in range(len(prompts))], seconds, tau
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--num-prompts", type=int, default=256)
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--batch-sizes", default="8,32")
+    parser.add_argument("--methods", default="spec,ar", help="spec (DDTree + TEV), ar")
+    parser.add_argument("--skip-single", action="store_true",
+                        help="skip (a), one prompt at a time (the slowest)")
+    parser.add_argument("--out", default="results.json")
+    args = parser.parse_args(argv)
+
+    target, drafter, tokenizer = load_bundled()
+    prompts = mixed_prompts(tokenizer, args.num_prompts)
+    prompt_len = -(-max(map(len, prompts)) // 8) * 8
+    sizes = [int(s) for s in args.batch_sizes.split(",")]
+    base = decode.DecodeConfig(max_new_tokens=args.max_new_tokens, budget=64, verifier="tev",
+                               stop_token_ids=STOP_IDS, prompt_len=prompt_len)
+    methods = {"spec": base, "ar": dataclasses.replace(base, builder="none")}
+    rows, reference = [], None
+    for name in args.methods.split(","):
+        config = methods[name]
+        d = drafter if name == "spec" else None
+        runs = [] if args.skip_single else [("one at a time", 1, one_at_a_time, ())]
+        for b in sizes:
+            runs += [("static", b, static_batches, (b,)), ("continuous", b, continuous, (b,))]
+        for how, b, fn, extra in runs:
+            outputs, seconds, tau = fn(target, d, prompts, config, *extra)
+            tokens = sum(map(len, outputs))
+            if reference is None:
+                reference = outputs
+            same = sum(o == r for o, r in zip(outputs, reference))
+            row = {"method": name, "batching": how, "batch": b, "tokens": tokens,
+                   "seconds": round(seconds, 2), "tokens_per_s": round(tokens / seconds, 2),
+                   "tau": round(tau, 3), "identical_outputs": same}
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    for name in args.methods.split(","):
+        for b in sizes:
+            get = {r["batching"]: r for r in rows if r["method"] == name and r["batch"] == b}
+            ratio = get["continuous"]["tokens_per_s"] / get["static"]["tokens_per_s"]
+            print(f"{name} B={b}: continuous / static = {ratio:.2f}x")
+    lengths = [len(p) for p in prompts]
+    out = {"rows": rows, "num_prompts": len(prompts), "max_new_tokens": args.max_new_tokens,
+           "prompt_len": prompt_len, "prompt_lengths": [min(lengths), int(np.median(lengths)),
+                                                        max(lengths)],
+           "output_lengths": [len(o) for o in reference],
+           "machine": {"platform": platform.platform(), "cpus": os.cpu_count(),
+                       "load_avg_at_end": os.getloadavg(), "jax": jax.__version__}}
+    (HERE / args.out).write_text(json.dumps(out, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
