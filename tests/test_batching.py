@@ -153,7 +153,8 @@ def test_bad_requests_and_settings_raise(target, drafter):
 
 
 def test_buckets():
-    assert batching.width_buckets(256) == (64, 128, 256)
+    assert batching.width_buckets(256, count=3) == (64, 128, 256)
+    assert batching.width_buckets(576) == (40, 72, 144, 288, 576)
     assert batching.width_buckets(20) == (8, 16, 20)
     assert batching.width_buckets(8, count=4) == (8,)
     assert batching.row_buckets(1) == (1,)

@@ -57,7 +57,7 @@ class Result:
     prompt_tokens: int
 
 
-def width_buckets(prompt_len: int, count: int = 3) -> tuple[int, ...]:
+def width_buckets(prompt_len: int, count: int = 5) -> tuple[int, ...]:
     """Prompt widths ``prompt_len / 2**i`` (multiples of 8, at least 8), smallest first."""
     if prompt_len < 1 or count < 1:
         raise ValueError(f"prompt_len and count must be positive, got {prompt_len}, {count}")
@@ -163,9 +163,8 @@ def generate_continuous(target, drafter, requests: Iterable[Request],
         busy = sum(r is not None for r in in_slot)
         if busy == 0:
             return
-        until = batch_size if exhausted else batch_size - busy + 1
-        st = decode.run_rounds(graphdef, params, st, until, max_rounds or 2**30,
-                               static=static)
+        st = decode.run_rounds(graphdef, params, st, batch_size - busy + 1,
+                               max_rounds or 2**30, static=static)
         done_B, num_out_B, rounds_B, start_B, out_BM, bad_target, bad_draft = jax.device_get(
             (st.done_B, st.num_out_B, st.rounds_B, st.start_B, st.out_BM, st.bad_target,
              st.bad_draft))

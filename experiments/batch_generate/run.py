@@ -3,13 +3,16 @@
 On the bundled models (ExitTrain drafter, DDTree budget 64 + TEV, and plain AR
 decoding of the same target), T = 0, at most ``--max-new-tokens`` (128) new tokens with
 the stop tokens <|end|> / <|eos|>: ``--num-prompts`` (256) prompts drawn evenly from the
-four bundled evaluation sets (mixed lengths: 24 to 576 tokens), all padded to one prompt
-buffer (the longest prompt), so every method decodes the same rows with the same cache:
+four bundled evaluation sets (mixed lengths: 24 to 576 tokens):
 
 (a) one prompt at a time: `decode.generate` per prompt (batch 1);
 (b) static batches: `decode.generate` on consecutive chunks of B prompts, each chunk
     running until its longest row is done;
 (c) continuous batching: `batching.generate_continuous` with B slots.
+
+Every method pads a prompt (or a chunk's prompts) to the same width buckets
+(`batching.width_buckets` of the longest prompt) and uses one cache length, so the
+comparison is of the batching alone.
 
 Every program is compiled before the clock starts (a first call per shape; for (c) every
 (rows, width) refill bucket and the rounds program), so tokens/s are steady-state
@@ -53,26 +56,18 @@ def mixed_prompts(tokenizer, n: int, seed: int = 0) -> list[list[int]]:
     return [tokenizer.encode(picked[i]).ids for i in order]
 
 
-def one_at_a_time(target, drafter, prompts, config):
-    decode.generate(target, drafter, prompts[:1], config)  # compile
-    t0 = time.perf_counter()
-    rows, rounds, blocks = [], 0, 0.0
-    for p in prompts:
-        g = decode.generate(target, drafter, [p], config)
-        rows += g.rows()
-        rounds += int(g.stats.rounds_per_row.sum())
-        blocks += float(g.stats.block_lengths.sum())
-    return rows, time.perf_counter() - t0, blocks / max(rounds, 1)
-
-
 def static_batches(target, drafter, prompts, config, b):
+    """`decode.generate` on chunks of ``b`` prompts, each padded to its width bucket."""
     chunks = [prompts[i: i + b] for i in range(0, len(prompts), b)]
-    for size in {len(c) for c in chunks}:  # compile every chunk size
-        decode.generate(target, drafter, prompts[:size], config)
+    widths = batching.width_buckets(config.prompt_len)
+    configs = [dataclasses.replace(
+        config, prompt_len=next(w for w in widths if w >= max(map(len, c)))) for c in chunks]
+    for size, cfg in {(len(c), cfg) for c, cfg in zip(chunks, configs)}:  # compile
+        decode.generate(target, drafter, [[1]] * size, cfg)
     t0 = time.perf_counter()
     rows, rounds, blocks = [], 0, 0.0
-    for chunk in chunks:
-        g = decode.generate(target, drafter, chunk, config)
+    for chunk, cfg in zip(chunks, configs):
+        g = decode.generate(target, drafter, chunk, cfg)
         rows += g.rows()
         rounds += int(g.stats.rounds_per_row.sum())
         blocks += float(g.stats.block_lengths.sum())
@@ -122,11 +117,14 @@ def main(argv=None) -> int:
     base = decode.DecodeConfig(max_new_tokens=args.max_new_tokens, budget=64, verifier="tev",
                                stop_token_ids=STOP_IDS, prompt_len=prompt_len)
     methods = {"spec": base, "ar": dataclasses.replace(base, builder="none")}
+    for name, config in methods.items():  # one cache length per method, every batching
+        static = decode.prepare_slots(target, drafter, config)[2]
+        methods[name] = dataclasses.replace(config, max_cache_len=static.max_len)
     rows, reference = [], None
     for name in args.methods.split(","):
         config = methods[name]
         d = drafter if name == "spec" else None
-        runs = [] if args.skip_single else [("one at a time", 1, one_at_a_time, ())]
+        runs = [] if args.skip_single else [("one at a time", 1, static_batches, (1,))]
         for b in sizes:
             runs += [("static", b, static_batches, (b,)), ("continuous", b, continuous, (b,))]
         for how, b, fn, extra in runs:
