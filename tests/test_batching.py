@@ -160,3 +160,23 @@ def test_buckets():
     assert batching.row_buckets(1) == (1,)
     assert batching.row_buckets(8) == (1, 2, 4, 8)
     assert batching.row_buckets(6) == (1, 2, 4, 6)
+
+
+def test_on_a_mesh_the_tokens_are_the_same(target):
+    from tev_jax import sharding as shd
+
+    if not shd.device_count_ok(4):
+        pytest.skip("needs 4 devices")
+    mesh = shd.make_mesh(data=2, fsdp=1, tensor=2)
+    config = decode.DecodeConfig(max_new_tokens=12, builder="none", stop_token_ids=STOP,
+                                 prompt_len=16)
+    prompts = _prompts(2, 7)
+    prompts = [p[:16] for p in prompts]
+    requests = [batching.Request(i, p) for i, p in enumerate(prompts)]
+    got = {r.id: r.token_ids for r in batching.generate_continuous(
+        target, None, requests, config, batch_size=4, mesh=mesh)}
+    reference = greedy_reference(target, prompts, 12)
+    assert [got[i] for i in range(len(prompts))] == [_until_stop(r) for r in reference]
+    with pytest.raises(ValueError, match="do not divide"):
+        list(batching.generate_continuous(target, None, requests, config, batch_size=3,
+                                          mesh=mesh))

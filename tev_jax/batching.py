@@ -99,7 +99,7 @@ def check_request(request: Request, vocab_size: int, prompt_len: int) -> np.ndar
 def generate_continuous(target, drafter, requests: Iterable[Request],
                         config: decode.DecodeConfig, *, batch_size: int,
                         key: jax.Array | int = 0, widths: Sequence[int] | None = None,
-                        max_rounds: int | None = None) -> Iterator[Result]:
+                        max_rounds: int | None = None, mesh=None) -> Iterator[Result]:
     """Decodes every request with continuous batching; yields results as rows finish.
 
     Requests are read lazily, in order, as slots free up; results come in finishing
@@ -115,6 +115,8 @@ def generate_continuous(target, drafter, requests: Iterable[Request],
       widths: prompt width buckets (default `width_buckets(config.prompt_len)`).
       max_rounds: return to the host at least every this many rounds (default: only
         when a row finishes).
+      mesh: optional mesh (`tev_jax.sharding.make_mesh`): parameters, caches and slots
+        laid out as in `decode.generate` (slots over data and fsdp).
 
     Yields:
       A `Result` per request.
@@ -123,9 +125,8 @@ def generate_continuous(target, drafter, requests: Iterable[Request],
       ValueError: a bad config or batch size, an unusable request (its id named), or
         non-finite logits.
     """
-    if not isinstance(batch_size, int) or batch_size < 1:
-        raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
-    graphdef, params, static, axes = decode.prepare_slots(target, drafter, config)
+    graphdef, params, static, axes = decode.prepare_slots(target, drafter, config, batch_size,
+                                                          mesh)
     widths = tuple(sorted(widths or width_buckets(config.prompt_len)))
     if widths[-1] < config.prompt_len:
         raise ValueError(f"the widest bucket ({widths[-1]}) is below prompt_len "

@@ -14,6 +14,7 @@ import sys
 import time
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from tev_jax.exit_law import exit_law
@@ -118,12 +119,12 @@ def _stop_ids(target, tokenizer) -> tuple[int, ...]:
     return tuple(i for i in ids if i is not None)
 
 
-def _timed(target, drafter, prompt, config, seed, repeats):
+def _timed(target, drafter, prompt, config, seed, repeats, mesh=None):
     """(Generation with the median seconds of ``repeats`` runs, compile seconds)."""
     from tev_jax import decode
 
     t0 = time.perf_counter()
-    run = decode.compiled_generate(target, drafter, [prompt], config, seed)
+    run = decode.compiled_generate(target, drafter, [prompt], config, seed, mesh=mesh)
     compile_s = time.perf_counter() - t0
     gens = [run() for _ in range(max(repeats, 1))]
     seconds = float(np.median([g.stats.seconds for g in gens]))
@@ -148,15 +149,18 @@ def generate_command(args) -> int:
     sampling = _sampling_from(args)
     config = decode.DecodeConfig(
         max_new_tokens=args.max_new_tokens, builder=args.builder, budget=args.budget,
-        verifier=args.verifier, sampling=sampling)
+        verifier=args.verifier, sampling=sampling, prefill_chunk=args.prefill_chunk)
     target_dir, drafter_dir, where = _checkpoint_dirs(args)
-    target = load_target(target_dir)
+    mesh = _mesh_from(args)
+    dtype = jnp.dtype(args.dtype)
+    target = load_target(target_dir, dtype=dtype, mesh=mesh)
     tokenizer = load_tokenizer(target_dir)
-    drafter = None if drafter_dir is None else load_drafter(drafter_dir, target)
+    drafter = (None if drafter_dir is None
+               else load_drafter(drafter_dir, target, dtype=dtype, mesh=mesh))
     config = dataclasses.replace(config, stop_token_ids=_stop_ids(target, tokenizer))
     text = format_chat(args.prompt) if args.chat else args.prompt
     prompt = tokenizer.encode(text).ids
-    gen, compile_s = _timed(target, drafter, prompt, config, args.seed, args.repeats)
+    gen, compile_s = _timed(target, drafter, prompt, config, args.seed, args.repeats, mesh)
     n = int(gen.lengths[0])
     print(tokenizer.decode(prompt + gen.tokens[0, :n].tolist()), flush=True)
 
@@ -173,7 +177,7 @@ def generate_command(args) -> int:
             lines.append("--compare-ar: this run is already autoregressive")
         else:
             ar, _ = _timed(target, None, prompt, dataclasses.replace(config, builder="none"),
-                           args.seed, args.repeats)
+                           args.seed, args.repeats, mesh)
             ar_speed = int(ar.lengths[0]) / ar.stats.seconds
             lines.append(f"AR {ar_speed:.1f} tokens/s -> speed-up {speed / ar_speed:.2f}x "
                          "(same target, same run)")
@@ -210,8 +214,30 @@ def _add_generate(sub) -> None:
                    help="timed runs after the compile run (the median is reported)")
     p.add_argument("--compare-ar", action="store_true",
                    help="also time plain autoregressive decoding and report the speed-up")
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                   help="parameter and KV-cache dtype (logits, exit law and verifier stay "
+                        "float32; default %(default)s)")
+    p.add_argument("--prefill-chunk", type=int, default=None,
+                   help="prefill the prompt in chunks of this many tokens (bounded memory)")
+    _add_mesh_flags(p)
     _add_batch_options(p)
     p.set_defaults(func=generate_command)
+
+
+def _add_mesh_flags(p) -> None:
+    for axis, what in (("data", "batch rows; weights whole on every device"),
+                       ("fsdp", "batch rows and the weights' embed axis"),
+                       ("tensor", "heads, MLP and vocabulary")):
+        p.add_argument(f"--mesh-{axis}", type=int, default=1,
+                       help=f"devices on the {axis} mesh axis ({what}; default 1)")
+
+
+def _mesh_from(args):
+    """The ('data', 'fsdp', 'tensor') mesh of the flags, or None for one device."""
+    from tev_jax import sharding as shd
+
+    axes = (args.mesh_data, args.mesh_fsdp, args.mesh_tensor)
+    return None if axes == (1, 1, 1) else shd.make_mesh(*axes)
 
 
 # ----------------------------------------------------------------- batch generation
@@ -256,7 +282,9 @@ def _batch_settings(args, target_dir, drafter_dir, config, prompt_len, index, co
         "temperature": s.temperature, "top_k": s.top_k, "top_p": s.top_p,
         "max_new_tokens": config.max_new_tokens, "stop_token_ids": list(config.stop_token_ids),
         "seed": args.seed, "truncate_to": prompt_len if args.truncate == "left" else None,
+        "dtype": args.dtype,
         "run": {"prompts": args.prompts, "batch_size": args.batch_size,
+                "mesh": [args.mesh_data, args.mesh_fsdp, args.mesh_tensor],
                 "prompt_len": prompt_len, "process_index": index, "process_count": count,
                 "tev_jax": __version__},
     }
@@ -303,7 +331,9 @@ def batch_generate_command(args) -> int:
     config_file = Path(target_dir) / "tokenizer_config.json"
     chat = batch_io.chat_formatter(
         json.loads(config_file.read_text()) if config_file.is_file() else None)
-    target = load_target(target_dir)
+    mesh = _mesh_from(args)
+    dtype = jnp.dtype(args.dtype)
+    target = load_target(target_dir, dtype=dtype, mesh=mesh)
     # Every process encodes the whole file, so all agree on the default prompt buffer.
     requests = batch_io.encode_records(
         records, tokenizer, chat, vocab_size=target.config.vocab_size,
@@ -312,13 +342,15 @@ def batch_generate_command(args) -> int:
     config = decode.DecodeConfig(
         max_new_tokens=args.max_new_tokens, builder=args.builder, budget=args.budget,
         verifier=args.verifier, sampling=_sampling_from(args),
-        stop_token_ids=_stop_ids(target, tokenizer), prompt_len=prompt_len)
+        stop_token_ids=_stop_ids(target, tokenizer), prompt_len=prompt_len,
+        prefill_chunk=args.prefill_chunk)
     out = batch_io.shard_path(args.output, index, count)
     settings = _batch_settings(args, target_dir, drafter_dir, config, prompt_len, index, count)
     done, f = batch_io.open_output(out, settings, force=args.force)
     todo = [r for r in batch_io.shard_of(requests, index, count)
             if json.dumps(r.id) not in done]
-    drafter = None if drafter_dir is None else load_drafter(drafter_dir, target)
+    drafter = (None if drafter_dir is None
+               else load_drafter(drafter_dir, target, dtype=dtype, mesh=mesh))
     key = jax.random.fold_in(jax.random.key(args.seed), index)
     tokens = rounds = block_tokens = 0
     reasons = {"stop": 0, "length": 0}
@@ -326,7 +358,7 @@ def batch_generate_command(args) -> int:
     with f, tqdm(total=len(todo), unit="prompt", file=sys.stderr) as bar:
         for r in batching.generate_continuous(target, drafter, todo, config,
                                               batch_size=args.batch_size, key=key,
-                                              max_rounds=args.sync_rounds):
+                                              max_rounds=args.sync_rounds, mesh=mesh):
             batch_io.write_line(f, {
                 "id": r.id, "text": tokenizer.decode(r.token_ids), "token_ids": r.token_ids,
                 "rounds": r.rounds, "tau": None if r.rounds == 0 else round(r.tau, 4),

@@ -55,6 +55,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from tev_jax import sharding as shd
 from tev_jax.tree import DraftTree
 
 
@@ -115,24 +116,29 @@ def check_draft_logits(draft_logits, budget: int | None = None, root_token=None)
             raise ValueError(f"root_token must lie in [0, V={logits.shape[-1]}), got {root}")
 
 
-def topk_logq(draft_logits_HV: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
+def topk_logq(draft_logits_HV: jax.Array, k: int, lead_names=()
+              ) -> tuple[jax.Array, jax.Array]:
     """Top-k tokens of every row and their draft log-probabilities.
 
     Args:
-      draft_logits_HV: [H, V] drafter logits.
+      draft_logits_HV: [..., H, V] drafter logits (leading axes are a batch).
       k: tokens kept per row, 1 <= k <= V (static).
+      lead_names: logical axis names of the leading axes (e.g. ``("batch", None)``),
+        which keep their sharding when the vocabulary is sharded over a mesh.
 
     Returns:
-      ``(tokens_HK int32, logq_HK float32)``, each row sorted by logit descending, equal
-      logits by token id ascending; ``logq = logit - logsumexp(row)``.
+      ``(tokens_HK int32, logq_HK float32)`` [..., H, k], each row sorted by logit
+      descending, equal logits by token id ascending; ``logq = logit - logsumexp(row)``.
+      Exact under any mesh: a vocabulary split over devices gets a local top-k per
+      shard and a merge of the winners (`tev_jax.sharding.vocab_top_k`).
     """
     logits = _canonical(draft_logits_HV)
-    top_HK, tokens_HK = jax.lax.top_k(logits, k)
-    # Without the barrier XLA:CPU may rewrite top_k over the vocabulary into a full sort
-    # when its outputs are sliced or computed on (100x slower; DESIGN.md §5).
-    top_HK, tokens_HK = jax.lax.optimization_barrier((top_HK, tokens_HK))
+    # On XLA:CPU the top-k result sits behind an optimization barrier; without it XLA
+    # may rewrite top_k over the vocabulary into a full sort when its outputs are
+    # sliced or computed on (100x slower; DESIGN.md §5).
+    top_HK, tokens_HK = shd.vocab_top_k(logits, k, lead_names)
     lse_H = jax.nn.logsumexp(logits, axis=-1)
-    return tokens_HK.astype(jnp.int32), top_HK - lse_H[:, None]
+    return tokens_HK, top_HK - lse_H[..., None]
 
 
 def _canonical(draft_logits_HV: jax.Array) -> jax.Array:

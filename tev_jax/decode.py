@@ -35,6 +35,7 @@ embedding or head is not copied) and merges them inside the jitted function.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import time
@@ -45,7 +46,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx, struct
+from jax.sharding import NamedSharding
 
+from tev_jax import sharding as shd
 from tev_jax import verify as verify_lib
 from tev_jax.exit_law import exit_law, target_scores
 from tev_jax.models import kv_cache as kvc
@@ -128,6 +131,12 @@ class DFlashDrafter(nnx.Module):
 
         return dflash.draft_logits(self.drafter, target, ctx, root_B), ctx
 
+    def context_axes(self, ctx):
+        """Logical axes of the context cache (optional in the protocol: for meshes)."""
+        from tev_jax.models import drafter as dflash
+
+        return dflash.DrafterCache(k=kvc.CACHE_AXES, v=kvc.CACHE_AXES, lengths=("batch",))
+
 
 def as_drafter(drafter) -> DrafterProtocol | None:
     """Wraps a DFlash drafter module in `DFlashDrafter`; returns protocol drafters as is."""
@@ -167,6 +176,8 @@ class DecodeConfig:
         (P or the longest prompt, + M + N, rounded up to a multiple of 8).
       track_exit_law: also record, every round, the exit law's expected block length
         ``1 + coverage`` of the verified tree (costs one exit law per round).
+      prefill_chunk: run the prompt through the target in chunks of this many tokens,
+        so that prefill memory does not grow with the prompt buffer; None: one pass.
     """
 
     max_new_tokens: int = 256
@@ -178,6 +189,7 @@ class DecodeConfig:
     prompt_len: int | None = None
     max_cache_len: int | None = None
     track_exit_law: bool = False
+    prefill_chunk: int | None = None
 
     def __post_init__(self):
         if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
@@ -207,6 +219,10 @@ class DecodeConfig:
             raise ValueError(f"prompt_len must be a positive int or None, got {self.prompt_len!r}")
         if self.max_cache_len is not None and self.max_cache_len < 2:
             raise ValueError(f"max_cache_len must be >= 2, got {self.max_cache_len}")
+        if self.prefill_chunk is not None and (not isinstance(self.prefill_chunk, int)
+                                               or self.prefill_chunk < 1):
+            raise ValueError(
+                f"prefill_chunk must be a positive int or None, got {self.prefill_chunk!r}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -279,6 +295,7 @@ class _Static:
     taps: tuple[int, ...]
     max_len: int  # L
     has_drafter: bool
+    mesh: Any = None  # jax.sharding.Mesh of the explicit shardings, or None
 
 
 @struct.dataclass
@@ -324,6 +341,47 @@ class DecodeState:
     expected_len_RB: jax.Array
     bad_target: jax.Array
     bad_draft: jax.Array
+
+
+# ---------------------------------------------------------------- explicit shardings
+#
+# With a mesh, every buffer of the loop state has a logical layout: batch rows over
+# ``data`` and ``fsdp``, key/value heads of both caches over ``tensor`` (the rules of
+# `tev_jax.sharding`). The state is constrained to it after the prefill and after every
+# round, so the while_loop's carry has one fixed sharding that GSPMD cannot drift from.
+
+
+def _state_axes(st: DecodeState, drafter) -> DecodeState:
+    """Logical axis names (tuples) of every state field; None = left to GSPMD."""
+    b = ("batch",)
+    ctx_axes = getattr(drafter, "context_axes", None)
+    return DecodeState(
+        key=(), round=(), cache=kvc.KVCache(k=kvc.CACHE_AXES, v=kvc.CACHE_AXES),
+        ctx=None if ctx_axes is None else ctx_axes(st.ctx),
+        start_B=b, root_B=b, new_tokens_BP=("batch", None),
+        new_feats_BPF=("batch", None, None), new_count_B=b, out_BM=("batch", None),
+        num_out_B=b, done_B=b, rounds_B=b, moved_B=b, block_len_RB=(None, "batch"),
+        expected_len_RB=(None, "batch"), bad_target=(), bad_draft=())
+
+
+def _is_names(x) -> bool:
+    return x is None or (isinstance(x, tuple) and all(n is None or isinstance(n, str)
+                                                      for n in x))
+
+
+def _constrain_state(st: DecodeState, drafter, static: _Static) -> DecodeState:
+    """Pins every state buffer to its layout on ``static.mesh`` (no-op without one)."""
+    if static.mesh is None:
+        return st
+    mesh = static.mesh
+
+    def pin(names, x):
+        if names is None:
+            return x
+        spec = shd.logical_to_spec(names, x.shape, mesh)
+        return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
+
+    return jax.tree.map(pin, _state_axes(st, drafter), st, is_leaf=_is_names)
 
 
 def _not_finite(x: jax.Array) -> jax.Array:
@@ -432,10 +490,14 @@ def _stage_build(draft_logits_BHV, root_B, *, static: _Static) -> DraftTree:
 
     if builder == "chain":
         fn = lambda l, r: _tree_of(ddtree.build_chain(l, r))
-    else:
-        budget = static.config.budget
-        fn = lambda l, r: _tree_of(ddtree.build_tree(l, r, budget))
-    return jax.vmap(fn)(draft_logits_BHV, root_B)
+        return jax.vmap(fn)(draft_logits_BHV, root_B)
+    budget = static.config.budget
+    # The top-k runs on the whole batch, so that a vocabulary sharded over a mesh gets
+    # the per-shard top-k with the batch axis kept in place.
+    tokens_BHK, logq_BHK = ddtree.topk_logq(
+        draft_logits_BHV, min(budget, draft_logits_BHV.shape[-1]), ("batch", None))
+    fn = lambda t, q, r: _tree_of(ddtree.build_tree_from_topk(t, q, r, budget))
+    return jax.vmap(fn)(tokens_BHK, logq_BHK, root_B)
 
 
 def _tree_of(built) -> DraftTree:
@@ -561,23 +623,21 @@ def _running(st: DecodeState, m: int) -> jax.Array:
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "static"))
 def _generate_jit(graphdef, params, tokens_BT, lengths_B, key, *, static: _Static):
-    st = _prefill(graphdef, params, tokens_BT, lengths_B, key, static=static)
-    st = jax.lax.while_loop(
+    drafter = _merge(graphdef, params)[1]
+    pin = lambda st: _constrain_state(st, drafter, static)
+    st = pin(_prefill(graphdef, params, tokens_BT, lengths_B, key, static=static))
+    return jax.lax.while_loop(
         lambda s: _running(s, static.config.max_new_tokens),
-        lambda s: _round(graphdef, params, s, static=static),
+        lambda s: pin(_round(graphdef, params, s, static=static)),
         st,
     )
-    return st
 
 
 # ------------------------------------------------------------------------ host side
 
 
-def _prepare(target, drafter, prompt_ids, config: DecodeConfig):
-    """Validates inputs on the host; -> (graphdef, params, tokens_BT, lengths_B, static)."""
-    if not isinstance(config, DecodeConfig):
-        raise ValueError(f"config must be a DecodeConfig, got {type(config).__name__}")
-    vocab = target.config.vocab_size
+def _check_prompts(prompt_ids, config: DecodeConfig, vocab: int) -> list[np.ndarray]:
+    """Host validation of the prompts and stop tokens; -> int32 arrays."""
     if isinstance(prompt_ids, (str, bytes)) or not isinstance(prompt_ids, Sequence):
         raise ValueError("prompt_ids must be a list of token-id lists")
     if len(prompt_ids) == 0:
@@ -597,10 +657,35 @@ def _prepare(target, drafter, prompt_ids, config: DecodeConfig):
             raise ValueError(f"prompt {i}, position {k}: token id {int(arr[k])} is outside "
                              f"the vocabulary [0, {vocab})")
         prompts.append(arr.astype(np.int32))
+    longest = max(len(p) for p in prompts)
+    if config.prompt_len is not None and longest > config.prompt_len:
+        raise ValueError(f"a prompt has {longest} tokens, more than prompt_len "
+                         f"({config.prompt_len}); raise prompt_len or shorten the prompt")
+    return prompts
+
+
+def _place(tree, shardings):
+    """``device_put`` of arrays, and shardings attached to abstract leaves."""
+    def one(x, sharding):
+        if isinstance(x, jax.ShapeDtypeStruct):
+            return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
+        return jax.device_put(x, sharding)
+
+    return jax.tree.map(one, tree, shardings)
+
+
+def _setup(target, drafter, config: DecodeConfig, batch: int, width: int, mesh):
+    """Validates models, config and mesh; -> (graphdef, params, static).
+
+    ``width`` is the prompt buffer. With a mesh the parameters are placed by their
+    logical axes (strictly: a dimension the mesh does not divide is an error).
+    """
+    if not isinstance(config, DecodeConfig):
+        raise ValueError(f"config must be a DecodeConfig, got {type(config).__name__}")
+    vocab = target.config.vocab_size
     for s in config.stop_token_ids:
         if not isinstance(s, (int, np.integer)) or not 0 <= s < vocab:
             raise ValueError(f"stop token id {s!r} is outside the vocabulary [0, {vocab})")
-
     if config.builder == "none":
         horizon, num_slots, taps = 0, 1, ()
         drafter = None
@@ -618,11 +703,6 @@ def _prepare(target, drafter, prompt_ids, config: DecodeConfig):
                                  f"{target.config.num_layers} layers")
         num_slots = config.budget + 1 if config.builder == "ddtree" else horizon + 1
 
-    longest = max(len(p) for p in prompts)
-    if config.prompt_len is not None and longest > config.prompt_len:
-        raise ValueError(f"a prompt has {longest} tokens, more than prompt_len "
-                         f"({config.prompt_len}); raise prompt_len or shorten the prompt")
-    width = longest if config.prompt_len is None else config.prompt_len
     need = width + config.max_new_tokens + num_slots
     if config.max_cache_len is None:
         max_len = -(-need // _LEN_ALIGN) * _LEN_ALIGN
@@ -633,17 +713,79 @@ def _prepare(target, drafter, prompt_ids, config: DecodeConfig):
                 f"the cache is too short: the prompt buffer ({width} tokens) + "
                 f"max_new_tokens ({config.max_new_tokens}) + tree slots ({num_slots}) = "
                 f"{need} > max_cache_len ({max_len})")
+    models = (target,) if drafter is None else (target, drafter)
+    graphdef, params = nnx.split(models)
+    if mesh is not None:
+        shd.logical_to_spec(("batch",), (batch,), mesh, strict=True,
+                            what=f"the batch of {batch} prompts")
+        params = _place(params, shd.state_shardings(params, mesh, strict=True))
+    static = _Static(config=config, horizon=horizon, num_slots=num_slots, taps=taps,
+                     max_len=max_len, has_drafter=drafter is not None, mesh=mesh)
+    return graphdef, params, static
+
+
+def _prepare(target, drafter, prompt_ids, config: DecodeConfig, mesh=None):
+    """Validates inputs on the host; -> (graphdef, params, tokens_BT, lengths_B, static)."""
+    if not isinstance(config, DecodeConfig):
+        raise ValueError(f"config must be a DecodeConfig, got {type(config).__name__}")
+    prompts = _check_prompts(prompt_ids, config, target.config.vocab_size)
+    longest = max(len(p) for p in prompts)
+    width = longest if config.prompt_len is None else config.prompt_len
+    graphdef, params, static = _setup(target, drafter, config, len(prompts), width, mesh)
     t_pad = (config.prompt_len if config.prompt_len is not None
-             else min(-(-longest // _LEN_ALIGN) * _LEN_ALIGN, max_len))
+             else min(-(-longest // _LEN_ALIGN) * _LEN_ALIGN, static.max_len))
     tokens_BT = np.zeros((len(prompts), t_pad), np.int32)
     for i, p in enumerate(prompts):
         tokens_BT[i, : len(p)] = p
     lengths_B = np.asarray([len(p) for p in prompts], np.int32)
-    models = (target,) if drafter is None else (target, drafter)
-    graphdef, params = nnx.split(models)
-    static = _Static(config=config, horizon=horizon, num_slots=num_slots, taps=taps,
-                     max_len=max_len, has_drafter=drafter is not None)
-    return graphdef, params, jnp.asarray(tokens_BT), jnp.asarray(lengths_B), static
+    if mesh is None:
+        return graphdef, params, jnp.asarray(tokens_BT), jnp.asarray(lengths_B), static
+    rows = lambda x: shd.logical_sharding(("batch",) + (None,) * (x.ndim - 1), x.shape, mesh)
+    return (graphdef, params, jax.device_put(tokens_BT, rows(tokens_BT)),
+            jax.device_put(lengths_B, rows(lengths_B)), static)
+
+
+def _mesh_scope(mesh):
+    """``jax.set_mesh(mesh)`` (activates the models' activation constraints), or nothing."""
+    return contextlib.nullcontext() if mesh is None else jax.set_mesh(mesh)
+
+
+def lower(target, drafter, config: DecodeConfig, batch_size: int, mesh=None
+          ) -> jax.stages.Lowered:
+    """The jax ``Lowered`` of the whole fused generation (prefill + decode loop).
+
+    Works on abstract models (``nnx.eval_shape(lambda: Target(cfg, rngs=nnx.Rngs(0)))``,
+    no weights made), so memory can be planned for models that do not fit this host:
+    ``lower(...).compile().memory_analysis()`` gives per-device argument, output and
+    temporary bytes.
+
+    Args:
+      target, drafter: as in `generate` (concrete or abstract).
+      config: a `DecodeConfig` with ``prompt_len`` set (it fixes the prompt buffer).
+      batch_size: B.
+      mesh: optional mesh; the arguments carry the shardings `generate` would use.
+
+    Raises:
+      ValueError: ``prompt_len`` unset, or anything `generate` rejects.
+    """
+    if not isinstance(config, DecodeConfig) or config.prompt_len is None:
+        raise ValueError("decode.lower needs a DecodeConfig with prompt_len set (the "
+                         "prompt buffer decides the program's shapes)")
+    if not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
+    graphdef, params, static = _setup(target, drafter, config, batch_size,
+                                      config.prompt_len, mesh)
+    rows = lambda *shape: (None if mesh is None else shd.logical_sharding(
+        ("batch",) + (None,) * (len(shape) - 1), shape, mesh))
+    tokens = jax.ShapeDtypeStruct((batch_size, config.prompt_len), jnp.int32,
+                                  sharding=rows(batch_size, config.prompt_len))
+    lengths = jax.ShapeDtypeStruct((batch_size,), jnp.int32, sharding=rows(batch_size))
+    params = jax.tree.map(lambda x: x if isinstance(x, jax.ShapeDtypeStruct)
+                          else jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
+                          params)
+    key = jax.eval_shape(lambda: jax.random.key(0))
+    with _mesh_scope(mesh):
+        return _generate_jit.lower(graphdef, params, tokens, lengths, key, static=static)
 
 
 def _finish(st: DecodeState, config: DecodeConfig, *, stage_seconds=None,
@@ -674,7 +816,7 @@ def _finish(st: DecodeState, config: DecodeConfig, *, stage_seconds=None,
 
 
 def generate(target, drafter: DrafterProtocol | None, prompt_ids: Sequence[Sequence[int]],
-             config: DecodeConfig, key: jax.Array | int = 0) -> Generation:
+             config: DecodeConfig, key: jax.Array | int = 0, *, mesh=None) -> Generation:
     """Generates up to ``config.max_new_tokens`` tokens per prompt (the fused path).
 
     Args:
@@ -683,33 +825,42 @@ def generate(target, drafter: DrafterProtocol | None, prompt_ids: Sequence[Seque
       prompt_ids: B prompts, each a non-empty list of token ids (lengths may differ).
       config: a `DecodeConfig`.
       key: PRNG key or int seed.
+      mesh: optional ``('data', 'fsdp', 'tensor')`` mesh (`tev_jax.sharding.make_mesh`).
+        The parameters, both caches and the loop state get explicit shardings: batch
+        rows over data and fsdp; heads, MLP and vocabulary over tensor; parameters'
+        ``embed`` axis over fsdp (gathered when used: use ``data`` instead to keep
+        weights whole on every device). The tokens equal the single-device run's.
 
     Returns:
       A `Generation`: tokens [B, M] (generated only, -1 padded), lengths [B], stats.
 
     Raises:
       ValueError: an empty prompt list or prompt, a token id outside the vocabulary, a
-        cache too short for prompt + M + N, a missing drafter, or non-finite logits seen
-        during generation.
+        cache too short for prompt + M + N, a missing drafter, a mesh that does not
+        divide a dimension (the batch, heads, vocabulary, ...: named in the message),
+        or non-finite logits seen during generation.
     """
-    graphdef, params, tokens_BT, lengths_B, static = _prepare(target, drafter, prompt_ids, config)
+    graphdef, params, tokens_BT, lengths_B, static = _prepare(target, drafter, prompt_ids,
+                                                              config, mesh)
     if isinstance(key, int):
         key = jax.random.key(key)
-    st = _generate_jit(graphdef, params, tokens_BT, lengths_B, key, static=static)
+    with _mesh_scope(mesh):
+        st = _generate_jit(graphdef, params, tokens_BT, lengths_B, key, static=static)
     return _finish(st, config)
 
 
 def generate_ar(target, prompt_ids: Sequence[Sequence[int]], config: DecodeConfig,
-                key: jax.Array | int = 0) -> Generation:
+                key: jax.Array | int = 0, *, mesh=None) -> Generation:
     """Plain autoregressive decoding from the target (the baseline and the reference).
 
     Same cache, prefill and stopping as `generate`; one target token per round.
     """
-    return generate(target, None, prompt_ids, dataclasses.replace(config, builder="none"), key)
+    return generate(target, None, prompt_ids, dataclasses.replace(config, builder="none"), key,
+                    mesh=mesh)
 
 
-def compiled_generate(target, drafter, prompt_ids, config: DecodeConfig, key=0
-                      ) -> Callable[[], Generation]:
+def compiled_generate(target, drafter, prompt_ids, config: DecodeConfig, key=0, *,
+                      mesh=None) -> Callable[[], Generation]:
     """Validates and compiles `generate` once; returns a function that reruns it.
 
     Each call of the returned function runs the fused generation once and returns its
@@ -717,25 +868,30 @@ def compiled_generate(target, drafter, prompt_ids, config: DecodeConfig, key=0
     ``block_until_ready`` (host checks excluded). Benchmarks compile every
     configuration first and then time them round-robin.
     """
-    graphdef, params, tokens_BT, lengths_B, static = _prepare(target, drafter, prompt_ids, config)
+    graphdef, params, tokens_BT, lengths_B, static = _prepare(target, drafter, prompt_ids,
+                                                              config, mesh)
     if isinstance(key, int):
         key = jax.random.key(key)
-    jax.block_until_ready(
-        _generate_jit(graphdef, params, tokens_BT, lengths_B, key, static=static))
+
+    def call():
+        with _mesh_scope(mesh):
+            return jax.block_until_ready(
+                _generate_jit(graphdef, params, tokens_BT, lengths_B, key, static=static))
+
+    call()
 
     def run() -> Generation:
         t0 = time.perf_counter()
-        st = jax.block_until_ready(
-            _generate_jit(graphdef, params, tokens_BT, lengths_B, key, static=static))
+        st = call()
         return _finish(st, config, seconds=time.perf_counter() - t0)
 
     return run
 
 
 def timed_generate(target, drafter, prompt_ids, config: DecodeConfig, key=0, *,
-                   repeats: int = 3) -> Generation:
+                   repeats: int = 3, mesh=None) -> Generation:
     """`generate` after a compile call; ``stats.seconds`` = median over ``repeats`` runs."""
-    run = compiled_generate(target, drafter, prompt_ids, config, key)
+    run = compiled_generate(target, drafter, prompt_ids, config, key, mesh=mesh)
     gens = [run() for _ in range(max(repeats, 1))]
     seconds = float(np.median([g.stats.seconds for g in gens]))
     return dataclasses.replace(gens[-1], stats=dataclasses.replace(gens[-1].stats,
@@ -752,12 +908,13 @@ def timed_generate(target, drafter, prompt_ids, config: DecodeConfig, key=0, *,
 # per-request there; a request's statistics come from ``rounds_B`` and ``start_B``.
 
 
-def prepare_slots(target, drafter, config: DecodeConfig):
-    """Host checks for a continuous-batching state; -> (graphdef, params, static, axes).
+def prepare_slots(target, drafter, config: DecodeConfig, batch_size: int, mesh=None):
+    """Host checks for a state of ``batch_size`` slots; -> (graphdef, params, static, axes).
 
     ``config.prompt_len`` (required) is the longest prompt any slot takes; the cache
-    length is the one `generate` would pick for that prompt buffer. ``axes`` is the row
-    axis of every `DecodeState` leaf (None for the per-batch scalars), for `refill_slots`.
+    length is the one `generate` would pick for that prompt buffer. With a ``mesh`` the
+    parameters and the state are laid out as in `generate`. ``axes`` is the row axis of
+    every `DecodeState` leaf (None for the per-batch scalars), for `refill_slots`.
     """
     if not isinstance(config, DecodeConfig) or config.prompt_len is None:
         raise ValueError("continuous batching needs a DecodeConfig with prompt_len set "
@@ -765,10 +922,15 @@ def prepare_slots(target, drafter, config: DecodeConfig):
     if config.track_exit_law:
         raise ValueError("track_exit_law records per round of the whole batch; it is not "
                          "supported with continuous batching")
-    graphdef, params, _, _, static = _prepare(target, drafter, [[0]], config)
+    if not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
+    graphdef, params, static = _setup(target, drafter, config, batch_size, config.prompt_len,
+                                      mesh)
     axes = []
-    for one, two in zip(*(jax.tree.leaves(_state_shapes(graphdef, params, static, rows))
-                          for rows in (1, 2))):
+    with _mesh_scope(mesh):
+        shapes = [jax.tree.leaves(_state_shapes(graphdef, params, static, rows))
+                  for rows in (1, 2)]
+    for one, two in zip(*shapes):
         diff = [i for i, (a, b) in enumerate(zip(one.shape, two.shape)) if a != b]
         axes.append(diff[0] if diff else None)
     return graphdef, params, static, tuple(axes)
@@ -803,8 +965,8 @@ def _refill_jit(graphdef, params, st, tokens_KT, lengths_K, slots_K, key, *, sta
             return old | fresh if old.dtype == jnp.bool_ else old
         return old.at[(slice(None),) * axis + (slots_K,)].set(fresh, mode="drop")
 
-    return treedef.unflatten([put(a, o, f) for a, o, f in
-                              zip(axes, big, jax.tree.leaves(new))])
+    st = treedef.unflatten([put(a, o, f) for a, o, f in zip(axes, big, jax.tree.leaves(new))])
+    return _constrain_state(st, _merge(graphdef, params)[1], static)
 
 
 def refill_slots(graphdef, params, st: DecodeState, tokens_KT, lengths_K, slots_K, key, *,
@@ -823,19 +985,23 @@ def refill_slots(graphdef, params, st: DecodeState, tokens_KT, lengths_K, slots_
     Returns:
       The state with those rows freshly prefilled (t0 sampled, rounds 0).
     """
-    return _refill_jit(graphdef, params, st, tokens_KT, lengths_K, slots_K, key,
-                       static=static, axes=axes)
+    with _mesh_scope(static.mesh):
+        return _refill_jit(graphdef, params, st, tokens_KT, lengths_K, slots_K, key,
+                           static=static, axes=axes)
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "static"), donate_argnames=("st",))
 def _run_rounds_jit(graphdef, params, st, until_done, max_rounds, *, static):
+    drafter = _merge(graphdef, params)[1]
+    pin = lambda s: _constrain_state(s, drafter, static)
+
     def running(carry):
         s, i = carry
         return (jnp.any(~s.done_B) & (jnp.sum(s.done_B.astype(jnp.int32)) < until_done)
                 & (i < max_rounds))
 
     st, _ = jax.lax.while_loop(
-        running, lambda c: (_round(graphdef, params, c[0], static=static), c[1] + 1),
+        running, lambda c: (pin(_round(graphdef, params, c[0], static=static)), c[1] + 1),
         (st, jnp.zeros((), jnp.int32)))
     return st
 
@@ -846,8 +1012,9 @@ def run_rounds(graphdef, params, st: DecodeState, until_done: int, max_rounds: i
 
     Both bounds are traced, so every call reuses one compilation. ``st`` is donated.
     """
-    return _run_rounds_jit(graphdef, params, st, jnp.int32(until_done),
-                           jnp.int32(max_rounds), static=static)
+    with _mesh_scope(static.mesh):
+        return _run_rounds_jit(graphdef, params, st, jnp.int32(until_done),
+                               jnp.int32(max_rounds), static=static)
 
 
 # ---------------------------------------------------------------------- profiling path
@@ -904,7 +1071,7 @@ _split = jax.jit(jax.random.split)
 
 
 def profile_generate(target, drafter, prompt_ids, config: DecodeConfig, key=0, *,
-                     warmup: bool = True) -> Generation:
+                     warmup: bool = True, mesh=None) -> Generation:
     """The un-fused path: every stage jitted separately and timed per round.
 
     Runs the same stage functions as the fused loop of `generate`, so it produces the
@@ -914,9 +1081,15 @@ def profile_generate(target, drafter, prompt_ids, config: DecodeConfig, key=0, *
     summed over rounds; with ``warmup`` a first pass over the prefill and the first
     round compiles every stage before anything is timed (without it the times include
     compilation). Each stage's time includes its dispatch overhead, so the sum exceeds
-    the fused loop's time.
+    the fused loop's time. ``mesh`` as in `generate` (the stages run under it).
     """
-    graphdef, params, tokens_BT, lengths_B, static = _prepare(target, drafter, prompt_ids, config)
+    with _mesh_scope(mesh):
+        return _profile(target, drafter, prompt_ids, config, key, warmup, mesh)
+
+
+def _profile(target, drafter, prompt_ids, config, key, warmup, mesh) -> Generation:
+    graphdef, params, tokens_BT, lengths_B, static = _prepare(target, drafter, prompt_ids,
+                                                              config, mesh)
     if isinstance(key, int):
         key = jax.random.key(key)
     fns = _stage_fns(static, graphdef)

@@ -27,6 +27,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
+from tev_jax import sharding as shd
 from tev_jax.sampling import Sampling, log_probs
 from tev_jax.tree import DraftTree, ancestor_mask, children_mask
 
@@ -101,7 +102,7 @@ def block_masses(scores: Scores, block: int = BLOCK) -> jax.Array:
     float32 [..., ceil(V / block)], in units of each row's largest weight (the row
     max stays inside the kernel). Every row needs a finite maximum. This is the one
     pass over the logits: XLA:CPU fuses the row max, the exp and the block sums into
-    one kernel. The optimization barrier stops XLA from merging the block sums with a
+    one kernel. The optimization barrier (XLA:CPU only, `tev_jax.sharding.cpu_barrier`) stops XLA from merging the block sums with a
     following row sum into one long-row reduction, which XLA:CPU ran 3.4x slower on
     [8, 65, 151 936]; blocks of 256 or more were ~4x slower than 128 (see
     experiments/verifier_latency).
@@ -114,7 +115,7 @@ def block_masses(scores: Scores, block: int = BLOCK) -> jax.Array:
     if tail.shape[-1]:
         tail_mass = jnp.sum(jnp.exp((tail - m[..., None]) * scale), axis=-1, keepdims=True)
         mass = jnp.concatenate([mass, tail_mass], axis=-1)
-    return jax.lax.optimization_barrier(mass)
+    return shd.cpu_barrier(mass)
 
 
 def log_normalizer(scores: Scores) -> jax.Array:

@@ -9,9 +9,18 @@ module maps logical names to the mesh axes ``data``, ``fsdp`` and ``tensor``:
 - ``fsdp``: batch parallelism that also shards parameters along their ``embed`` axis;
 - ``tensor``: Megatron-style tensor parallelism over heads, MLP width and vocabulary.
 
-A logical axis whose size is not divisible by its mesh axes is left replicated (so
-tiny test models and GQA with few key/value heads still run on any mesh), and a mesh
-axis is never used twice in one spec.
+Divisibility. By default a logical axis whose size is not divisible by its mesh axes
+is left replicated (tiny test models and GQA with few key/value heads still run on any
+mesh; the training step relies on it). ``strict=True`` (what the decode engine uses
+for its parameters, caches and state) raises a ValueError naming the array, the
+dimension and the mesh axis instead, so nothing is replicated silently. A mesh axis is
+never used twice in one spec.
+
+Vocabulary-sharded reductions. `vocab_top_k` is the exact top-k over a vocabulary
+split across the ``tensor`` axis: a local top-k per shard, then a merge of the shard
+winners (never a gather of the whole row). `cpu_barrier` is the XLA:CPU scheduling
+hint the kernels use (an ``optimization_barrier``) where it is safe: on the CPU
+backend, and not on a vocabulary-sharded operand (XLA's SPMD partitioner aborts on it).
 
 Typical use::
 
@@ -32,6 +41,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
@@ -110,11 +120,17 @@ def _mesh_sizes(mesh) -> dict[str, int]:
 
 
 def logical_to_spec(names: Sequence[str | None], shape: Sequence[int] | None = None,
-                    mesh=None, rules: Rules | None = None) -> PartitionSpec:
+                    mesh=None, rules: Rules | None = None, *, strict: bool = False,
+                    what: str = "array") -> PartitionSpec:
     """Maps logical axis names to a PartitionSpec.
 
-    With ``shape`` and ``mesh`` given, mesh axes that do not divide the dimension, have
-    size 1, or are absent from the mesh are dropped (that dimension stays replicated).
+    With ``shape`` and ``mesh`` given, mesh axes that have size 1 or are absent from the
+    mesh are dropped, and so are mesh axes that do not divide the dimension (that
+    dimension stays replicated), unless ``strict``.
+
+    Raises:
+      ValueError: with ``strict``, a dimension that its mesh axes do not divide (the
+        message names ``what``, the dimension, its size and the mesh axes).
     """
     table = dict(current_rules() if rules is None else rules)
     sizes = _mesh_sizes(mesh) if mesh is not None else None
@@ -133,6 +149,12 @@ def logical_to_spec(names: Sequence[str | None], shape: Sequence[int] | None = N
                 if shape is not None:
                     prod = math.prod(sizes[a] for a in keep) * sizes[ax]
                     if shape[i] % prod:
+                        if strict:
+                            axes_txt = " x ".join(f"{a} ({sizes[a]})" for a in keep + [ax])
+                            raise ValueError(
+                                f"{what}: dimension {i} ({name}) has size {shape[i]}, which "
+                                f"the mesh axes {axes_txt} do not divide; choose a mesh whose "
+                                f"{ax} axis divides {shape[i]}")
                         continue
             keep.append(ax)
         used.update(keep)
@@ -143,9 +165,11 @@ def logical_to_spec(names: Sequence[str | None], shape: Sequence[int] | None = N
 
 
 def logical_sharding(names: Sequence[str | None], shape: Sequence[int], mesh: Mesh,
-                     rules: Rules | None = None) -> NamedSharding:
+                     rules: Rules | None = None, *, strict: bool = False,
+                     what: str = "array") -> NamedSharding:
     """A NamedSharding for an array with the given logical axes and shape."""
-    return NamedSharding(mesh, logical_to_spec(names, shape, mesh, rules))
+    return NamedSharding(mesh, logical_to_spec(names, shape, mesh, rules, strict=strict,
+                                               what=what))
 
 
 def variable_axes(v: nnx.Variable) -> tuple[str | None, ...] | None:
@@ -154,17 +178,24 @@ def variable_axes(v: nnx.Variable) -> tuple[str | None, ...] | None:
     return None if names is None else tuple(names)
 
 
-def state_shardings(state: nnx.State, mesh: Mesh, rules: Rules | None = None):
-    """A pytree matching ``state`` (values replaced by NamedShardings)."""
+def state_shardings(state: nnx.State, mesh: Mesh, rules: Rules | None = None, *,
+                    strict: bool = False):
+    """A pytree matching ``state`` (values replaced by NamedShardings).
 
-    def one(v):
+    With ``strict``, a parameter dimension that its mesh axes do not divide raises a
+    ValueError naming the parameter (see `logical_to_spec`).
+    """
+
+    def one(path, v):
         axes = variable_axes(v)
         shape = v.get_value().shape
         if axes is None:
             return v.replace(NamedSharding(mesh, PartitionSpec()))
-        return v.replace(logical_sharding(axes, shape, mesh, rules))
+        what = "parameter " + "/".join(str(getattr(k, "key", k)) for k in path)
+        return v.replace(logical_sharding(axes, shape, mesh, rules, strict=strict, what=what))
 
-    return jax.tree.map(one, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+    return jax.tree_util.tree_map_with_path(
+        one, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
 def shard_state(state: nnx.State, mesh: Mesh, rules: Rules | None = None) -> nnx.State:
@@ -190,6 +221,95 @@ def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
     return jax.lax.with_sharding_constraint(x, spec)
 
 
+def mesh_axis_size(names: Sequence[str]) -> int:
+    """Product of the active (abstract) mesh's sizes of the mesh axes ``names`` map to.
+
+    1 without a mesh. Used at trace time, e.g. for how many shards the vocabulary has.
+    """
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return 1
+    table, sizes = dict(current_rules()), _mesh_sizes(mesh)
+    total = 1
+    for name in names:
+        target = table.get(name)
+        for ax in (() if target is None else (target,) if isinstance(target, str) else target):
+            total *= sizes.get(ax, 1)
+    return total
+
+
+def _vocab_spec(x: jax.Array, lead_names: Sequence[str | None]) -> PartitionSpec | None:
+    """The spec of ``x`` [..., V] when its vocabulary axis is sharded, else None."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return None
+    names = tuple(lead_names) + (None,) * (x.ndim - 1 - len(lead_names)) + ("act_vocab",)
+    spec = logical_to_spec(names, x.shape, mesh)
+    spec = tuple(spec) + (None,) * (x.ndim - len(spec))
+    return PartitionSpec(*spec) if spec[-1] is not None else None
+
+
+def _spec_axes(entry) -> tuple[str, ...]:
+    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def cpu_barrier(x, *, vocab_sharded: bool = False):
+    """``lax.optimization_barrier(x)`` on the CPU backend, else ``x``.
+
+    The kernels use it to stop XLA:CPU from fusing a reduction into a slower form
+    (DESIGN.md §5, experiments/verifier_latency). It is skipped on other backends,
+    where it only constrains scheduling, and whenever the operand's vocabulary axis is
+    sharded (``vocab_sharded``, or a tensor axis on the active mesh), where XLA's SPMD
+    partitioner aborts on it.
+    """
+    if jax.default_backend() != "cpu" or vocab_sharded or mesh_axis_size(("act_vocab",)) > 1:
+        return x
+    return jax.lax.optimization_barrier(x)
+
+
+def vocab_top_k(x: jax.Array, k: int, lead_names: Sequence[str | None] = ()
+                ) -> tuple[jax.Array, jax.Array]:
+    """``lax.top_k(x, k)`` over the last (vocabulary) axis, exact under any mesh.
+
+    When the active mesh shards the vocabulary (logical ``act_vocab``), each shard takes
+    the top-k of its own slice (`jax.shard_map`), and the merge takes the top-k of the
+    shards' winners: only ``shards * k`` candidates per row move between devices. Ties
+    keep the smaller index first, as ``lax.top_k`` does: shard winners are listed in
+    shard (= index) order.
+
+    Args:
+      x: [..., V].
+      k: static, 1 <= k <= V (above V / shards the row is gathered: it is small).
+      lead_names: logical names of the leading axes (e.g. ``("batch", None)``), so that
+        their sharding is kept inside the per-shard computation.
+    Returns:
+      (values [..., k], int32 indices [..., k]).
+    """
+    spec = _vocab_spec(x, lead_names)
+    if spec is None:
+        values, idx = jax.lax.top_k(x, k)
+        values, idx = cpu_barrier((values, idx))
+        return values, idx.astype(jnp.int32)
+    vocab_axes = _spec_axes(spec[-1])
+    width = x.shape[-1] // mesh_axis_size(("act_vocab",))
+    if k > width:  # a tiny vocabulary over many shards: the whole row is small anyway
+        values, idx = jax.lax.top_k(x, k)
+        return values, idx.astype(jnp.int32)
+
+    def local(x_loc):
+        values, idx = jax.lax.top_k(x_loc, k)
+        shard = jnp.zeros((), jnp.int32)
+        for ax in vocab_axes:  # row-major shard index over the vocabulary's mesh axes
+            shard = shard * jax.lax.axis_size(ax) + jax.lax.axis_index(ax)
+        return values, idx.astype(jnp.int32) + shard * width
+
+    manual = {a for entry in spec for a in _spec_axes(entry)}
+    values, idx = jax.shard_map(local, in_specs=spec, out_specs=(spec, spec),
+                                axis_names=manual)(x)
+    values, pick = jax.lax.top_k(values, k)
+    return values, jnp.take_along_axis(idx, pick, axis=-1)
+
+
 def replicated(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, PartitionSpec())
 
@@ -200,7 +320,8 @@ def device_count_ok(n: int) -> bool:
 
 
 __all__ = [
-    "DEFAULT_RULES", "MESH_AXES", "axis_rules", "constrain", "current_rules",
-    "device_count_ok", "logical_sharding", "logical_to_spec", "make_mesh",
+    "DEFAULT_RULES", "MESH_AXES", "axis_rules", "constrain", "cpu_barrier", "current_rules",
+    "device_count_ok", "logical_sharding", "logical_to_spec", "make_mesh", "mesh_axis_size",
     "replicated", "shard_model", "shard_state", "state_shardings", "variable_axes",
+    "vocab_top_k",
 ]

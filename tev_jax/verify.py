@@ -31,6 +31,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
+from tev_jax import sharding as shd
 from tev_jax.exit_law import (
     BLOCK,
     Scores,
@@ -313,7 +314,7 @@ def argmax(x_RV: jax.Array, block: int = BLOCK) -> jax.Array:
     if rem:
         tail = jnp.max(x_RV[:, n_full * block :], axis=-1, keepdims=True)
         best_RB = jnp.concatenate([best_RB, tail], axis=-1)
-    blk_R = jnp.argmax(jax.lax.optimization_barrier(best_RB), axis=-1)
+    blk_R = jnp.argmax(shd.cpu_barrier(best_RB), axis=-1)
     idx_RK = blk_R[:, None] * block + jnp.arange(block)[None, :]
     x_RK = jnp.take_along_axis(x_RV, jnp.minimum(idx_RK, vocab - 1), axis=-1)
     x_RK = jnp.where(idx_RK < vocab, x_RK, -jnp.inf)

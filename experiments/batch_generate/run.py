@@ -76,7 +76,7 @@ def static_batches(target, drafter, prompts, config, b):
 
 def warm_up_continuous(target, drafter, config, b, widths):
     """Compiles every refill bucket and the rounds program of ``b`` slots."""
-    graphdef, params, static, axes = decode.prepare_slots(target, drafter, config)
+    graphdef, params, static, axes = decode.prepare_slots(target, drafter, config, b)
     st = decode.empty_slots(graphdef, params, static, b, jax.random.key(0))
     for k in batching.row_buckets(b):
         for t in widths:
@@ -118,7 +118,7 @@ def main(argv=None) -> int:
                                stop_token_ids=STOP_IDS, prompt_len=prompt_len)
     methods = {"spec": base, "ar": dataclasses.replace(base, builder="none")}
     for name, config in methods.items():  # one cache length per method, every batching
-        static = decode.prepare_slots(target, drafter, config)[2]
+        static = decode.prepare_slots(target, drafter, config, 1)[2]
         methods[name] = dataclasses.replace(config, max_cache_len=static.max_len)
     rows, reference = [], None
     for name in args.methods.split(","):

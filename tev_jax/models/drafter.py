@@ -32,6 +32,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx, struct
 
+from tev_jax.models.attention import Mask
 from tev_jax.models.config import ModelConfig
 from tev_jax.models.layers import DecoderLayer, Linear, RMSNorm, apply_rope, rope_inv_freq
 from tev_jax.sharding import constrain
@@ -341,11 +342,8 @@ def draft_hidden(drafter: Drafter, target, cache: DrafterCache, roots_B: jax.Arr
     b, q = tokens.shape
     lengths = cache.lengths.astype(jnp.int32)
     positions = lengths[:, None] + jnp.arange(q, dtype=jnp.int32)[None, :]
-    slots = jnp.arange(cache.max_len, dtype=jnp.int32)
-    ctx_mask = (slots[None, :] < lengths[:, None])[:, None, :]          # [B, 1, L]
-    block_mask = jnp.ones((1, q, q), bool)
-    h = _layers(drafter, target.embed(tokens), positions, block_mask, cache.k, cache.v,
-                ctx_mask)
+    h = _layers(drafter, target.embed(tokens), positions, Mask(), cache.k, cache.v,
+                Mask.prefix(lengths))
     return h[:, 1:]
 
 
@@ -379,7 +377,8 @@ def anchor_hidden(drafter: Drafter, target, features_BLF: jax.Array, tokens_BL: 
 
     Block ``a`` of row ``b`` has root ``tokens[b, anchors[b, a]]`` at that position and
     sees the context features of positions ``< anchors[b, a]`` and its own block only.
-    All blocks share one [A(H+1), L + A(H+1)] attention mask, so shapes are static.
+    All blocks are the queries of one attention over [context ; all blocks] (static
+    shapes): block a sees context keys ``< anchors[b, a]`` and the keys of block a.
 
     Args:
       features_BLF: [B, L, len(taps) * D] target features of every position.
@@ -399,10 +398,9 @@ def anchor_hidden(drafter: Drafter, target, features_BLF: jax.Array, tokens_BL: 
     tokens = block_tokens(cfg, roots.reshape(-1)).reshape(b, a * q)
     offs = jnp.arange(q, dtype=jnp.int32)
     positions = (anchors[:, :, None] + offs).reshape(b, a * q)
-    ctx_mask = jnp.arange(seq_len)[None, None, :] < jnp.repeat(anchors, q, axis=1)[:, :, None]
-    block_id = jnp.repeat(jnp.arange(a), q)
-    block_mask = (block_id[:, None] == block_id[None, :])[None]          # [1, AQ, AQ]
-    h = _layers(drafter, target.embed(tokens), positions, block_mask, ctx_k, ctx_v, ctx_mask)
+    ctx_mask = Mask(end=jnp.repeat(anchors, q, axis=1))                  # [B, AQ]
+    h = _layers(drafter, target.embed(tokens), positions, Mask.blocks(a * q, q), ctx_k,
+                ctx_v, ctx_mask)
     return h.reshape(b, a, q, -1)[:, :, 1:]
 
 

@@ -24,7 +24,7 @@ its block and keys/values from ``[context ; block]``::
     q = attn.project_q(x_block)                      # [B, T, H, hd], q-normed
     k, v = attn.project_kv(x_ctx_and_block)          # [B, S, K, hd], k-normed
     q = apply_rope(q, pos_block, inv_freq); k = apply_rope(k, pos_kv, inv_freq)
-    y = attn.out(attend(q, k, v, mask_BTS))          # [B, T, D]
+    y = attn.out(attention(q, ((k, v, mask),)))      # [B, T, D], models/attention.py
 """
 
 from __future__ import annotations
@@ -39,6 +39,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from tev_jax.models.attention import Mask, attention
 from tev_jax.models.config import ModelConfig
 from tev_jax.sharding import constrain
 
@@ -206,67 +207,6 @@ def apply_rope(x_BTHd: jax.Array, positions_BT: jax.Array, inv_freq) -> jax.Arra
     return (xf * cos + rot * sin).astype(x_BTHd.dtype)
 
 
-# ------------------------------------------------------------------------ attention
-
-
-def attend_segments(q_BTHd: jax.Array,
-                    segments: Sequence[tuple[jax.Array, jax.Array, jax.Array]]) -> jax.Array:
-    """GQA softmax attention over several key/value segments with one joint softmax.
-
-    Equivalent to `attend` on the concatenation of the segments along S, without
-    materialising it (the target uses it for [cache prefix ; new block]).
-
-    Args:
-      q_BTHd: queries [B, T, H, hd] (already roped).
-      segments: tuples (k [B, S_i, K, hd], v [B, S_i, K, hd], mask broadcastable to
-        [B, T, S_i] (bool, True = may attend)).
-    Returns:
-      [B, T, H, hd] in q's dtype. Rows with no visible key give zeros (never NaN).
-    """
-    b, t, h, hd = q_BTHd.shape
-    kh = segments[0][0].shape[2]
-    g = h // kh
-    q = q_BTHd.reshape(b, t, kh, g, hd)
-    scale = hd ** -0.5
-    scores, masks = [], []
-    for k, _, m in segments:
-        s = jnp.einsum("btkgd,bskd->bkgts", q, k.astype(q.dtype),
-                       preferred_element_type=jnp.float32) * scale
-        m = jnp.broadcast_to(m, (b, t, k.shape[1]))[:, None, None]    # [B,1,1,T,S]
-        scores.append(s)
-        masks.append(m)
-    s = jnp.concatenate(scores, axis=-1) if len(scores) > 1 else scores[0]
-    m = jnp.concatenate(masks, axis=-1) if len(masks) > 1 else masks[0]
-    neg = jnp.finfo(jnp.float32).min
-    s = jnp.where(m, s, neg)
-    mx = jax.lax.stop_gradient(jnp.max(s, axis=-1, keepdims=True))
-    p = jnp.where(m, jnp.exp(s - mx), 0.0)
-    denom = jnp.sum(p, axis=-1, keepdims=True)
-    p = p / jnp.where(denom > 0, denom, 1.0)
-    out = None
-    off = 0
-    for k, v, _ in segments:
-        n = k.shape[1]
-        pi = p[..., off:off + n].astype(v.dtype)
-        o = jnp.einsum("bkgts,bskd->btkgd", pi, v, preferred_element_type=jnp.float32)
-        out = o if out is None else out + o
-        off += n
-    return out.reshape(b, t, h, hd).astype(q_BTHd.dtype)
-
-
-def attend(q_BTHd: jax.Array, k_BSKd: jax.Array, v_BSKd: jax.Array,
-           mask_BTS: jax.Array) -> jax.Array:
-    """GQA softmax attention in float32 with a boolean mask (True = may attend).
-
-    Args:
-      q_BTHd: [B, T, H, hd]; k_BSKd, v_BSKd: [B, S, K, hd] with H % K == 0.
-      mask_BTS: bool, broadcastable to [B, T, S].
-    Returns:
-      [B, T, H, hd] in q's dtype; fully masked rows give zeros, not NaN.
-    """
-    return attend_segments(q_BTHd, ((k_BSKd, v_BSKd, mask_BTS),))
-
-
 class Attention(nnx.Module):
     """q/k/v/o projections with optional per-head q/k RMSNorm and optional biases."""
 
@@ -330,7 +270,8 @@ class DecoderLayer(nnx.Module):
         self.mlp = MLP(c.hidden_size, c.intermediate_size, dtype=dtype, rngs=rngs)
 
     def __call__(self, x_BTD: jax.Array, positions_BT: jax.Array, inv_freq,
-                 mask_BTT: jax.Array, prefix: tuple[jax.Array, jax.Array, jax.Array] | None = None
+                 mask: Mask | jax.Array,
+                 prefix: tuple[jax.Array, jax.Array, Mask | jax.Array] | None = None
                  ) -> tuple[jax.Array, jax.Array, jax.Array]:
         """One layer over T new tokens.
 
@@ -338,18 +279,19 @@ class DecoderLayer(nnx.Module):
           x_BTD: residual stream.
           positions_BT: absolute positions of the new tokens.
           inv_freq: `rope_inv_freq(config)`.
-          mask_BTT: which new tokens each new token may attend to.
-          prefix: optional (k [B,L,K,hd], v, mask [B,T,L] or broadcastable) of cached
+          mask: which new tokens each new token may attend to: a `Mask` over the T new
+            keys or a bool array broadcastable to [B, T, T].
+          prefix: optional (k [B,L,K,hd], v, mask over the L keys) of cached
             keys/values (already roped) that the new tokens may also attend to.
         Returns:
           (new residual [B,T,D], the new tokens' roped keys [B,T,K,hd], values).
         """
         h = self.input_layernorm(x_BTD)
         q, k, v = self.self_attn.qkv(h, positions_BT, inv_freq)
-        segs = ((k, v, mask_BTT),)
+        segs = ((k, v, mask),)
         if prefix is not None:
             segs = (prefix,) + segs
-        a = attend_segments(q, segs)
+        a = attention(q, segs)
         x = x_BTD + self.self_attn.out(a)
         x = constrain(x, ("batch", "seq", "act_embed"))
         x = x + self.mlp(self.post_attention_layernorm(x))

@@ -44,6 +44,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from tev_jax.models import kv_cache as kvc
+from tev_jax.models.attention import Mask
 from tev_jax.models.config import ModelConfig
 from tev_jax.models.kv_cache import KVCache
 from tev_jax.models.layers import (
@@ -105,9 +106,13 @@ class Target(nnx.Module):
 
     # ------------------------------------------------------------------ the stack
 
-    def _stack(self, tokens_BT, positions_BT, block_mask_BTT, prefix_mask_BTL=None,
+    def _stack(self, tokens_BT, positions_BT, block_mask, prefix_mask=None,
                cache: KVCache | None = None, taps: Sequence[int] = ()):
-        """Runs all layers; returns (final-normed hidden, taps or None, new k, new v)."""
+        """Runs all layers; returns (final-normed hidden, taps or None, new k, new v).
+
+        ``block_mask`` / ``prefix_mask``: `Mask`s (or bool arrays) over the new tokens'
+        keys and over the cache slots.
+        """
         taps = tuple(int(t) for t in taps)
         for t in taps:
             if not 0 <= t < self.config.num_layers:
@@ -118,8 +123,8 @@ class Target(nnx.Module):
         for i, layer in enumerate(self.layers):
             prefix = None
             if cache is not None:
-                prefix = (cache.k[i], cache.v[i], prefix_mask_BTL)
-            x, k, v = layer(x, positions_BT, inv_freq, block_mask_BTT, prefix)
+                prefix = (cache.k[i], cache.v[i], prefix_mask)
+            x, k, v = layer(x, positions_BT, inv_freq, block_mask, prefix)
             ks.append(k)
             vs.append(v)
             if i in taps:
@@ -138,7 +143,7 @@ class Target(nnx.Module):
         Args:
           tokens_BT: int [B, T].
           positions_BT: int [B, T]; default ``0..T-1``.
-          mask_BTT: bool [B, T, T] attention mask; default causal.
+          mask_BTT: bool [B, T, T] attention mask (or a `Mask`); default causal.
           taps: layer indices whose outputs to return.
         Returns:
           (logits float32 [B, T, V], taps [B, T, len(taps)*D] or None)
@@ -147,26 +152,28 @@ class Target(nnx.Module):
         if positions_BT is None:
             positions_BT = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
         if mask_BTT is None:
-            mask_BTT = jnp.tril(jnp.ones((t, t), bool))[None]
+            mask_BTT = Mask.causal(t)
         h, feats, _, _ = self._stack(tokens_BT, positions_BT, mask_BTT, taps=taps)
         return self.unembed(h), feats
 
     # ------------------------------------------------------------ cached forwards
 
     def extend_hidden(self, cache: KVCache, tokens_BT: jax.Array, positions_BT: jax.Array,
-                      start_B: jax.Array, block_mask_BTT: jax.Array,
+                      start_B: jax.Array, block_mask_BTT: Mask | jax.Array,
                       taps: Sequence[int] = ()):
         """`extend` without the vocabulary projection.
 
         Returns:
           (final-normed hidden [B, T, D], taps [B, T, len(taps)*D] or None, new cache)
         """
-        length = cache.max_len
-        slots = jnp.arange(length, dtype=jnp.int32)
-        prefix_mask = (slots[None, :] < start_B.astype(jnp.int32)[:, None])[:, None, :]
-        block_mask = jnp.broadcast_to(block_mask_BTT, (tokens_BT.shape[0],) + block_mask_BTT.shape[-2:])
+        return self._extend_hidden(cache, tokens_BT, positions_BT, start_B, start_B,
+                                   block_mask_BTT, taps)
+
+    def _extend_hidden(self, cache, tokens_BT, positions_BT, start_B, seen_B, block_mask,
+                       taps):
+        """`extend_hidden` writing at slots ``start ..`` and seeing cache slots ``< seen``."""
         h, feats, k_new, v_new = self._stack(tokens_BT, positions_BT, block_mask,
-                                             prefix_mask, cache, taps)
+                                             Mask.prefix(seen_B), cache, taps)
         return h, feats, kvc.write(cache, k_new, v_new, start_B)
 
     def extend(self, cache: KVCache, tokens_BT: jax.Array, positions_BT: jax.Array,
@@ -179,8 +186,8 @@ class Target(nnx.Module):
           positions_BT: int [B, T] their absolute (RoPE) positions.
           start_B: int [B] committed length per row; new keys/values go to slots
             ``start .. start+T-1`` and each new token sees slots ``< start``.
-          block_mask_BTT: bool [B, T, T] (or [T, T]): new token t may attend to new
-            token s. Include the diagonal.
+          block_mask_BTT: bool [B, T, T] (or [T, T]), or a `Mask` over the new keys:
+            new token t may attend to new token s. Include the diagonal.
           taps: layer indices whose outputs to return.
         Returns:
           (logits float32 [B, T, V], taps [B, T, len(taps)*D] or None, new cache)
@@ -190,28 +197,79 @@ class Target(nnx.Module):
         return self.unembed(h), feats, cache
 
     def prefill(self, cache: KVCache, tokens_BT: jax.Array, lengths_B: jax.Array,
-                start_B: jax.Array | None = None, taps: Sequence[int] = ()):
+                start_B: jax.Array | None = None, taps: Sequence[int] = (),
+                chunk: int | None = None):
         """Consumes right-padded prompts.
 
         Args:
           tokens_BT: int [B, T], row b's real tokens are ``tokens[b, :lengths[b]]``.
           lengths_B: int [B].
           start_B: int [B] committed length before the prompt (default 0).
+          taps: layer indices whose outputs to return.
+          chunk: run the prompt through the stack ``chunk`` tokens at a time (static;
+            None = all T at once). Each chunk writes its keys/values to the cache and
+            attends to the cache written so far, so activation memory scales with
+            ``chunk`` instead of T; a T not divisible by it is padded. The outputs do
+            not depend on it (up to float rounding).
         Returns:
           (logits float32 [B, V] after each row's last real token,
            taps [B, T, len(taps)*D] or None, new cache). The row's committed length is
           now ``start + lengths``.
+        Raises:
+          ValueError: a chunk that is not a positive int.
+        """
+        h_last, feats, cache = self.prefill_hidden(cache, tokens_BT, lengths_B, start_B,
+                                                   taps, chunk)
+        return self.unembed(h_last), feats, cache
+
+    def prefill_hidden(self, cache: KVCache, tokens_BT: jax.Array, lengths_B: jax.Array,
+                       start_B: jax.Array | None = None, taps: Sequence[int] = (),
+                       chunk: int | None = None):
+        """`prefill` without the vocabulary projection.
+
+        Returns:
+          (final-normed hidden [B, D] at each row's last real token, taps
+           [B, T, len(taps)*D] or None, new cache)
         """
         b, t = tokens_BT.shape
-        if start_B is None:
-            start_B = jnp.zeros((b,), jnp.int32)
-        ar = jnp.arange(t, dtype=jnp.int32)
-        positions = start_B.astype(jnp.int32)[:, None] + ar[None, :]
-        mask = (ar[None, :, None] >= ar[None, None, :]) & (ar[None, None, :] < lengths_B[:, None, None])
-        h, feats, cache = self.extend_hidden(cache, tokens_BT, positions, start_B, mask, taps)
-        last = jnp.clip(lengths_B.astype(jnp.int32) - 1, 0, t - 1)
-        h_last = jnp.take_along_axis(h, last[:, None, None], axis=1)[:, 0]
-        return self.unembed(h_last), feats, cache
+        if chunk is not None and (not isinstance(chunk, int) or chunk < 1):
+            raise ValueError(f"prefill chunk must be a positive int or None, got {chunk!r}")
+        c = t if chunk is None else min(chunk, t)
+        n = -(-t // c)
+        start = (jnp.zeros((b,), jnp.int32) if start_B is None
+                 else start_B.astype(jnp.int32))
+        lengths = lengths_B.astype(jnp.int32)
+        tokens = jnp.pad(tokens_BT, ((0, 0), (0, n * c - t)))
+        last = jnp.clip(lengths - 1, 0, t - 1)
+
+        def one_chunk(i, carry):
+            cache, h_last, feats = carry
+            off = i * c
+            ar = jnp.arange(c, dtype=jnp.int32)
+            # Prompt token j sees prompt tokens <= j and < length, as in one pass.
+            block = Mask.causal(c, jnp.clip(lengths - off, 0, c))
+            h, f, cache = self._extend_hidden(
+                cache, jax.lax.dynamic_slice_in_dim(tokens, off, c, axis=1),
+                start[:, None] + off + ar[None, :], start + off,
+                start + jnp.minimum(off, lengths), block, taps)
+            here = (last >= off) & (last < off + c)
+            h_row = jnp.take_along_axis(h, jnp.clip(last - off, 0, c - 1)[:, None, None],
+                                        axis=1)[:, 0]
+            h_last = jnp.where(here[:, None], h_row, h_last)
+            if f is not None:
+                feats = jax.lax.dynamic_update_slice_in_dim(feats, f, off, axis=1)
+            return cache, h_last, feats
+
+        d = self.config.hidden_size
+        feats = (None if not taps else
+                 jnp.zeros((b, n * c, len(taps) * d), self.dtype))
+        carry = (cache, jnp.zeros((b, d), self.dtype), feats)
+        if n == 1:
+            carry = one_chunk(0, carry)
+        else:
+            carry = jax.lax.fori_loop(0, n, one_chunk, carry)
+        cache, h_last, feats = carry
+        return h_last, (None if feats is None else feats[:, :t]), cache
 
     def decode(self, cache: KVCache, tokens_B: jax.Array, start_B: jax.Array,
                taps: Sequence[int] = ()):

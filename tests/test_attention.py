@@ -1,0 +1,189 @@
+"""Blocked attention == the dense reference (values and gradients), chunked prefill."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from reference_attention import attend_segments, dense_mask
+from tev_jax.models import ModelConfig, init_target
+from tev_jax.models.attention import Mask, attention
+
+
+def _normal(key, shape, dtype=jnp.float32):
+    return jax.random.normal(key, shape, jnp.float32).astype(dtype)
+
+
+def _ancestors(rng, b, n):
+    """Random tree ancestor masks [B, N, N] (self included); node 0 is the root."""
+    out = np.zeros((b, n, n), bool)
+    for r in range(b):
+        parent = [-1] + [int(rng.integers(0, i)) for i in range(1, n)]
+        for i in range(n):
+            j = i
+            while j >= 0:
+                out[r, i, j] = True
+                j = parent[j]
+    return out
+
+
+def _case(name, rng):
+    """(T, [(S_i, mask_i)], H, K) of one mask rule; lengths drawn with rng."""
+    b = 3
+    if name == "cache+causal":          # target prefill / extend: [cache ; new tokens]
+        t, s = 23, 41
+        return b, t, 4, 2, [(s, Mask.prefix(jnp.array([0, 17, 0]))),
+                            (t, Mask.causal(t, jnp.array([t, 9, 0])))]
+    if name == "cache+tree":            # tree verify: cache prefix + ancestor mask
+        n, s = 13, 37
+        return b, n, 6, 2, [(s, Mask.prefix(jnp.array(rng.integers(1, s, b)))),
+                            (n, jnp.asarray(_ancestors(rng, b, n)))]
+    if name == "context+blocks":        # DFlash training: context < anchor, own block
+        a, q, s = 4, 5, 29
+        anchors = jnp.array(rng.integers(0, s, (b, a)))
+        return b, a * q, 4, 1, [(s, Mask(end=jnp.repeat(anchors, q, axis=1))),
+                                (a * q, Mask.blocks(a * q, q))]
+    if name == "context+all":           # DFlash drafting: cached context + whole block
+        q, s = 6, 33
+        return b, q, 8, 2, [(s, Mask.prefix(jnp.array([5, 0, 33]))), (q, Mask())]
+    if name == "range+dense":           # every field at once, fully masked rows included
+        t, s = 11, 19
+        start = jnp.array(rng.integers(0, s, (b, t)))
+        dense = jnp.asarray(rng.random((b, t, s)) < 0.7)
+        return b, t, 2, 2, [(s, Mask(start=start, end=start + 6, dense=dense))]
+    raise ValueError(name)
+
+
+CASES = ["cache+causal", "cache+tree", "context+blocks", "context+all", "range+dense"]
+
+
+def _inputs(name, dtype=jnp.float32, seed=0):
+    rng = np.random.default_rng(seed)
+    b, t, h, kh, segs = _case(name, rng)
+    keys = iter(jax.random.split(jax.random.key(seed), 2 + 2 * len(segs)))
+    hd = 8
+    q = _normal(next(keys), (b, t, h, hd), dtype)
+    kvs = [(_normal(next(keys), (b, s, kh, hd), dtype), _normal(next(keys), (b, s, kh, hd), dtype))
+           for s, _ in segs]
+    masks = [m for _, m in segs]
+    w = _normal(next(keys), (b, t, h, hd))   # cotangent: loss = sum(out * w)
+    return q, kvs, masks, w
+
+
+def _out_and_grads(fn, q, kvs, masks, w):
+    """Jitted (fn's output, gradients of sum(out * w) wrt q and every k, v)."""
+    def run(q, kvs, w):
+        call = lambda q, kvs: fn(q, tuple((k, v, m) for (k, v), m in zip(kvs, masks)))
+        out, vjp = jax.vjp(call, q, kvs)
+        return out, vjp(w.astype(out.dtype))
+    return jax.jit(run)(q, kvs, w)
+
+
+def _assert_close(got, want, tol):
+    for g, r in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(r, np.float32),
+                                   atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("name,key_block,query_block", [
+    *[(name, 7, 5) for name in CASES],     # blocks that divide neither T nor S
+    ("cache+causal", 512, 512), ("cache+tree", 512, 512),   # one block per segment
+])
+def test_blocked_equals_dense_values_and_gradients(name, key_block, query_block):
+    """Every mask rule: same outputs and gradients (q, each k and v) as dense."""
+    q, kvs, masks, w = _inputs(name)
+    blocked = functools.partial(attention, key_block=key_block, query_block=query_block)
+    _assert_close(_out_and_grads(blocked, q, kvs, masks, w),
+                  _out_and_grads(attend_segments, q, kvs, masks, w), 1e-5)
+
+
+def test_fully_masked_rows_are_zero_with_finite_gradients():
+    q, kvs, masks, w = _inputs("cache+causal")
+    seen = np.zeros((3, 23), bool)
+    for seg_mask, (k, _) in zip(masks, kvs):
+        seen |= dense_mask(seg_mask, 3, 23, k.shape[1]).any(-1)
+    assert (~seen).any() and seen.any()   # the case has both kinds of rows
+    fn = functools.partial(attention, key_block=8, query_block=4)
+    out, (dq, dkvs) = _out_and_grads(fn, q, kvs, masks, w)
+    out = np.asarray(out)
+    np.testing.assert_array_equal(out[~seen], 0.0)
+    assert np.abs(out[seen]).sum(-1).min() > 0
+    assert all(np.isfinite(np.asarray(g)).all() for g in jax.tree.leaves(dkvs))
+    np.testing.assert_array_equal(np.asarray(dq)[~seen], 0.0)
+    assert np.isfinite(np.asarray(dq)).all()
+
+
+@pytest.mark.parametrize("name", ["cache+causal", "cache+tree"])
+def test_bfloat16_inputs(name):
+    """bfloat16 q/k/v: float32 scores and accumulation, close to the float32 result."""
+    q, kvs, masks, w = _inputs(name, jnp.bfloat16)
+    fn = functools.partial(attention, key_block=8, query_block=8)
+    got = _out_and_grads(fn, q, kvs, masks, w)
+    assert got[0].dtype == jnp.bfloat16
+    f32 = lambda x: x.astype(jnp.float32)
+    _assert_close(got, _out_and_grads(attend_segments, f32(q), jax.tree.map(f32, kvs),
+                                      masks, w), 5e-2)
+
+
+def test_refusals():
+    q = jnp.zeros((1, 2, 3, 4))
+    k = jnp.zeros((1, 5, 2, 4))
+    with pytest.raises(ValueError, match="not a multiple of 2 key/value heads"):
+        attention(q, ((k, k, Mask()),))
+    with pytest.raises(ValueError, match="key_block"):
+        attention(q[:, :, :2], ((k, k, Mask()),), key_block=0)
+    with pytest.raises(ValueError, match="do not match"):
+        attention(q[:, :, :2], ((k, k[:, :, :1], Mask()),))
+
+
+# ----------------------------------------------------------------- chunked prefill
+
+
+TINY = ModelConfig(model_type="qwen3", vocab_size=97, hidden_size=32, intermediate_size=64,
+                   num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8, qk_norm=True)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return init_target(TINY, key=3)
+
+
+@pytest.mark.parametrize("chunk", [3, 5, 16])
+def test_chunked_prefill_equals_one_pass(tiny, chunk):
+    """Logits, taps (every position) and the committed cache do not depend on chunk."""
+    b, t, length = 3, 13, 40
+    rng = np.random.default_rng(chunk)
+    tokens = jnp.asarray(rng.integers(0, TINY.vocab_size, (b, t)), jnp.int32)
+    lengths = jnp.array([13, 6, 1], jnp.int32)
+    start = jnp.array([0, 4, 9], jnp.int32)
+    # A cache that already holds a committed prefix of `start` tokens per row.
+    pre = jnp.asarray(rng.integers(0, TINY.vocab_size, (b, 9)), jnp.int32)
+    cache = tiny.prefill(tiny.init_cache(b, length), pre, start)[2]
+
+    one = jax.jit(lambda cache: tiny.prefill(cache, tokens, lengths, start, (0, 1)))(cache)
+    chunked = jax.jit(lambda cache: tiny.prefill(cache, tokens, lengths, start, (0, 1),
+                                                 chunk=chunk))(cache)
+    np.testing.assert_allclose(np.asarray(chunked[0]), np.asarray(one[0]), atol=1e-5)
+    np.testing.assert_allclose(np.asarray(chunked[1]), np.asarray(one[1]), atol=1e-5)
+    for r in range(b):
+        n = int(start[r] + lengths[r])
+        for got, want in ((chunked[2].k, one[2].k), (chunked[2].v, one[2].v)):
+            np.testing.assert_allclose(np.asarray(got[:, r, :n]), np.asarray(want[:, r, :n]),
+                                       atol=1e-5)
+
+
+def test_chunked_prefill_is_one_loop(tiny):
+    """The program does not grow with the prompt: a loop over chunks, not unrolled."""
+    def size(t):
+        tokens = jnp.zeros((2, t), jnp.int32)
+        fn = lambda: tiny.prefill(tiny.init_cache(2, 64), tokens, jnp.array([t, 1]), chunk=4)
+        return len(jax.make_jaxpr(fn)().eqns)
+
+    assert size(12) == size(48)
+    with pytest.raises(ValueError, match="prefill chunk must be a positive int"):
+        tiny.prefill(tiny.init_cache(1, 8), jnp.zeros((1, 4), jnp.int32), jnp.array([4]),
+                     chunk=0)

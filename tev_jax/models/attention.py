@@ -1,0 +1,354 @@
+"""The attention function (DESIGN.md §12): GQA, blocked over keys, online softmax.
+
+Every attention in the library goes through `attention`: queries against one or more
+key/value *segments* with one joint softmax across them (the target attends to
+[cache ; new tokens], the drafter to [context ; block]). Which keys of a segment a
+query sees is a `Mask`, given as a rule rather than as a dense [T, S] boolean: a key
+range ``start <= s < end`` per query and, for the small cases that need one, a dense
+boolean ANDed with it:
+
+==============================  ===========================================
+rule                            mask
+==============================  ===========================================
+a cache filled up to ``len_b``  ``Mask.prefix(len_B)``
+causal, keys ``< len_b`` only   ``Mask.causal(T, len_B)``
+blocks of ``n`` queries          ``Mask.blocks(T, n)`` (DFlash training)
+tree ancestors                  ``Mask(dense=anc_BNN)``
+everything                      ``Mask()``
+==============================  ===========================================
+
+A plain boolean array broadcastable to [B, T, S] is accepted too (a dense mask).
+
+The keys are visited in blocks of ``key_block`` and the queries in blocks of
+``query_block``, so only [B, K, Tq, G, Sk] scores exist at a time: a running max,
+denominator and output per query row (flash attention) in float32. A key block that no
+query of a query block can see (past the filled part of a cache, above a causal
+diagonal) is skipped: the loop over key blocks has a dynamic trip count. The gradient
+is a custom VJP that recomputes the block scores from the saved log-normalisers, so
+`jax.grad` works and its memory is linear in T and S too.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+KEY_BLOCK = 512
+QUERY_BLOCK = 512
+
+
+@struct.dataclass
+class Mask:
+    """Which keys of one segment each query sees: ``start <= s < end`` and ``dense``.
+
+    Key indices ``s`` count from the segment's first key. Every field is optional
+    (None = no constraint).
+
+    Attributes:
+      start: int, broadcastable to [B, T]: first visible key per query.
+      end: int, broadcastable to [B, T]: keys ``s < end`` are visible.
+      dense: bool, broadcastable to [B, T, S] (True = may attend). Meant for small
+        segments (a tree of N nodes); the key range covers the large ones.
+    """
+
+    start: jax.Array | None = None
+    end: jax.Array | None = None
+    dense: jax.Array | None = None
+
+    @staticmethod
+    def prefix(lengths_B: jax.Array) -> "Mask":
+        """Row b sees keys ``s < lengths[b]`` (a cache filled up to its length)."""
+        return Mask(end=jnp.asarray(lengths_B, jnp.int32)[:, None])
+
+    @staticmethod
+    def causal(num_queries: int, lengths_B: jax.Array | None = None) -> "Mask":
+        """Query t sees keys ``s <= t`` (and ``s < lengths[b]``): keys = the queries' own."""
+        end = jnp.arange(1, num_queries + 1, dtype=jnp.int32)[None, :]
+        if lengths_B is not None:
+            end = jnp.minimum(end, jnp.asarray(lengths_B, jnp.int32)[:, None])
+        return Mask(end=end)
+
+    @staticmethod
+    def blocks(num_queries: int, size: int) -> "Mask":
+        """Query t sees the keys of its own block ``t // size`` (block-diagonal)."""
+        first = jnp.arange(num_queries, dtype=jnp.int32) // size * size
+        return Mask(start=first[None, :], end=first[None, :] + size)
+
+
+class _Static(NamedTuple):
+    """The shapes that decide the loops (hashable: a custom_vjp static argument)."""
+
+    query_block: int
+    num_query_blocks: int
+    key_blocks: tuple[int, ...]      # per segment
+    num_key_blocks: tuple[int, ...]
+    scale: float
+
+
+def attention(q_BTHd: jax.Array, segments: Sequence[tuple[jax.Array, jax.Array, Mask | jax.Array]],
+              *, key_block: int = KEY_BLOCK, query_block: int = QUERY_BLOCK,
+              scale: float | None = None) -> jax.Array:
+    """GQA softmax attention over key/value segments with one joint softmax.
+
+    Equal to softmax attention over the concatenation of the segments along S, with
+    float32 scores and accumulation; nothing of size [T, S] is materialised.
+
+    Args:
+      q_BTHd: queries [B, T, H, hd] (already roped).
+      segments: tuples ``(k [B, S_i, K, hd], v [B, S_i, K, hd], mask)`` with ``mask`` a
+        `Mask` or a bool array broadcastable to [B, T, S_i]; H % K == 0.
+      key_block: keys per block (static); a segment shorter than it is one block.
+      query_block: queries per block (static); T is padded up to a multiple of it.
+      scale: score scale; default ``hd ** -0.5``.
+    Returns:
+      [B, T, H, hd] in q's dtype. A query that sees no key gives zeros (never NaN).
+    Raises:
+      ValueError: shapes that do not fit (named in the message), block sizes < 1.
+    """
+    b, t, h, hd = q_BTHd.shape
+    if key_block < 1 or query_block < 1:
+        raise ValueError(f"key_block and query_block must be >= 1, got {key_block}, "
+                         f"{query_block}")
+    if not segments:
+        raise ValueError("attention needs at least one key/value segment")
+    kh = segments[0][0].shape[2]
+    if h % kh:
+        raise ValueError(f"{h} query heads are not a multiple of {kh} key/value heads")
+    qb = min(query_block, t)
+    nq = -(-t // qb)
+    pad = nq * qb - t
+    kvs, masks, kbs, nks = [], [], [], []
+    for k, v, mask in segments:
+        s = k.shape[1]
+        if k.shape != (b, s, kh, hd) or v.shape != k.shape:
+            raise ValueError(f"segment keys {k.shape} / values {v.shape} do not match "
+                             f"queries {q_BTHd.shape} with {kh} key/value heads")
+        if s == 0:
+            continue
+        kvs.append((k, v))
+        masks.append(_padded(_as_mask(mask), b, t, s, pad))
+        kbs.append(min(key_block, s))
+        nks.append(-(-s // kbs[-1]))
+    if not kvs:
+        return jnp.zeros_like(q_BTHd)
+    static = _Static(qb, nq, tuple(kbs), tuple(nks),
+                     float(hd ** -0.5 if scale is None else scale))
+    q = jnp.pad(q_BTHd, ((0, 0), (0, pad), (0, 0), (0, 0))) if pad else q_BTHd
+    out = _flash(static, q, tuple(kvs), tuple(masks))
+    return out[:, :t]
+
+
+def _as_mask(mask) -> Mask:
+    return mask if isinstance(mask, Mask) else Mask(dense=mask)
+
+
+def _padded(mask: Mask, b: int, t: int, s: int, pad: int):
+    """(start [B, Tp] | None, end [B, Tp] | None, dense [B, Tp, S] | None); padded
+    queries see nothing."""
+    def rows(x, fill):
+        if x is None:
+            return None
+        x = jnp.broadcast_to(x, (b, t) + x.shape[2:] if x.ndim > 2 else (b, t))
+        return jnp.pad(x, ((0, 0), (0, pad)) + ((0, 0),) * (x.ndim - 2),
+                       constant_values=fill) if pad else x
+
+    start = None if mask.start is None else rows(jnp.asarray(mask.start, jnp.int32), 0)
+    end = None if mask.end is None else rows(jnp.asarray(mask.end, jnp.int32), 0)
+    if pad and end is None:  # padded queries must see nothing
+        end = rows(jnp.full((1, t), s, jnp.int32), 0)
+    dense = None
+    if mask.dense is not None:
+        d = jnp.asarray(mask.dense, bool)
+        d = d.reshape((1,) * (3 - d.ndim) + d.shape)
+        dense = rows(jnp.broadcast_to(d, (b, t, s)), False)
+    return start, end, dense
+
+
+# ----------------------------------------------------------------- block pieces
+
+
+def _query_rows(x, i, qb):
+    """Rows ``i*qb ..`` of axis 1 (a query block); None passes through."""
+    return None if x is None else jax.lax.dynamic_slice_in_dim(x, i * qb, qb, axis=1)
+
+
+def _key_range(mask_q, s: int, kb: int, nk: int):
+    """(first, last + 1) key block that some query of the block may see."""
+    start, end, _ = mask_q
+    lo = 0 if start is None else jnp.clip(jnp.min(start), 0, s) // kb
+    hi = nk if end is None else -(-jnp.clip(jnp.max(end), 0, s) // kb)
+    return lo, hi
+
+
+def _key_block(x, j, kb: int, s: int, axis: int):
+    """Key block j of ``x`` along ``axis``; the last block is shifted back to fit inside
+    S (no padding copy of the keys), its repeated keys masked out by `_visible`."""
+    first = jnp.minimum(j * kb, s - kb)
+    return jax.lax.dynamic_slice_in_dim(x, first, kb, axis=axis), first
+
+
+def _visible(mask_q, j, first, kb: int):
+    """bool [B, Tq, Sk]: key ``first + i`` of block j visible to each query."""
+    start, end, dense = mask_q
+    idx = first + jnp.arange(kb, dtype=jnp.int32)
+    vis = (idx >= j * kb)[None, None, :]
+    if start is not None:
+        vis = vis & (idx[None, None, :] >= start[:, :, None])
+    if end is not None:
+        vis = vis & (idx[None, None, :] < end[:, :, None])
+    if dense is not None:
+        vis = vis & jax.lax.dynamic_slice_in_dim(dense, first, kb, axis=2)
+    return vis
+
+
+def _scores(q_BQKGd, k_BSKd, vis_BQS, scale):
+    """Scaled float32 scores [B, K, Q, G, S], -inf where not visible."""
+    s = jnp.einsum("bqkgd,bskd->bkqgs", q_BQKGd, k_BSKd.astype(q_BQKGd.dtype),
+                   preferred_element_type=jnp.float32) * scale
+    return jnp.where(vis_BQS[:, None, :, None, :], s, -jnp.inf)
+
+
+def _over_key_blocks(lo, hi, nk: int, body, carry):
+    """``body(j, carry)`` for key blocks lo..hi-1 (one block: always, it is masked)."""
+    if nk == 1:
+        return body(0, carry)
+    return jax.lax.fori_loop(lo, hi, body, carry)
+
+
+def _over_query_blocks(static: _Static, body, carry):
+    if static.num_query_blocks == 1:
+        return body(0, carry)
+    return jax.lax.fori_loop(0, static.num_query_blocks, body, carry)
+
+
+def _grouped(x_BTHd, kh):
+    b, t, h, hd = x_BTHd.shape
+    return x_BTHd.reshape(b, t, kh, h // kh, hd)
+
+
+# ------------------------------------------------------------ forward, backward
+
+
+def _forward(static: _Static, q, kvs, masks):
+    """(out [B, Tp, H, hd] in q's dtype, log-normaliser float32 [B, K, Tp, G])."""
+    b, tp, h, hd = q.shape
+    kh = kvs[0][0].shape[2]
+    g, qb = h // kh, static.query_block
+    qg = _grouped(q, kh)
+
+    def query_block(i, bufs):
+        out, lse = bufs
+        q_blk = _query_rows(qg, i, qb)
+        m = jnp.full((b, kh, qb, g), -jnp.inf, jnp.float32)
+        carry = (m, jnp.zeros_like(m), jnp.zeros((b, kh, qb, g, hd), jnp.float32))
+        for (k, v), mask, kb, nk in zip(kvs, masks, static.key_blocks, static.num_key_blocks):
+            s_len = k.shape[1]
+            mask_q = tuple(_query_rows(x, i, qb) for x in mask)
+
+            def body(j, carry, k=k, v=v, mask_q=mask_q, kb=kb, s_len=s_len):
+                m, l, o = carry
+                k_blk, first = _key_block(k, j, kb, s_len, axis=1)
+                v_blk, _ = _key_block(v, j, kb, s_len, axis=1)
+                s = _scores(q_blk, k_blk, _visible(mask_q, j, first, kb), static.scale)
+                m_new = jnp.maximum(m, s.max(-1))
+                m_ref = jnp.where(jnp.isfinite(m_new), m_new, 0.0)  # all unseen: no NaN
+                p = jnp.exp(s - m_ref[..., None])
+                alpha = jnp.exp(m - m_ref)
+                pv = jnp.einsum("bkqgs,bskd->bkqgd", p.astype(v.dtype), v_blk,
+                                preferred_element_type=jnp.float32)
+                return m_new, alpha * l + p.sum(-1), alpha[..., None] * o + pv
+
+            carry = _over_key_blocks(*_key_range(mask_q, s_len, kb, nk), nk, body, carry)
+        m, l, o = carry
+        seen = l > 0
+        o = o / jnp.where(seen, l, 1.0)[..., None]
+        o_blk = o.transpose(0, 2, 1, 3, 4).reshape(b, qb, h, hd).astype(q.dtype)
+        lse_blk = jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1.0)), 0.0)
+        if static.num_query_blocks == 1:
+            return o_blk, lse_blk
+        return (jax.lax.dynamic_update_slice_in_dim(out, o_blk, i * qb, axis=1),
+                jax.lax.dynamic_update_slice_in_dim(lse, lse_blk, i * qb, axis=2))
+
+    bufs = (jnp.zeros(q.shape, q.dtype), jnp.zeros((b, kh, tp, g), jnp.float32))
+    return _over_query_blocks(static, query_block, bufs)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _flash(static: _Static, q, kvs, masks):
+    return _forward(static, q, kvs, masks)[0]
+
+
+def _flash_fwd(static, q, kvs, masks):
+    out, lse = _forward(static, q, kvs, masks)
+    return out, (q, kvs, masks, out, lse)
+
+
+def _flash_bwd(static, residuals, dout):
+    """Flash backward: per block ``p = exp(s - lse)``, ``ds = p * (dp - rowsum(dO * O))``."""
+    q, kvs, masks, out, lse = residuals
+    b, tp, h, hd = q.shape
+    kh = kvs[0][0].shape[2]
+    g, qb = h // kh, static.query_block
+    qg, dog = _grouped(q, kh), _grouped(dout, kh)
+    delta = jnp.sum(dout.astype(jnp.float32) * out.astype(jnp.float32), -1)
+    delta = delta.reshape(b, tp, kh, g).transpose(0, 2, 1, 3)                 # [B, K, Tp, G]
+
+    def query_block(i, carry):
+        dq, dkvs = carry
+        q_blk, do_blk = _query_rows(qg, i, qb), _query_rows(dog, i, qb)
+        lse_blk = jax.lax.dynamic_slice_in_dim(lse, i * qb, qb, axis=2)[..., None]
+        delta_blk = jax.lax.dynamic_slice_in_dim(delta, i * qb, qb, axis=2)[..., None]
+        dq_blk = jnp.zeros(q_blk.shape, jnp.float32)
+        new_dkvs = []
+        for (k, v), (dk, dv), mask, kb, nk in zip(kvs, dkvs, masks, static.key_blocks,
+                                                  static.num_key_blocks):
+            s_len = k.shape[1]
+            mask_q = tuple(_query_rows(x, i, qb) for x in mask)
+
+            def body(j, c, k=k, v=v, mask_q=mask_q, kb=kb, s_len=s_len):
+                dq_blk, dk, dv = c
+                k_blk, first = _key_block(k, j, kb, s_len, axis=1)
+                v_blk, _ = _key_block(v, j, kb, s_len, axis=1)
+                s = _scores(q_blk, k_blk, _visible(mask_q, j, first, kb), static.scale)
+                p = jnp.exp(s - lse_blk)
+                dv_blk = jnp.einsum("bkqgs,bqkgd->bskd", p.astype(do_blk.dtype), do_blk,
+                                    preferred_element_type=jnp.float32)
+                dp = jnp.einsum("bqkgd,bskd->bkqgs", do_blk, v_blk.astype(do_blk.dtype),
+                                preferred_element_type=jnp.float32)
+                ds = p * (dp - delta_blk) * static.scale
+                dq_blk = dq_blk + jnp.einsum("bkqgs,bskd->bqkgd", ds.astype(k.dtype), k_blk,
+                                             preferred_element_type=jnp.float32)
+                dk_blk = jnp.einsum("bkqgs,bqkgd->bskd", ds.astype(q_blk.dtype), q_blk,
+                                    preferred_element_type=jnp.float32)
+                return dq_blk, _add_rows(dk, dk_blk, first), _add_rows(dv, dv_blk, first)
+
+            dq_blk, dk, dv = _over_key_blocks(*_key_range(mask_q, s_len, kb, nk), nk, body,
+                                              (dq_blk, dk, dv))
+            new_dkvs.append((dk, dv))
+        dq_blk = dq_blk.reshape(b, qb, h, hd)
+        if static.num_query_blocks == 1:
+            return dq_blk, tuple(new_dkvs)
+        return jax.lax.dynamic_update_slice_in_dim(dq, dq_blk, i * qb, axis=1), tuple(new_dkvs)
+
+    zeros = tuple((jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32))
+                  for k, v in kvs)
+    dq, dkvs = _over_query_blocks(static, query_block,
+                                  (jnp.zeros(q.shape, jnp.float32), zeros))
+    dkvs = tuple((dk.astype(k.dtype), dv.astype(v.dtype))
+                 for (dk, dv), (k, v) in zip(dkvs, kvs))
+    return dq.astype(q.dtype), dkvs, None
+
+
+def _add_rows(acc_BSKd, x_BSKd, first):
+    """``acc[:, first:first + Sk] += x`` (a key block's gradient)."""
+    n = x_BSKd.shape[1]
+    cur = jax.lax.dynamic_slice_in_dim(acc_BSKd, first, n, axis=1)
+    return jax.lax.dynamic_update_slice_in_dim(acc_BSKd, cur + x_BSKd, first, axis=1)
+
+
+_flash.defvjp(_flash_fwd, _flash_bwd)
