@@ -72,14 +72,15 @@ def read_prompts(path: str | Path) -> list[PromptRecord]:
         raise ValueError(f"{path}: no prompts")
     seen: dict[Any, int] = {}
     for r in records:
-        if _id_key(r.id) in seen:
+        if id_key(r.id) in seen:
             raise ValueError(f"{path}:{r.line}: id {r.id!r} already used on line "
-                             f"{seen[_id_key(r.id)]}")
-        seen[_id_key(r.id)] = r.line
+                             f"{seen[id_key(r.id)]}")
+        seen[id_key(r.id)] = r.line
     return records
 
 
-def _id_key(rid) -> str:
+def id_key(rid) -> str:
+    """How ids are compared (JSON text, so that the id 1 and the id "1" differ)."""
     return json.dumps(rid)
 
 
@@ -251,7 +252,7 @@ def read_done_ids(out: Path) -> set[str]:
             raise ValueError(f"{out}:{n}: not a JSON line; is this an output file?") from None
         if not isinstance(obj, dict) or "id" not in obj:
             raise ValueError(f"{out}:{n}: a line without an id; is this an output file?")
-        done.add(_id_key(obj["id"]))
+        done.add(id_key(obj["id"]))
     return done
 
 
@@ -336,7 +337,7 @@ def merge_outputs(out: str | Path, *, force: bool = False) -> int:
     lines = []
     for i in range(count):
         for line in _complete_lines(shards[i]):
-            rid = _id_key(json.loads(line)["id"])
+            rid = id_key(json.loads(line)["id"])
             if rid in seen:
                 raise ValueError(f"id {rid} is in shards {seen[rid]} and {i}")
             seen[rid] = i

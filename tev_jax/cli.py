@@ -348,7 +348,7 @@ def batch_generate_command(args) -> int:
     settings = _batch_settings(args, target_dir, drafter_dir, config, prompt_len, index, count)
     done, f = batch_io.open_output(out, settings, force=args.force)
     todo = [r for r in batch_io.shard_of(requests, index, count)
-            if json.dumps(r.id) not in done]
+            if batch_io.id_key(r.id) not in done]
     drafter = (None if drafter_dir is None
                else load_drafter(drafter_dir, target, dtype=dtype, mesh=mesh))
     key = jax.random.fold_in(jax.random.key(args.seed), index)

@@ -16,7 +16,8 @@ comparison is of the batching alone.
 
 Every program is compiled before the clock starts (a first call per shape; for (c) every
 (rows, width) refill bucket and the rounds program), so tokens/s are steady-state
-decoding. Greedy outputs are compared token for token across all methods (AR included:
+decoding. Both wall and CPU seconds (all threads of the process) are recorded: on a
+machine shared with other jobs the CPU seconds, the work done, vary much less. Greedy outputs are compared token for token across all methods (AR included:
 the verifier is exact). Results -> results.json (``--out``); figures in README.md.
 
     python -m experiments.batch_generate.run                       # the full run
@@ -56,6 +57,16 @@ def mixed_prompts(tokenizer, n: int, seed: int = 0) -> list[list[int]]:
     return [tokenizer.encode(picked[i]).ids for i in order]
 
 
+class Clock:
+    """Wall and CPU seconds (all threads of this process) since creation."""
+
+    def __init__(self):
+        self.wall, self.cpu = time.perf_counter(), time.process_time()
+
+    def read(self) -> tuple[float, float]:
+        return time.perf_counter() - self.wall, time.process_time() - self.cpu
+
+
 def static_batches(target, drafter, prompts, config, b):
     """`decode.generate` on chunks of ``b`` prompts, each padded to its width bucket."""
     chunks = [prompts[i: i + b] for i in range(0, len(prompts), b)]
@@ -64,14 +75,14 @@ def static_batches(target, drafter, prompts, config, b):
         config, prompt_len=next(w for w in widths if w >= max(map(len, c)))) for c in chunks]
     for size, cfg in {(len(c), cfg) for c, cfg in zip(chunks, configs)}:  # compile
         decode.generate(target, drafter, [[1]] * size, cfg)
-    t0 = time.perf_counter()
+    clock = Clock()
     rows, rounds, blocks = [], 0, 0.0
     for chunk, cfg in zip(chunks, configs):
         g = decode.generate(target, drafter, chunk, cfg)
         rows += g.rows()
         rounds += int(g.stats.rounds_per_row.sum())
         blocks += float(g.stats.block_lengths.sum())
-    return rows, time.perf_counter() - t0, blocks / max(rounds, 1)
+    return rows, clock.read(), blocks / max(rounds, 1)
 
 
 def warm_up_continuous(target, drafter, config, b, widths):
@@ -90,10 +101,10 @@ def continuous(target, drafter, prompts, config, b):
     widths = batching.width_buckets(config.prompt_len)
     warm_up_continuous(target, drafter, config, b, widths)
     requests = [batching.Request(i, p) for i, p in enumerate(prompts)]
-    t0 = time.perf_counter()
+    clock = Clock()
     results = {r.id: r for r in batching.generate_continuous(
         target, drafter, requests, config, batch_size=b, widths=widths)}
-    seconds = time.perf_counter() - t0
+    seconds = clock.read()
     ran = [r for r in results.values() if r.rounds]
     tau = sum(r.tau * r.rounds for r in ran) / max(sum(r.rounds for r in ran), 1)
     return [results[i].token_ids for i in range(len(prompts))], seconds, tau
@@ -128,21 +139,24 @@ def main(argv=None) -> int:
         for b in sizes:
             runs += [("static", b, static_batches, (b,)), ("continuous", b, continuous, (b,))]
         for how, b, fn, extra in runs:
-            outputs, seconds, tau = fn(target, d, prompts, config, *extra)
+            outputs, (wall, cpu), tau = fn(target, d, prompts, config, *extra)
             tokens = sum(map(len, outputs))
             if reference is None:
                 reference = outputs
             same = sum(o == r for o, r in zip(outputs, reference))
             row = {"method": name, "batching": how, "batch": b, "tokens": tokens,
-                   "seconds": round(seconds, 2), "tokens_per_s": round(tokens / seconds, 2),
+                   "seconds": round(wall, 2), "tokens_per_s": round(tokens / wall, 2),
+                   "cpu_seconds": round(cpu, 2), "tokens_per_cpu_s": round(tokens / cpu, 2),
                    "tau": round(tau, 3), "identical_outputs": same}
             rows.append(row)
             print(json.dumps(row), flush=True)
     for name in args.methods.split(","):
         for b in sizes:
             get = {r["batching"]: r for r in rows if r["method"] == name and r["batch"] == b}
-            ratio = get["continuous"]["tokens_per_s"] / get["static"]["tokens_per_s"]
-            print(f"{name} B={b}: continuous / static = {ratio:.2f}x")
+            wall, cpu = (get["continuous"][k] / get["static"][k]
+                         for k in ("tokens_per_s", "tokens_per_cpu_s"))
+            print(f"{name} B={b}: continuous / static = {wall:.2f}x tokens/s, "
+                  f"{cpu:.2f}x tokens per CPU second")
     lengths = [len(p) for p in prompts]
     out = {"rows": rows, "num_prompts": len(prompts), "max_new_tokens": args.max_new_tokens,
            "prompt_len": prompt_len, "prompt_lengths": [min(lengths), int(np.median(lengths)),
