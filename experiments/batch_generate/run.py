@@ -17,11 +17,14 @@ comparison is of the batching alone.
 Every program is compiled before the clock starts (a first call per shape; for (c) every
 (rows, width) refill bucket and the rounds program), so tokens/s are steady-state
 decoding. Both wall and CPU seconds (all threads of the process) are recorded: on a
-machine shared with other jobs the CPU seconds, the work done, vary much less. Greedy outputs are compared token for token across all methods (AR included:
-the verifier is exact). Results -> results.json (``--out``); figures in README.md.
+machine shared with other jobs the CPU seconds, the work done, vary much less. Greedy
+outputs are compared token for token across all methods (AR included: the verifier is
+exact). Results -> results.json (``--out``, rewritten after every run); figures in
+README.md.
 
     python -m experiments.batch_generate.run                       # the full run
-    python -m experiments.batch_generate.run --num-prompts 32 --out results_quick.json
+    python -m experiments.batch_generate.run --num-prompts 32 --batch-sizes 8 \\
+        --single-prompts 0 --out results_quick.json
 """
 
 from __future__ import annotations
@@ -76,13 +79,16 @@ def static_batches(target, drafter, prompts, config, b):
     for size, cfg in {(len(c), cfg) for c, cfg in zip(chunks, configs)}:  # compile
         decode.generate(target, drafter, [[1]] * size, cfg)
     clock = Clock()
-    rows, rounds, blocks = [], 0, 0.0
+    rows, rounds, blocks, row_rounds = [], 0, 0.0, 0
     for chunk, cfg in zip(chunks, configs):
         g = decode.generate(target, drafter, chunk, cfg)
         rows += g.rows()
         rounds += int(g.stats.rounds_per_row.sum())
         blocks += float(g.stats.block_lengths.sum())
-    return rows, clock.read(), blocks / max(rounds, 1)
+        row_rounds += b * g.stats.rounds
+    # occupancy: the share of row-rounds spent on unfinished rows (1 / occupancy bounds
+    # what refilling finished rows can gain)
+    return rows, clock.read(), blocks / max(rounds, 1), rounds / max(row_rounds, 1)
 
 
 def warm_up_continuous(target, drafter, config, b, widths):
@@ -107,7 +113,7 @@ def continuous(target, drafter, prompts, config, b):
     seconds = clock.read()
     ran = [r for r in results.values() if r.rounds]
     tau = sum(r.tau * r.rounds for r in ran) / max(sum(r.rounds for r in ran), 1)
-    return [results[i].token_ids for i in range(len(prompts))], seconds, tau
+    return [results[i].token_ids for i in range(len(prompts))], seconds, tau, None
 
 
 def main(argv=None) -> int:
@@ -115,9 +121,10 @@ def main(argv=None) -> int:
     parser.add_argument("--num-prompts", type=int, default=256)
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--batch-sizes", default="8,32")
-    parser.add_argument("--methods", default="spec,ar", help="spec (DDTree + TEV), ar")
-    parser.add_argument("--skip-single", action="store_true",
-                        help="skip (a), one prompt at a time (the slowest)")
+    parser.add_argument("--methods", default="ar,spec", help="ar, spec (DDTree + TEV)")
+    parser.add_argument("--single-prompts", type=int, default=32,
+                        help="(a), one prompt at a time (the slowest), on the first this "
+                             "many prompts only (0: skip)")
     parser.add_argument("--out", default="results.json")
     args = parser.parse_args(argv)
 
@@ -127,29 +134,43 @@ def main(argv=None) -> int:
     sizes = [int(s) for s in args.batch_sizes.split(",")]
     base = decode.DecodeConfig(max_new_tokens=args.max_new_tokens, budget=64, verifier="tev",
                                stop_token_ids=STOP_IDS, prompt_len=prompt_len)
-    methods = {"spec": base, "ar": dataclasses.replace(base, builder="none")}
+    methods = {"ar": dataclasses.replace(base, builder="none"), "spec": base}
     for name, config in methods.items():  # one cache length per method, every batching
         static = decode.prepare_slots(target, drafter, config, 1)[2]
         methods[name] = dataclasses.replace(config, max_cache_len=static.max_len)
-    rows, reference = [], None
+    lengths = [len(p) for p in prompts]
+    out = {"rows": [], "num_prompts": len(prompts), "max_new_tokens": args.max_new_tokens,
+           "prompt_len": prompt_len, "prompt_lengths": [min(lengths), int(np.median(lengths)),
+                                                        max(lengths)],
+           "machine": {"platform": platform.platform(), "cpus": os.cpu_count(),
+                       "jax": jax.__version__}}
+    rows, reference = out["rows"], None
     for name in args.methods.split(","):
         config = methods[name]
         d = drafter if name == "spec" else None
-        runs = [] if args.skip_single else [("one at a time", 1, static_batches, (1,))]
+        runs = []
         for b in sizes:
             runs += [("static", b, static_batches, (b,)), ("continuous", b, continuous, (b,))]
+        if args.single_prompts:
+            runs.append(("one at a time", 1, static_batches, (1,)))
         for how, b, fn, extra in runs:
-            outputs, (wall, cpu), tau = fn(target, d, prompts, config, *extra)
+            subset = prompts[: args.single_prompts] if how == "one at a time" else prompts
+            outputs, (wall, cpu), tau, occupancy = fn(target, d, subset, config, *extra)
             tokens = sum(map(len, outputs))
             if reference is None:
                 reference = outputs
+                out["output_lengths"] = [len(o) for o in reference]
             same = sum(o == r for o, r in zip(outputs, reference))
-            row = {"method": name, "batching": how, "batch": b, "tokens": tokens,
-                   "seconds": round(wall, 2), "tokens_per_s": round(tokens / wall, 2),
-                   "cpu_seconds": round(cpu, 2), "tokens_per_cpu_s": round(tokens / cpu, 2),
-                   "tau": round(tau, 3), "identical_outputs": same}
+            row = {"method": name, "batching": how, "batch": b, "prompts": len(subset),
+                   "tokens": tokens, "seconds": round(wall, 2),
+                   "tokens_per_s": round(tokens / wall, 2), "cpu_seconds": round(cpu, 2),
+                   "tokens_per_cpu_s": round(tokens / cpu, 2), "tau": round(tau, 3),
+                   "identical_outputs": same,
+                   "occupancy": None if occupancy is None else round(occupancy, 3),
+                   "load_avg": round(os.getloadavg()[0], 1)}
             rows.append(row)
             print(json.dumps(row), flush=True)
+            (HERE / args.out).write_text(json.dumps(out, indent=1) + "\n")
     for name in args.methods.split(","):
         for b in sizes:
             get = {r["batching"]: r for r in rows if r["method"] == name and r["batch"] == b}
@@ -157,14 +178,6 @@ def main(argv=None) -> int:
                          for k in ("tokens_per_s", "tokens_per_cpu_s"))
             print(f"{name} B={b}: continuous / static = {wall:.2f}x tokens/s, "
                   f"{cpu:.2f}x tokens per CPU second")
-    lengths = [len(p) for p in prompts]
-    out = {"rows": rows, "num_prompts": len(prompts), "max_new_tokens": args.max_new_tokens,
-           "prompt_len": prompt_len, "prompt_lengths": [min(lengths), int(np.median(lengths)),
-                                                        max(lengths)],
-           "output_lengths": [len(o) for o in reference],
-           "machine": {"platform": platform.platform(), "cpus": os.cpu_count(),
-                       "load_avg_at_end": os.getloadavg(), "jax": jax.__version__}}
-    (HERE / args.out).write_text(json.dumps(out, indent=1) + "\n")
     return 0
 
 
