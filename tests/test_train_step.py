@@ -1,6 +1,6 @@
 """The drafter training step: sharded = single device, gradients reach only the drafter
 (and the vjp route equals a plain ``jax.grad``), a 30-step run lowers the loss; anchors,
-rollouts, config and CLI."""
+batches, config and CLI (rollout storage: test_rollouts.py)."""
 
 from __future__ import annotations
 
@@ -20,7 +20,6 @@ from train.__main__ import build_parser, config_from_args
 from train.anchors import anchor_range, sample_anchors, step_rng
 from train.config import TrainConfig
 from train.loop import optim_config, step_config, train
-from train.rollouts import RolloutConfig, RolloutSet, make_rollouts
 from train.step import (
     Batch,
     block_labels,
@@ -221,30 +220,6 @@ def test_batches_are_a_pure_function_of_seed_and_step():
     # One epoch visits every sequence once.
     seen = np.concatenate([data.indices_at(3, k, 8) for k in range(8)])
     assert sorted(seen.tolist()) == list(range(64))
-
-
-def test_rollouts_round_trip(tmp_path):
-    from tev_jax.decode import DecodeConfig, generate_ar
-
-    target, _ = tf.models()
-    prompts = [[1, 5, 9, 11], [1, 7], [1, 20, 21, 22, 23, 24]]
-    rc = RolloutConfig(max_prompt_len=5, max_new_tokens=6, stop_token_ids=(2,), batch_size=4,
-                       shard_size=2, seed=3)
-    manifest = make_rollouts(target, prompts, tmp_path / "roll", rc)
-    assert len(manifest["shards"]) == 2
-    data = RolloutSet.load(tmp_path / "roll")
-    cut = [p[-5:] for p in prompts]
-    gen = generate_ar(target, cut, DecodeConfig(max_new_tokens=6, builder="none",
-                                                sampling=rc.sampling, stop_token_ids=(2,)),
-                      jax.random.fold_in(jax.random.key(3), 0)).rows()
-    for i, (p, r) in enumerate(zip(cut, gen)):
-        start, end = data.spans[i]
-        assert start == len(p) and end == len(p) + len(r)
-        np.testing.assert_array_equal(data.tokens[i, :end], p + r)
-        assert (data.tokens[i, end:] == 0).all()
-    (tmp_path / "roll" / "spans-00001.npy").unlink()
-    with pytest.raises(ValueError, match="spans-00001.npy is missing"):
-        RolloutSet.load(tmp_path / "roll")
 
 
 # ------------------------------------------------------------------ config, CLI

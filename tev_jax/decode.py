@@ -422,7 +422,8 @@ def _prefill(graphdef, params, tokens_BT, lengths_B, key, *, static: _Static) ->
     b, t = tokens_BT.shape
     h, m = static.horizon, cfg.max_new_tokens
     cache = target.init_cache(b, static.max_len)
-    logits_BV, feats_BTF, cache = target.prefill(cache, tokens_BT, lengths_B, taps=static.taps)
+    logits_BV, feats_BTF, cache = target.prefill(cache, tokens_BT, lengths_B, taps=static.taps,
+                                                 chunk=cfg.prefill_chunk)
     key, sub = jax.random.split(key)
     t0_B = sample_token(sub, logits_BV, cfg.sampling)
     if feats_BTF is None:
@@ -1023,7 +1024,7 @@ def run_rounds(graphdef, params, st: DecodeState, until_done: int, max_rounds: i
 # The config fields each stage reads; the others are reset to their defaults so that
 # configurations differing only elsewhere share that stage's compilation.
 _STAGE_FIELDS = {
-    "prefill": ("max_new_tokens", "sampling", "stop_token_ids"),
+    "prefill": ("max_new_tokens", "sampling", "stop_token_ids", "prefill_chunk"),
     "draft": (),
     "build": ("builder", "budget"),
     "verify": (),

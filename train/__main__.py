@@ -1,6 +1,8 @@
 """``python -m train``: a thin CLI over `train.loop.train` and `train.rollouts`.
 
-    python -m train rollouts --target DIR --prompts-file prompts.jsonl --out DATA
+    python -m train rollouts --target DIR --prompts-file prompts.jsonl --out DATA \\
+        [--process-index I --process-count P | --distributed]
+    python -m train rollouts --merge --out DATA     # manifest of shards already written
     python -m train run --target-path DIR --data-dir DATA --loss exit --steps 2000 \\
         --out-dir runs/exit [--config base.json] [--mesh-fsdp 8] [--until-update 500]
 
@@ -76,8 +78,21 @@ def _read_prompts(ns, tokenizer) -> list[list[int]]:
 def _rollouts(ns) -> None:
     from tev_jax.models import load_target, load_tokenizer
     from tev_jax.sampling import Sampling
-    from train.rollouts import RolloutConfig, make_rollouts
+    from train.rollouts import RolloutConfig, make_rollouts, write_manifest
 
+    if ns.merge:
+        manifest = write_manifest(ns.out)
+        print(f"wrote the manifest of {manifest['num_sequences']} sequences in "
+              f"{len(manifest['shards'])} shards to {ns.out}")
+        return
+    if ns.target is None:
+        raise ValueError("--target is required (except with --merge)")
+    index, count = ns.process_index, ns.process_count
+    if ns.distributed:
+        import jax
+
+        jax.distributed.initialize()
+        index, count = jax.process_index(), jax.process_count()
     target = load_target(ns.target)
     tokenizer = load_tokenizer(ns.tokenizer or ns.target)
     prompts = _read_prompts(ns, tokenizer)
@@ -87,10 +102,20 @@ def _rollouts(ns) -> None:
                        sampling=Sampling(ns.temperature, ns.top_k, ns.top_p),
                        stop_token_ids=stop, batch_size=ns.batch_size,
                        shard_size=ns.shard_size, pad_id=ns.pad_id, seed=ns.seed)
+    done = []
+
+    def progress(n):
+        done.append(n)
+        print(f"{sum(done)} sequences", end="\r")
+
     manifest = make_rollouts(target, prompts, ns.out, rc, info={"target": str(ns.target)},
-                             progress=lambda n: print(f"{n}/{len(prompts)}", end="\r"))
-    print(f"\nwrote {manifest['num_sequences']} sequences of length {manifest['seq_len']} "
-          f"to {ns.out}")
+                             progress=progress, process_index=index, process_count=count)
+    if manifest is None:
+        print(f"\nprocess {index}/{count}: wrote its shards to {ns.out}; the last process "
+              "to finish writes the manifest (or run with --merge)")
+    else:
+        print(f"\nwrote {manifest['num_sequences']} sequences of length "
+              f"{manifest['seq_len']} to {ns.out}")
 
 
 def _run(ns) -> None:
@@ -105,6 +130,9 @@ def _run(ns) -> None:
     if result.history:
         last = result.history[-1]
         print(json.dumps({k: last[k] for k in sorted(last)}))
+    if result.preempted:
+        print("preempted (SIGTERM): saved a checkpoint after the last update; run the same "
+              "command again to resume", file=sys.stderr)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -112,7 +140,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
 
     r = sub.add_parser("rollouts", help="generate target responses to prompts")
-    r.add_argument("--target", required=True, help="Hugging Face target directory")
+    r.add_argument("--target", help="Hugging Face target directory")
     r.add_argument("--tokenizer", help="tokenizer.json or its directory (default: --target)")
     r.add_argument("--prompts-file", help="JSONL with a 'prompt' (or 'text') field")
     r.add_argument("--prompt-set", action="append", help="a bundled prompt set (eval data!)")
@@ -128,6 +156,13 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--shard-size", type=int, default=4096)
     r.add_argument("--pad-id", type=int, default=0)
     r.add_argument("--seed", type=int, default=0)
+    r.add_argument("--process-index", type=int, default=0,
+                   help="this process writes the shards i with i %% count == index")
+    r.add_argument("--process-count", type=int, default=1)
+    r.add_argument("--distributed", action="store_true",
+                   help="index and count from jax.distributed.initialize()")
+    r.add_argument("--merge", action="store_true",
+                   help="only write the manifest of the shards in --out")
     r.set_defaults(fn=_rollouts)
 
     t = sub.add_parser("run", help="train a drafter (resumes from --out-dir)")

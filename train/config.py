@@ -54,7 +54,9 @@ class TrainConfig:
 
     Run:
       out_dir: checkpoints (``out_dir/checkpoints``), ``train_log.jsonl`` and the final
-        drafter (``out_dir/drafter``).
+        drafter (``out_dir/drafter``); a local folder (process 0 writes the log).
+      checkpoint_dir: where checkpoints go instead of ``out_dir/checkpoints``; may be a
+        bucket (``gs://...``) that every process of a pod writes its shards to.
       checkpoint_every, keep_checkpoints: orbax save interval (updates) and retention.
       log_every: metrics are fetched and logged every this many updates.
       seed: the batch at update k is a pure function of (seed, k).
@@ -98,6 +100,7 @@ class TrainConfig:
     distributed: bool = False
 
     out_dir: str = "runs/train"
+    checkpoint_dir: str | None = None
     checkpoint_every: int = 200
     keep_checkpoints: int = 3
     log_every: int = 1
@@ -176,7 +179,7 @@ class TrainConfig:
         checkpoint/logging cadence and ``resume`` are not.
         """
         skip = {"checkpoint_every", "keep_checkpoints", "log_every", "resume", "out_dir",
-                "distributed"}
+                "checkpoint_dir", "distributed"}
         return {k: v for k, v in self.to_dict().items() if k not in skip}
 
 
