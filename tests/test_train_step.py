@@ -142,8 +142,11 @@ def test_vjp_route_equals_jax_grad_of_the_whole_objective():
         return grads, metrics["loss"], direct, loss
 
     grads, loss, direct, loss2 = both(params, batch)
+    # The step reads the LM head over vocabulary blocks, this reference through dense
+    # logits: equal up to float32 rounding.
     np.testing.assert_allclose(loss, loss2, rtol=1e-6)
-    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-6), grads, direct)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-6, rtol=1e-5),
+                 grads, direct)
 
 
 def test_remat_keeps_and_compute_dtype_casts_the_gradients():
