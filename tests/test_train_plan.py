@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import math
 
-import jax
 import numpy as np
 import pytest
 from flax import nnx

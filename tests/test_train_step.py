@@ -142,8 +142,11 @@ def test_vjp_route_equals_jax_grad_of_the_whole_objective():
         return grads, metrics["loss"], direct, loss
 
     grads, loss, direct, loss2 = both(params, batch)
+    # The step reads the LM head over vocabulary blocks, this reference through dense
+    # logits: equal up to float32 rounding.
     np.testing.assert_allclose(loss, loss2, rtol=1e-6)
-    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-6), grads, direct)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-6, rtol=1e-5),
+                 grads, direct)
 
 
 def test_remat_keeps_and_compute_dtype_casts_the_gradients():
@@ -159,7 +162,8 @@ def test_remat_keeps_and_compute_dtype_casts_the_gradients():
     grads, metrics = run(params, batch, scfg)
     remat_grads, remat_metrics = run(params, batch, dataclasses.replace(scfg, remat="full"))
     np.testing.assert_allclose(remat_metrics["loss"], metrics["loss"], rtol=1e-6)
-    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-6), remat_grads, grads)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-6, rtol=1e-5),
+                 remat_grads, grads)
     bf_grads, bf_metrics = run(params, batch, dataclasses.replace(scfg, compute_dtype="bfloat16"))
     assert all(g.dtype == np.float32 for g in jax.tree.leaves(bf_grads))
     np.testing.assert_allclose(bf_metrics["loss"], metrics["loss"], rtol=2e-2)
