@@ -269,8 +269,7 @@ def _forward(static: _Static, q, kvs, masks, layers):
 
             def body(j, carry, k=k, v=v, mask_q=mask_q, layer=layer, kb=kb):
                 m, l, o = carry
-                s, _, v_blk, _ = _block(q_blk, k, v, layer, mask_q, j, kb,
-                                                static.scale)
+                s, _, v_blk, _ = _block(q_blk, k, v, layer, mask_q, j, kb, static.scale)
                 m_new = jnp.maximum(m, s.max(-1))
                 m_ref = jnp.where(jnp.isfinite(m_new), m_new, 0.0)  # all unseen: no NaN
                 p = jnp.exp(s - m_ref[..., None])
