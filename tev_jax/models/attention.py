@@ -223,6 +223,13 @@ def _scores(q_BQKGd, k_BSKd, vis_BQS, scale):
     return jnp.where(vis_BQS[:, None, :, None, :], s, -jnp.inf)
 
 
+def _block(q_blk, k, v, layer, mask_q, j, kb: int, scale):
+    """(masked scores, k block, v block, first key index) of key block j."""
+    k_blk, first = _key_block(k, layer, j, kb)
+    v_blk, _ = _key_block(v, layer, j, kb)
+    return _scores(q_blk, k_blk, _visible(mask_q, j, first, kb), scale), k_blk, v_blk, first
+
+
 def _over_key_blocks(lo, hi, nk: int, body, carry):
     """``body(j, carry)`` for key blocks lo..hi-1 (one block: always, it is masked)."""
     if nk == 1:
@@ -262,9 +269,7 @@ def _forward(static: _Static, q, kvs, masks, layers):
 
             def body(j, carry, k=k, v=v, mask_q=mask_q, layer=layer, kb=kb):
                 m, l, o = carry
-                k_blk, first = _key_block(k, layer, j, kb)
-                v_blk, _ = _key_block(v, layer, j, kb)
-                s = _scores(q_blk, k_blk, _visible(mask_q, j, first, kb), static.scale)
+                s, _, v_blk, _ = _block(q_blk, k, v, layer, mask_q, j, kb, static.scale)
                 m_new = jnp.maximum(m, s.max(-1))
                 m_ref = jnp.where(jnp.isfinite(m_new), m_new, 0.0)  # all unseen: no NaN
                 p = jnp.exp(s - m_ref[..., None])
@@ -322,9 +327,8 @@ def _flash_bwd(static, residuals, dout):
 
             def body(j, c, k=k, v=v, mask_q=mask_q, layer=layer, kb=kb):
                 dq_blk, dk, dv = c
-                k_blk, first = _key_block(k, layer, j, kb)
-                v_blk, _ = _key_block(v, layer, j, kb)
-                s = _scores(q_blk, k_blk, _visible(mask_q, j, first, kb), static.scale)
+                s, k_blk, v_blk, first = _block(q_blk, k, v, layer, mask_q, j, kb,
+                                                static.scale)
                 p = jnp.exp(s - lse_blk)
                 dv_blk = jnp.einsum("bkqgs,bqkgd->bskd", p.astype(do_blk.dtype), do_blk,
                                     preferred_element_type=jnp.float32)

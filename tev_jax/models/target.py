@@ -123,7 +123,7 @@ class Target(nnx.Module):
         for i, layer in enumerate(self.layers):
             prefix = None
             if cache is not None:
-                prefix = (cache.k[i], cache.v[i], prefix_mask)
+                prefix = (cache.k, cache.v, prefix_mask, i)  # layer i, read in place
             x, k, v = layer(x, positions_BT, inv_freq, block_mask, prefix)
             ks.append(k)
             vs.append(v)
@@ -134,7 +134,15 @@ class Target(nnx.Module):
         if last in tapped:
             tapped[last] = h  # HF's hidden_states[-1] is the final-normed output
         feats = (jnp.concatenate([tapped[t] for t in taps], axis=-1) if taps else None)
-        return h, feats, jnp.stack(ks), jnp.stack(vs)
+        ks, vs = jnp.stack(ks), jnp.stack(vs)
+        if cache is not None:
+            # Makes the new keys/values depend on h, i.e. on every layer's read of the
+            # cache, so that XLA schedules `kvc.write` after those reads and updates the
+            # cache in place instead of copying the whole cache for the readers. (Only a
+            # row whose own hidden state is NaN changes: its new entries are zeroed.)
+            bad = jnp.isnan(h[:, 0, 0])[None, :, None, None, None]
+            ks, vs = jnp.where(bad, 0, ks), jnp.where(bad, 0, vs)
+        return h, feats, ks, vs
 
     def __call__(self, tokens_BT: jax.Array, positions_BT: jax.Array | None = None,
                  mask_BTT: jax.Array | None = None, taps: Sequence[int] = ()):
