@@ -1,9 +1,12 @@
-"""Checkpoints: a killed and resumed run gives bitwise the same losses; a missing,
-corrupted or half-written checkpoint gives a clear error and leaves the others intact."""
+"""Checkpoints: a killed, or SIGTERM-preempted, and resumed run gives bitwise the same
+losses; a missing, corrupted or half-written checkpoint gives a clear error and leaves
+the others intact; remote checkpoint paths stay URIs."""
 
 from __future__ import annotations
 
+import os
 import shutil
+import signal
 
 import jax
 import jax.numpy as jnp
@@ -12,8 +15,9 @@ import pytest
 
 import train_fixtures as tf
 from tev_jax import sharding as shd
-from tev_jax.checkpoint import CheckpointError, TrainCheckpointer, abstract_like
+from tev_jax.checkpoint import CheckpointError, TrainCheckpointer, abstract_like, checkpoint_path
 from train.loop import read_log, train
+from train.rollouts import RolloutSet
 
 
 def _run(cfg, **kw):
@@ -52,12 +56,48 @@ def test_kill_and_resume_gives_bitwise_identical_losses(tmp_path):
         _run(tf.config(tmp_path / "resumed", exit_lambda=0.25, **MESH), until_update=7)
 
 
+def test_sigterm_saves_after_the_update_and_the_rerun_resumes_bitwise(tmp_path):
+    straight = _run(tf.config(tmp_path / "straight", **MESH), until_update=6)
+    data = RolloutSet(tf.progressions().tokens, tf.progressions().spans)
+    read = data.batch_at
+
+    def batch_at(seed, step, *args, **kw):       # the job gets SIGTERM during update 2
+        if step == 1:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return read(seed, step, *args, **kw)
+
+    data.batch_at = batch_at
+    handler = signal.getsignal(signal.SIGTERM)
+    cfg = tf.config(tmp_path / "run", checkpoint_dir=str(tmp_path / "bucket"), **MESH)
+    target, drafter = tf.models()
+    first = train(cfg, target=target, drafter=drafter, data=data, until_update=6,
+                  progress=False, save_final_drafter=False)
+    assert first.preempted and [h["update"] for h in first.history] == [1, 2]
+    assert signal.getsignal(signal.SIGTERM) is handler           # handler restored
+    with TrainCheckpointer(tmp_path / "bucket") as ck:
+        assert ck.all_steps() == [2]                              # not on the interval
+    assert not (tmp_path / "run" / "checkpoints").exists()
+    data.batch_at = read
+    second = train(cfg, target=target, drafter=drafter, data=data, until_update=6,
+                   progress=False, save_final_drafter=False)
+    assert second.start_update == 2 and not second.preempted
+    keys = ("loss", "grad_norm", "tau")
+    assert ([[h[k] for k in keys] for h in first.history + second.history]
+            == [[h[k] for k in keys] for h in straight.history])
+
+
+def test_checkpoint_paths_keep_remote_uris(tmp_path, monkeypatch):
+    assert str(checkpoint_path("gs://bucket/runs/exit")) == "gs://bucket/runs/exit"
+    monkeypatch.chdir(tmp_path)
+    assert str(checkpoint_path("runs/ck")) == str(tmp_path / "runs" / "ck")
+
+
 def _state(x):
     return {"w": jnp.full((4, 3), float(x)), "step": jnp.int32(x)}
 
 
-def _saved(tmp_path, steps=(1, 2, 3), keep=3):
-    ck = TrainCheckpointer(tmp_path / "ck", every=1, keep=keep)
+def _saved(tmp_path, steps=(1, 2, 3), keep=3, async_save=False):
+    ck = TrainCheckpointer(tmp_path / "ck", every=1, keep=keep, async_save=async_save)
     for s in steps:
         assert ck.save(s, _state(s), {"update": s})
     ck.wait()
@@ -103,8 +143,9 @@ def test_corrupted_checkpoint_gives_a_clear_error_and_keeps_the_others(tmp_path)
     ck.close()
 
 
-def test_a_failed_save_never_replaces_the_last_good_checkpoint(tmp_path):
-    ck = _saved(tmp_path, steps=(1, 2), keep=2)
+@pytest.mark.parametrize("async_save", [False, True])
+def test_a_failed_save_never_replaces_the_last_good_checkpoint(tmp_path, async_save):
+    ck = _saved(tmp_path, steps=(1, 2), keep=2, async_save=async_save)
     with pytest.raises(Exception):
         ck.save(3, {"w": object()}, {"update": 3})   # not serialisable: fails mid-save
     ck.wait()

@@ -12,10 +12,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import reference as ref
-import strategies as tst
 from tev_jax.exit_law import exit_law
 from tev_jax.sampling import Sampling
+from tev_jax.testing import reference as ref
+from tev_jax.testing import strategies as tst
 from tev_jax.tree import make_tree
 
 N, V = 8, 5

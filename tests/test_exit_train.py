@@ -9,7 +9,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import reference as ref
 from tev_jax.exit_train import (
     WEIGHTINGS,
     exit_loss,
@@ -23,6 +22,7 @@ from tev_jax.exit_train import (
 )
 from tev_jax.models import ModelConfig, init_target
 from tev_jax.sampling import Sampling
+from tev_jax.testing import reference as ref
 from tev_jax.tree import make_tree
 
 

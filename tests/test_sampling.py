@@ -11,8 +11,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import reference as ref
 from tev_jax.sampling import Sampling, check_finite, log_probs
+from tev_jax.testing import reference as ref
 
 SAMPLINGS = [
     Sampling(1.0),

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 
-import reference as ref
-import strategies as tst
+from tev_jax.testing import reference as ref
+from tev_jax.testing import strategies as tst
 from tev_jax.tree import (
     DraftTree,
     ancestor_mask,

@@ -11,6 +11,14 @@ complete, so a run killed while saving leaves the last good checkpoint untouched
 partial folder is ignored, and cleaned up by the next manager). Older steps beyond
 ``keep`` are deleted only after a newer save has committed.
 
+With ``async_save`` a save returns once the arrays are copied to host memory (orbax's
+default synchronous device-to-host transfer, so the caller may donate or overwrite
+them) and the files are written in a background thread; the previous checkpoint is
+still deleted only after the new one has committed.
+
+Paths are `etils.epath.Path`: a ``gs://bucket/...`` directory works on a pod (local
+paths are made absolute, remote ones are left as they are).
+
 Restoring a step that is missing or unreadable raises a `ValueError` that names the
 step, the path and the steps that are available; it never deletes anything.
 """
@@ -18,11 +26,11 @@ step, the path and the steps that are available; it never deletes anything.
 from __future__ import annotations
 
 import os
-from pathlib import Path
 from typing import Any
 
 import jax
 import orbax.checkpoint as ocp
+from etils import epath
 
 
 class CheckpointError(ValueError):
@@ -33,7 +41,7 @@ class TrainCheckpointer:
     """Saves every ``every`` steps (and on demand), keeps the last ``keep``, restores.
 
     Args:
-      directory: checkpoint folder (created if missing).
+      directory: checkpoint folder (created if missing), local or remote (``gs://``).
       every: save interval in steps (`save` skips other steps unless forced).
       keep: number of most recent checkpoints to keep (None keeps all).
       async_save: write in a background thread (call `wait` before reading them).
@@ -45,7 +53,7 @@ class TrainCheckpointer:
             raise ValueError(f"checkpoint interval must be >= 1, got {every}")
         if keep is not None and keep < 1:
             raise ValueError(f"checkpoints to keep must be >= 1 or None, got {keep}")
-        self.directory = Path(directory).absolute()
+        self.directory = checkpoint_path(directory)
         self.every = int(every)
         options = ocp.CheckpointManagerOptions(
             max_to_keep=keep, create=True,
@@ -77,6 +85,15 @@ class TrainCheckpointer:
     def wait(self) -> None:
         """Blocks until pending asynchronous saves have committed."""
         self._manager.wait_until_finished()
+
+    def reached_preemption(self, step: int) -> bool:
+        """Whether every process has reached the preemption sync point ``step``.
+
+        Needs the distributed runtime (``jax.distributed.initialize``): after any
+        process gets SIGTERM, all of them agree on one step to save at. False
+        without it (use a signal handler there, see `train.preemption`).
+        """
+        return bool(self._manager.reached_preemption(int(step)))
 
     def restore(self, abstract_state: Any, step: int | None = None
                 ) -> tuple[Any, dict[str, Any], int]:
@@ -128,6 +145,12 @@ class TrainCheckpointer:
         self.close()
 
 
+def checkpoint_path(directory: str | os.PathLike) -> epath.Path:
+    """An `epath.Path`: remote URIs (``gs://...``) as given, local paths made absolute."""
+    text = os.fspath(directory)
+    return epath.Path(text if "://" in text else os.path.abspath(text))
+
+
 def _check_restored(state, abstract_state, step, path) -> None:
     want = jax.tree.structure(abstract_state)
     got = jax.tree.structure(state)
@@ -142,10 +165,10 @@ def _check_restored(state, abstract_state, step, path) -> None:
 
 
 def abstract_like(state: Any) -> Any:
-    """``jax.ShapeDtypeStruct``s (with shardings) of a pytree of arrays."""
+    """Abstract arrays (``jax.ShapeDtypeStruct``, with shardings) of a pytree of arrays."""
     return jax.tree.map(
         lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None)),
         state)
 
 
-__all__ = ["CheckpointError", "TrainCheckpointer", "abstract_like"]
+__all__ = ["CheckpointError", "TrainCheckpointer", "abstract_like", "checkpoint_path"]

@@ -48,6 +48,7 @@ import numpy as np
 from flax import nnx, struct
 from jax.sharding import NamedSharding
 
+from tev_jax import extensions
 from tev_jax import sharding as shd
 from tev_jax import verify as verify_lib
 from tev_jax.exit_law import exit_law, target_scores
@@ -55,7 +56,7 @@ from tev_jax.models import kv_cache as kvc
 from tev_jax.sampling import Sampling
 from tev_jax.tree import DraftTree, ancestor_mask
 
-BUILDERS = ("ddtree", "chain", "none")
+BUILDERS = tuple(extensions.BUILDERS)
 VERIFIERS = ("tev", "predraw", "sequential", "greedy")
 PAD_TOKEN = -1
 _LEN_ALIGN = 8  # prompt and cache lengths are rounded up to this, to share compilations
@@ -161,8 +162,10 @@ class DecodeConfig:
     Attributes:
       max_new_tokens: M, output tokens per row (the first, from the prefill, included).
       builder: 'ddtree' (best-first tree of ``budget`` nodes, N = budget + 1), 'chain'
-        (the drafter's argmax per row, N = H + 1) or 'none' (plain autoregressive
-        decoding from the target, N = 1; no drafter).
+        (the drafter's argmax per row, N = H + 1), 'none' (plain autoregressive
+        decoding from the target, N = 1; no drafter), or a hashable callable
+        ``(draft_logits_HV, root_token) -> DraftTree`` for one row (a
+        `tev_jax.extensions.TreeBuilder`; N is read from its output shape).
       budget: DDTree node budget (non-root nodes); ignored by the other builders.
       verifier: 'tev', 'predraw', 'sequential', 'greedy' (T = 0 only), or a callable
         ``(key, tree, target_logits_NV, sampling, *, horizon) -> Verdict`` (for
@@ -181,7 +184,7 @@ class DecodeConfig:
     """
 
     max_new_tokens: int = 256
-    builder: str = "ddtree"
+    builder: str | extensions.TreeBuilder = "ddtree"
     budget: int = 64
     verifier: str | VerifierFn = "tev"
     sampling: Sampling = Sampling(temperature=0.0)
@@ -194,8 +197,11 @@ class DecodeConfig:
     def __post_init__(self):
         if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be a positive int, got {self.max_new_tokens!r}")
-        if self.builder not in BUILDERS:
-            raise ValueError(f"builder must be one of {BUILDERS}, got {self.builder!r}")
+        if not isinstance(self.builder, str):
+            extensions.check_hashable(self.builder, "builder")
+        elif self.builder not in BUILDERS:
+            raise ValueError(f"builder must be one of {BUILDERS} or a callable, "
+                             f"got {self.builder!r}")
         if self.builder == "ddtree" and (not isinstance(self.budget, int) or self.budget < 1):
             raise ValueError(
                 f"budget must be a positive int for builder='ddtree', got {self.budget!r}")
@@ -203,8 +209,8 @@ class DecodeConfig:
             if self.verifier not in VERIFIERS:
                 raise ValueError(f"verifier must be one of {VERIFIERS} or a callable, "
                                  f"got {self.verifier!r}")
-        elif not callable(self.verifier):
-            raise ValueError(f"verifier must be a name or a callable, got {self.verifier!r}")
+        else:
+            extensions.check_hashable(self.verifier, "verifier")
         if not isinstance(self.sampling, Sampling):
             raise ValueError(f"sampling must be a Sampling, got {type(self.sampling).__name__}")
         if (self.verifier == "greedy" and self.builder != "none"
@@ -474,35 +480,11 @@ def _stage_draft(graphdef, params, st: DecodeState, *, static: _Static):
     return logits_BHV.astype(jnp.float32), ctx
 
 
-def _root_only(root_B: jax.Array) -> DraftTree:
-    b = root_B.shape[0]
-    return DraftTree(tokens=root_B[:, None].astype(jnp.int32),
-                     parents=jnp.full((b, 1), -1, jnp.int32),
-                     depths=jnp.zeros((b, 1), jnp.int32),
-                     valid=jnp.ones((b, 1), bool))
-
-
 def _stage_build(draft_logits_BHV, root_B, *, static: _Static) -> DraftTree:
-    """The draft tree of every row (root = the pending token)."""
-    builder = static.config.builder
-    if builder == "none":
-        return _root_only(root_B)
-    from tev_jax import ddtree
-
-    if builder == "chain":
-        fn = lambda l, r: _tree_of(ddtree.build_chain(l, r))
-        return jax.vmap(fn)(draft_logits_BHV, root_B)
-    budget = static.config.budget
-    # The top-k runs on the whole batch, so that a vocabulary sharded over a mesh gets
-    # the per-shard top-k with the batch axis kept in place.
-    tokens_BHK, logq_BHK = ddtree.topk_logq(
-        draft_logits_BHV, min(budget, draft_logits_BHV.shape[-1]), ("batch", None))
-    fn = lambda t, q, r: _tree_of(ddtree.build_tree_from_topk(t, q, r, budget))
-    return jax.vmap(fn)(tokens_BHK, logq_BHK, root_B)
-
-
-def _tree_of(built) -> DraftTree:
-    return built[0]  # (tree, BuildInfo)
+    """The draft tree of every row (root = the pending token): the builder over the batch
+    (its ``batched`` form when it has one, e.g. DDTree's batch-level top-k)."""
+    builder = extensions.resolve_builder(static.config.builder, static.config.budget)
+    return extensions.batched(builder)(draft_logits_BHV, root_B)
 
 
 def _stage_verify(graphdef, params, cache, tree: DraftTree, start_B, *, static: _Static):
@@ -688,7 +670,7 @@ def _setup(target, drafter, config: DecodeConfig, batch: int, width: int, mesh):
         if not isinstance(s, (int, np.integer)) or not 0 <= s < vocab:
             raise ValueError(f"stop token id {s!r} is outside the vocabulary [0, {vocab})")
     if config.builder == "none":
-        horizon, num_slots, taps = 0, 1, ()
+        horizon, taps = 0, ()
         drafter = None
     else:
         drafter = as_drafter(drafter)
@@ -702,7 +684,10 @@ def _setup(target, drafter, config: DecodeConfig, batch: int, width: int, mesh):
             if not 0 <= t < target.config.num_layers:
                 raise ValueError(f"drafter taps target layer {t}, but the target has "
                                  f"{target.config.num_layers} layers")
-        num_slots = config.budget + 1 if config.builder == "ddtree" else horizon + 1
+    builder = extensions.resolve_builder(config.builder, config.budget)
+    num_slots = extensions.builder_num_slots(builder, horizon, vocab)
+    if callable(config.verifier) and config.builder != "none":
+        extensions.check_verifier(config.verifier, num_slots, horizon, vocab, config.sampling)
 
     need = width + config.max_new_tokens + num_slots
     if config.max_cache_len is None:
@@ -897,6 +882,125 @@ def timed_generate(target, drafter, prompt_ids, config: DecodeConfig, key=0, *,
     seconds = float(np.median([g.stats.seconds for g in gens]))
     return dataclasses.replace(gens[-1], stats=dataclasses.replace(gens[-1].stats,
                                                                    seconds=seconds))
+
+
+# ------------------------------------------------------------ continuous batching
+#
+# Two jitted programs over one decode state of B row slots (the host loop that uses
+# them is `tev_jax.batching`): `refill_slots` prefills K new prompts into a small state
+# with `_prefill` and scatters its rows into the big state at given slots;
+# `run_rounds` runs `_round` until some more rows have finished. ``state.round`` keeps
+# counting across requests, so the per-round records (``block_len_RB``) are not
+# per-request there; a request's statistics come from ``rounds_B`` and ``start_B``.
+
+
+def prepare_slots(target, drafter, config: DecodeConfig, batch_size: int, mesh=None):
+    """Host checks for a state of ``batch_size`` slots; -> (graphdef, params, static, axes).
+
+    ``config.prompt_len`` (required) is the longest prompt any slot takes; the cache
+    length is the one `generate` would pick for that prompt buffer. With a ``mesh`` the
+    parameters and the state are laid out as in `generate`. ``axes`` is the row axis of
+    every `DecodeState` leaf (None for the per-batch scalars), for `refill_slots`.
+    """
+    if not isinstance(config, DecodeConfig) or config.prompt_len is None:
+        raise ValueError("continuous batching needs a DecodeConfig with prompt_len set "
+                         "(the longest prompt a slot can take)")
+    if config.track_exit_law:
+        raise ValueError("track_exit_law records per round of the whole batch; it is not "
+                         "supported with continuous batching")
+    if not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
+    graphdef, params, static = _setup(target, drafter, config, batch_size, config.prompt_len,
+                                      mesh)
+    axes = []
+    with _mesh_scope(mesh):
+        shapes = [jax.tree.leaves(_state_shapes(graphdef, params, static, rows))
+                  for rows in (1, 2)]
+    for one, two in zip(*shapes):
+        diff = [i for i, (a, b) in enumerate(zip(one.shape, two.shape)) if a != b]
+        axes.append(diff[0] if diff else None)
+    return graphdef, params, static, tuple(axes)
+
+
+def _state_shapes(graphdef, params, static: _Static, rows: int) -> DecodeState:
+    return jax.eval_shape(
+        functools.partial(_prefill, graphdef, static=static), params,
+        jax.ShapeDtypeStruct((rows, _LEN_ALIGN), jnp.int32),
+        jax.ShapeDtypeStruct((rows,), jnp.int32), jax.eval_shape(jax.random.key, 0))
+
+
+def empty_slots(graphdef, params, static: _Static, batch: int, key) -> DecodeState:
+    """A state of ``batch`` free slots (every row done, nothing in flight)."""
+    def zeros(s):
+        if jnp.issubdtype(s.dtype, jax.dtypes.prng_key):
+            return key
+        return jnp.zeros(s.shape, s.dtype)
+
+    st = jax.tree.map(zeros, _state_shapes(graphdef, params, static, batch))
+    return st.replace(done_B=jnp.ones((batch,), bool))
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "static", "axes"),
+                   donate_argnames=("st",))
+def _refill_jit(graphdef, params, st, tokens_KT, lengths_K, slots_K, key, *, static, axes):
+    new = _prefill(graphdef, params, tokens_KT, lengths_K, key, static=static)
+    big, treedef = jax.tree.flatten(st)
+
+    def put(axis, old, fresh):
+        if axis is None:  # per-batch scalars: keep the loop's key and round, OR the flags
+            return old | fresh if old.dtype == jnp.bool_ else old
+        return old.at[(slice(None),) * axis + (slots_K,)].set(fresh, mode="drop")
+
+    st = treedef.unflatten([put(a, o, f) for a, o, f in zip(axes, big, jax.tree.leaves(new))])
+    return _constrain_state(st, _merge(graphdef, params)[1], static)
+
+
+def refill_slots(graphdef, params, st: DecodeState, tokens_KT, lengths_K, slots_K, key, *,
+                 static: _Static, axes: tuple[int | None, ...]) -> DecodeState:
+    """Prefills K prompts into the given slots of ``st`` (donated); other rows unchanged.
+
+    Args:
+      graphdef, params, static, axes: from `prepare_slots`.
+      st: the batch state ([B] rows).
+      tokens_KT: int32 [K, T] the prompts, zero-padded (T a bucket width <= prompt_len).
+      lengths_K: int32 [K] prompt lengths (>= 1).
+      slots_K: int32 [K] the row of ``st`` each prompt goes to; ``>= B`` drops the
+        prompt (padding rows of a bucketed K).
+      key: PRNG key of the prefill's first token.
+
+    Returns:
+      The state with those rows freshly prefilled (t0 sampled, rounds 0).
+    """
+    with _mesh_scope(static.mesh):
+        return _refill_jit(graphdef, params, st, tokens_KT, lengths_K, slots_K, key,
+                           static=static, axes=axes)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "static"), donate_argnames=("st",))
+def _run_rounds_jit(graphdef, params, st, until_done, max_rounds, *, static):
+    drafter = _merge(graphdef, params)[1]
+    pin = lambda s: _constrain_state(s, drafter, static)
+
+    def running(carry):
+        s, i = carry
+        return (jnp.any(~s.done_B) & (jnp.sum(s.done_B.astype(jnp.int32)) < until_done)
+                & (i < max_rounds))
+
+    st, _ = jax.lax.while_loop(
+        running, lambda c: (pin(_round(graphdef, params, c[0], static=static)), c[1] + 1),
+        (st, jnp.zeros((), jnp.int32)))
+    return st
+
+
+def run_rounds(graphdef, params, st: DecodeState, until_done: int, max_rounds: int, *,
+               static: _Static) -> DecodeState:
+    """Runs rounds until ``until_done`` rows are done, all are, or ``max_rounds`` ran.
+
+    Both bounds are traced, so every call reuses one compilation. ``st`` is donated.
+    """
+    with _mesh_scope(static.mesh):
+        return _run_rounds_jit(graphdef, params, st, jnp.int32(until_done),
+                               jnp.int32(max_rounds), static=static)
 
 
 # ---------------------------------------------------------------------- profiling path

@@ -3,6 +3,11 @@
 A run is a pure function of its `TrainConfig` and its data: the micro-batch ``m`` is
 ``data.batch_at(seed, m, ...)``, so a run killed at any point and resumed from its last
 checkpoint replays exactly the same batches and (on CPU) the same losses bit for bit.
+Each process reads only the batch rows of its own devices (`train.local_input`).
+
+Checkpoints are asynchronous orbax saves (`tev_jax.checkpoint`), to ``out_dir/checkpoints``
+or ``checkpoint_dir`` (which may be ``gs://...``); on SIGTERM the run saves after the
+current update and returns (`train.preemption`).
 """
 
 from __future__ import annotations
@@ -16,11 +21,14 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from tev_jax import sharding as shd
 from tev_jax.checkpoint import CheckpointError, TrainCheckpointer
 from train.config import TrainConfig
+from train.local_input import batch_rows, place_local_batch
+from train.preemption import PreemptionWatch
 from train.rollouts import RolloutSet
 from train.step import (
     OptimConfig,
@@ -28,11 +36,10 @@ from train.step import (
     abstract_state,
     init_state,
     merge_drafter,
-    place_batch,
     place_frozen,
     split_models,
     step_program,
-    target_rules,
+    target_rules_for,
 )
 
 
@@ -45,12 +52,14 @@ class TrainResult:
       history: one metrics dict per logged update (host floats).
       start_update: the update the run started from (> 0 when resumed).
       drafter: the trained drafter module (parameters merged back).
+      preempted: the run stopped early on SIGTERM (with a checkpoint at its last update).
     """
 
     state: Any
     history: list[dict[str, float]]
     start_update: int
     drafter: Any
+    preempted: bool = False
 
 
 def make_mesh_for(cfg: TrainConfig):
@@ -61,22 +70,26 @@ def make_mesh_for(cfg: TrainConfig):
 
 
 def load_models(cfg: TrainConfig, mesh=None):
-    """(target, drafter) from the config's paths (a new drafter if no drafter_path)."""
+    """(target, drafter) from the config's paths (a new drafter if no drafter_path).
+
+    The target is loaded in ``target_dtype`` and placed by ``target_sharding``; the
+    drafter's parameters in ``param_dtype`` (the master weights the step updates).
+    """
     from tev_jax.models import load_target
     from tev_jax.models.drafter_io import init_drafter, load_drafter
 
     if cfg.target_path is None:
         raise ValueError("target_path is required (a Hugging Face checkpoint directory)")
-    dtype = jnp.dtype(cfg.dtype)
-    target = load_target(cfg.target_path, dtype=dtype, mesh=mesh,
-                         rules=None if mesh is None else target_rules())
+    target_dtype, param_dtype, _ = (jnp.dtype(d) for d in cfg.dtypes)
+    target = load_target(cfg.target_path, dtype=target_dtype, mesh=mesh,
+                         rules=None if mesh is None else target_rules_for(cfg.target_sharding))
     if cfg.drafter_path is not None:
-        drafter = load_drafter(cfg.drafter_path, target, dtype=dtype, mesh=mesh)
+        drafter = load_drafter(cfg.drafter_path, target, dtype=param_dtype, mesh=mesh)
     else:
         mask = cfg.mask_token_id if cfg.mask_token_id is not None else _mask_id(cfg.target_path)
         drafter = init_drafter(target, num_layers=cfg.drafter_layers, block_size=cfg.block_size,
                                mask_token_id=mask, key=cfg.seed,
-                               target_layer_ids=cfg.target_layer_ids, dtype=dtype)
+                               target_layer_ids=cfg.target_layer_ids, dtype=param_dtype)
     return target, drafter
 
 
@@ -98,10 +111,14 @@ def _mask_id(target_path: str) -> int:
 
 def step_config(cfg: TrainConfig, drafter) -> StepConfig:
     dc = drafter.config
+    _, param_dtype, compute_dtype = cfg.dtypes
     return StepConfig(loss=cfg.loss, budget=cfg.budget, exit_lambda=cfg.exit_lambda,
                       sampling=cfg.sampling, taps=tuple(dc.target_layer_ids),
                       horizon=dc.horizon, decay_gamma=cfg.token_decay_gamma,
-                      tree_metrics=cfg.tree_metrics, grad_accum=cfg.grad_accum)
+                      tree_metrics=cfg.tree_metrics, grad_accum=cfg.grad_accum,
+                      score_capacities=cfg.score_capacities,
+                      compute_dtype=None if compute_dtype == param_dtype else compute_dtype,
+                      remat=cfg.remat, target_sharding=cfg.target_sharding)
 
 
 def optim_config(cfg: TrainConfig) -> OptimConfig:
@@ -111,7 +128,7 @@ def optim_config(cfg: TrainConfig) -> OptimConfig:
                        grad_accum=cfg.grad_accum)
 
 
-def _check_resume(meta: dict, cfg: TrainConfig, data: RolloutSet, step: int, ckdir: Path):
+def _check_resume(meta: dict, cfg: TrainConfig, data: RolloutSet, step: int, ckdir):
     want = cfg.run_fingerprint()
     got = meta.get("config", {})
     diff = sorted(k for k in set(want) | set(got) if want.get(k) != got.get(k))
@@ -142,7 +159,10 @@ def _write_log(path: Path, record: dict) -> None:
 def train(cfg: TrainConfig, *, target=None, drafter=None, data: RolloutSet | None = None,
           until_update: int | None = None, max_minutes: float | None = None,
           progress: bool = True, save_final_drafter: bool = True) -> TrainResult:
-    """Trains the drafter; resumes from ``cfg.out_dir`` when a checkpoint is there.
+    """Trains the drafter; resumes from the latest checkpoint when there is one.
+
+    On SIGTERM (preemption) it saves after the current update and returns with
+    ``preempted=True``; calling it again resumes.
 
     Args:
       cfg: the `TrainConfig`.
@@ -179,13 +199,15 @@ def train(cfg: TrainConfig, *, target=None, drafter=None, data: RolloutSet | Non
     scfg = step_config(cfg, drafter)
     graphs, frozen, params = split_models(target, drafter)
     _, param_state, _ = nnx.split(drafter, nnx.Param, ...)
+    batch_shape = (cfg.batch_size, data.seq_len, cfg.num_anchors)
     program = step_program(graphs, scfg, optim_config(cfg), mesh, param_state, frozen,
-                           (cfg.batch_size, data.seq_len, cfg.num_anchors))
+                           batch_shape)
     place, optimizer, step_fn = program.place, program.optimizer, program.step_fn
     frozen = place_frozen(frozen, place)
 
-    ckpt = TrainCheckpointer(out / "checkpoints", every=cfg.checkpoint_every,
-                             keep=cfg.keep_checkpoints)
+    ckpt = TrainCheckpointer(cfg.checkpoint_dir or out / "checkpoints",
+                             every=cfg.checkpoint_every, keep=cfg.keep_checkpoints,
+                             async_save=True)
     start = 0
     latest = ckpt.latest_step() if cfg.resume else None
     if latest is not None:
@@ -203,17 +225,20 @@ def train(cfg: TrainConfig, *, target=None, drafter=None, data: RolloutSet | Non
     meta_base = {"config": cfg.run_fingerprint(), "data": data.fingerprint(),
                  "drafter": drafter.config.to_hf()}
     stop = cfg.steps if until_update is None else min(cfg.steps, until_update)
+    rows = batch_rows(place, batch_shape)
     history: list[dict[str, float]] = []
     bar = tqdm(total=cfg.steps, initial=start, disable=not progress, desc=f"train[{cfg.loss}]")
     t_start = time.perf_counter()
     t_last, n_since = time.perf_counter(), 0
-    update = start
-    with place.context():
+    update, preempted = start, False
+    with place.context(), PreemptionWatch(ckpt) as preemption:
         while update < stop:
             for i in range(cfg.grad_accum):
                 micro = update * cfg.grad_accum + i
-                hb = data.batch_at(cfg.seed, micro, cfg.batch_size, cfg.num_anchors, horizon)
-                state, metrics = step_fn(state, place_batch(hb, place), frozen)
+                hb = data.batch_at(cfg.seed, micro, cfg.batch_size, cfg.num_anchors, horizon,
+                                   rows=rows)
+                state, metrics = step_fn(state, place_local_batch(hb, place, batch_shape),
+                                         frozen)
             update += 1
             n_since += 1
             if update % cfg.log_every == 0 or update == stop:
@@ -229,12 +254,13 @@ def train(cfg: TrainConfig, *, target=None, drafter=None, data: RolloutSet | Non
                 if not math.isfinite(host["loss"]):
                     raise FloatingPointError(f"non-finite loss {host['loss']} at update {update}")
             bar.update(1)
-            out_of_time = (max_minutes is not None
-                           and time.perf_counter() - t_start > 60 * max_minutes)
-            last = update == stop or out_of_time
+            out_of_time = max_minutes is not None and _on_process_0(
+                time.perf_counter() - t_start > 60 * max_minutes)
+            preempted = preemption.reached(update)
+            last = update == stop or out_of_time or preempted
             ckpt.save(update, state, {**meta_base, "update": update,
                                       "micro_step": update * cfg.grad_accum}, force=last)
-            if out_of_time:
+            if out_of_time or preempted:
                 break
     bar.close()
     ckpt.close()
@@ -242,7 +268,17 @@ def train(cfg: TrainConfig, *, target=None, drafter=None, data: RolloutSet | Non
     drafter_out = merge_drafter(graphs, frozen, state.params)
     if save_final_drafter and update >= cfg.steps:
         _save_drafter(drafter_out, out / "drafter")
-    return TrainResult(state=state, history=history, start_update=start, drafter=drafter_out)
+    return TrainResult(state=state, history=history, start_update=start, drafter=drafter_out,
+                       preempted=preempted)
+
+
+def _on_process_0(flag: bool) -> bool:
+    """Process 0's ``flag`` on every process (clocks differ; all must stop together)."""
+    if jax.process_count() == 1:
+        return flag
+    from jax.experimental import multihost_utils
+
+    return bool(multihost_utils.broadcast_one_to_all(np.asarray(flag)))
 
 
 def _save_drafter(drafter, path: Path) -> None:
