@@ -41,8 +41,8 @@ The statistics:
   mass on impossible cells (a wrong residual) was rejected from tv = 0.002 on in every
   trial; an error that only moves mass between exit nodes (the hard case) from
   tv = 0.01 (9 or 10 of 10 trials; all at 0.02; 1 to 6 at 0.005; none at 0.002); the
-  exact verifier was
-  never rejected. The power grows linearly with ``num_draws`` in the non-centrality.
+  exact verifier was never rejected. The non-centrality grows linearly with
+  ``num_draws``: more draws catch smaller errors.
 """
 
 from __future__ import annotations
