@@ -129,6 +129,27 @@ def test_bfloat16_inputs(name):
                                       masks, w), 5e-2)
 
 
+def test_stacked_layer_reads_like_its_slice():
+    """``(k, v, mask, layer)`` on stacked [layers, B, S, K, hd] == ``(k[layer], v[layer], mask)``,
+    values and gradients (the cotangent of the other layers is zero)."""
+    q, ((kc, vc), (kn, vn)), masks, w = _inputs("cache+causal")
+    kst, vst = jnp.stack([kc * 0.5, kc, kc * 2]), jnp.stack([vc + 1, vc, vc - 1])
+    fn = functools.partial(attention, key_block=8, query_block=8)
+
+    def stacked(q, kst, vst, layer):
+        return fn(q, ((kst, vst, masks[0], layer), (kn, vn, masks[1])))
+
+    w_ = w.astype(jnp.float32)
+    got, grads = jax.jit(jax.value_and_grad(lambda *a: jnp.sum(stacked(*a) * w_),
+                                            argnums=(0, 1, 2)))(q, kst, vst, 1)
+    want, ref = jax.value_and_grad(
+        lambda q, k, v: jnp.sum(attend_segments(q, ((k, v, masks[0]), (kn, vn, masks[1])))
+                                * w_), argnums=(0, 1, 2))(q, kc, vc)
+    _assert_close((got, grads[0], grads[1][1], grads[2][1]), (want,) + ref, 1e-4)
+    for g in grads[1:]:
+        np.testing.assert_array_equal(np.asarray(g)[[0, 2]], 0.0)
+
+
 def test_refusals():
     q = jnp.zeros((1, 2, 3, 4))
     k = jnp.zeros((1, 5, 2, 4))

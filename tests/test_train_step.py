@@ -38,7 +38,11 @@ B, A = 8, 2
 
 
 def _one_step(mesh):
-    """One step of the same program `train` builds for `tf.config` (shared compiles)."""
+    """One step of the same program `train` builds for `tf.config` (shared compiles).
+
+    Returns:
+      (new state, host metrics, the placed frozen models)
+    """
     target, drafter = tf.models()
     cfg = tf.config("unused")
     graphs, frozen, params = split_models(target, drafter)
@@ -50,12 +54,12 @@ def _one_step(mesh):
     hb = tf.progressions().batch_at(0, 0, B, A, tf.BLOCK - 1)
     with program.place.context():
         new, metrics = program.step_fn(state, place_batch(hb, program.place), frozen)
-    return new, jax.device_get(metrics)
+    return new, jax.device_get(metrics), frozen
 
 
 @pytest.fixture(scope="module")
 def single_device_step():
-    new, metrics = _one_step(None)
+    new, metrics, _ = _one_step(None)
     return jax.device_get(new), metrics
 
 
@@ -66,7 +70,7 @@ MESHES = [dict(data=8, fsdp=1), dict(data=2, fsdp=4), dict(fsdp=4, tensor=2)]
 @pytest.mark.parametrize("axes", MESHES, ids=lambda d: "x".join(f"{k}{v}" for k, v in d.items()))
 def test_sharded_step_equals_single_device(axes, single_device_step):
     want, want_metrics = single_device_step
-    new, metrics = _one_step(shd.make_mesh(**axes))
+    new, metrics, frozen = _one_step(shd.make_mesh(**axes))
     for k in ("loss", "token_loss", "exit_loss", "tau", "grad_norm"):
         np.testing.assert_allclose(metrics[k], want_metrics[k], rtol=2e-5, err_msg=k)
     got = jax.device_get(new)
@@ -88,6 +92,9 @@ def test_sharded_step_equals_single_device(axes, single_device_step):
     jax.tree.map(same_update, got.params, want.params, nu)
     if axes.get("fsdp", 1) > 1:
         assert not new.params["fc"]["kernel"].sharding.is_fully_replicated
+        # target_sharding='fsdp' (the default): the frozen target is split over fsdp too.
+        (embed,) = jax.tree.leaves(frozen.target["embed_tokens"])
+        assert not embed.sharding.is_fully_replicated
         moments = jax.tree.leaves(optax.tree_utils.tree_get(new.opt_state, "mu"))
         assert any(x.ndim > 1 and not x.sharding.is_fully_replicated for x in moments)
 
@@ -137,6 +144,31 @@ def test_vjp_route_equals_jax_grad_of_the_whole_objective():
     grads, loss, direct, loss2 = both(params, batch)
     np.testing.assert_allclose(loss, loss2, rtol=1e-6)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-6), grads, direct)
+
+
+def test_remat_keeps_and_compute_dtype_casts_the_gradients():
+    """remat='full' recomputes each drafter layer in the backward pass: same loss and
+    gradients. compute_dtype='bfloat16' runs the drafter in bfloat16 from float32 master
+    weights: float32 gradients near the float32 ones (bfloat16 rounding), not equal."""
+    target, drafter = tf.models()
+    scfg = step_config(tf.config("unused"), drafter)
+    graphs, frozen, params = split_models(target, drafter)
+    hb = tf.progressions().batch_at(0, 3, B, A, tf.BLOCK - 1)
+    batch = Batch(*(jax.numpy.asarray(x) for x in (hb.tokens, hb.anchors, hb.valid)))
+    run = jax.jit(lambda p, b, c: loss_and_grads(p, graphs, frozen, b, c), static_argnums=2)
+    grads, metrics = run(params, batch, scfg)
+    remat_grads, remat_metrics = run(params, batch, dataclasses.replace(scfg, remat="full"))
+    np.testing.assert_allclose(remat_metrics["loss"], metrics["loss"], rtol=1e-6)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-6), remat_grads, grads)
+    bf_grads, bf_metrics = run(params, batch, dataclasses.replace(scfg, compute_dtype="bfloat16"))
+    assert all(g.dtype == np.float32 for g in jax.tree.leaves(bf_grads))
+    np.testing.assert_allclose(bf_metrics["loss"], metrics["loss"], rtol=2e-2)
+    diff = optax.tree.norm(jax.tree.map(lambda a, b: a - b, bf_grads, grads))
+    assert 0 < float(diff) < 0.1 * float(metrics["grad_norm"])
+    for bad, match in ((dict(remat="some"), "remat"), (dict(compute_dtype="f16"), "compute_dtype"),
+                       (dict(target_sharding="tp"), "target_sharding")):
+        with pytest.raises(ValueError, match=match):
+            dataclasses.replace(scfg, **bad)
 
 
 def test_leaf_skipping_scoring_gives_the_same_exit_targets():
@@ -230,6 +262,9 @@ def test_batches_are_a_pure_function_of_seed_and_step():
     (dict(num_anchors=0), "num_anchors"),
     (dict(warmup_steps=50, steps=10), "warmup_steps"),
     (dict(temperature=-1.0), "temperature"),
+    (dict(target_dtype="float16"), "target_dtype"),
+    (dict(target_sharding="tensor"), "target_sharding"),
+    (dict(score_capacities=(1.5,)), "score_capacities"),
 ])
 def test_config_rejects_bad_values(bad, match):
     with pytest.raises(ValueError, match=match):
@@ -245,3 +280,19 @@ def test_cli_flags_build_the_typed_config(tmp_path):
     cfg = config_from_args(ns)
     assert cfg == TrainConfig(loss="prefix", budget=24, steps=50, target_layer_ids=(0, 1),
                               tree_metrics=True, mesh_fsdp=4)
+    ns = build_parser().parse_args(
+        ["run", "--target-dtype", "bfloat16", "--param-dtype", "float32", "--compute-dtype",
+         "bfloat16", "--target-sharding", "replicated", "--remat", "dots",
+         "--score-capacities", "0.25,0.5"])
+    cfg = config_from_args(ns)
+    assert cfg.dtypes == ("bfloat16", "float32", "bfloat16")
+    assert (cfg.target_sharding, cfg.remat, cfg.score_capacities) == (
+        "replicated", "dots", (0.25, 0.5))
+    scfg = step_config(cfg, tf.models()[1])
+    assert (scfg.compute_dtype, scfg.remat, scfg.target_sharding, scfg.score_capacities) == (
+        "bfloat16", "dots", "replicated", (0.25, 0.5))
+    assert TrainConfig.from_dict(cfg.to_dict()) == cfg
+    # A config written before the three dtypes: 'dtype' set all of them.
+    assert TrainConfig.from_dict({"dtype": "bfloat16"}).dtypes == ("bfloat16",) * 3
+    auto = "float32" if jax.default_backend() == "cpu" else "bfloat16"
+    assert TrainConfig().dtypes == (auto, "float32", auto)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import json
 import sys
 import time
 
@@ -18,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from tev_jax.exit_law import exit_law
+from tev_jax.plan import PRESETS
 from tev_jax.sampling import Sampling, check_finite
 from tev_jax.tree import make_tree, render
 from tev_jax.verify import tev
@@ -137,8 +139,15 @@ def generate_command(args) -> int:
 
     The completion goes to stdout; the summary (models, method, tokens, τ, tokens/s,
     compile time, and with ``--compare-ar`` the AR speed and the speed-up) to stderr.
+    First the pre-flight check (`tev_jax.plan.check_decode_fits`): a program that would
+    not fit the device's free memory is refused with one line naming the setting to
+    lower, exit code 2.
     """
-    from tev_jax import decode
+    if args.prompts is not None:
+        return batch_generate_command(args)
+    if args.prompt is None:
+        raise ValueError("give a PROMPT, or --prompts FILE --output OUT.jsonl")
+    from tev_jax import decode, plan
     from tev_jax.data.tokenizer import format_chat
     from tev_jax.models import load_drafter, load_target, load_tokenizer
 
@@ -156,7 +165,14 @@ def generate_command(args) -> int:
     config = dataclasses.replace(config, stop_token_ids=_stop_ids(target, tokenizer))
     text = format_chat(args.prompt) if args.chat else args.prompt
     prompt = tokenizer.encode(text).ids
+    config = dataclasses.replace(config, prompt_len=max(len(prompt), 1))
+    try:  # compiles once; the run below reuses the compilation
+        planned = plan.check_decode_fits(target, drafter, config, 1, mesh=mesh)
+    except plan.NotEnoughMemory as e:
+        print(f"tev-jax generate: {e}", file=sys.stderr)
+        return 2
     gen, compile_s = _timed(target, drafter, prompt, config, args.seed, args.repeats, mesh)
+    compile_s += planned.compile_seconds
     n = int(gen.lengths[0])
     print(tokenizer.decode(prompt + gen.tokens[0, :n].tolist()), flush=True)
 
@@ -182,10 +198,11 @@ def generate_command(args) -> int:
 
 
 def _add_generate(sub) -> None:
-    p = sub.add_parser("generate", help="speculative decoding of one prompt",
+    p = sub.add_parser("generate", help="speculative decoding of one prompt or a file",
                        description="Decodes PROMPT with the bundled demo models (or "
-                                   "--target/--drafter) and prints the text and a summary.")
-    p.add_argument("prompt", help="the prompt text")
+                                   "--target/--drafter) and prints the text and a summary; "
+                                   "or every prompt of --prompts FILE into --output.")
+    p.add_argument("prompt", nargs="?", default=None, help="the prompt text")
     p.add_argument("--target", default=None,
                    help="target checkpoint directory (config.json, safetensors, "
                         "tokenizer.json); default: the bundled demo target")
@@ -215,6 +232,7 @@ def _add_generate(sub) -> None:
     p.add_argument("--prefill-chunk", type=int, default=None,
                    help="prefill the prompt in chunks of this many tokens (bounded memory)")
     _add_mesh_flags(p)
+    _add_batch_options(p)
     p.set_defaults(func=generate_command)
 
 
@@ -234,24 +252,242 @@ def _mesh_from(args):
     return None if axes == (1, 1, 1) else shd.make_mesh(*axes)
 
 
-def train_command(args) -> int:
-    """``tev-jax train ...``: the drafter-training CLI of the repository's ``train/``."""
+def plan_command(args) -> int:
+    """``tev-jax plan``: per-device memory of the fused decode program, without weights."""
+    from tev_jax import decode, plan
+
+    if (args.model is None) == (args.config is None):
+        raise ValueError("give exactly one of --model PRESET or --config path/config.json")
+    cfg = plan.model_config(args.model or args.config, num_layers=args.layers)
+    config = decode.DecodeConfig(
+        max_new_tokens=args.max_new_tokens, builder=args.builder, budget=args.budget,
+        verifier=args.verifier, sampling=_sampling_from(args), prompt_len=args.prompt_len,
+        max_cache_len=args.cache_len, prefill_chunk=args.prefill_chunk)
+    axes = {"data": args.mesh_data, "fsdp": args.mesh_fsdp, "tensor": args.mesh_tensor}
     try:
-        from train.__main__ import main as train_main
-    except ImportError as e:
-        raise ValueError("`tev-jax train` runs the repository's train/ folder: call it from "
-                         f"the repository root, or use `python -m train` there ({e})") from e
-    return train_main(args.train_args)
+        mesh = _mesh_from(args)
+    except ValueError as e:
+        raise ValueError(f"{e} (on CPU simulate devices with XLA_FLAGS="
+                         "--xla_force_host_platform_device_count=8)") from e
+    report = plan.plan_decode(cfg, config, args.batch, dtype=jnp.dtype(args.dtype),
+                              drafter_layers=args.drafter_layers, mesh=mesh)
+    what = {"model": args.model or args.config, "layers": cfg.num_layers,
+            "batch": args.batch, "prompt_len": args.prompt_len,
+            "cache_len": args.cache_len, "max_new_tokens": args.max_new_tokens,
+            "builder": args.builder, "budget": args.budget,
+            "prefill_chunk": args.prefill_chunk, "temperature": args.temperature,
+            "dtype": args.dtype, "drafter_layers": args.drafter_layers, "mesh": axes}
+    if args.json:
+        print(json.dumps(what | {"per_device": report.as_dict()}))
+    else:
+        mesh_s = " x ".join(f"{k} {v}" for k, v in axes.items() if v > 1) or "one device"
+        print(f"{what['model']} ({cfg.num_layers} layers, {args.dtype}), batch {args.batch}, "
+              f"prompt {args.prompt_len}, cache {args.cache_len or 'auto'}, "
+              f"{args.builder} budget {args.budget}, T={args.temperature:g}; {mesh_s}")
+        print("per device:\n" + report.format())
+    return 0
 
 
-def _add_train(sub) -> None:
-    p = sub.add_parser("train", add_help=False,
-                       help="drafter training: same as `python -m train` (repository root)")
-    p.add_argument("train_args", nargs=argparse.REMAINDER)
-    p.set_defaults(func=train_command)
+def _add_plan(sub) -> None:
+    p = sub.add_parser(
+        "plan", help="per-device memory of a decode program (no weights needed)",
+        description="Compiles the fused speculative generation for a model config on "
+                    "abstract parameters and prints XLA's per-device argument / output / "
+                    "temporary bytes. For a mesh on CPU set XLA_FLAGS="
+                    "--xla_force_host_platform_device_count=8. XLA:CPU copies bfloat16 "
+                    "weights to float32, so bfloat16 temporary memory on CPU overstates.")
+    p.add_argument("--model", default=None, help=f"a preset: {', '.join(sorted(PRESETS))}")
+    p.add_argument("--config", default=None, help="a Hugging Face config.json (or its directory)")
+    p.add_argument("--layers", type=int, default=None,
+                   help="plan with this many target layers (e.g. 2 for per-layer figures)")
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--prompt-len", type=int, default=1024, help="prompt buffer P")
+    p.add_argument("--cache-len", type=int, default=None,
+                   help="cache slots L (default: P + max-new-tokens + tree slots)")
+    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--builder", choices=("ddtree", "chain", "none"), default="ddtree")
+    p.add_argument("--budget", type=int, default=64, help="DDTree node budget")
+    p.add_argument("--verifier", choices=("tev", "predraw", "sequential", "greedy"),
+                   default="tev")
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-k", type=int, default=None)
+    p.add_argument("--top-p", type=float, default=None)
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    p.add_argument("--prefill-chunk", type=int, default=None,
+                   help="prefill the prompt in chunks of this many tokens")
+    p.add_argument("--drafter-layers", type=int, default=1, help="DFlash drafter depth")
+    _add_mesh_flags(p)
+    p.add_argument("--json", action="store_true", help="one JSON object on stdout")
+    p.set_defaults(func=plan_command)
 
 
-SUBCOMMANDS = [_add_exit_law, _add_generate, _add_train]
+# ----------------------------------------------------------------- batch generation
+
+
+def _add_batch_options(p) -> None:
+    g = p.add_argument_group(
+        "batch generation", "--prompts FILE --output OUT.jsonl decodes every prompt of FILE "
+        "with continuous batching (JSONL with id + prompt / messages / prompt_ids, or "
+        "plain text, one prompt per line); a rerun resumes OUT")
+    g.add_argument("--prompts", default=None, metavar="FILE", help="the prompts file")
+    g.add_argument("--output", default=None, metavar="OUT.jsonl",
+                   help="results, one JSON line per prompt; settings in OUT.settings.json")
+    g.add_argument("--batch-size", type=int, default=8, help="row slots (default %(default)s)")
+    g.add_argument("--prompt-len", type=int, default=None,
+                   help="prompt buffer in tokens (default: the longest prompt of FILE)")
+    g.add_argument("--truncate", choices=("none", "left"), default="none",
+                   help="left: keep the last --prompt-len tokens of a longer prompt "
+                        "(default: refuse it)")
+    g.add_argument("--force", action="store_true",
+                   help="append to OUT even if it was written with other settings")
+    g.add_argument("--summary-json", default=None, metavar="PATH",
+                   help="also write the end-of-run summary as JSON")
+    g.add_argument("--process-index", type=int, default=None,
+                   help="this process's shard (default: jax.process_index())")
+    g.add_argument("--process-count", type=int, default=None,
+                   help="number of shards (default: jax.process_count()); process i takes "
+                        "prompts i, i + count, ... and writes OUT.<i>-of-<count>.jsonl")
+    g.add_argument("--sync-rounds", type=int, default=16,
+                   help="return to the host (progress bar) at least every this many rounds")
+
+
+def _batch_settings(args, target_dir, drafter_dir, config, prompt_len, index, count) -> dict:
+    """What decides the results (compared on resumption) and, under 'run', what not."""
+    from tev_jax import __version__
+
+    s = config.sampling
+    return {
+        "target": target_dir, "drafter": drafter_dir, "builder": config.builder,
+        "budget": config.budget if config.builder == "ddtree" else None,
+        "verifier": config.verifier if config.builder != "none" else None,
+        "temperature": s.temperature, "top_k": s.top_k, "top_p": s.top_p,
+        "max_new_tokens": config.max_new_tokens, "stop_token_ids": list(config.stop_token_ids),
+        "seed": args.seed, "truncate_to": prompt_len if args.truncate == "left" else None,
+        "dtype": args.dtype,
+        "run": {"prompts": args.prompts, "batch_size": args.batch_size,
+                "mesh": [args.mesh_data, args.mesh_fsdp, args.mesh_tensor],
+                "prompt_len": prompt_len, "process_index": index, "process_count": count,
+                "tev_jax": __version__},
+    }
+
+
+def _process_shard(args) -> tuple[int, int]:
+    if args.process_index is None and args.process_count is None:
+        return jax.process_index(), jax.process_count()
+    if args.process_index is None or args.process_count is None:
+        raise ValueError("give both --process-index and --process-count")
+    if args.process_count < 1 or not 0 <= args.process_index < args.process_count:
+        raise ValueError(f"--process-index {args.process_index} is outside "
+                         f"[0, --process-count {args.process_count})")
+    return args.process_index, args.process_count
+
+
+def batch_generate_command(args) -> int:
+    """``tev-jax generate --prompts FILE --output OUT.jsonl``: continuous batching.
+
+    Checks every prompt before loading anything heavy, skips the ids already in OUT,
+    appends one line per finished prompt, shows prompts/s, tokens/s and running τ, and
+    prints a summary (also to ``--summary-json``).
+    """
+    import json
+    from pathlib import Path
+
+    from tqdm import tqdm
+
+    from tev_jax import batch_io, batching, decode
+    from tev_jax.models import load_drafter, load_target, load_tokenizer
+
+    if args.prompt is not None:
+        raise ValueError("give either a PROMPT or --prompts FILE, not both")
+    if args.output is None:
+        raise ValueError("--prompts needs --output OUT.jsonl")
+    if args.batch_size < 1:
+        raise ValueError(f"--batch-size must be >= 1, got {args.batch_size}")
+    if args.truncate == "left" and args.prompt_len is None:
+        raise ValueError("--truncate left needs --prompt-len")
+    index, count = _process_shard(args)
+    records = batch_io.read_prompts(args.prompts)
+    target_dir, drafter_dir, where = _checkpoint_dirs(args)
+    tokenizer = load_tokenizer(target_dir)
+    config_file = Path(target_dir) / "tokenizer_config.json"
+    chat = batch_io.chat_formatter(
+        json.loads(config_file.read_text()) if config_file.is_file() else None)
+    mesh = _mesh_from(args)
+    dtype = jnp.dtype(args.dtype)
+    target = load_target(target_dir, dtype=dtype, mesh=mesh)
+    # Every process encodes the whole file, so all agree on the default prompt buffer.
+    requests = batch_io.encode_records(
+        records, tokenizer, chat, vocab_size=target.config.vocab_size,
+        prompt_len=args.prompt_len, truncate=args.truncate == "left", where=args.prompts)
+    prompt_len = args.prompt_len or -(-max(len(r.prompt_ids) for r in requests) // 8) * 8
+    config = decode.DecodeConfig(
+        max_new_tokens=args.max_new_tokens, builder=args.builder, budget=args.budget,
+        verifier=args.verifier, sampling=_sampling_from(args),
+        stop_token_ids=_stop_ids(target, tokenizer), prompt_len=prompt_len,
+        prefill_chunk=args.prefill_chunk)
+    out = batch_io.shard_path(args.output, index, count)
+    settings = _batch_settings(args, target_dir, drafter_dir, config, prompt_len, index, count)
+    done, f = batch_io.open_output(out, settings, force=args.force)
+    todo = [r for r in batch_io.shard_of(requests, index, count)
+            if batch_io.id_key(r.id) not in done]
+    drafter = (None if drafter_dir is None
+               else load_drafter(drafter_dir, target, dtype=dtype, mesh=mesh))
+    key = jax.random.fold_in(jax.random.key(args.seed), index)
+    tokens = rounds = block_tokens = 0
+    reasons = {"stop": 0, "length": 0}
+    t0 = time.perf_counter()
+    with f, tqdm(total=len(todo), unit="prompt", file=sys.stderr) as bar:
+        for r in batching.generate_continuous(target, drafter, todo, config,
+                                              batch_size=args.batch_size, key=key,
+                                              max_rounds=args.sync_rounds, mesh=mesh):
+            batch_io.write_line(f, {
+                "id": r.id, "text": tokenizer.decode(r.token_ids), "token_ids": r.token_ids,
+                "rounds": r.rounds, "tau": None if r.rounds == 0 else round(r.tau, 4),
+                "stop_reason": r.stop_reason, "prompt_tokens": r.prompt_tokens})
+            tokens += len(r.token_ids)
+            reasons[r.stop_reason] += 1
+            if r.rounds:
+                rounds += r.rounds
+                block_tokens += r.tau * r.rounds
+            bar.set_postfix({"tok/s": f"{tokens / (time.perf_counter() - t0):.1f}",
+                             "tau": f"{block_tokens / max(rounds, 1):.2f}"}, refresh=False)
+            bar.update(1)
+    seconds = time.perf_counter() - t0
+    summary = {"output": str(out), "prompts": len(todo), "skipped": len(done),
+               "new_tokens": tokens, "seconds": round(seconds, 3),
+               "prompts_per_s": round(len(todo) / seconds, 3),
+               "tokens_per_s": round(tokens / seconds, 2),
+               "tau": round(block_tokens / rounds, 4) if rounds else None,
+               "stop_reasons": reasons, "batch_size": args.batch_size,
+               "method": where}
+    print(f"[{where}] {len(todo)} prompts ({len(done)} already in {out}), {tokens} new "
+          f"tokens in {seconds:.1f} s (compilation included): {summary['tokens_per_s']} "
+          f"tokens/s, {summary['prompts_per_s']} prompts/s, tau = {summary['tau']}",
+          file=sys.stderr)
+    if args.summary_json:
+        Path(args.summary_json).write_text(json.dumps(summary, indent=1) + "\n")
+    return 0
+
+
+def merge_outputs_command(args) -> int:
+    """``tev-jax merge-outputs OUT.jsonl``: join the per-process shards of OUT."""
+    from tev_jax import batch_io
+
+    n = batch_io.merge_outputs(args.output, force=args.force)
+    print(f"{n} results -> {args.output}", file=sys.stderr)
+    return 0
+
+
+def _add_merge_outputs(sub) -> None:
+    p = sub.add_parser("merge-outputs", help="join the shards OUT.<i>-of-<n>.jsonl into OUT",
+                       description="Joins the per-process outputs of `tev-jax generate "
+                                   "--prompts ... --process-count n` into OUT.jsonl.")
+    p.add_argument("output", help="OUT.jsonl, as given to generate --output")
+    p.add_argument("--force", action="store_true", help="overwrite OUT if it exists")
+    p.set_defaults(func=merge_outputs_command)
+
+
+SUBCOMMANDS = [_add_exit_law, _add_generate, _add_plan, _add_merge_outputs]
 
 
 def main(argv: list[str] | None = None) -> int:

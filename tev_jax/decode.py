@@ -884,6 +884,125 @@ def timed_generate(target, drafter, prompt_ids, config: DecodeConfig, key=0, *,
                                                                    seconds=seconds))
 
 
+# ------------------------------------------------------------ continuous batching
+#
+# Two jitted programs over one decode state of B row slots (the host loop that uses
+# them is `tev_jax.batching`): `refill_slots` prefills K new prompts into a small state
+# with `_prefill` and scatters its rows into the big state at given slots;
+# `run_rounds` runs `_round` until some more rows have finished. ``state.round`` keeps
+# counting across requests, so the per-round records (``block_len_RB``) are not
+# per-request there; a request's statistics come from ``rounds_B`` and ``start_B``.
+
+
+def prepare_slots(target, drafter, config: DecodeConfig, batch_size: int, mesh=None):
+    """Host checks for a state of ``batch_size`` slots; -> (graphdef, params, static, axes).
+
+    ``config.prompt_len`` (required) is the longest prompt any slot takes; the cache
+    length is the one `generate` would pick for that prompt buffer. With a ``mesh`` the
+    parameters and the state are laid out as in `generate`. ``axes`` is the row axis of
+    every `DecodeState` leaf (None for the per-batch scalars), for `refill_slots`.
+    """
+    if not isinstance(config, DecodeConfig) or config.prompt_len is None:
+        raise ValueError("continuous batching needs a DecodeConfig with prompt_len set "
+                         "(the longest prompt a slot can take)")
+    if config.track_exit_law:
+        raise ValueError("track_exit_law records per round of the whole batch; it is not "
+                         "supported with continuous batching")
+    if not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
+    graphdef, params, static = _setup(target, drafter, config, batch_size, config.prompt_len,
+                                      mesh)
+    axes = []
+    with _mesh_scope(mesh):
+        shapes = [jax.tree.leaves(_state_shapes(graphdef, params, static, rows))
+                  for rows in (1, 2)]
+    for one, two in zip(*shapes):
+        diff = [i for i, (a, b) in enumerate(zip(one.shape, two.shape)) if a != b]
+        axes.append(diff[0] if diff else None)
+    return graphdef, params, static, tuple(axes)
+
+
+def _state_shapes(graphdef, params, static: _Static, rows: int) -> DecodeState:
+    return jax.eval_shape(
+        functools.partial(_prefill, graphdef, static=static), params,
+        jax.ShapeDtypeStruct((rows, _LEN_ALIGN), jnp.int32),
+        jax.ShapeDtypeStruct((rows,), jnp.int32), jax.eval_shape(jax.random.key, 0))
+
+
+def empty_slots(graphdef, params, static: _Static, batch: int, key) -> DecodeState:
+    """A state of ``batch`` free slots (every row done, nothing in flight)."""
+    def zeros(s):
+        if jnp.issubdtype(s.dtype, jax.dtypes.prng_key):
+            return key
+        return jnp.zeros(s.shape, s.dtype)
+
+    st = jax.tree.map(zeros, _state_shapes(graphdef, params, static, batch))
+    return st.replace(done_B=jnp.ones((batch,), bool))
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "static", "axes"),
+                   donate_argnames=("st",))
+def _refill_jit(graphdef, params, st, tokens_KT, lengths_K, slots_K, key, *, static, axes):
+    new = _prefill(graphdef, params, tokens_KT, lengths_K, key, static=static)
+    big, treedef = jax.tree.flatten(st)
+
+    def put(axis, old, fresh):
+        if axis is None:  # per-batch scalars: keep the loop's key and round, OR the flags
+            return old | fresh if old.dtype == jnp.bool_ else old
+        return old.at[(slice(None),) * axis + (slots_K,)].set(fresh, mode="drop")
+
+    st = treedef.unflatten([put(a, o, f) for a, o, f in zip(axes, big, jax.tree.leaves(new))])
+    return _constrain_state(st, _merge(graphdef, params)[1], static)
+
+
+def refill_slots(graphdef, params, st: DecodeState, tokens_KT, lengths_K, slots_K, key, *,
+                 static: _Static, axes: tuple[int | None, ...]) -> DecodeState:
+    """Prefills K prompts into the given slots of ``st`` (donated); other rows unchanged.
+
+    Args:
+      graphdef, params, static, axes: from `prepare_slots`.
+      st: the batch state ([B] rows).
+      tokens_KT: int32 [K, T] the prompts, zero-padded (T a bucket width <= prompt_len).
+      lengths_K: int32 [K] prompt lengths (>= 1).
+      slots_K: int32 [K] the row of ``st`` each prompt goes to; ``>= B`` drops the
+        prompt (padding rows of a bucketed K).
+      key: PRNG key of the prefill's first token.
+
+    Returns:
+      The state with those rows freshly prefilled (t0 sampled, rounds 0).
+    """
+    with _mesh_scope(static.mesh):
+        return _refill_jit(graphdef, params, st, tokens_KT, lengths_K, slots_K, key,
+                           static=static, axes=axes)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "static"), donate_argnames=("st",))
+def _run_rounds_jit(graphdef, params, st, until_done, max_rounds, *, static):
+    drafter = _merge(graphdef, params)[1]
+    pin = lambda s: _constrain_state(s, drafter, static)
+
+    def running(carry):
+        s, i = carry
+        return (jnp.any(~s.done_B) & (jnp.sum(s.done_B.astype(jnp.int32)) < until_done)
+                & (i < max_rounds))
+
+    st, _ = jax.lax.while_loop(
+        running, lambda c: (pin(_round(graphdef, params, c[0], static=static)), c[1] + 1),
+        (st, jnp.zeros((), jnp.int32)))
+    return st
+
+
+def run_rounds(graphdef, params, st: DecodeState, until_done: int, max_rounds: int, *,
+               static: _Static) -> DecodeState:
+    """Runs rounds until ``until_done`` rows are done, all are, or ``max_rounds`` ran.
+
+    Both bounds are traced, so every call reuses one compilation. ``st`` is donated.
+    """
+    with _mesh_scope(static.mesh):
+        return _run_rounds_jit(graphdef, params, st, jnp.int32(until_done),
+                               jnp.int32(max_rounds), static=static)
+
+
 # ---------------------------------------------------------------------- profiling path
 
 

@@ -29,6 +29,14 @@ The exit law reads only the rows of nodes with children, and a leaf's keys/value
 seen by no other node, so `score_parent_nodes` scores only those nodes (pooled per
 row into a static number of query slots, with a full pass as the fallback when they
 do not fit): same weights, a cost that follows the trees' shape.
+
+Nothing here needs a [rows, V] array: the losses take the drafter's rows either as
+logits or as `tev_jax.models.lm_head.HeadRows` (hidden states + the frozen head), and
+the scoring pass returns hidden states (`score_tree_hidden`) from which
+`edge_log_probs_blocked` reads each node's log-normaliser and child logits over
+vocabulary blocks (a plain temperature; top-k / top-p / greedy need whole rows and go
+through `score_tree_nodes` + `tree_exit_weights`). Attention is the blocked
+`tev_jax.models.attention.attention`, so no [T, S] score array exists either.
 """
 
 from __future__ import annotations
@@ -37,11 +45,14 @@ from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
-from flax import struct
+from flax import nnx, struct
 
-from tev_jax.exit_law import ExitLaw, exit_law
+from tev_jax.exit_law import ExitLaw, exit_law, exit_law_from_edges
+from tev_jax.models import lm_head
+from tev_jax.models.attention import Mask, attention
 from tev_jax.models.kv_cache import KVCache
 from tev_jax.models.layers import rope_inv_freq
+from tev_jax.models.lm_head import DenseRows, Head, HeadRows
 from tev_jax.sampling import Sampling
 from tev_jax.sharding import constrain
 from tev_jax.tree import DraftTree, ancestor_mask, children_mask
@@ -126,30 +137,35 @@ class LossParts:
         return jnp.where(self.weight > 0, self.total / safe, 0.0)
 
 
-def token_loss(draft_logits_XHV: jax.Array, labels_XH: jax.Array, mask_XH: jax.Array,
+def _rows(draft):
+    """`HeadRows` as given, a logits array as `DenseRows`."""
+    return draft if isinstance(draft, (HeadRows, DenseRows)) else DenseRows(draft)
+
+
+def token_loss(draft_logits_XHV, labels_XH: jax.Array, mask_XH: jax.Array,
                decay_gamma: float | None = None) -> LossParts:
     """The DFlash token objective: cross-entropy of each block row vs its label.
 
     Args:
-      draft_logits_XHV: [*X, H, V] draft logits (row d-1 predicts depth d).
+      draft_logits_XHV: [*X, H, V] draft logits (row d-1 predicts depth d), or their
+        `HeadRows` (hidden states + the frozen head: no [.., V] array is formed).
       labels_XH: int [*X, H], ``tokens[anchor + 1 .. anchor + H]``.
       mask_XH: bool or float [*X, H], which rows count.
       decay_gamma: optional DFlash position decay, row d weighted ``exp(-(d-1)/gamma)``.
     Returns:
       `LossParts` of the weighted cross-entropy (``.mean`` is the loss).
     """
-    logits = draft_logits_XHV.astype(jnp.float32)
-    lse = jax.nn.logsumexp(logits, axis=-1)
-    picked = jnp.take_along_axis(logits, labels_XH[..., None].astype(jnp.int32), axis=-1)[..., 0]
+    rows = _rows(draft_logits_XHV)
+    h = labels_XH.shape[-1]
+    row_XH = jnp.broadcast_to(jnp.arange(h, dtype=jnp.int32), labels_XH.shape)
+    picked = rows.at(row_XH, labels_XH)
     weight = mask_XH.astype(jnp.float32)
     if decay_gamma is not None:
-        h = logits.shape[-2]
         weight = weight * jnp.exp(-jnp.arange(h, dtype=jnp.float32) / decay_gamma)
-    return LossParts(total=jnp.sum(weight * (lse - picked)), weight=jnp.sum(weight))
+    return LossParts(total=jnp.sum(weight * (rows.lse - picked)), weight=jnp.sum(weight))
 
 
-def exit_loss(draft_logits_XHV: jax.Array, trees: DraftTree, weights_XN: jax.Array
-              ) -> LossParts:
+def exit_loss(draft_logits_XHV, trees: DraftTree, weights_XN: jax.Array) -> LossParts:
     """The exit-guided loss without a [nodes x V] tensor (App. C.2).
 
     ``sum_v weight(v) * (lse_{depth(v)} - logit_{depth(v)}(tokens[v]))``: one
@@ -157,137 +173,69 @@ def exit_loss(draft_logits_XHV: jax.Array, trees: DraftTree, weights_XN: jax.Arr
     row's nodes, and one gathered logit per node.
 
     Args:
-      draft_logits_XHV: [*X, H, V] draft logits of each anchor.
+      draft_logits_XHV: [*X, H, V] draft logits of each anchor, or their `HeadRows`.
       trees: `DraftTree` with fields [*X, N] (built from these rows).
       weights_XN: float [*X, N] detached node weights, 0 at the root and on padding.
     Returns:
       `LossParts` (``.mean`` is the loss normalised by the total weight).
     """
-    h, v = draft_logits_XHV.shape[-2:]
-    n = trees.tokens.shape[-1]
-    logits_RHV = draft_logits_XHV.astype(jnp.float32).reshape((-1, h, v))
-    r = logits_RHV.shape[0]
-    weights_RN = jax.lax.stop_gradient(weights_XN.astype(jnp.float32)).reshape((r, n))
-    row_RN = jnp.clip(trees.depths.reshape((r, n)) - 1, 0, h - 1)
-    tok_RN = trees.tokens.reshape((r, n)).astype(jnp.int32)
-    lse_RH = jax.nn.logsumexp(logits_RHV, axis=-1)
-    picked_RN = logits_RHV[jnp.arange(r)[:, None], row_RN, tok_RN]
-    row_weight_RH = jnp.einsum("rn,rnh->rh", weights_RN, jax.nn.one_hot(row_RN, h))
-    total = jnp.sum(row_weight_RH * lse_RH) - jnp.sum(weights_RN * picked_RN)
-    return LossParts(total=total, weight=jnp.sum(weights_RN))
+    rows = _rows(draft_logits_XHV)
+    lse_XH = rows.lse
+    h = lse_XH.shape[-1]
+    weights_XN = jax.lax.stop_gradient(weights_XN.astype(jnp.float32))
+    row_XN = jnp.clip(trees.depths - 1, 0, h - 1).astype(jnp.int32)
+    picked_XN = rows.at(row_XN, trees.tokens)
+    row_weight_XH = jnp.einsum("...n,...nh->...h", weights_XN, jax.nn.one_hot(row_XN, h))
+    total = jnp.sum(row_weight_XH * lse_XH) - jnp.sum(weights_XN * picked_XN)
+    return LossParts(total=total, weight=jnp.sum(weights_XN))
 
 
 # ---------------------------------------------------------------- scoring pass
-#
-# Attention layout. XLA:CPU runs attention fastest (about 2x the einsums over
-# [B, T, K, G, hd] operands) when each kv head's queries form the rows of one matrix:
-# queries [B, K, T*G, hd] (row t*G + g) against keys [B, K, S, hd], so that each
-# segment is one plain batched matmul; the masks then broadcast over [B, K, T, G, S].
-
-
-def _kv_major(x_BSKd: jax.Array) -> jax.Array:
-    """[B, S, K, hd] -> [B, K, S, hd]."""
-    return jnp.swapaxes(x_BSKd, 1, 2)
-
-
-def _query_rows(q_BTHd: jax.Array, kv_heads: int) -> jax.Array:
-    """Queries [B, T, H, hd] -> [B, K, T*G, hd] (head h = k*G + g)."""
-    b, t, h, hd = q_BTHd.shape
-    g = h // kv_heads
-    return q_BTHd.reshape(b, t, kv_heads, g, hd).transpose(0, 2, 1, 3, 4).reshape(
-        b, kv_heads, t * g, hd)
-
-
-def _heads_out(o_BKRd: jax.Array, t: int, dtype) -> jax.Array:
-    """[B, K, T*G, hd] -> [B, T, H, hd]."""
-    b, kh, r, hd = o_BKRd.shape
-    g = r // t
-    o = o_BKRd.reshape(b, kh, t, g, hd).transpose(0, 2, 1, 3, 4)
-    return o.reshape(b, t, kh * g, hd).astype(dtype)
-
-
-def _scores(q, k, spec):
-    """Scaled attention scores in float32 (as `tev_jax.models.layers.attend_segments`)."""
-    s = jnp.einsum(spec, q, k.astype(q.dtype), preferred_element_type=jnp.float32)
-    return s * (q.shape[-1] ** -0.5)
-
-
-def _mix(p, v, spec):
-    """Probabilities (float32) times values, accumulated in float32."""
-    return jnp.einsum(spec, p.astype(v.dtype), v, preferred_element_type=jnp.float32)
-
-
-def _joint_softmax(*segments):
-    """Softmax over the concatenated last axes of masked score segments ``(s, mask)``.
-
-    Every query must see at least one key (here: itself), so the max is finite and the
-    denominator >= 1. Returns the unnormalised probabilities of each segment and the
-    shared denominator (keepdims).
-    """
-    s = [jnp.where(m, x, -jnp.inf) for x, m in segments]
-    mx = s[0].max(-1, keepdims=True)
-    for x in s[1:]:
-        mx = jnp.maximum(mx, x.max(-1, keepdims=True))
-    p = [jnp.exp(x - mx) for x in s]
-    return p, sum(x.sum(-1, keepdims=True) for x in p)
 
 
 def _causal_attention(q_BTHd, k_BTKd, v_BTKd):
     """Causal GQA self-attention of a whole sequence."""
-    b, t, _, hd = q_BTHd.shape
-    kh = k_BTKd.shape[2]
-    q = _query_rows(q_BTHd, kh)
-    s = _scores(q, _kv_major(k_BTKd), "bkrd,bksd->bkrs").reshape(b, kh, t, -1, t)
-    pos = jnp.arange(t)
-    (p,), denom = _joint_softmax((s, (pos[None, :] <= pos[:, None])[:, None, :]))
-    o = _mix(p.reshape(b, kh, -1, t), _kv_major(v_BTKd), "bkrs,bksd->bkrd")
-    o = o.reshape(b, kh, t, -1, hd) / denom
-    return _heads_out(o.reshape(b, kh, -1, hd), t, q_BTHd.dtype)
+    return attention(q_BTHd, ((k_BTKd, v_BTKd, Mask.causal(q_BTHd.shape[1])),))
 
 
 def _anchor_attention(q_BTHd, k_BTKd, v_BTKd, kc_BLKd, vc_BLKd, anchors_BA, anc_BANN):
     """GQA attention of T = A * N tree queries: prefix ``< anchor`` + own ancestors.
 
     One joint softmax over two key segments: the sequence's cached keys (shared by the
-    anchors of a row, masked per anchor) and the keys of the query's own tree (masked by
-    the ancestor mask). Blocking by anchor keeps the tree part at [A, N, N] per row
-    instead of a block-diagonal [A*N, A*N].
+    anchors of a row, masked per anchor) and the keys of the trees, where a query sees
+    its own tree's slots (a key range) that are its ancestors (the block-diagonal of the
+    ancestor masks).
     """
-    b, t, _, hd = q_BTHd.shape
-    a = anchors_BA.shape[1]
-    n, kh = t // a, k_BTKd.shape[2]
-    length = kc_BLKd.shape[1]
-    q = _query_rows(q_BTHd, kh)                                               # [B,K,AN*G,hd]
-    s_pre = _scores(q, _kv_major(kc_BLKd), "bkrd,bkld->bkrl").reshape(b, kh, a, n, -1, length)
-    k_tree = _kv_major(k_BTKd).reshape(b, kh, a, n, hd)
-    s_tree = _scores(q.reshape(b, kh, a, -1, hd), k_tree, "bkard,bkamd->bkarm")
-    m_pre = (jnp.arange(length)[None, None, :] < anchors_BA[:, :, None])    # [B, A, L]
-    (p_pre, p_tree), denom = _joint_softmax(
-        (s_pre, m_pre[:, None, :, None, None, :]),
-        (s_tree.reshape(b, kh, a, n, -1, n), anc_BANN[:, None, :, :, None, :]))
-    o = (_mix(p_pre.reshape(b, kh, -1, length), _kv_major(vc_BLKd), "bkrl,bkld->bkrd")
-         .reshape(b, kh, a, n, -1, hd)
-         + _mix(p_tree.reshape(b, kh, a, -1, n), _kv_major(v_BTKd).reshape(b, kh, a, n, hd),
-                "bkarm,bkamd->bkard").reshape(b, kh, a, n, -1, hd))
-    o = o / denom
-    return _heads_out(o.reshape(b, kh, -1, hd), t, q_BTHd.dtype)
+    b, a, n, _ = anc_BANN.shape
+    own = jnp.eye(a, dtype=bool)[None, :, None, :, None]
+    tree = (anc_BANN[:, :, :, None, :] & own).reshape(b, a * n, a * n)
+    return attention(q_BTHd, ((kc_BLKd, vc_BLKd, Mask(end=jnp.repeat(anchors_BA, n, axis=1))),
+                              (k_BTKd, v_BTKd, Mask.blocks(a * n, n).replace(dense=tree))))
 
 
 def _pooled_attention(q_BMHd, k_BMKd, v_BMKd, kc_BLKd, vc_BLKd, prefix_end_BM, tree_BMM):
     """GQA attention of M queries of any anchors: prefix ``< prefix_end`` + ``tree`` mask."""
-    b, m, _, hd = q_BMHd.shape
-    kh = k_BMKd.shape[2]
-    length = kc_BLKd.shape[1]
-    q = _query_rows(q_BMHd, kh)                                               # [B,K,M*G,hd]
-    s_pre = _scores(q, _kv_major(kc_BLKd), "bkrd,bkld->bkrl").reshape(b, kh, m, -1, length)
-    s_tree = _scores(q, _kv_major(k_BMKd), "bkrd,bksd->bkrs").reshape(b, kh, m, -1, m)
-    m_pre = jnp.arange(length)[None, None, :] < prefix_end_BM[:, :, None]      # [B, M, L]
-    (p_pre, p_tree), denom = _joint_softmax((s_pre, m_pre[:, None, :, None, :]),
-                                            (s_tree, tree_BMM[:, None, :, None, :]))
-    o = (_mix(p_pre.reshape(b, kh, -1, length), _kv_major(vc_BLKd), "bkrl,bkld->bkrd")
-         + _mix(p_tree.reshape(b, kh, -1, m), _kv_major(v_BMKd), "bkrs,bksd->bkrd"))
-    o = o.reshape(b, kh, m, -1, hd) / denom
-    return _heads_out(o.reshape(b, kh, -1, hd), m, q_BMHd.dtype)
+    return attention(q_BMHd, ((kc_BLKd, vc_BLKd, Mask(end=prefix_end_BM)),
+                              (k_BMKd, v_BMKd, tree_BMM)))
+
+
+def _after(layer, x):
+    """``layer`` with its parameters made to depend on ``x`` (under a mesh; else as is).
+
+    With the frozen target sharded over fsdp, XLA all-gathers each layer's weights
+    where they are used; XLA:CPU hoists every such gather to the start of the step (an
+    optimization barrier does not stop it: it is expanded before partitioning) and
+    shares them between the context and the scoring pass, so the whole target ends up
+    gathered on every device. Adding ``0`` (NaN if ``x`` is not finite, which it then
+    propagates anyway) computed from ``x`` to the local shards makes layer i's gathers
+    wait for its input: at most a layer or two of gathered weights are live.
+    """
+    if jax.sharding.get_abstract_mesh().empty:
+        return layer
+    graphdef, state = nnx.split(layer)
+    zero = jnp.where(jnp.all(jnp.isfinite(x)), 0.0, jnp.nan)
+    state = jax.tree.map(lambda w: w + zero.astype(w.dtype), state)
+    return nnx.merge(graphdef, state)
 
 
 def _run_layers(target, tokens_BT, positions_BT, attention, taps=()):
@@ -300,27 +248,29 @@ def _run_layers(target, tokens_BT, positions_BT, attention, taps=()):
     """
     inv_freq = rope_inv_freq(target.config)
     x = target.embed(tokens_BT)
-    tapped, ks, vs = {}, [], []
+    tapped, ks, vs = {}, None, None
     for i, layer in enumerate(target.layers):
+        layer = _after(layer, x)
         q, k, v = layer.self_attn.qkv(layer.input_layernorm(x), positions_BT, inv_freq)
         att = attention(i, q, k, v)
         x = constrain(x + layer.self_attn.out(att), ("batch", "seq", "act_embed"))
         x = x + layer.mlp(layer.post_attention_layernorm(x))
         x = constrain(x, ("batch", "seq", "act_embed"))
-        ks.append(k)
-        vs.append(v)
+        if ks is None:   # written in place layer by layer (a stack would copy them all)
+            ks = jnp.zeros((len(target.layers),) + k.shape, k.dtype)
+            vs = jnp.zeros((len(target.layers),) + v.shape, v.dtype)
+        ks, vs = ks.at[i].set(k), vs.at[i].set(v)
         if i in taps:
             tapped[i] = x
-    return x, tapped, jnp.stack(ks), jnp.stack(vs)
+    return x, tapped, ks, vs
 
 
 def target_context(target, tokens_BL: jax.Array, taps: Sequence[int]
                    ) -> tuple[jax.Array, KVCache]:
     """The frozen target's causal pass over whole sequences, without the LM head.
 
-    Equal to the target's own forward (``Target._stack``) up to float rounding; only the
-    attention layout differs (see the note above `_kv_major`). Layers above the last
-    tap feed only the returned cache, so a caller that ignores the cache (the token-only
+    Equal to the target's own forward (``Target._stack``) up to float rounding. Layers
+    above the last tap feed only the returned cache, so a caller that ignores the cache (the token-only
     step) does not pay for them.
 
     Args:
@@ -347,9 +297,9 @@ def target_context(target, tokens_BL: jax.Array, taps: Sequence[int]
     return jax.lax.stop_gradient((feats, KVCache(k=k, v=v)))
 
 
-def score_tree_nodes(target, cache: KVCache, trees: DraftTree, anchors_BA: jax.Array
-                     ) -> jax.Array:
-    """Target logits of every node of every anchor's tree in one forward.
+def score_tree_hidden(target, cache: KVCache, trees: DraftTree, anchors_BA: jax.Array
+                      ) -> jax.Array:
+    """The target's final-normed hidden state of every node of every anchor's tree.
 
     The T = A * N nodes of a row are the queries of one pass through the target's
     layers with anchor-blocked attention (`_anchor_attention`): node v of anchor a, at
@@ -363,8 +313,9 @@ def score_tree_nodes(target, cache: KVCache, trees: DraftTree, anchors_BA: jax.A
         ``tokens[anchor_a]``.
       anchors_BA: int [B, A].
     Returns:
-      float32 [B, A, N, V]; row (a, v) is the target's next-token logits after
-      ``tokens[:anchor_a]`` and the path root..v. Detached.
+      [B, A, N, D] in the target's dtype; ``target.unembed`` of row (a, v) is the
+      target's next-token logits after ``tokens[:anchor_a]`` and the path root..v.
+      Detached.
     """
     b, a, n = trees.tokens.shape
     anchors = anchors_BA.astype(jnp.int32)
@@ -376,8 +327,20 @@ def score_tree_nodes(target, cache: KVCache, trees: DraftTree, anchors_BA: jax.A
         return _anchor_attention(q, k, v, cache.k[i], cache.v[i], anchors, anc_BANN)
 
     x, _, _, _ = _run_layers(target, tokens, positions, attention)
-    logits = target.unembed(target.norm(x))
-    return jax.lax.stop_gradient(logits.reshape(b, a, n, logits.shape[-1]))
+    return jax.lax.stop_gradient(target.norm(x).reshape(b, a, n, -1))
+
+
+def score_tree_nodes(target, cache: KVCache, trees: DraftTree, anchors_BA: jax.Array
+                     ) -> jax.Array:
+    """Target logits of every node of every anchor's tree in one forward.
+
+    Args:
+      target, cache, trees, anchors_BA: as in `score_tree_hidden`.
+    Returns:
+      float32 [B, A, N, V]; row (a, v) is the target's next-token logits after
+      ``tokens[:anchor_a]`` and the path root..v. Detached.
+    """
+    return target.unembed(score_tree_hidden(target, cache, trees, anchors_BA))
 
 
 def parent_mask(trees: DraftTree) -> jax.Array:
@@ -393,7 +356,7 @@ def parent_mask(trees: DraftTree) -> jax.Array:
 
 def _score_pooled(target, cache: KVCache, trees: DraftTree, anchors_BA, needed_BAN,
                   capacity: int) -> jax.Array:
-    """`score_tree_nodes` on the first ``capacity`` needed nodes of each row (slot order).
+    """`score_tree_hidden` on the first ``capacity`` needed nodes of each row (slot order).
 
     Rows that are not needed come out 0; needs ``sum(needed[b]) <= capacity`` for all b.
     """
@@ -421,36 +384,36 @@ def _score_pooled(target, cache: KVCache, trees: DraftTree, anchors_BA, needed_B
         return _pooled_attention(q, k, v, cache.k[i], cache.v[i], prefix_end, tree_BMM)
 
     x, _, _, _ = _run_layers(target, flat(trees.tokens), positions, attention)
-    logits_BMV = target.unembed(target.norm(x))
+    hidden_BMD = target.norm(x)
     # Row of slot t in the compact order (needed slots come first, in slot order), or
     # the appended zero row.
     row_BT = jnp.where(needed_BT, jnp.cumsum(needed_BT, axis=1) - 1, capacity)
-    padded = jnp.concatenate([logits_BMV, jnp.zeros_like(logits_BMV[:, :1])], axis=1)
-    logits = jnp.take_along_axis(padded, row_BT[:, :, None], axis=1)
-    return logits.reshape(b, a, n, -1)
+    padded = jnp.concatenate([hidden_BMD, jnp.zeros_like(hidden_BMD[:, :1])], axis=1)
+    hidden = jnp.take_along_axis(padded, row_BT[:, :, None], axis=1)
+    return hidden.reshape(b, a, n, -1)
 
 
-def score_parent_nodes(target, cache: KVCache, trees: DraftTree, anchors_BA: jax.Array,
-                       capacities: int | Sequence[int], valid_BA: jax.Array | None = None
-                       ) -> jax.Array:
-    """`score_tree_nodes` on the rows the exit law reads, skipping leaves when they fit.
+def score_parent_hidden(target, cache: KVCache, trees: DraftTree, anchors_BA: jax.Array,
+                        capacities: int | Sequence[int], valid_BA: jax.Array | None = None
+                        ) -> jax.Array:
+    """`score_tree_hidden` on the rows the exit law reads, skipping leaves when they fit.
 
     The nodes with children (`parent_mask`) of valid anchors are gathered, per row, into
     the smallest of ``capacities`` (query slots per row) that holds every row's nodes,
     and scored in one pass (each sees the sequence before its anchor and its tree
-    ancestors, as in `score_tree_nodes`). If none does, every node is scored. One
+    ancestors, as in `score_tree_hidden`). If none does, every node is scored. One
     ``lax.switch``: the result is the same whichever branch runs, only the cost follows
     the trees (about ``capacity / (A * N)`` of the full pass, a little more for the
     all-pairs tree mask of the pooled queries).
 
     Args:
-      target, cache, trees, anchors_BA: as in `score_tree_nodes`.
+      target, cache, trees, anchors_BA: as in `score_tree_hidden`.
       capacities: static query slots per row, each in ``1 .. A * N`` (one int or
         several; each is one compiled branch).
       valid_BA: optional bool [B, A]; rows of invalid anchors are not needed.
     Returns:
-      float32 [B, A, N, V]: on every node with children (of a valid anchor) the logits
-      of `score_tree_nodes`; 0 on all other rows. Detached.
+      [B, A, N, D]: on every node with children (of a valid anchor) the hidden state of
+      `score_tree_hidden`; 0 on all other rows. Detached.
     """
     b, a, n = trees.tokens.shape
     caps = (capacities,) if isinstance(capacities, int) else tuple(capacities)
@@ -462,8 +425,8 @@ def score_parent_nodes(target, cache: KVCache, trees: DraftTree, anchors_BA: jax
         needed = needed & valid_BA[:, :, None]
 
     def full():
-        logits = score_tree_nodes(target, cache, trees, anchors_BA)
-        return jnp.where(needed[..., None], logits, 0.0)
+        hidden = score_tree_hidden(target, cache, trees, anchors_BA)
+        return jnp.where(needed[..., None], hidden, 0.0).astype(hidden.dtype)
 
     if not caps:
         return full()
@@ -474,9 +437,68 @@ def score_parent_nodes(target, cache: KVCache, trees: DraftTree, anchors_BA: jax
     return jax.lax.stop_gradient(jax.lax.switch(branch, pooled + [full]))
 
 
+def score_parent_nodes(target, cache: KVCache, trees: DraftTree, anchors_BA: jax.Array,
+                       capacities: int | Sequence[int], valid_BA: jax.Array | None = None
+                       ) -> jax.Array:
+    """Target logits of `score_parent_hidden`: float32 [B, A, N, V], on every node with
+    children (of a valid anchor) those of `score_tree_nodes`, 0 on all other rows."""
+    return target.unembed(score_parent_hidden(target, cache, trees, anchors_BA, capacities,
+                                              valid_BA))
+
+
+# -------------------------------------------------- exit law from hidden states
+
+
+def blocked_law_ok(sampling: Sampling) -> bool:
+    """Whether the exit law can read the target through `lm_head` blocks: a plain
+    temperature needs only each row's log-normaliser and a few logits; greedy, top-k
+    and top-p transform whole rows, so they keep the dense [.., V] path."""
+    return not (sampling.greedy or sampling.top_k is not None or sampling.top_p is not None)
+
+
+def edge_log_probs_blocked(trees: DraftTree, hidden_XND: jax.Array, head: Head,
+                           sampling: Sampling, block: int = lm_head.BLOCK) -> jax.Array:
+    """``log a`` [*X, N] of `tev_jax.exit_law.edge_log_probs` from the nodes' hidden states.
+
+    ``log a(v) = s * x_parent(tokens[v]) - logsumexp(s * x_parent)`` with ``s = 1 / T``:
+    one blocked log-normaliser per node and one gathered logit per edge, no [N, V] row.
+    0 at the root, -inf on padding (as the dense function).
+
+    Args:
+      trees: `DraftTree` with fields [*X, N].
+      hidden_XND: [*X, N, D] final-normed target hidden states of the nodes
+        (`score_tree_hidden`; rows of nodes without children are not read).
+      head: the target's `lm_head.Head`.
+      sampling: a plain temperature (`blocked_law_ok`).
+    """
+    if not blocked_law_ok(sampling):
+        raise ValueError(f"the blocked exit law needs a plain temperature, got {sampling}")
+    scale = 1.0 / sampling.temperature
+    hidden_XND = jax.lax.stop_gradient(hidden_XND)
+    n = trees.tokens.shape[-1]
+    slots = jnp.arange(n)
+    edge_XN = trees.valid & (slots > 0)
+    parent_XN = jnp.where(edge_XN, trees.parents, 0).astype(jnp.int32)
+    lse_XN = lm_head.logsumexp(hidden_XND, head, scale, block)
+    h_par = jnp.take_along_axis(hidden_XND, parent_XN[..., None], axis=-2)
+    x_tok = lm_head.logits_at(h_par, head, trees.tokens)
+    log_a = jnp.minimum(x_tok * scale - jnp.take_along_axis(lse_XN, parent_XN, axis=-1), 0.0)
+    return jnp.where(edge_XN, log_a, jnp.where(slots == 0, 0.0, -jnp.inf))
+
+
+def exit_laws_from_edges(trees: DraftTree, log_a_XN: jax.Array) -> ExitLaw:
+    """`exit_law_from_edges` of a batch of trees (any leading axes X); detached."""
+    lead = trees.tokens.shape[:-1]
+    n = trees.tokens.shape[-1]
+    flat = jax.tree.map(lambda x: x.reshape((-1, n)), trees)
+    law = jax.vmap(exit_law_from_edges)(flat, log_a_XN.reshape((-1, n)))
+    return jax.lax.stop_gradient(jax.tree.map(lambda x: x.reshape(lead + x.shape[1:]), law))
+
+
 __all__ = [
-    "LossParts", "WEIGHTINGS", "check_weighting", "exit_loss", "node_weights", "parent_mask",
-    "score_parent_nodes", "score_tree_nodes", "target_context", "token_loss",
-    "tree_exit_weights",
+    "LossParts", "WEIGHTINGS", "blocked_law_ok", "check_weighting", "edge_log_probs_blocked",
+    "exit_laws_from_edges", "exit_loss", "node_weights", "parent_mask", "score_parent_hidden",
+    "score_parent_nodes", "score_tree_hidden", "score_tree_nodes", "target_context",
+    "token_loss", "tree_exit_weights",
 ]
 

@@ -3,16 +3,35 @@
 Real model shapes live here as `ModelConfig` presets, so that a decode or training
 program can be lowered and compiled for a Qwen3-4B or Llama-3-8B target on a machine
 that could never hold its weights (``nnx.eval_shape`` builds the model without them).
+`plan_decode` compiles the fused generation of `tev_jax.decode` for such a model and
+returns the compiler's per-device `MemoryReport`; `check_decode_fits` is the cheap
+analytic pre-flight that `tev-jax generate` runs before compiling anything.
 
 The presets copy the architecture fields of the public ``config.json`` files (widths,
 heads, vocabulary, RoPE); nothing else about those models is used.
+
+Figures are per device (one shard of a sharded program). On CPU, XLA converts bfloat16
+weights to float32 copies, so bfloat16 temporary memory measured there overstates what
+an accelerator needs; float32 on CPU is the honest figure.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
+import os
+import time
+from pathlib import Path
 
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from tev_jax import decode
+from tev_jax.models.checkpoint_io import read_config
 from tev_jax.models.config import ModelConfig, RopeScaling
+from tev_jax.models.drafter import Drafter, DrafterConfig, default_target_layer_ids
+from tev_jax.models.target import Target
 
 PRESETS: dict[str, ModelConfig] = {
     "qwen3-0.6b": ModelConfig(
@@ -37,6 +56,8 @@ PRESETS: dict[str, ModelConfig] = {
         tie_word_embeddings=False, qk_norm=False, max_position_embeddings=131_072),
 }
 
+GiB = 2**30
+
 
 def preset(name: str, *, num_layers: int | None = None) -> ModelConfig:
     """A preset's `ModelConfig`, optionally with fewer layers (for per-layer planning).
@@ -46,7 +67,270 @@ def preset(name: str, *, num_layers: int | None = None) -> ModelConfig:
     """
     if name not in PRESETS:
         raise ValueError(f"unknown model preset {name!r}; choose one of {sorted(PRESETS)}")
-    cfg = PRESETS[name]
-    if num_layers is not None:
-        cfg = dataclasses.replace(cfg, num_layers=int(num_layers))
-    return cfg
+    return with_layers(PRESETS[name], num_layers)
+
+
+def with_layers(cfg: ModelConfig, num_layers: int | None) -> ModelConfig:
+    """``cfg`` with ``num_layers`` decoder layers (unchanged for None)."""
+    if num_layers is None:
+        return cfg
+    if not isinstance(num_layers, int) or num_layers < 1:
+        raise ValueError(f"num_layers must be a positive int, got {num_layers!r}")
+    return dataclasses.replace(cfg, num_layers=num_layers)
+
+
+def model_config(name_or_path: str, *, num_layers: int | None = None) -> ModelConfig:
+    """A preset name, a Hugging Face ``config.json`` file or a directory holding one.
+
+    Raises:
+      ValueError: neither a preset nor a readable config (the message says which).
+    """
+    if name_or_path in PRESETS:
+        return preset(name_or_path, num_layers=num_layers)
+    path = Path(name_or_path)
+    if path.name == "config.json" and path.is_file():
+        path = path.parent
+    if not path.is_dir():
+        raise ValueError(f"{name_or_path!r} is neither a model preset {sorted(PRESETS)} "
+                         "nor a config.json file (or a directory with one)")
+    return with_layers(read_config(path), num_layers)
+
+
+# ------------------------------------------------------------------ abstract models
+
+
+def abstract_target(cfg: ModelConfig, dtype=jnp.float32):
+    """A `Target` whose parameters are ``jax.ShapeDtypeStruct`` s (no weights made)."""
+    return nnx.eval_shape(lambda: Target(cfg, dtype=jnp.dtype(dtype), rngs=nnx.Rngs(0)))
+
+
+def drafter_config(target_cfg: ModelConfig, *, num_layers: int = 1, block_size: int = 16):
+    """A DFlash `DrafterConfig` for ``target_cfg``: Qwen3 layers of the target's widths.
+
+    The taps follow `default_target_layer_ids`; the mask token is the last vocabulary
+    id (any id gives the same shapes).
+    """
+    model = dataclasses.replace(target_cfg, model_type="qwen3", qk_norm=True,
+                                num_layers=num_layers, rope_scaling=None)
+    return DrafterConfig(
+        model=model, block_size=block_size, num_target_layers=target_cfg.num_layers,
+        mask_token_id=target_cfg.vocab_size - 1,
+        target_layer_ids=default_target_layer_ids(target_cfg.num_layers, num_layers))
+
+
+def abstract_drafter(target_cfg: ModelConfig, dtype=jnp.float32, *, num_layers: int = 1,
+                     block_size: int = 16):
+    """A DFlash `Drafter` (see `drafter_config`) without weights."""
+    cfg = drafter_config(target_cfg, num_layers=num_layers, block_size=block_size)
+    return nnx.eval_shape(lambda: Drafter(cfg, dtype=jnp.dtype(dtype), rngs=nnx.Rngs(0)))
+
+
+# ---------------------------------------------------------------------- the report
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryReport:
+    """What a compiled program needs on one device (bytes, from XLA's buffer assignment).
+
+    Attributes:
+      argument_bytes: inputs (parameters, prompts, key) resident during the call.
+      output_bytes: results (the final decode state, caches included).
+      temp_bytes: scratch the program allocates while it runs.
+      alias_bytes: outputs that reuse donated argument buffers (counted in both above).
+      code_bytes: generated code (0 on CPU).
+      compile_seconds: the XLA compile time (None if not measured).
+    """
+
+    argument_bytes: int
+    output_bytes: int
+    temp_bytes: int
+    alias_bytes: int
+    code_bytes: int
+    compile_seconds: float | None = None
+
+    @classmethod
+    def of(cls, compiled: jax.stages.Compiled, compile_seconds: float | None = None
+           ) -> "MemoryReport":
+        """The report of ``compiled.memory_analysis()``."""
+        m = compiled.memory_analysis()
+        if m is None:
+            raise ValueError("this backend gives no memory analysis for compiled programs")
+        return cls(argument_bytes=int(m.argument_size_in_bytes),
+                   output_bytes=int(m.output_size_in_bytes),
+                   temp_bytes=int(m.temp_size_in_bytes),
+                   alias_bytes=int(m.alias_size_in_bytes),
+                   code_bytes=int(m.generated_code_size_in_bytes),
+                   compile_seconds=compile_seconds)
+
+    @property
+    def peak_bytes(self) -> int:
+        """Arguments + outputs + scratch, donated buffers counted once."""
+        return (self.argument_bytes + self.output_bytes + self.temp_bytes - self.alias_bytes
+                + self.code_bytes)
+
+    def as_dict(self) -> dict:
+        return dataclasses.asdict(self) | {"peak_bytes": self.peak_bytes}
+
+    def format(self) -> str:
+        """A few aligned lines in GiB."""
+        rows = [("arguments", self.argument_bytes), ("outputs", self.output_bytes),
+                ("temporary", self.temp_bytes), ("aliased", self.alias_bytes),
+                ("code", self.code_bytes), ("peak", self.peak_bytes)]
+        lines = [f"  {name:<10}{b / GiB:10.3f} GiB" for name, b in rows]
+        if self.compile_seconds is not None:
+            lines.append(f"  (compiled in {self.compile_seconds:.1f} s)")
+        return "\n".join(lines)
+
+
+# -------------------------------------------------------------------- decode plans
+
+
+def compile_report(lowered: jax.stages.Lowered) -> MemoryReport:
+    """Compiles ``lowered``; -> its `MemoryReport`, with the compile time."""
+    t0 = time.perf_counter()
+    compiled = lowered.compile()
+    return MemoryReport.of(compiled, time.perf_counter() - t0)
+
+
+def plan_decode(target_cfg: ModelConfig, config, batch_size: int, *, dtype=jnp.float32,
+                drafter_layers: int = 1, block_size: int = 16, mesh=None) -> MemoryReport:
+    """Compiles the fused generation for abstract models; -> the per-device report.
+
+    Args:
+      target_cfg: the target's `ModelConfig` (e.g. `preset`).
+      config: a `tev_jax.decode.DecodeConfig` with ``prompt_len`` set.
+      batch_size: B.
+      dtype: parameter and cache dtype of both models.
+      drafter_layers, block_size: the DFlash drafter (see `drafter_config`); no drafter
+        with ``builder='none'``.
+      mesh: a mesh from `tev_jax.sharding.make_mesh`, or None for one device.
+    """
+    target = abstract_target(target_cfg, dtype)
+    drafter = (None if config.builder == "none" else
+               abstract_drafter(target_cfg, dtype, num_layers=drafter_layers,
+                                block_size=block_size))
+    return compile_report(decode.lower(target, drafter, config, batch_size, mesh))
+
+
+# ----------------------------------------------------------------------- pre-flight
+
+
+def _bytes(shape, dtype) -> int:
+    return math.prod(shape) * jnp.dtype(dtype).itemsize
+
+
+def decode_floor(target, drafter, config, batch_size: int) -> dict[str, int]:
+    """Buffers the fused generation must hold at once, from shapes alone (bytes).
+
+    A lower bound of the program's new allocations, cheap to compute (nothing is
+    compiled): the target's and the drafter's KV caches (held in the loop state), the
+    verify pass's float32 logits [B, N, V] and its ancestor mask [B, N, N].
+
+    Args:
+      target, drafter: the models (real or abstract); drafter None without a tree.
+      config: the `DecodeConfig`, with ``prompt_len`` set.
+      batch_size: B.
+    Returns:
+      {'kv cache': ..., 'tree logits': ..., 'tree mask': ...}: bytes per buffer.
+    """
+    _, _, static = decode._setup(target, drafter, config, batch_size, config.prompt_len, None)
+    b, n, l = batch_size, static.num_slots, static.max_len
+    caches = [jax.eval_shape(lambda: target.init_cache(b, l))]
+    if static.has_drafter:
+        caches.append(jax.eval_shape(
+            lambda: decode.as_drafter(drafter).init_context(target, b, l)))
+    return {"kv cache": sum(_bytes(x.shape, x.dtype) for x in jax.tree.leaves(caches)),
+            "tree logits": _bytes((b, n, target.config.vocab_size), jnp.float32),
+            "tree mask": _bytes((b, n, n), jnp.bool_)}
+
+
+def available_bytes(devices=None) -> tuple[int, str]:
+    """Free memory per device of ``devices`` (default: the first) and what it measures.
+
+    Accelerators report ``memory_stats()['bytes_limit'] - ['bytes_in_use']`` (the least
+    over ``devices``). The CPU backend reports nothing: there the host's available
+    memory (``MemAvailable`` of /proc/meminfo, else ``os.sysconf`` free pages) is
+    shared by the simulated devices, so each gets an equal part.
+    """
+    devices = [jax.devices()[0]] if devices is None else list(devices)
+    stats = [d.memory_stats() or {} for d in devices]
+    if all("bytes_limit" in st for st in stats):
+        free = min(int(st["bytes_limit"]) - int(st.get("bytes_in_use", 0)) for st in stats)
+        return free, f"{devices[0].device_kind} memory"
+    try:
+        lines = Path("/proc/meminfo").read_text().splitlines()
+        host = next(int(x.split()[1]) * 1024 for x in lines if x.startswith("MemAvailable:"))
+    except (OSError, StopIteration):
+        host = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    n = len(devices)
+    return host // n, "host memory" + (f" (a {n}th each for {n} devices)" if n > 1 else "")
+
+
+def shortfall(need_bytes: int, floor: dict[str, int], have: int, where: str, config
+              ) -> str | None:
+    """One line naming the setting to lower when ``need_bytes`` exceeds ``have``, else None.
+
+    Args:
+      need_bytes: bytes the program needs (`decode_floor`'s sum, or a compiled
+        program's new allocations).
+      floor: `decode_floor`'s buffers; the biggest one decides the advice.
+      have, where: bytes available and what they measure (`available_bytes`).
+      config: the `DecodeConfig` whose settings the message names.
+    """
+    if need_bytes <= have:
+        return None
+    biggest = max(floor, key=floor.get)
+    if biggest != "kv cache" and config.builder == "ddtree":
+        advice = f"lower the budget ({config.budget})"
+    else:
+        advice = (f"lower max_new_tokens ({config.max_new_tokens}), the cache length or "
+                  "the batch")
+    parts = ", ".join(f"{k} {v / GiB:.2f}" for k, v in floor.items())
+    return (f"not enough memory: decoding needs {need_bytes / GiB:.1f} GiB (of which "
+            f"{parts} GiB) per device but {have / GiB:.1f} GiB of {where} is free; {advice}")
+
+
+class NotEnoughMemory(ValueError):
+    """A program that would not fit the device (the message is one line)."""
+
+
+def check_decode_fits(target, drafter, config, batch_size: int, *, mesh=None
+                      ) -> MemoryReport:
+    """The pre-flight check before a generation: raises unless it fits the device.
+
+    Per device: first `decode_floor` (its share on one of the mesh's devices) against
+    `available_bytes` (no compilation, so absurd settings are refused at once); then
+    the compiled program's new allocations (outputs and scratch; the parameters are
+    already resident). The compilation lands in jax's cache, so running the same
+    generation next does not compile again.
+
+    Args:
+      target, drafter, config, batch_size, mesh: as for `tev_jax.decode.generate`;
+        ``config.prompt_len`` must be set.
+    Returns:
+      The compiled program's `MemoryReport`.
+    Raises:
+      NotEnoughMemory: the one-line message of `shortfall`.
+    """
+    if config.prompt_len is None:
+        raise ValueError("the pre-flight check needs DecodeConfig.prompt_len")
+    devices = None if mesh is None else mesh.devices.flat
+    n = 1 if mesh is None else mesh.devices.size
+    # the most loaded device holds at least an n-th of every buffer
+    floor = {k: -(-v // n) for k, v in decode_floor(target, drafter, config, batch_size).items()}
+    have, where = available_bytes(devices)
+    msg = shortfall(sum(floor.values()), floor, have, where, config)
+    if msg is None:
+        report = compile_report(decode.lower(target, drafter, config, batch_size, mesh))
+        need = (report.output_bytes + report.temp_bytes - report.alias_bytes
+                + report.code_bytes)
+        msg = shortfall(need, floor, have, where, config)
+    if msg is not None:
+        raise NotEnoughMemory(msg)
+    return report
+
+
+__all__ = ["GiB", "MemoryReport", "NotEnoughMemory", "PRESETS", "abstract_drafter",
+           "abstract_target", "available_bytes", "check_decode_fits", "compile_report",
+           "decode_floor", "drafter_config", "model_config", "plan_decode", "preset",
+           "shortfall", "with_layers"]

@@ -5,6 +5,7 @@
     python -m train rollouts --merge --out DATA     # manifest of shards already written
     python -m train run --target-path DIR --data-dir DATA --loss exit --steps 2000 \\
         --out-dir runs/exit [--config base.json] [--mesh-fsdp 8] [--until-update 500]
+    python -m train plan --target qwen3-4b --mesh-fsdp 8 --batch 8 --seq-len 2048
 
 Every `TrainConfig` field is a ``--flag`` (underscores become dashes); ``--config``
 reads a JSON file first and flags override it.
@@ -30,8 +31,9 @@ def _field_parser(tp):
     if tp is bool:
         return lambda s: s.lower() in ("1", "true", "yes", "on")
     if typing.get_origin(tp) is tuple:
+        item = typing.get_args(tp)[0]
         return lambda s: None if s.lower() == "none" else tuple(
-            int(x) for x in s.split(",") if x)
+            item(x) for x in s.split(",") if x)
     return lambda s: None if s.lower() == "none" else tp(s)
 
 
@@ -135,6 +137,25 @@ def _run(ns) -> None:
               "command again to resume", file=sys.stderr)
 
 
+def _plan(ns) -> None:
+    import os
+
+    if ns.host_devices:
+        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                                   f" --xla_force_host_platform_device_count={ns.host_devices}")
+    from train.plan import plan_step, target_config_from
+
+    plan = plan_step(
+        target_config_from(ns.target, ns.target_layers), drafter_layers=ns.drafter_layers,
+        num_taps=ns.num_taps, block_size=ns.block_size, batch=ns.batch, seq_len=ns.seq_len,
+        anchors=ns.anchors, budget=ns.budget, loss=ns.loss,
+        mesh_shape=(ns.mesh_data, ns.mesh_fsdp, ns.mesh_tensor), target_dtype=ns.target_dtype,
+        param_dtype=ns.param_dtype, compute_dtype=ns.compute_dtype,
+        target_sharding=ns.target_sharding, remat=ns.remat,
+        score_capacities=tuple(float(c) for c in ns.score_capacities.split(",") if c))
+    print(json.dumps(plan.to_dict()) if ns.json else plan.format())
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m train", description=__doc__.split("\n")[0])
     sub = p.add_subparsers(dest="command", required=True)
@@ -172,6 +193,32 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--max-minutes", type=float, help="stop (with a checkpoint) after this time")
     t.add_argument("--no-progress", action="store_true")
     t.set_defaults(fn=_run)
+
+    pl = sub.add_parser("plan", help="per-device memory of a training step (no weights)")
+    pl.add_argument("--target", required=True,
+                    help="a preset (tev_jax.plan.PRESETS) or an HF config.json / directory")
+    pl.add_argument("--target-layers", type=int, help="cut the target to this many layers")
+    pl.add_argument("--drafter-layers", type=int, default=1)
+    pl.add_argument("--num-taps", type=int, default=5, help="target layers the drafter reads")
+    pl.add_argument("--block-size", type=int, default=16)
+    pl.add_argument("--batch", type=int, default=8, help="B sequences (global)")
+    pl.add_argument("--seq-len", type=int, default=2048)
+    pl.add_argument("--anchors", type=int, default=32)
+    pl.add_argument("--budget", type=int, default=32)
+    pl.add_argument("--loss", default="exit")
+    pl.add_argument("--mesh-data", type=int, default=1)
+    pl.add_argument("--mesh-fsdp", type=int, default=8)
+    pl.add_argument("--mesh-tensor", type=int, default=1)
+    pl.add_argument("--target-dtype", default="float32")
+    pl.add_argument("--param-dtype", default="float32")
+    pl.add_argument("--compute-dtype", help="default: param dtype")
+    pl.add_argument("--target-sharding", default="fsdp")
+    pl.add_argument("--remat", default="none")
+    pl.add_argument("--score-capacities", default="", help="comma-separated fractions")
+    pl.add_argument("--host-devices", type=int, default=0,
+                    help="simulate this many CPU devices (sets XLA_FLAGS; CPU only)")
+    pl.add_argument("--json", action="store_true", help="print one JSON record")
+    pl.set_defaults(fn=_plan)
     return p
 
 

@@ -9,6 +9,7 @@ from typing import Any
 
 from tev_jax.exit_train import WEIGHTINGS
 from tev_jax.sampling import Sampling
+from train.step import DTYPES, REMAT, TARGET_SHARDINGS
 
 LOSSES = ("token",) + WEIGHTINGS
 
@@ -23,7 +24,14 @@ class TrainConfig:
         with ``drafter_layers``, ``block_size``, ``mask_token_id`` (default: the id of
         ``<|mask|>`` in the target's tokenizer) and ``target_layer_ids`` (default: the
         DFlash spacing).
-      dtype: parameter dtype of both models ('float32' or 'bfloat16').
+      target_dtype: parameter and activation dtype of the frozen target: 'float32',
+        'bfloat16' or 'auto' (bfloat16 on accelerators, float32 on CPU, where XLA
+        computes bfloat16 slowly through float32 copies). bfloat16 halves the target's
+        memory; its logits and every loss stay float32.
+      param_dtype: the drafter's trained parameters and optimiser state (master
+        weights; float32 unless memory forces otherwise).
+      compute_dtype: the dtype the drafter's parameters are cast to for its forward
+        ('auto': as target_dtype).
 
     Data:
       data_dir: target rollouts written by ``python -m train rollouts``.
@@ -49,7 +57,16 @@ class TrainConfig:
     Devices:
       mesh_data, mesh_fsdp, mesh_tensor: mesh axis sizes (product <= devices). The
         drafter and its optimiser state are sharded over fsdp, the batch over data and
-        fsdp, the target is replicated (or split over tensor).
+        fsdp.
+      target_sharding: 'fsdp' (default: the frozen target's parameters are split over
+        fsdp and tensor like the drafter's and gathered layer by layer; a Qwen3-4B
+        target costs 15 GiB per device replicated in float32, 1.9 GiB on fsdp 8) or
+        'replicated' (copies on every data / fsdp device, split over tensor only:
+        no weight all-gathers, for targets that fit).
+      remat: 'none', 'full' or 'dots': rematerialise each drafter layer in the
+        backward pass (`train.step.REMAT`).
+      score_capacities: leaf-skipping scoring pass (`train.step.StepConfig`); empty:
+        score every tree node.
       distributed: call ``jax.distributed.initialize()`` first (multi-host).
 
     Run:
@@ -69,7 +86,9 @@ class TrainConfig:
     block_size: int = 16
     mask_token_id: int | None = None
     target_layer_ids: tuple[int, ...] | None = None
-    dtype: str = "float32"
+    target_dtype: str = "auto"
+    param_dtype: str = "float32"
+    compute_dtype: str = "auto"
 
     data_dir: str | None = None
     batch_size: int = 4
@@ -83,6 +102,7 @@ class TrainConfig:
     top_p: float | None = None
     token_decay_gamma: float | None = None
     tree_metrics: bool = False
+    score_capacities: tuple[float, ...] = ()
 
     steps: int = 1000
     lr: float = 1e-4
@@ -97,6 +117,8 @@ class TrainConfig:
     mesh_data: int = 1
     mesh_fsdp: int = 1
     mesh_tensor: int = 1
+    target_sharding: str = "fsdp"
+    remat: str = "none"
     distributed: bool = False
 
     out_dir: str = "runs/train"
@@ -110,8 +132,16 @@ class TrainConfig:
     def __post_init__(self):
         if self.loss not in LOSSES:
             raise ValueError(f"loss must be one of {LOSSES}, got {self.loss!r}")
-        if self.dtype not in ("float32", "bfloat16"):
-            raise ValueError(f"dtype must be 'float32' or 'bfloat16', got {self.dtype!r}")
+        for name, allowed in (("target_dtype", DTYPES + ("auto",)), ("param_dtype", DTYPES),
+                              ("compute_dtype", DTYPES + ("auto",)),
+                              ("target_sharding", TARGET_SHARDINGS), ("remat", tuple(REMAT))):
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"{name} must be one of {allowed}, got "
+                                 f"{getattr(self, name)!r}")
+        caps = self.score_capacities
+        if not isinstance(caps, tuple) or any(not 0 < c < 1 for c in caps):
+            raise ValueError(f"score_capacities must be a tuple of fractions in (0, 1), "
+                             f"got {caps!r}")
         positive = ("drafter_layers", "batch_size", "num_anchors", "budget", "steps",
                     "grad_accum", "mesh_data", "mesh_fsdp", "mesh_tensor",
                     "checkpoint_every", "keep_checkpoints", "log_every")
@@ -143,6 +173,16 @@ class TrainConfig:
         return Sampling(self.temperature, self.top_k, self.top_p)
 
     @property
+    def dtypes(self) -> tuple[str, str, str]:
+        """(target, param, compute) dtypes with 'auto' resolved for the default backend."""
+        import jax
+
+        auto = "float32" if jax.default_backend() == "cpu" else "bfloat16"
+        target = auto if self.target_dtype == "auto" else self.target_dtype
+        compute = target if self.compute_dtype == "auto" else self.compute_dtype
+        return target, self.param_dtype, compute
+
+    @property
     def builds_trees(self) -> bool:
         """Whether a step builds and scores draft trees."""
         return self.loss != "token" or self.tree_metrics
@@ -155,17 +195,24 @@ class TrainConfig:
         d = dataclasses.asdict(self)
         if d["target_layer_ids"] is not None:
             d["target_layer_ids"] = list(d["target_layer_ids"])
+        d["score_capacities"] = list(d["score_capacities"])
         return d
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "TrainConfig":
+        d = dict(d)
+        if "dtype" in d:    # configs written before target / param / compute dtypes
+            legacy = d.pop("dtype")
+            for name in ("target_dtype", "param_dtype", "compute_dtype"):
+                d.setdefault(name, legacy)
         names = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(d) - names)
         if unknown:
             raise ValueError(f"unknown training config fields: {unknown}")
-        d = dict(d)
         if d.get("target_layer_ids") is not None:
             d["target_layer_ids"] = tuple(int(i) for i in d["target_layer_ids"])
+        if d.get("score_capacities") is not None:
+            d["score_capacities"] = tuple(float(c) for c in d["score_capacities"])
         return cls(**d)
 
     @classmethod

@@ -39,7 +39,7 @@ from train.step import (
     place_frozen,
     split_models,
     step_program,
-    target_rules,
+    target_rules_for,
 )
 
 
@@ -70,22 +70,26 @@ def make_mesh_for(cfg: TrainConfig):
 
 
 def load_models(cfg: TrainConfig, mesh=None):
-    """(target, drafter) from the config's paths (a new drafter if no drafter_path)."""
+    """(target, drafter) from the config's paths (a new drafter if no drafter_path).
+
+    The target is loaded in ``target_dtype`` and placed by ``target_sharding``; the
+    drafter's parameters in ``param_dtype`` (the master weights the step updates).
+    """
     from tev_jax.models import load_target
     from tev_jax.models.drafter_io import init_drafter, load_drafter
 
     if cfg.target_path is None:
         raise ValueError("target_path is required (a Hugging Face checkpoint directory)")
-    dtype = jnp.dtype(cfg.dtype)
-    target = load_target(cfg.target_path, dtype=dtype, mesh=mesh,
-                         rules=None if mesh is None else target_rules())
+    target_dtype, param_dtype, _ = (jnp.dtype(d) for d in cfg.dtypes)
+    target = load_target(cfg.target_path, dtype=target_dtype, mesh=mesh,
+                         rules=None if mesh is None else target_rules_for(cfg.target_sharding))
     if cfg.drafter_path is not None:
-        drafter = load_drafter(cfg.drafter_path, target, dtype=dtype, mesh=mesh)
+        drafter = load_drafter(cfg.drafter_path, target, dtype=param_dtype, mesh=mesh)
     else:
         mask = cfg.mask_token_id if cfg.mask_token_id is not None else _mask_id(cfg.target_path)
         drafter = init_drafter(target, num_layers=cfg.drafter_layers, block_size=cfg.block_size,
                                mask_token_id=mask, key=cfg.seed,
-                               target_layer_ids=cfg.target_layer_ids, dtype=dtype)
+                               target_layer_ids=cfg.target_layer_ids, dtype=param_dtype)
     return target, drafter
 
 
@@ -107,10 +111,14 @@ def _mask_id(target_path: str) -> int:
 
 def step_config(cfg: TrainConfig, drafter) -> StepConfig:
     dc = drafter.config
+    _, param_dtype, compute_dtype = cfg.dtypes
     return StepConfig(loss=cfg.loss, budget=cfg.budget, exit_lambda=cfg.exit_lambda,
                       sampling=cfg.sampling, taps=tuple(dc.target_layer_ids),
                       horizon=dc.horizon, decay_gamma=cfg.token_decay_gamma,
-                      tree_metrics=cfg.tree_metrics, grad_accum=cfg.grad_accum)
+                      tree_metrics=cfg.tree_metrics, grad_accum=cfg.grad_accum,
+                      score_capacities=cfg.score_capacities,
+                      compute_dtype=None if compute_dtype == param_dtype else compute_dtype,
+                      remat=cfg.remat, target_sharding=cfg.target_sharding)
 
 
 def optim_config(cfg: TrainConfig) -> OptimConfig:

@@ -3,13 +3,18 @@
 Per micro-batch (B sequences, A anchors each, DESIGN.md §8)::
 
     target pass   frozen target over the sequences       -> context features, sequence K/V
-    drafter       all A blocks of a row in one forward   -> draft logits [B, A, H, V]  (vjp)
-    trees         DDTree from the detached rows           -> DraftTree [B, A, N]
-    scoring       one target forward over all tree nodes  -> target logits [B, A, N, V]
+    drafter       all A blocks of a row in one forward   -> draft hidden [B, A, H, D]  (vjp)
+    trees         DDTree from the detached rows' top-K    -> DraftTree [B, A, N]
+    scoring       one target forward over all tree nodes  -> target hidden [B, A, N, D]
                   (or only over the nodes with children, ``score_capacities``)
     exit weights  exit law (detached)                     -> weights [B, A, N], coverage
-    objective     token CE + lambda * exit loss           -> d loss / d logits
+    objective     token CE + lambda * exit loss           -> d loss / d hidden
     update        vjp -> drafter grads -> optax (clip, AdamW, warmup + cosine, MultiSteps)
+
+No [rows, V] logits array is formed: every read of the target's LM head (the drafter's
+log-normalisers, top-K and label / node logits; the exit law's per-node log-normaliser
+and child logits) goes over vocabulary blocks (`tev_jax.models.lm_head`). Only a target
+sampling transform with top-k, top-p or T = 0 scores dense [B, A, N, V] logits.
 
 Only the drafter's ``nnx.Param`` values are differentiated: the drafter forward is the
 one function under ``jax.vjp``, and the target's state is a separate, non-differentiated
@@ -18,8 +23,15 @@ argument. The trees, the target scoring pass and the exit weights are built from
 
 Sharding (names resolved by `tev_jax.sharding`): drafter parameters and optimiser state
 follow their logical axes (``embed`` -> fsdp, heads / MLP / vocab -> tensor), the batch
-is split over data and fsdp, and the target's parameters are replicated except along
-tensor (`target_rules`).
+is split over data and fsdp, and the frozen target's parameters are sharded like the
+drafter's (``target_sharding='fsdp'``: over fsdp and tensor, gathered by XLA layer by
+layer) or replicated over data / fsdp and split only along tensor ('replicated',
+`target_rules`).
+
+Precision: the drafter's parameters (and optimiser state) keep their dtype (float32
+master weights); ``StepConfig.compute_dtype`` casts them for the forward. The target
+runs in its own dtype. ``StepConfig.remat`` rematerialises each drafter layer in the
+backward pass.
 """
 
 from __future__ import annotations
@@ -40,16 +52,31 @@ from flax import nnx, struct
 from tev_jax import ddtree
 from tev_jax import sharding as shd
 from tev_jax.exit_train import (
+    blocked_law_ok,
+    edge_log_probs_blocked,
+    exit_laws_from_edges,
     exit_loss,
-    score_parent_nodes,
-    score_tree_nodes,
+    node_weights,
+    score_parent_hidden,
+    score_tree_hidden,
     target_context,
     token_loss,
     tree_exit_weights,
 )
-from tev_jax.models.drafter import anchor_logits
+from tev_jax.models import lm_head
+from tev_jax.models.drafter import anchor_hidden
+from tev_jax.models.lm_head import HeadRows
 from tev_jax.sampling import Sampling
 from tev_jax.tree import DraftTree
+
+
+DTYPES = ("float32", "bfloat16")
+TARGET_SHARDINGS = ("fsdp", "replicated")
+REMAT = {
+    "none": None,
+    "full": jax.checkpoint_policies.nothing_saveable,
+    "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,6 +99,15 @@ class StepConfig:
         ``ceil(fraction * A * N)`` query slots per row that holds them, else over every
         node (`tev_jax.exit_train.score_parent_nodes`); same losses and gradients, a
         cost that follows the trees, one more compiled scoring pass per fraction.
+      compute_dtype: None, or 'float32' / 'bfloat16': the drafter's parameters are cast
+        to it for the forward (they and the optimiser state keep their own dtype).
+      remat: rematerialisation of each drafter layer in the backward pass (`REMAT`):
+        'none', 'full' (save only the layer inputs) or 'dots' (save matmul outputs
+        without batch dimensions).
+      target_sharding: 'fsdp' (the frozen target's parameters sharded over fsdp and
+        tensor like the drafter's) or 'replicated' (replicated over data / fsdp, split
+        over tensor only: `target_rules`).
+      vocab_block: vocabulary entries per block of the LM-head reductions.
     """
 
     loss: str
@@ -84,12 +120,26 @@ class StepConfig:
     tree_metrics: bool = False
     grad_accum: int = 1
     score_capacities: tuple[float, ...] = ()
+    compute_dtype: str | None = None
+    remat: str = "none"
+    target_sharding: str = "fsdp"
+    vocab_block: int = lm_head.BLOCK
 
     def __post_init__(self):
         caps = self.score_capacities
         if not isinstance(caps, tuple) or any(not 0 < c < 1 for c in caps):
             raise ValueError(f"score_capacities must be a tuple of fractions in (0, 1), "
                              f"got {caps!r}")
+        if self.compute_dtype not in (None,) + DTYPES:
+            raise ValueError(f"compute_dtype must be None or one of {DTYPES}, got "
+                             f"{self.compute_dtype!r}")
+        if self.remat not in REMAT:
+            raise ValueError(f"remat must be one of {tuple(REMAT)}, got {self.remat!r}")
+        if self.target_sharding not in TARGET_SHARDINGS:
+            raise ValueError(f"target_sharding must be one of {TARGET_SHARDINGS}, got "
+                             f"{self.target_sharding!r}")
+        if not isinstance(self.vocab_block, int) or self.vocab_block < 1:
+            raise ValueError(f"vocab_block must be a positive int, got {self.vocab_block!r}")
 
     @property
     def builds_trees(self) -> bool:
@@ -220,39 +270,86 @@ def block_labels(tokens_BL: jax.Array, anchors_BA: jax.Array, horizon: int) -> j
                                axis=1).reshape(b, a, h)
 
 
-def build_trees(draft_logits_BAHV: jax.Array, roots_BA: jax.Array, budget: int) -> DraftTree:
-    """DDTree of every anchor from its (detached) draft rows; fields [B, A, N]."""
-    b, a, h, v = draft_logits_BAHV.shape
-    logits = jax.lax.stop_gradient(draft_logits_BAHV).reshape(b * a, h, v)
-    trees, _ = jax.vmap(lambda l, r: ddtree.build_tree(l, r, budget))(
-        logits, roots_BA.reshape(b * a).astype(jnp.int32))
+def draft_top_k(draft, k: int, block: int = lm_head.BLOCK) -> tuple[jax.Array, jax.Array]:
+    """Top-k tokens of every (detached) draft row and their log-probabilities.
+
+    Args:
+      draft: [B, A, H, V] draft logits or their `HeadRows` (blocked over the vocabulary).
+      k: static, 1 <= k <= V.
+    Returns:
+      (tokens int32 [B, A, H, k], logq float32 [B, A, H, k]), best first, as
+      `tev_jax.ddtree.topk_logq`.
+    """
+    if isinstance(draft, HeadRows):
+        vals, ids, lse = lm_head.top_k(draft.hidden, draft.head, k, block)
+        return ids, vals - lse[..., None]
+    b, a, h, v = draft.shape
+    logits = jax.lax.stop_gradient(draft).reshape(b * a, h, v)
+    tokens, logq = jax.vmap(lambda l: ddtree.topk_logq(l, k))(logits)
+    return tokens.reshape(b, a, h, k), logq.reshape(b, a, h, k)
+
+
+def tree_k(draft, budget: int) -> int:
+    """K of the tree builder, ``min(budget, V)`` (at least 1)."""
+    vocab = draft.head.vocab if isinstance(draft, HeadRows) else draft.shape[-1]
+    return max(1, min(budget, vocab))
+
+
+def build_trees(draft, roots_BA: jax.Array, budget: int, *, top=None,
+                block: int = lm_head.BLOCK) -> DraftTree:
+    """DDTree of every anchor from its detached draft rows; fields [B, A, N].
+
+    Args:
+      draft: [B, A, H, V] draft logits or their `HeadRows`.
+      roots_BA: int [B, A] root tokens.
+      top: optional precomputed ``draft_top_k(draft, tree_k(draft, budget))``.
+    """
+    if top is None:
+        top = draft_top_k(draft, tree_k(draft, budget), block)
+    tokens, logq = top
+    b, a, h, k = tokens.shape
+    build = jax.vmap(lambda t, q, r: ddtree.build_tree_from_topk(t, q, r, budget)[0])
+    trees = build(tokens.reshape(b * a, h, k), logq.reshape(b * a, h, k),
+                  roots_BA.reshape(b * a).astype(jnp.int32))
     return jax.tree.map(lambda x: x.reshape((b, a) + x.shape[1:]), trees)
 
 
-def exit_targets(target, cache, draft_logits_BAHV, batch: Batch, cfg: StepConfig):
+def exit_targets(target, cache, draft, batch: Batch, cfg: StepConfig, top=None):
     """Trees, detached node weights and exit-law coverage of every anchor.
 
+    Args:
+      draft: [B, A, H, V] draft logits or their `HeadRows` (detached).
+      top: optional precomputed ``draft_top_k(draft, tree_k(draft, cfg.budget))``.
     Returns:
       (trees [B, A, N], weights float32 [B, A, N] (0 for invalid anchors),
        coverage float32 [B, A])
     """
     roots = jnp.take_along_axis(batch.tokens.astype(jnp.int32),
                                 batch.anchors.astype(jnp.int32), axis=1)
-    trees = build_trees(draft_logits_BAHV, roots, cfg.budget)
+    trees = build_trees(draft, roots, cfg.budget, top=top, block=cfg.vocab_block)
     if not cfg.score_capacities:
-        target_logits = score_tree_nodes(target, cache, trees, batch.anchors)
+        hidden = score_tree_hidden(target, cache, trees, batch.anchors)
     else:
         slots = batch.anchors.shape[1] * (cfg.budget + 1)
         capacities = [min(slots, math.ceil(f * slots)) for f in cfg.score_capacities]
-        target_logits = score_parent_nodes(target, cache, trees, batch.anchors, capacities,
-                                           batch.valid)
-    weights, law = tree_exit_weights(trees, target_logits, cfg.sampling, cfg.weighting)
+        hidden = score_parent_hidden(target, cache, trees, batch.anchors, capacities,
+                                     batch.valid)
+    if blocked_law_ok(cfg.sampling):
+        log_a = edge_log_probs_blocked(trees, hidden, lm_head.head_of(target), cfg.sampling,
+                                       cfg.vocab_block)
+        law = exit_laws_from_edges(trees, log_a)
+        weights = node_weights(trees, law, cfg.weighting)
+    else:   # top-k / top-p / greedy transform whole rows: dense [B, A, N, V] logits
+        weights, law = tree_exit_weights(trees, target.unembed(hidden), cfg.sampling,
+                                         cfg.weighting)
     weights = jnp.where(batch.valid[:, :, None], weights, 0.0)
     return trees, weights, law.coverage
 
 
 def objective(draft_logits_BAHV, labels_BAH, valid_BA, trees, weights_BAN, cfg: StepConfig):
     """total = token + lambda * exit (exit only for the ExitTrain losses).
+
+    ``draft_logits_BAHV`` is [B, A, H, V] logits or their `HeadRows` (the step's).
 
     Returns:
       (total loss [], aux dict of [] arrays)
@@ -277,28 +374,36 @@ def loss_and_grads(params, graphs: Graphs, frozen: Frozen, batch: Batch, cfg: St
     """
     target = nnx.merge(graphs.target, frozen.target)
     feats, cache = target_context(target, batch.tokens, cfg.taps)
+    head = lm_head.head_of(target)
 
     def drafter_forward(p):
+        if cfg.compute_dtype is not None:
+            p = jax.tree.map(lambda x: x.astype(cfg.compute_dtype), p)
         drafter = merge_drafter(graphs, frozen, p)
-        return anchor_logits(drafter, target, feats, batch.tokens, batch.anchors)
+        return anchor_hidden(drafter, target, feats, batch.tokens, batch.anchors,
+                             REMAT[cfg.remat])
 
-    logits, pullback = jax.vjp(drafter_forward, params)
+    hidden, pullback = jax.vjp(drafter_forward, params)
+    rows = lambda h: lm_head.head_rows(h, head, cfg.vocab_block)
+    detached = rows(jax.lax.stop_gradient(hidden))
+    top = draft_top_k(detached, tree_k(detached, cfg.budget) if cfg.builds_trees else 1,
+                      cfg.vocab_block)
     labels = block_labels(batch.tokens, batch.anchors, cfg.horizon)
     metrics = {}
     trees = weights = None
     if cfg.builds_trees:
-        trees, weights, coverage = exit_targets(target, cache, jax.lax.stop_gradient(logits),
-                                                batch, cfg)
+        trees, weights, coverage = exit_targets(target, cache, detached, batch, cfg, top)
         n_valid = jnp.maximum(jnp.sum(batch.valid), 1)
         metrics["tau"] = 1.0 + jnp.sum(jnp.where(batch.valid, coverage, 0.0)) / n_valid
-    (total, aux), dlogits = jax.value_and_grad(objective, has_aux=True)(
-        logits, labels, batch.valid, trees, weights, cfg)
-    (grads,) = pullback(dlogits)
-    rows = batch.valid[:, :, None]
-    correct = (jnp.argmax(logits, axis=-1) == labels) & rows
+    (total, aux), dhidden = jax.value_and_grad(
+        lambda h: objective(rows(h), labels, batch.valid, trees, weights, cfg),
+        has_aux=True)(hidden)
+    (grads,) = pullback(dhidden)
+    row_mask = batch.valid[:, :, None]
+    correct = (top[0][..., 0] == labels) & row_mask
     metrics.update(aux)
     metrics["loss"] = total
-    metrics["token_acc"] = jnp.sum(correct) / jnp.maximum(jnp.sum(rows) * cfg.horizon, 1)
+    metrics["token_acc"] = jnp.sum(correct) / jnp.maximum(jnp.sum(row_mask) * cfg.horizon, 1)
     metrics["grad_norm"] = optax.tree.norm(grads)
     return grads, metrics
 
@@ -351,8 +456,17 @@ def _pure(state: nnx.State):
     return nnx.to_pure_dict(state)
 
 
+def target_rules_for(target_sharding: str) -> shd.Rules:
+    """The frozen target's logical rules: the current ones for 'fsdp', `target_rules`
+    for 'replicated'."""
+    if target_sharding not in TARGET_SHARDINGS:
+        raise ValueError(f"target_sharding must be one of {TARGET_SHARDINGS}, got "
+                         f"{target_sharding!r}")
+    return shd.current_rules() if target_sharding == "fsdp" else target_rules()
+
+
 def placement(mesh, graphs: Graphs, frozen: Frozen, abstract_params, optimizer,
-              batch_shape: tuple[int, int, int]) -> Placement:
+              batch_shape: tuple[int, int, int], target_sharding: str = "fsdp") -> Placement:
     """Shardings of the train state, the batch and the frozen models on ``mesh``.
 
     Args:
@@ -360,6 +474,7 @@ def placement(mesh, graphs: Graphs, frozen: Frozen, abstract_params, optimizer,
       abstract_params: the drafter's ``nnx.Param`` state (abstract or concrete), whose
         variables carry the logical axis names.
       batch_shape: (B, L, A).
+      target_sharding: 'fsdp' or 'replicated' (`StepConfig.target_sharding`).
     """
     if mesh is None:
         return Placement(None, None, None, None)
@@ -377,7 +492,7 @@ def placement(mesh, graphs: Graphs, frozen: Frozen, abstract_params, optimizer,
         anchors=shd.logical_sharding(("batch", None), (b, a), mesh),
         valid=shd.logical_sharding(("batch", None), (b, a), mesh),
     )
-    target_sh = shd.state_shardings(frozen.target, mesh, target_rules())
+    target_sh = shd.state_shardings(frozen.target, mesh, target_rules_for(target_sharding))
     rest_sh = shd.state_shardings(frozen.drafter_rest, mesh)
     return Placement(mesh, state_sh, batch_sh, Frozen(target_sh, rest_sh))
 
@@ -471,7 +586,8 @@ def step_program(graphs: Graphs, cfg: StepConfig, ocfg: OptimConfig, mesh, param
         _PROGRAMS.move_to_end(key)
         return _PROGRAMS[key]
     optimizer, schedule = make_optimizer(ocfg)
-    place = placement(mesh, graphs, frozen, param_state, optimizer, batch_shape)
+    place = placement(mesh, graphs, frozen, param_state, optimizer, batch_shape,
+                      cfg.target_sharding)
     program = StepProgram(place, optimizer, schedule,
                           make_step_fn(graphs, cfg, optimizer, place, schedule))
     _PROGRAMS[key] = program
@@ -480,10 +596,67 @@ def step_program(graphs: Graphs, cfg: StepConfig, ocfg: OptimConfig, mesh, param
     return program
 
 
+# ------------------------------------------------------------------------ planning
+
+
+def abstract_models(target_config, drafter_config, *, target_dtype="float32",
+                    param_dtype="float32"):
+    """(target, drafter) with abstract parameters (``nnx.eval_shape``: no weights).
+
+    Args:
+      target_config: the target's `ModelConfig` (e.g. `tev_jax.plan.preset`).
+      drafter_config: a `DrafterConfig` for it.
+      target_dtype, param_dtype: parameter dtypes of the target and the drafter.
+    """
+    from tev_jax.models.drafter import Drafter
+    from tev_jax.models.target import Target
+
+    drafter_config.check_target(target_config)
+    target = nnx.eval_shape(lambda: Target(target_config, dtype=jnp.dtype(target_dtype),
+                                           rngs=nnx.Rngs(0)))
+    drafter = nnx.eval_shape(lambda: Drafter(drafter_config, dtype=jnp.dtype(param_dtype),
+                                             rngs=nnx.Rngs(0)))
+    return target, drafter
+
+
+def lower(target, drafter, step_config: StepConfig, optim_config: OptimConfig, mesh,
+          batch_shape: tuple[int, int, int]):
+    """The jax ``Lowered`` of one optimiser update (micro-batch) on ``mesh``.
+
+    Works on abstract models (`abstract_models`): nothing is allocated, so
+    ``lower(...).compile().memory_analysis()`` gives the per-device argument and
+    temporary bytes of a step for models that would not fit this machine. The step is
+    the one `step_program` jits (same shardings, state donated).
+
+    Args:
+      target, drafter: the models (abstract or concrete).
+      step_config, optim_config: the step's settings.
+      mesh: a ``tev_jax.sharding.make_mesh`` mesh, or None (one device).
+      batch_shape: (B, L, A).
+    """
+    graphs, frozen, params = split_models(target, drafter)
+    _, param_state, _ = nnx.split(drafter, nnx.Param, ...)
+    optimizer, schedule = make_optimizer(optim_config)
+    place = placement(mesh, graphs, frozen, param_state, optimizer, batch_shape,
+                      step_config.target_sharding)
+    step_fn = make_step_fn(graphs, step_config, optimizer, place, schedule)
+    b, length, a = batch_shape
+    shape = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype)
+    state = jax.eval_shape(lambda p: TrainState(step=jnp.zeros((), jnp.int32), params=p,
+                                                opt_state=optimizer.init(p)),
+                           jax.tree.map(shape, params))
+    batch = Batch(tokens=jax.ShapeDtypeStruct((b, length), jnp.int32),
+                  anchors=jax.ShapeDtypeStruct((b, a), jnp.int32),
+                  valid=jax.ShapeDtypeStruct((b, a), jnp.bool_))
+    with place.context():
+        return step_fn.lower(state, batch, jax.tree.map(shape, frozen))
+
+
 __all__ = [
-    "Batch", "Frozen", "Graphs", "OptimConfig", "Placement", "StepConfig", "StepProgram",
-    "TrainState", "abstract_state", "block_labels", "build_trees", "exit_targets",
-    "init_state", "loss_and_grads", "make_optimizer", "make_step_fn", "merge_drafter",
+    "Batch", "DTYPES", "Frozen", "Graphs", "OptimConfig", "Placement", "REMAT", "StepConfig",
+    "StepProgram", "TARGET_SHARDINGS", "TrainState", "abstract_models", "abstract_state",
+    "block_labels", "build_trees", "draft_top_k", "exit_targets", "init_state",
+    "loss_and_grads", "lower", "make_optimizer", "make_step_fn", "merge_drafter",
     "objective", "place_batch", "place_frozen", "placement", "split_models", "step_program",
-    "target_rules", "train_step",
+    "target_rules", "target_rules_for", "train_step", "tree_k",
 ]

@@ -90,7 +90,7 @@ class _Static(NamedTuple):
     scale: float
 
 
-def attention(q_BTHd: jax.Array, segments: Sequence[tuple[jax.Array, jax.Array, Mask | jax.Array]],
+def attention(q_BTHd: jax.Array, segments: Sequence[tuple],
               *, key_block: int = KEY_BLOCK, query_block: int = QUERY_BLOCK,
               scale: float | None = None) -> jax.Array:
     """GQA softmax attention over key/value segments with one joint softmax.
@@ -101,9 +101,14 @@ def attention(q_BTHd: jax.Array, segments: Sequence[tuple[jax.Array, jax.Array, 
     Args:
       q_BTHd: queries [B, T, H, hd] (already roped).
       segments: tuples ``(k [B, S_i, K, hd], v [B, S_i, K, hd], mask)`` with ``mask`` a
-        `Mask` or a bool array broadcastable to [B, T, S_i]; H % K == 0.
-      key_block: keys per block (static); a segment shorter than it is one block.
-      query_block: queries per block (static); T is padded up to a multiple of it.
+        `Mask` or a bool array broadcastable to [B, T, S_i]; H % K == 0. A segment
+        ``(k, v, mask, layer)`` reads layer ``layer`` (an int, may be traced) of
+        stacked ``k, v [layers, B, S_i, K, hd]`` (a KV cache) block by block, without
+        copying that layer out first.
+      key_block: most keys per block (static); a segment of S keys is cut into
+        ``ceil(S / key_block)`` blocks of equal size.
+      query_block: most queries per block (static), likewise; T is padded up to a
+        multiple of the block size.
       scale: score scale; default ``hd ** -0.5``.
     Returns:
       [B, T, H, hd] in q's dtype. A query that sees no key gives zeros (never NaN).
@@ -116,30 +121,33 @@ def attention(q_BTHd: jax.Array, segments: Sequence[tuple[jax.Array, jax.Array, 
                          f"{query_block}")
     if not segments:
         raise ValueError("attention needs at least one key/value segment")
-    kh = segments[0][0].shape[2]
+    kh = segments[0][0].shape[-2]
     if h % kh:
         raise ValueError(f"{h} query heads are not a multiple of {kh} key/value heads")
-    qb = min(query_block, t)
-    nq = -(-t // qb)
+    nq = -(-t // query_block)
+    qb = -(-t // nq)  # balanced: the padding is less than one query per block
     pad = nq * qb - t
-    kvs, masks, kbs, nks = [], [], [], []
-    for k, v, mask in segments:
-        s = k.shape[1]
-        if k.shape != (b, s, kh, hd) or v.shape != k.shape:
+    kvs, masks, layers, kbs, nks = [], [], [], [], []
+    for k, v, mask, *layer in segments:
+        if not layer:
+            k, v, layer = k[None], v[None], [0]
+        s = k.shape[2]
+        if k.ndim != 5 or k.shape[1:] != (b, s, kh, hd) or v.shape != k.shape:
             raise ValueError(f"segment keys {k.shape} / values {v.shape} do not match "
                              f"queries {q_BTHd.shape} with {kh} key/value heads")
         if s == 0:
             continue
         kvs.append((k, v))
+        layers.append(jnp.asarray(layer[0], jnp.int32))
         masks.append(_padded(_as_mask(mask), b, t, s, pad))
-        kbs.append(min(key_block, s))
-        nks.append(-(-s // kbs[-1]))
+        nks.append(-(-s // key_block))
+        kbs.append(-(-s // nks[-1]))
     if not kvs:
         return jnp.zeros_like(q_BTHd)
     static = _Static(qb, nq, tuple(kbs), tuple(nks),
                      float(hd ** -0.5 if scale is None else scale))
     q = jnp.pad(q_BTHd, ((0, 0), (0, pad), (0, 0), (0, 0))) if pad else q_BTHd
-    out = _flash(static, q, tuple(kvs), tuple(masks))
+    out = _flash(static, q, tuple(kvs), tuple(masks), tuple(layers))
     return out[:, :t]
 
 
@@ -185,11 +193,13 @@ def _key_range(mask_q, s: int, kb: int, nk: int):
     return lo, hi
 
 
-def _key_block(x, j, kb: int, s: int, axis: int):
-    """Key block j of ``x`` along ``axis``; the last block is shifted back to fit inside
-    S (no padding copy of the keys), its repeated keys masked out by `_visible`."""
+def _key_block(x_LBSKd, layer, j, kb: int):
+    """Key block j [B, kb, K, hd] of one layer of ``x``; the last block is shifted back to
+    fit inside S (no padding copy of the keys), its repeated keys masked by `_visible`."""
+    _, b, s, kh, hd = x_LBSKd.shape
     first = jnp.minimum(j * kb, s - kb)
-    return jax.lax.dynamic_slice_in_dim(x, first, kb, axis=axis), first
+    blk = jax.lax.dynamic_slice(x_LBSKd, (layer, 0, first, 0, 0), (1, b, kb, kh, hd))
+    return blk[0], first
 
 
 def _visible(mask_q, j, first, kb: int):
@@ -234,10 +244,10 @@ def _grouped(x_BTHd, kh):
 # ------------------------------------------------------------ forward, backward
 
 
-def _forward(static: _Static, q, kvs, masks):
+def _forward(static: _Static, q, kvs, masks, layers):
     """(out [B, Tp, H, hd] in q's dtype, log-normaliser float32 [B, K, Tp, G])."""
     b, tp, h, hd = q.shape
-    kh = kvs[0][0].shape[2]
+    kh = kvs[0][0].shape[3]
     g, qb = h // kh, static.query_block
     qg = _grouped(q, kh)
 
@@ -246,14 +256,14 @@ def _forward(static: _Static, q, kvs, masks):
         q_blk = _query_rows(qg, i, qb)
         m = jnp.full((b, kh, qb, g), -jnp.inf, jnp.float32)
         carry = (m, jnp.zeros_like(m), jnp.zeros((b, kh, qb, g, hd), jnp.float32))
-        for (k, v), mask, kb, nk in zip(kvs, masks, static.key_blocks, static.num_key_blocks):
-            s_len = k.shape[1]
+        for (k, v), mask, layer, kb, nk in zip(kvs, masks, layers, static.key_blocks,
+                                               static.num_key_blocks):
             mask_q = tuple(_query_rows(x, i, qb) for x in mask)
 
-            def body(j, carry, k=k, v=v, mask_q=mask_q, kb=kb, s_len=s_len):
+            def body(j, carry, k=k, v=v, mask_q=mask_q, layer=layer, kb=kb):
                 m, l, o = carry
-                k_blk, first = _key_block(k, j, kb, s_len, axis=1)
-                v_blk, _ = _key_block(v, j, kb, s_len, axis=1)
+                k_blk, first = _key_block(k, layer, j, kb)
+                v_blk, _ = _key_block(v, layer, j, kb)
                 s = _scores(q_blk, k_blk, _visible(mask_q, j, first, kb), static.scale)
                 m_new = jnp.maximum(m, s.max(-1))
                 m_ref = jnp.where(jnp.isfinite(m_new), m_new, 0.0)  # all unseen: no NaN
@@ -263,7 +273,7 @@ def _forward(static: _Static, q, kvs, masks):
                                 preferred_element_type=jnp.float32)
                 return m_new, alpha * l + p.sum(-1), alpha[..., None] * o + pv
 
-            carry = _over_key_blocks(*_key_range(mask_q, s_len, kb, nk), nk, body, carry)
+            carry = _over_key_blocks(*_key_range(mask_q, k.shape[2], kb, nk), nk, body, carry)
         m, l, o = carry
         seen = l > 0
         o = o / jnp.where(seen, l, 1.0)[..., None]
@@ -279,20 +289,20 @@ def _forward(static: _Static, q, kvs, masks):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _flash(static: _Static, q, kvs, masks):
-    return _forward(static, q, kvs, masks)[0]
+def _flash(static: _Static, q, kvs, masks, layers):
+    return _forward(static, q, kvs, masks, layers)[0]
 
 
-def _flash_fwd(static, q, kvs, masks):
-    out, lse = _forward(static, q, kvs, masks)
-    return out, (q, kvs, masks, out, lse)
+def _flash_fwd(static, q, kvs, masks, layers):
+    out, lse = _forward(static, q, kvs, masks, layers)
+    return out, (q, kvs, masks, layers, out, lse)
 
 
 def _flash_bwd(static, residuals, dout):
     """Flash backward: per block ``p = exp(s - lse)``, ``ds = p * (dp - rowsum(dO * O))``."""
-    q, kvs, masks, out, lse = residuals
+    q, kvs, masks, layers, out, lse = residuals
     b, tp, h, hd = q.shape
-    kh = kvs[0][0].shape[2]
+    kh = kvs[0][0].shape[3]
     g, qb = h // kh, static.query_block
     qg, dog = _grouped(q, kh), _grouped(dout, kh)
     delta = jnp.sum(dout.astype(jnp.float32) * out.astype(jnp.float32), -1)
@@ -305,15 +315,15 @@ def _flash_bwd(static, residuals, dout):
         delta_blk = jax.lax.dynamic_slice_in_dim(delta, i * qb, qb, axis=2)[..., None]
         dq_blk = jnp.zeros(q_blk.shape, jnp.float32)
         new_dkvs = []
-        for (k, v), (dk, dv), mask, kb, nk in zip(kvs, dkvs, masks, static.key_blocks,
-                                                  static.num_key_blocks):
-            s_len = k.shape[1]
+        for (k, v), (dk, dv), mask, layer, kb, nk in zip(kvs, dkvs, masks, layers,
+                                                         static.key_blocks,
+                                                         static.num_key_blocks):
             mask_q = tuple(_query_rows(x, i, qb) for x in mask)
 
-            def body(j, c, k=k, v=v, mask_q=mask_q, kb=kb, s_len=s_len):
+            def body(j, c, k=k, v=v, mask_q=mask_q, layer=layer, kb=kb):
                 dq_blk, dk, dv = c
-                k_blk, first = _key_block(k, j, kb, s_len, axis=1)
-                v_blk, _ = _key_block(v, j, kb, s_len, axis=1)
+                k_blk, first = _key_block(k, layer, j, kb)
+                v_blk, _ = _key_block(v, layer, j, kb)
                 s = _scores(q_blk, k_blk, _visible(mask_q, j, first, kb), static.scale)
                 p = jnp.exp(s - lse_blk)
                 dv_blk = jnp.einsum("bkqgs,bqkgd->bskd", p.astype(do_blk.dtype), do_blk,
@@ -327,21 +337,22 @@ def _flash_bwd(static, residuals, dout):
                                     preferred_element_type=jnp.float32)
                 return dq_blk, _add_rows(dk, dk_blk, first), _add_rows(dv, dv_blk, first)
 
-            dq_blk, dk, dv = _over_key_blocks(*_key_range(mask_q, s_len, kb, nk), nk, body,
-                                              (dq_blk, dk, dv))
+            dq_blk, dk, dv = _over_key_blocks(*_key_range(mask_q, k.shape[2], kb, nk), nk,
+                                              body, (dq_blk, dk, dv))
             new_dkvs.append((dk, dv))
         dq_blk = dq_blk.reshape(b, qb, h, hd)
         if static.num_query_blocks == 1:
             return dq_blk, tuple(new_dkvs)
         return jax.lax.dynamic_update_slice_in_dim(dq, dq_blk, i * qb, axis=1), tuple(new_dkvs)
 
-    zeros = tuple((jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32))
-                  for k, v in kvs)
+    zeros = tuple((jnp.zeros(k.shape[1:], jnp.float32),) * 2 for k, _ in kvs)
     dq, dkvs = _over_query_blocks(static, query_block,
                                   (jnp.zeros(q.shape, jnp.float32), zeros))
-    dkvs = tuple((dk.astype(k.dtype), dv.astype(v.dtype))
-                 for (dk, dv), (k, v) in zip(dkvs, kvs))
-    return dq.astype(q.dtype), dkvs, None
+    # Cotangents of the stacked inputs: only the layer that was read.
+    put = lambda x, d, layer: jnp.zeros_like(x).at[layer].set(d.astype(x.dtype))
+    dkvs = tuple((put(k, dk, layer), put(v, dv, layer))
+                 for (dk, dv), (k, v), layer in zip(dkvs, kvs, layers))
+    return dq.astype(q.dtype), dkvs, None, None
 
 
 def _add_rows(acc_BSKd, x_BSKd, first):

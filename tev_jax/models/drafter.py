@@ -308,12 +308,20 @@ def append_context(drafter: Drafter, cache: DrafterCache, features_BTF: jax.Arra
 # ------------------------------------------------------------------ block forward
 
 
-def _layers(drafter: Drafter, x_BQD, positions_BQ, block_mask, ctx_k, ctx_v, ctx_mask):
-    """All drafter layers over Q block positions; returns the final-normed hidden."""
+def _layers(drafter: Drafter, x_BQD, positions_BQ, block_mask, ctx_k, ctx_v, ctx_mask,
+            remat=None):
+    """All drafter layers over Q block positions; returns the final-normed hidden.
+
+    ``remat``: None, or a ``jax.checkpoint_policies`` policy: each layer is then
+    rematerialised in the backward pass (`nnx.remat`), saving what the policy allows.
+    """
     inv_freq = rope_inv_freq(drafter.config.model)
     x = x_BQD.astype(drafter.dtype)
+    run = lambda layer, x, *args: layer(x, *args)[0]
+    if remat is not None:
+        run = nnx.remat(run, policy=remat)
     for i, layer in enumerate(drafter.layers):
-        x, _, _ = layer(x, positions_BQ, inv_freq, block_mask, (ctx_k[i], ctx_v[i], ctx_mask))
+        x = run(layer, x, positions_BQ, inv_freq, block_mask, (ctx_k, ctx_v, ctx_mask, i))
     return drafter.norm(x)
 
 
@@ -372,7 +380,7 @@ def draft_step(drafter: Drafter, target, cache: DrafterCache, features_BTF: jax.
 
 
 def anchor_hidden(drafter: Drafter, target, features_BLF: jax.Array, tokens_BL: jax.Array,
-                  anchors_BA: jax.Array) -> jax.Array:
+                  anchors_BA: jax.Array, remat=None) -> jax.Array:
     """Drafter hidden states of A blocks per sequence in one forward (training).
 
     Block ``a`` of row ``b`` has root ``tokens[b, anchors[b, a]]`` at that position and
@@ -384,6 +392,7 @@ def anchor_hidden(drafter: Drafter, target, features_BLF: jax.Array, tokens_BL: 
       features_BLF: [B, L, len(taps) * D] target features of every position.
       tokens_BL: int [B, L] the sequence's tokens.
       anchors_BA: int [B, A] anchor positions in [0, L).
+      remat: None or a ``jax.checkpoint_policies`` policy (per-layer remat).
     Returns:
       [B, A, H, D] final-normed hidden states of block positions 1..H.
     """
@@ -400,7 +409,7 @@ def anchor_hidden(drafter: Drafter, target, features_BLF: jax.Array, tokens_BL: 
     positions = (anchors[:, :, None] + offs).reshape(b, a * q)
     ctx_mask = Mask(end=jnp.repeat(anchors, q, axis=1))                  # [B, AQ]
     h = _layers(drafter, target.embed(tokens), positions, Mask.blocks(a * q, q), ctx_k,
-                ctx_v, ctx_mask)
+                ctx_v, ctx_mask, remat)
     return h.reshape(b, a, q, -1)[:, :, 1:]
 
 

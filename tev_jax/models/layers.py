@@ -271,7 +271,7 @@ class DecoderLayer(nnx.Module):
 
     def __call__(self, x_BTD: jax.Array, positions_BT: jax.Array, inv_freq,
                  mask: Mask | jax.Array,
-                 prefix: tuple[jax.Array, jax.Array, Mask | jax.Array] | None = None
+                 prefix: tuple | None = None
                  ) -> tuple[jax.Array, jax.Array, jax.Array]:
         """One layer over T new tokens.
 
@@ -282,7 +282,9 @@ class DecoderLayer(nnx.Module):
           mask: which new tokens each new token may attend to: a `Mask` over the T new
             keys or a bool array broadcastable to [B, T, T].
           prefix: optional (k [B,L,K,hd], v, mask over the L keys) of cached
-            keys/values (already roped) that the new tokens may also attend to.
+            keys/values (already roped) that the new tokens may also attend to, or
+            (k [layers,B,L,K,hd], v, mask, layer) to read one layer of a stacked cache
+            in place (see `attention`).
         Returns:
           (new residual [B,T,D], the new tokens' roped keys [B,T,K,hd], values).
         """

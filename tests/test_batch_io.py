@@ -1,0 +1,235 @@
+"""Batch generation files and command line (tev_jax.batch_io, `tev-jax generate --prompts`).
+
+Prompts files (JSONL kinds, plain text, every bad-input message), chat templates,
+prompt-buffer checks, resumable output with its settings sidecar, process shards and
+their merge, the end-to-end command on a tiny saved target (two process shards merged
+= the greedy reference; a rerun resumes; another configuration is refused), and the
+layering rule: importing tev_jax and its CLI never imports ``train``.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from decode_fixtures import greedy_reference, tiny_target
+from tev_jax import batch_io
+from tev_jax.data import tokenizer as tok_lib
+
+V = 64
+
+
+def _write(path, lines):
+    path.write_text("".join(line + "\n" for line in lines), encoding="utf-8")
+    return path
+
+
+# ------------------------------------------------------------------- prompts files
+
+
+def test_read_prompts_kinds_and_text(tmp_path):
+    f = _write(tmp_path / "p.jsonl", [
+        '{"id": "a", "prompt": "hello"}', "",
+        '{"id": 2, "messages": [{"role": "user", "content": "hi"}]}',
+        '{"id": "c", "prompt_ids": [1, 2, 3]}'])
+    records = batch_io.read_prompts(f)
+    assert [(r.id, r.line, r.kind) for r in records] == [
+        ("a", 1, "prompt"), (2, 3, "messages"), ("c", 4, "prompt_ids")]
+    assert records[2].value == [1, 2, 3]
+    text = _write(tmp_path / "p.txt", ["first prompt", "second prompt", ""])
+    assert [(r.id, r.value) for r in batch_io.read_prompts(text)] == [
+        (1, "first prompt"), (2, "second prompt")]
+
+
+@pytest.mark.parametrize("line, message", [
+    ('{"id": "a", "prompt": "x"', "p.jsonl:2: malformed JSON"),
+    ('["a"]', "p.jsonl:2: expected a JSON object"),
+    ('{"prompt": "x"}', "p.jsonl:2: missing id"),
+    ('{"id": "b", "prompt": ""}', "p.jsonl:2: id 'b' has an empty prompt"),
+    ('{"id": "b"}', "p.jsonl:2: id 'b' needs exactly one of"),
+    ('{"id": "b", "prompt": "x", "prompt_ids": [1]}', "needs exactly one of"),
+    ('{"id": "b", "messages": [{"role": "user"}]}', "messages must be a non-empty list"),
+    ('{"id": "b", "prompt_ids": [1, "2"]}', "prompt_ids must be a non-empty list"),
+    ('{"id": "ok", "prompt": "y"}', "p.jsonl:2: id 'ok' already used on line 1"),
+])
+def test_read_prompts_bad_lines(tmp_path, line, message):
+    f = _write(tmp_path / "p.jsonl", ['{"id": "ok", "prompt": "x"}', line])
+    with pytest.raises(ValueError, match=message):
+        batch_io.read_prompts(f)
+
+
+def test_read_prompts_bad_files(tmp_path):
+    with pytest.raises(ValueError, match="no such prompts file"):
+        batch_io.read_prompts(tmp_path / "missing.jsonl")
+    with pytest.raises(ValueError, match="p.txt:2: empty prompt"):
+        batch_io.read_prompts(_write(tmp_path / "p.txt", ["a", " ", "b"]))
+    with pytest.raises(ValueError, match="no prompts"):
+        batch_io.read_prompts(_write(tmp_path / "e.jsonl", [""]))
+
+
+def test_chat_templates_and_encoding(tmp_path):
+    from tev_jax.models.bundled import bundled_paths
+
+    tokenizer = tok_lib.load_default_tokenizer()
+    config = json.loads((bundled_paths().target / "tokenizer_config.json").read_text())
+    user = [{"role": "user", "content": "What is 2 + 3?"}]
+    assert batch_io.chat_formatter(config)(user) == tok_lib.format_chat("What is 2 + 3?")
+    assert batch_io.chat_formatter(None)(user) == tok_lib.format_chat("What is 2 + 3?")
+    with pytest.raises(ValueError, match="must be one user turn"):
+        batch_io.chat_formatter(None)(user + [{"role": "assistant", "content": "5"}])
+    with pytest.raises(ValueError, match="chat template: only user and assistant"):
+        batch_io.chat_formatter(config)([{"role": "system", "content": "x"}])
+
+    # A template that writes BOS itself: no second BOS from the tokenizer.
+    with_bos = {"chat_template": "{{ bos_token }}{{ messages[0]['content'] }}",
+                "bos_token": tok_lib.BOS}
+    records = batch_io.read_prompts(_write(tmp_path / "p.jsonl", [
+        '{"id": "m", "messages": [{"role": "user", "content": "hi there"}]}',
+        '{"id": "t", "prompt": "hi there"}', '{"id": "i", "prompt_ids": [7, 8, 9, 10]}']))
+    enc = lambda **kw: batch_io.encode_records(
+        records, tokenizer, batch_io.chat_formatter(with_bos), vocab_size=4096, **kw)
+    m, t, i = enc(prompt_len=None, truncate=False)
+    assert m.prompt_ids == t.prompt_ids == tokenizer.encode("hi there").ids
+    assert m.prompt_ids[0] == tok_lib.BOS_ID and m.prompt_ids[1] != tok_lib.BOS_ID
+    assert i.prompt_ids == [7, 8, 9, 10]
+    with pytest.raises(ValueError, match=r"prompts:3: id 'i': the prompt has 4 tokens, more "
+                                         r"than the prompt buffer \(3\).*--truncate left"):
+        enc(prompt_len=3, truncate=False)
+    assert enc(prompt_len=3, truncate=True)[2].prompt_ids == [8, 9, 10]
+    with pytest.raises(ValueError, match=r"prompts:3: id 'i': token id 10 is outside the "
+                                         r"vocabulary \[0, 10\)"):
+        batch_io.encode_records(records[2:], tokenizer, None, vocab_size=10,
+                                prompt_len=None, truncate=False)
+
+
+# ------------------------------------------------------------------------- output
+
+
+def test_output_resume_and_settings(tmp_path):
+    out = tmp_path / "out.jsonl"
+    settings = {"builder": "ddtree", "seed": 0, "run": {"batch_size": 8}}
+    done, f = batch_io.open_output(out, settings)
+    assert done == set()
+    with f:
+        batch_io.write_line(f, {"id": "a", "text": "x"})
+        batch_io.write_line(f, {"id": 2, "text": "y"})
+        f.write('{"id": "c", "te')  # an interrupted write
+    rerun = dict(settings, run={"batch_size": 32})  # run entries may change
+    done, f = batch_io.open_output(out, rerun)
+    f.close()
+    assert done == {'"a"', "2"}
+    assert out.read_text().endswith('"y"}\n')  # the partial line is cut, its id reruns
+    assert json.loads(batch_io.settings_path(out).read_text()) == settings
+
+    with pytest.raises(ValueError, match=r"other settings \(seed differ.*--force"):
+        batch_io.open_output(out, dict(settings, seed=1))
+    done, f = batch_io.open_output(out, dict(settings, seed=1), force=True)
+    f.close()
+    assert done == {'"a"', "2"}
+    assert json.loads(batch_io.settings_path(out).read_text())["seed"] == 1
+
+    stray = _write(tmp_path / "other.jsonl", ['{"id": 1}'])
+    with pytest.raises(ValueError, match="has no settings file"):
+        batch_io.open_output(stray, settings)
+    batch_io.settings_path(stray).write_text(json.dumps(settings))
+    _write(stray, ["not json"])
+    with pytest.raises(ValueError, match="other.jsonl:1: not a JSON line"):
+        batch_io.open_output(stray, settings)
+
+
+def test_shards_and_merge(tmp_path):
+    out = tmp_path / "out.jsonl"
+    assert batch_io.shard_path(out, 0, 1) == out
+    assert batch_io.shard_path(out, 1, 3).name == "out.1-of-3.jsonl"
+    with pytest.raises(ValueError, match="process index 3 is outside"):
+        batch_io.shard_path(out, 3, 3)
+    items = list(range(10))
+    shards = [batch_io.shard_of(items, i, 3) for i in range(3)]
+    assert sorted(sum(shards, [])) == items and shards[1] == [1, 4, 7]
+
+    with pytest.raises(ValueError, match="no shards"):
+        batch_io.merge_outputs(out)
+    settings = {"seed": 0}
+    for i in range(3):
+        _, f = batch_io.open_output(batch_io.shard_path(out, i, 3),
+                                    dict(settings, run={"process_index": i}))
+        with f:
+            for rid in shards[i]:
+                batch_io.write_line(f, {"id": rid})
+    assert batch_io.merge_outputs(out) == 10
+    assert sorted(json.loads(line)["id"] for line in out.read_text().splitlines()) == items
+    assert json.loads(batch_io.settings_path(out).read_text())["seed"] == 0
+    with pytest.raises(ValueError, match="exists; remove it or use --force"):
+        batch_io.merge_outputs(out)
+
+    with batch_io.shard_path(out, 2, 3).open("a") as f:
+        f.write('{"id": 0}\n')
+    with pytest.raises(ValueError, match="id 0 is in shards 0 and 2"):
+        batch_io.merge_outputs(out, force=True)
+    batch_io.settings_path(batch_io.shard_path(out, 2, 3)).write_text('{"seed": 1}')
+    with pytest.raises(ValueError, match="different settings"):
+        batch_io.merge_outputs(out, force=True)
+    batch_io.shard_path(out, 1, 3).unlink()
+    with pytest.raises(ValueError, match=r"shards \[1\] of 3 are missing"):
+        batch_io.merge_outputs(out, force=True)
+
+
+# ------------------------------------------------------------------- command line
+
+
+def test_cli_batch_generate_shards_resume_and_refusal(tmp_path, capsys):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    from tev_jax import cli
+    from tev_jax.models import save_target
+
+    target = tiny_target(seed=8)
+    words = [f"w{i}" for i in range(V)]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    save_target(target, tmp_path / "target", tokenizer=tok)
+    prompts = [[5, 17, 3], [9, 1, 2, 33, 60], [30], [8, 8, 2, 40, 41, 42, 1], [12, 50]]
+    f = _write(tmp_path / "p.jsonl", [json.dumps({"id": f"q{i}", "prompt_ids": p})
+                                      for i, p in enumerate(prompts)])
+    out = tmp_path / "out.jsonl"
+    common = ["generate", "--prompts", str(f), "--output", str(out), "--target",
+              str(tmp_path / "target"), "--builder", "none", "--max-new-tokens", "6",
+              "--batch-size", "2", "--process-count", "2"]
+    for index in ("0", "1"):
+        assert cli.main(common + ["--process-index", index,
+                                  "--summary-json", str(tmp_path / f"s{index}.json")]) == 0
+    assert [json.loads((tmp_path / f"s{i}.json").read_text())["prompts"] for i in (0, 1)] == [3, 2]
+    assert cli.main(["merge-outputs", str(out)]) == 0
+    got = {r["id"]: r for r in map(json.loads, out.read_text().splitlines())}
+    reference = greedy_reference(target, prompts, 6)
+    for i, want in enumerate(reference):
+        r = got[f"q{i}"]
+        assert r["token_ids"] == want and r["text"] == tok.decode(want)
+        assert (r["rounds"], r["tau"], r["stop_reason"]) == (5, 1.0, "length")
+
+    # A rerun of shard 0 finds every id done; other settings are refused.
+    assert cli.main(common + ["--process-index", "0", "--summary-json",
+                              str(tmp_path / "again.json")]) == 0
+    again = json.loads((tmp_path / "again.json").read_text())
+    assert (again["prompts"], again["skipped"]) == (0, 3)
+    capsys.readouterr()
+    with pytest.raises(SystemExit):
+        cli.main(common + ["--process-index", "0", "--max-new-tokens", "7"])
+    assert "max_new_tokens differ" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        cli.main(common + ["--process-index", "0", "--prompt-len", "4"])
+    assert "p.jsonl:2: id 'q1': the prompt has 5 tokens" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        cli.main(["generate", "--target", str(tmp_path / "target"), "--builder", "none"])
+    assert "give a PROMPT, or --prompts FILE" in capsys.readouterr().err
+
+
+def test_tev_jax_does_not_import_train():
+    code = ("import sys, tev_jax, tev_jax.cli, tev_jax.batching, tev_jax.batch_io, "
+            "tev_jax.decode; bad = [m for m in sys.modules if m == 'train' or "
+            "m.startswith('train.')]; print(bad); sys.exit(1 if bad else 0)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout + done.stderr

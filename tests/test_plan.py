@@ -1,0 +1,152 @@
+"""Memory planning: abstract models, the compiled report, growth, the pre-flight check.
+
+Everything here compiles small programs on abstract (weightless) models; nothing runs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import jax
+import jax.numpy as jnp
+import pytest
+from flax import nnx
+
+from tev_jax import cli, decode, plan, sharding
+from tev_jax.models import ModelConfig, init_target
+from tev_jax.models.drafter_io import init_drafter
+from tev_jax.sampling import Sampling
+
+# Attention-heavy on purpose: a dense [T, T + L] score tensor would dominate its memory.
+TINY = ModelConfig(model_type="qwen3", vocab_size=256, hidden_size=64,
+                   intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2,
+                   head_dim=16, qk_norm=True)
+CONFIG = decode.DecodeConfig(max_new_tokens=8, budget=8, prompt_len=256,
+                             max_cache_len=512, sampling=Sampling(temperature=1.0))
+# The autoregressive program (the prefill, the cache, one-token rounds) compiles fastest;
+# tests that plan it with these settings share one compilation (jax caches it).
+AR = dataclasses.replace(CONFIG, builder="none")
+
+
+def _temp(batch=2, prompt_len=256, cache_len=512) -> int:
+    config = dataclasses.replace(AR, prompt_len=prompt_len, max_cache_len=cache_len)
+    return plan.plan_decode(TINY, config, batch).temp_bytes
+
+
+def test_abstract_models_hold_no_weights():
+    target = plan.abstract_target(plan.preset("qwen3-8b"))
+    drafter = plan.abstract_drafter(target.config, jnp.bfloat16, num_layers=2)
+    assert type(target.embed_tokens.get_value()).__name__ == "ShapeDtypeStruct"
+    assert target.embed_tokens.get_value().shape == (151_936, 4096)
+    assert drafter.config.target_layer_ids == (1, 33)
+    assert drafter.fc.kernel.get_value().dtype == jnp.bfloat16
+
+
+def test_report_counts_parameters_and_caches():
+    r32 = plan.plan_decode(TINY, AR, 2)
+    r16 = plan.plan_decode(TINY, AR, 2, dtype=jnp.bfloat16)
+    assert r32.argument_bytes >= 4 * TINY.num_params
+    assert r32.output_bytes >= 2 * TINY.num_layers * 2 * 512 * TINY.num_kv_heads * 16 * 4
+    assert r16.argument_bytes < 0.6 * r32.argument_bytes
+    assert r32.peak_bytes == (r32.argument_bytes + r32.output_bytes + r32.temp_bytes
+                              - r32.alias_bytes + r32.code_bytes)
+    assert "temporary" in r32.format() and r32.compile_seconds >= 0
+
+
+def test_temporary_memory_grows_linearly():
+    """Doubling B or L at most doubles scratch (+10%); doubling P and L together too.
+
+    The last check fails with prefill attention that holds the [T, T + L] scores
+    whole: they grow fourfold when both double.
+    """
+    base = _temp()
+    assert _temp(batch=4) <= 2.2 * base
+    assert _temp(cache_len=1024) <= 2.2 * base
+    assert _temp(prompt_len=512, cache_len=1024) <= 2.2 * base
+
+
+def test_per_device_figures_on_a_mesh():
+    one = plan.plan_decode(TINY, AR, 2)
+    mesh = sharding.make_mesh(data=2, fsdp=1, tensor=2)
+    split = plan.plan_decode(TINY, AR, 2, mesh=mesh)
+    # tensor 2 halves every weight but the norms; data x tensor quarters the caches
+    assert split.argument_bytes < 0.6 * one.argument_bytes
+    assert split.output_bytes < 0.35 * one.output_bytes
+    with pytest.raises(ValueError, match="batch"):
+        plan.plan_decode(TINY, AR, 3, mesh=mesh)
+
+
+def test_model_config_from_preset_file_and_directory(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(TINY.to_hf()))
+    assert plan.model_config(str(tmp_path)) == TINY
+    assert plan.model_config(str(tmp_path / "config.json"), num_layers=1).num_layers == 1
+    assert plan.model_config("qwen3-4b", num_layers=2).hidden_size == 2560
+    with pytest.raises(ValueError, match="neither a model preset"):
+        plan.model_config(str(tmp_path / "missing.json"))
+    with pytest.raises(ValueError, match="num_layers"):
+        plan.model_config("qwen3-4b", num_layers=0)
+
+
+def test_plan_command_json(tmp_path, capsys):
+    (tmp_path / "config.json").write_text(json.dumps(TINY.to_hf()))
+    argv = ["plan", "--config", str(tmp_path), "--batch", "2", "--prompt-len", "256",
+            "--cache-len", "512", "--max-new-tokens", "8", "--budget", "8",
+            "--builder", "none", "--temperature", "1", "--json"]
+    assert cli.main(argv) == 0
+    full = json.loads(capsys.readouterr().out)
+    assert cli.main(argv + ["--layers", "1"]) == 0
+    fewer = json.loads(capsys.readouterr().out)
+    assert full["layers"] == 2 and fewer["layers"] == 1
+    direct = plan.plan_decode(TINY, AR, 2)
+    assert full["per_device"]["temp_bytes"] == direct.temp_bytes
+    assert fewer["per_device"]["argument_bytes"] < direct.argument_bytes
+    with pytest.raises(SystemExit):
+        cli.main(["plan", "--model", "qwen3-4b", "--config", str(tmp_path)])
+
+
+# ------------------------------------------------------------------------ pre-flight
+
+
+@pytest.fixture(scope="module")
+def tiny_models():
+    target = init_target(TINY, key=0)
+    return target, init_drafter(target, num_layers=1, block_size=4, mask_token_id=255, key=1)
+
+
+def _refuse_compiling(*_):
+    raise AssertionError("the analytic floor should have refused before compiling")
+
+
+def test_preflight_refuses_from_shapes_before_compiling(tiny_models, monkeypatch):
+    target, drafter = tiny_models
+    config = dataclasses.replace(CONFIG, budget=2000, max_cache_len=None)
+    floor = plan.decode_floor(target, drafter, config, 1)
+    assert floor["tree mask"] == 2001 ** 2 and floor["tree logits"] == 2001 * 256 * 4
+    monkeypatch.setattr(plan, "available_bytes", lambda devices=None: (2**20, "test memory"))
+    monkeypatch.setattr(plan, "compile_report", _refuse_compiling)
+    with pytest.raises(plan.NotEnoughMemory, match=r"lower the budget \(2000\)") as e:
+        plan.check_decode_fits(target, drafter, config, 1)
+    assert "\n" not in str(e.value) and "of test memory is free" in str(e.value)
+
+
+def test_preflight_uses_the_compiled_program(tiny_models, monkeypatch):
+    target, drafter = tiny_models
+    floor = sum(plan.decode_floor(target, drafter, CONFIG, 1).values())
+    monkeypatch.setattr(plan, "available_bytes", lambda devices=None: (floor, "test memory"))
+    with pytest.raises(plan.NotEnoughMemory, match="test memory is free"):
+        plan.check_decode_fits(target, drafter, CONFIG, 1)
+    monkeypatch.setattr(plan, "available_bytes", lambda devices=None: (2**40, "test memory"))
+    report = plan.check_decode_fits(target, drafter, CONFIG, 1)
+    assert floor < report.output_bytes + report.temp_bytes
+    params = sum(x.size for x in jax.tree.leaves(nnx.state((target, drafter))))
+    assert params > TINY.num_params and report.argument_bytes >= 4 * params
+
+
+def test_generate_refuses_in_one_line(monkeypatch, capsys):
+    monkeypatch.setattr(plan, "available_bytes", lambda devices=None: (2**30, "test memory"))
+    monkeypatch.setattr(plan, "compile_report", _refuse_compiling)
+    assert cli.main(["generate", "Once upon a time", "--budget", "100000"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("tev-jax generate: not enough memory") and "\n" not in err
+    assert "lower the budget (100000)" in err

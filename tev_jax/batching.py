@@ -1,0 +1,187 @@
+"""Continuous batching: B row slots, each refilled with the next prompt when it finishes.
+
+`decode.generate` runs a static batch to its end, so every row waits for the longest.
+Here the batch is a set of slots over one decode state (DESIGN.md §12)::
+
+    free slots <- prefill the next prompts (bucketed K rows x T tokens, scattered in)
+    run rounds until one more row is done            (one jitted while_loop)
+    hand the finished rows back; their slots are free again
+
+Both programs are compiled once per shape: `run_rounds` once, `refill_slots` once per
+(row bucket, width bucket) it meets, so prompts of any length up to
+``config.prompt_len`` reuse a handful of programs. Rows never interact, so at T = 0
+every request gets the tokens `decode.generate` gives its prompt alone; at T > 0 each
+row is an exact sample of the same distribution (with different random numbers).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+
+from tev_jax import decode
+
+
+@dataclasses.dataclass(frozen=True)
+class Request:
+    """One prompt to complete: its id (any JSON value) and its token ids."""
+
+    id: Any
+    prompt_ids: Sequence[int]
+
+
+@dataclasses.dataclass(frozen=True)
+class Result:
+    """One finished request.
+
+    Attributes:
+      id: the request's id.
+      token_ids: the generated tokens (a final stop token included).
+      rounds: decoding rounds the request ran (the prefill's first token is no round).
+      tau: mean tokens per round (accepted draft tokens + bonus, before truncation at a
+        stop token or at M); nan when it ran no round.
+      stop_reason: 'stop' (ended with a stop token) or 'length' (hit max_new_tokens).
+      prompt_tokens: the prompt's length.
+    """
+
+    id: Any
+    token_ids: list[int]
+    rounds: int
+    tau: float
+    stop_reason: str
+    prompt_tokens: int
+
+
+def width_buckets(prompt_len: int, count: int = 5) -> tuple[int, ...]:
+    """Prompt widths ``prompt_len / 2**i`` (multiples of 8, at least 8), smallest first."""
+    if prompt_len < 1 or count < 1:
+        raise ValueError(f"prompt_len and count must be positive, got {prompt_len}, {count}")
+    align = decode._LEN_ALIGN
+    widths = {prompt_len}
+    for i in range(1, count):
+        widths.add(max(align, -(-(prompt_len >> i) // align) * align))
+    return tuple(sorted(w for w in widths if w <= prompt_len))
+
+
+def row_buckets(batch_size: int) -> tuple[int, ...]:
+    """Refill sizes: powers of two below ``batch_size``, then ``batch_size``."""
+    rows = [1 << i for i in range(max(batch_size - 1, 1).bit_length()) if 1 << i < batch_size]
+    return tuple(rows + [batch_size])
+
+
+def _bucket(n: int, sizes: Sequence[int]) -> int:
+    return next(s for s in sizes if s >= n)
+
+
+def check_request(request: Request, vocab_size: int, prompt_len: int) -> np.ndarray:
+    """The request's prompt as int32 [T]; ValueError naming the id if it is unusable."""
+    ids = np.asarray(request.prompt_ids)
+    if ids.ndim != 1 or ids.size == 0:
+        raise ValueError(f"request {request.id!r}: the prompt must be a non-empty list of "
+                         "token ids")
+    if not np.issubdtype(ids.dtype, np.integer):
+        raise ValueError(f"request {request.id!r}: token ids must be integers")
+    bad = (ids < 0) | (ids >= vocab_size)
+    if bad.any():
+        raise ValueError(f"request {request.id!r}: token id {int(ids[np.argmax(bad)])} is "
+                         f"outside the vocabulary [0, {vocab_size})")
+    if ids.size > prompt_len:
+        raise ValueError(f"request {request.id!r}: the prompt has {ids.size} tokens, more "
+                         f"than the prompt buffer ({prompt_len})")
+    return ids.astype(np.int32)
+
+
+def generate_continuous(target, drafter, requests: Iterable[Request],
+                        config: decode.DecodeConfig, *, batch_size: int,
+                        key: jax.Array | int = 0, widths: Sequence[int] | None = None,
+                        max_rounds: int | None = None, mesh=None) -> Iterator[Result]:
+    """Decodes every request with continuous batching; yields results as rows finish.
+
+    Requests are read lazily, in order, as slots free up; results come in finishing
+    order.
+
+    Args:
+      target: a `tev_jax.models.Target`.
+      drafter: a drafter (`decode.DrafterProtocol`); None with ``builder='none'``.
+      requests: the prompts (any iterable; consumed lazily).
+      config: a `decode.DecodeConfig` with ``prompt_len`` = the longest prompt allowed.
+      batch_size: B, the number of row slots.
+      key: PRNG key or int seed.
+      widths: prompt width buckets (default `width_buckets(config.prompt_len)`).
+      max_rounds: return to the host at least every this many rounds (default: only
+        when a row finishes).
+      mesh: optional mesh (`tev_jax.sharding.make_mesh`): parameters, caches and slots
+        laid out as in `decode.generate` (slots over data and fsdp).
+
+    Yields:
+      A `Result` per request.
+
+    Raises:
+      ValueError: a bad config or batch size, an unusable request (its id named), or
+        non-finite logits.
+    """
+    graphdef, params, static, axes = decode.prepare_slots(target, drafter, config, batch_size,
+                                                          mesh)
+    widths = tuple(sorted(widths or width_buckets(config.prompt_len)))
+    if widths[-1] < config.prompt_len:
+        raise ValueError(f"the widest bucket ({widths[-1]}) is below prompt_len "
+                         f"({config.prompt_len})")
+    rows = row_buckets(batch_size)
+    stop_ids = set(config.stop_token_ids)
+    vocab = target.config.vocab_size
+    key = jax.random.key(key) if isinstance(key, int) else key
+    key, sub = jax.random.split(key)
+    st = decode.empty_slots(graphdef, params, static, batch_size, sub)
+    in_slot: list[tuple[Any, int] | None] = [None] * batch_size  # (id, prompt length)
+    pending = iter(requests)
+    exhausted = False
+    while True:
+        free = [i for i, r in enumerate(in_slot) if r is None]
+        batch = []
+        while len(batch) < len(free) and not exhausted:
+            request = next(pending, None)
+            if request is None:
+                exhausted = True
+            else:
+                batch.append((request.id, check_request(request, vocab, config.prompt_len)))
+        if batch:
+            k, t = _bucket(len(batch), rows), _bucket(max(len(p) for _, p in batch), widths)
+            tokens_KT = np.zeros((k, t), np.int32)
+            lengths_K = np.ones((k,), np.int32)
+            slots_K = np.full((k,), batch_size, np.int32)  # padding rows are dropped
+            for j, ((rid, prompt), slot) in enumerate(zip(batch, free)):
+                tokens_KT[j, : len(prompt)] = prompt
+                lengths_K[j], slots_K[j] = len(prompt), slot
+                in_slot[slot] = (rid, len(prompt))
+            key, sub = jax.random.split(key)
+            st = decode.refill_slots(graphdef, params, st, tokens_KT, lengths_K, slots_K, sub,
+                                     static=static, axes=axes)
+        busy = sum(r is not None for r in in_slot)
+        if busy == 0:
+            return
+        st = decode.run_rounds(graphdef, params, st, batch_size - busy + 1,
+                               max_rounds or 2**30, static=static)
+        done_B, num_out_B, rounds_B, start_B, out_BM, bad_target, bad_draft = jax.device_get(
+            (st.done_B, st.num_out_B, st.rounds_B, st.start_B, st.out_BM, st.bad_target,
+             st.bad_draft))
+        if bad_target or bad_draft:
+            which = "target" if bad_target else "drafter"
+            raise ValueError(f"the {which} produced non-finite logits (NaN or +inf) during "
+                             "generation; the output would be garbage")
+        for slot, held in enumerate(in_slot):
+            if held is None or not done_B[slot]:
+                continue
+            rid, prompt_tokens = held
+            tokens = out_BM[slot, : num_out_B[slot]].tolist()
+            rounds = int(rounds_B[slot])
+            yield Result(
+                id=rid, token_ids=tokens, rounds=rounds,
+                tau=(int(start_B[slot]) - prompt_tokens) / rounds if rounds else math.nan,
+                stop_reason="stop" if tokens[-1] in stop_ids else "length",
+                prompt_tokens=prompt_tokens)
+            in_slot[slot] = None
