@@ -22,6 +22,7 @@ import pytest
 
 from tev_jax import ddtree, exit_law, exit_train, extensions, sampling, tree, verify
 from tev_jax.exit_law import Scores
+from tev_jax.models.lm_head import Head
 from tev_jax.sampling import Sampling
 from tev_jax.tree import make_tree
 
@@ -49,6 +50,9 @@ EXCLUDED = {
     "tev_jax.exit_train.target_context": "target forward pass (test_exit_train)",
     "tev_jax.exit_train.score_tree_nodes": "target forward pass (test_exit_train)",
     "tev_jax.exit_train.score_parent_nodes": "target forward pass (test_exit_train)",
+    "tev_jax.exit_train.score_tree_hidden": "target forward pass (test_exit_train)",
+    "tev_jax.exit_train.score_parent_hidden": "target forward pass (test_exit_train)",
+    "tev_jax.exit_train.blocked_law_ok": "host-side predicate of a static Sampling",
 }
 
 
@@ -83,6 +87,8 @@ ROOTS = jnp.asarray([2, 4], jnp.int32)
 DRAFT_BHV = jnp.stack([DRAFT_HV, DRAFT_HV[::-1]], axis=1)  # two rows of a batch of 2
 ROOTS_B = jnp.stack([ROOTS, ROOTS[::-1]], axis=1)
 UNIFORMS_N = jax.random.uniform(jax.random.key(4), (2, N))
+HIDDEN_ND = _logits((2, N, 4), 5)
+HEAD = Head(_logits((V, 4), 6), True)  # a tied [V, D] head
 LAWS = jax.vmap(lambda t, x: exit_law.exit_law(t, x, T1))(TREES, LOGITS_NV)
 
 
@@ -153,6 +159,12 @@ CASES = {
     "tev_jax.exit_train.tree_exit_weights": Case(
         lambda t, x: exit_train.tree_exit_weights(t, x, T1, "exit"), (TREES, LOGITS_NV)),
     "tev_jax.exit_train.parent_mask": Case(exit_train.parent_mask, (TREES,)),
+    "tev_jax.exit_train.exit_laws_from_edges": Case(
+        lambda t, x: exit_train.exit_laws_from_edges(
+            t, exit_law.edge_log_probs(t, Scores(x, 1.0))), (TREES, LOGITS_NV)),
+    "tev_jax.exit_train.edge_log_probs_blocked": Case(
+        lambda t, h: exit_train.edge_log_probs_blocked(t, h, HEAD, T1, block=3),
+        (TREES, HIDDEN_ND)),
     "tev_jax.exit_train.token_loss": Case(
         lambda x, r: exit_train.token_loss(x, jnp.stack([r, r + 1, r + 2]) % V,
                                            jnp.ones(H, bool), decay_gamma=2.0),
