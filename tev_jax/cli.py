@@ -229,8 +229,8 @@ def _add_generate(sub) -> None:
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
                    help="parameter and KV-cache dtype (logits, exit law and verifier stay "
                         "float32; default %(default)s)")
-    p.add_argument("--prefill-chunk", type=int, default=None,
-                   help="prefill the prompt in chunks of this many tokens (bounded memory)")
+    p.add_argument("--prefill-chunk", type=int, default=512,
+                   help="prefill the prompt in chunks of this many tokens (bounded memory; default %(default)s)")
     _add_mesh_flags(p)
     _add_batch_options(p)
     p.set_defaults(func=generate_command)
@@ -313,8 +313,8 @@ def _add_plan(sub) -> None:
     p.add_argument("--top-k", type=int, default=None)
     p.add_argument("--top-p", type=float, default=None)
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
-    p.add_argument("--prefill-chunk", type=int, default=None,
-                   help="prefill the prompt in chunks of this many tokens")
+    p.add_argument("--prefill-chunk", type=int, default=512,
+                   help="prefill the prompt in chunks of this many tokens (default %(default)s)")
     p.add_argument("--drafter-layers", type=int, default=1, help="DFlash drafter depth")
     _add_mesh_flags(p)
     p.add_argument("--json", action="store_true", help="one JSON object on stdout")

@@ -179,8 +179,9 @@ class DecodeConfig:
         (P or the longest prompt, + M + N, rounded up to a multiple of 8).
       track_exit_law: also record, every round, the exit law's expected block length
         ``1 + coverage`` of the verified tree (costs one exit law per round).
-      prefill_chunk: run the prompt through the target in chunks of this many tokens,
-        so that prefill memory does not grow with the prompt buffer; None: one pass.
+      prefill_chunk: run the prompt through the target in chunks of this many tokens
+        (default 512), so that prefill memory does not grow with the prompt buffer;
+        None: one pass. A prompt buffer of at most this many tokens is one pass anyway.
     """
 
     max_new_tokens: int = 256
@@ -192,7 +193,7 @@ class DecodeConfig:
     prompt_len: int | None = None
     max_cache_len: int | None = None
     track_exit_law: bool = False
-    prefill_chunk: int | None = None
+    prefill_chunk: int | None = 512
 
     def __post_init__(self):
         if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
