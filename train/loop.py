@@ -101,7 +101,8 @@ def step_config(cfg: TrainConfig, drafter) -> StepConfig:
     return StepConfig(loss=cfg.loss, budget=cfg.budget, exit_lambda=cfg.exit_lambda,
                       sampling=cfg.sampling, taps=tuple(dc.target_layer_ids),
                       horizon=dc.horizon, decay_gamma=cfg.token_decay_gamma,
-                      tree_metrics=cfg.tree_metrics, grad_accum=cfg.grad_accum)
+                      tree_metrics=cfg.tree_metrics, grad_accum=cfg.grad_accum,
+                      exit_normalizer=cfg.exit_normalizer, exit_floor=cfg.exit_floor)
 
 
 def optim_config(cfg: TrainConfig) -> OptimConfig:

@@ -40,6 +40,10 @@ from flax import nnx, struct
 from tev_jax import ddtree
 from tev_jax import sharding as shd
 from tev_jax.exit_train import (
+    NORMALIZERS,
+    LossParts,
+    check_floor,
+    check_weighting,
     exit_loss,
     score_parent_nodes,
     score_tree_nodes,
@@ -57,9 +61,15 @@ class StepConfig:
     """Static settings of a step (hashable).
 
     Attributes:
-      loss: 'token', 'exit', 'exit_depth' or 'prefix'.
+      loss: 'token', or the ExitTrain node weighting: a name of
+        `tev_jax.exit_train.WEIGHTINGS` or a callable ``(tree, law) -> weights [N]``.
       budget: DDTree budget (N = budget + 1).
       exit_lambda: weight of the exit loss.
+      exit_normalizer: the exit term is the weighted NLL sum divided by the total
+        weight ('weight') or by the number of tree nodes, root excluded, of the valid
+        anchors ('nodes', the authors' release: the term then shrinks with the weights).
+      exit_floor: edge-probability floor alpha of the reach in the node weights
+        (`tev_jax.exit_train.node_weights`; the authors use 1e-4).
       sampling: target sampling transform of the exit law.
       taps: target layers feeding the drafter.
       horizon: H.
@@ -84,8 +94,16 @@ class StepConfig:
     tree_metrics: bool = False
     grad_accum: int = 1
     score_capacities: tuple[float, ...] = ()
+    exit_normalizer: str = "weight"
+    exit_floor: float = 0.0
 
     def __post_init__(self):
+        if self.loss != "token":
+            check_weighting(self.loss)
+        check_floor(self.exit_floor)
+        if self.exit_normalizer not in NORMALIZERS:
+            raise ValueError(f"exit_normalizer must be one of {NORMALIZERS}, got "
+                             f"{self.exit_normalizer!r}")
         caps = self.score_capacities
         if not isinstance(caps, tuple) or any(not 0 < c < 1 for c in caps):
             raise ValueError(f"score_capacities must be a tuple of fractions in (0, 1), "
@@ -96,7 +114,7 @@ class StepConfig:
         return self.loss != "token" or self.tree_metrics
 
     @property
-    def weighting(self) -> str:
+    def weighting(self):
         return "exit" if self.loss == "token" else self.loss
 
 
@@ -246,13 +264,17 @@ def exit_targets(target, cache, draft_logits_BAHV, batch: Batch, cfg: StepConfig
         capacities = [min(slots, math.ceil(f * slots)) for f in cfg.score_capacities]
         target_logits = score_parent_nodes(target, cache, trees, batch.anchors, capacities,
                                            batch.valid)
-    weights, law = tree_exit_weights(trees, target_logits, cfg.sampling, cfg.weighting)
+    weights, law = tree_exit_weights(trees, target_logits, cfg.sampling, cfg.weighting,
+                                     cfg.exit_floor)
     weights = jnp.where(batch.valid[:, :, None], weights, 0.0)
     return trees, weights, law.coverage
 
 
 def objective(draft_logits_BAHV, labels_BAH, valid_BA, trees, weights_BAN, cfg: StepConfig):
     """total = token + lambda * exit (exit only for the ExitTrain losses).
+
+    The exit term is normalised by its total weight or by the tree-node count of the
+    valid anchors (``cfg.exit_normalizer``).
 
     Returns:
       (total loss [], aux dict of [] arrays)
@@ -263,8 +285,11 @@ def objective(draft_logits_BAHV, labels_BAH, valid_BA, trees, weights_BAN, cfg: 
     total = tok.mean
     if cfg.loss != "token":
         ex = exit_loss(draft_logits_BAHV, trees, weights_BAN)
+        if cfg.exit_normalizer == "nodes":
+            nodes = trees.valid & (trees.depths > 0) & valid_BA[:, :, None]
+            ex = LossParts(total=ex.total, weight=jnp.sum(nodes).astype(jnp.float32))
         aux["exit_loss"] = ex.mean
-        aux["exit_weight"] = ex.weight
+        aux["exit_weight"] = jnp.sum(weights_BAN)
         total = total + cfg.exit_lambda * ex.mean
     return total, aux
 
