@@ -199,3 +199,50 @@ def test_paper_recipe_trains(tmp_path):
     losses = [h["token_loss"] for h in result.history]
     assert np.isfinite(losses).all() and np.mean(losses[-3:]) < np.mean(losses[:3])
     assert all(h["exit_weight"] > 0 for h in result.history)
+
+
+# ------------------------------------------------------------------ the sweep script
+
+
+def _sweep_module():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "experiments" / "exit_recipe" / "run.py"
+    spec = importlib.util.spec_from_file_location("exit_recipe_run", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_sweep_variants_parse_and_the_paper_point_is_the_recipe(tmp_path):
+    from pathlib import Path
+
+    sweep = _sweep_module()
+    assert len(sweep.GRID) == 1 + 2 * 4 * 4 and set(sweep.SUBSET) <= set(sweep.GRID)
+    configs = {}
+    for name in sweep.GRID:
+        argv = sweep.train_args(name, sweep.BASE, "T", Path("runs"), tmp_path)
+        configs[name] = config_from_args(build_parser().parse_args(argv))
+        assert configs[name].out_dir == str(tmp_path / name)
+    fields = ("loss", "exit_normalizer", "exit_lambda", "exit_floor")
+    paper = RECIPES["paper"]
+    assert tuple(getattr(configs["paper"], k) for k in fields) == tuple(paper[k] for k in fields)
+    # equal updates, data and optimiser: the configs differ only in the objective
+    shared = {k: v for k, v in configs["token"].to_dict().items() if k not in fields + ("out_dir",)}
+    for cfg in configs.values():
+        assert {k: v for k, v in cfg.to_dict().items() if k in shared} == shared
+    assert len({tuple(getattr(c, k) for k in fields) for c in configs.values()}) == len(configs)
+
+
+def test_sweep_validation_prompts_are_disjoint_from_the_test_prompts():
+    import paper_common as pc
+    from tev_jax.data import load_default_tokenizer
+
+    sweep = _sweep_module()
+    setup = pc.Setup(prompts_per_set=16)
+    tok = load_default_tokenizer()
+    test, val = pc.eval_prompts(tok, setup), sweep.validation_prompts(tok, setup)
+    for name in setup.sets:
+        assert len(val[name]) == 8 and len(test[name]) == 16
+        assert not {tuple(p) for p in val[name]} & {tuple(p) for p in test[name]}, name

@@ -16,10 +16,12 @@ prompts        training prompts from the corpus' train split (``train.demo_promp
 rollouts       the target's answers to them, T = 1 (``python -m train rollouts``)
 dflash         the DFlash drafter, token objective, from scratch (``python -m train run``)
 ft_token       fine-tunes of ``dflash`` with the same data, steps and optimiser:
-ft_exit        token-only, ExitTrain with exit weights (the shipped drafter), prefix
-ft_prefix      weights and exit-depth weights (budget 64; the ablation of the paper's
-ft_exit_depth  Table 2)
-bundle         target + ExitTrain drafter into ``tev_jax/data/models`` (bfloat16)
+ft_exit        token-only, ExitTrain with exit weights, prefix weights and exit-depth
+ft_prefix      weights (budget 64; the ablation of the paper's Table 2)
+ft_exit_depth
+bundle         target + the ExitTrain drafter ``DemoPlan.exittrain`` (a fine-tune of the
+               recipe sweep, ``experiments/exit_recipe/run.py``, run before this stage)
+               + ``dflash`` into ``tev_jax/data/models`` (float32)
 =============  =====================================================================
 """
 
@@ -54,6 +56,7 @@ class DemoPlan:
     budget: int = 64
     exit_lambda: float = 1.0
     seed: int = 0
+    exittrain: str = "exit_recipe/paper"  # the bundle's ExitTrain drafter, under --runs
 
 
 FINETUNES = {"ft_token": "token", "ft_exit": "exit", "ft_prefix": "prefix",
@@ -132,7 +135,8 @@ def run_stage(stage: str, plan: DemoPlan, runs: Path, target: str | None = None,
     elif stage == "bundle":
         from train.export_bundled import main
         main(["--target", str(target_dir(runs, target)),
-              "--drafter", str(runs / "drafters" / "ft_exit" / "drafter")])
+              "--exittrain", str(runs / plan.exittrain / "drafter"),
+              "--dflash", str(runs / "drafters" / "dflash" / "drafter")])
     else:
         from train.__main__ import main
         code = main(drafter_args(plan, runs, stage, target))
