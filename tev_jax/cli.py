@@ -289,7 +289,8 @@ def _add_compare(sub) -> None:
                                    "with the DFlash drafter + DDTree + predraw and with the "
                                    "ExitTrain drafter + DDTree + TEV; prints tau and tokens/s.")
     p.add_argument("prompts", nargs="*", help="prompt texts (default: three examples)")
-    p.add_argument("--budget", type=int, default=64, help="DDTree node budget (default %(default)s)")
+    p.add_argument("--budget", type=int, default=64,
+                   help="DDTree node budget (default %(default)s)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--top-k", type=int, default=None)
     p.add_argument("--top-p", type=float, default=None)

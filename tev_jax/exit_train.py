@@ -14,8 +14,9 @@ node weights (detached)::
 (or a callable of the tree and its law; with a floor alpha > 0, P_alpha replaces P in
 exit and exit_depth too, as in the authors' release), and the exit loss is
 ``- sum_{v != root} weight(v) * log q_{depth(v)}(tokens[v])`` divided by the total
-weight (normaliser 'weight') or by the number of tree nodes ('nodes', the authors'). Nodes of one anchor at the same depth share one draft row,
-so the loss needs one log-normaliser per (anchor, depth) row and one gathered logit per
+weight (normaliser 'weight') or by the number of tree nodes ('nodes', the authors'; see
+`train.step.objective`). Nodes of one anchor at the same depth share one draft row, so
+the loss needs one log-normaliser per (anchor, depth) row and one gathered logit per
 node; no [nodes x V] tensor is formed (`exit_loss`).
 
 The scoring pass (`target_context`, `score_tree_nodes`) reuses the keys/values of the
@@ -532,7 +533,8 @@ def score_parent_nodes(target, cache: KVCache, trees: DraftTree, anchors_BA: jax
 
 
 __all__ = [
-    "LossParts", "NORMALIZERS", "WEIGHTINGS", "Weighting", "check_floor", "check_weighting", "exit_loss", "node_weights", "parent_mask",
+    "LossParts", "NORMALIZERS", "WEIGHTINGS", "Weighting", "check_floor", "check_weighting",
+    "exit_loss", "node_weights", "parent_mask",
     "score_parent_nodes", "score_tree_nodes", "target_context", "token_loss",
     "tree_exit_weights",
 ]

@@ -204,11 +204,13 @@ Exported from `{source}` by `train/export_bundled.py` ({_conversion(stored)}).
 
 
 _DRAFTER_INTRO = {
-    "exittrain": ("ExitTrain", """The DFlash block-diffusion drafter of the bundled target, fine-tuned with Exit-Guided
+    "exittrain": ("ExitTrain", """\
+The DFlash block-diffusion drafter of the bundled target, fine-tuned with Exit-Guided
 Draft-Tree Training (ExitTrain) from the bundled token-only drafter (`../dflash`): it
 proposes {h} tokens per round from the target's hidden states, a DDTree is built from its
 per-depth distributions, and the target verifies the tree with TEV."""),
-    "dflash": ("DFlash, token objective", """The DFlash block-diffusion drafter of the bundled target, trained with the token
+    "dflash": ("DFlash, token objective", """\
+The DFlash block-diffusion drafter of the bundled target, trained with the token
 objective only (DDTree's drafter, and the starting point of the bundled ExitTrain drafter
 `../exittrain`): it proposes {h} tokens per round from the target's hidden states, a
 DDTree is built from its per-depth distributions, and the target verifies the tree (with

@@ -162,7 +162,8 @@ def tables(summ: dict, names: list[str], chosen: str, setup, budgets) -> str:
     for split, title in (("test", "Test prompts (reported)"),
                          ("val", "Validation prompts (used to choose)")):
         header = ["drafter"] + [f"B={b} T={t:g} {what}" for b in budgets
-                                for t in setup.temperatures for what in ("τ̂", "/ dflash", "/ token")]
+                                for t in setup.temperatures
+                                for what in ("τ̂", "/ dflash", "/ token")]
         rows = []
         for name in names:
             row = [name + (" (chosen)" if name == chosen else "")]
@@ -185,7 +186,8 @@ def main():
     ap = pc.study_parser(__doc__, prompts=16, max_new_tokens=64)
     ap.add_argument("--runs", default=str(REPO / "runs"),
                     help="holds rollouts and drafters/dflash (the target: --target)")
-    ap.add_argument("--sweep-dir", default=None, help="fine-tunes folder (default RUNS/exit_recipe)")
+    ap.add_argument("--sweep-dir", default=None,
+                    help="fine-tunes folder (default RUNS/exit_recipe)")
     ap.add_argument("--variants", nargs="+", default=SUBSET,
                     help=f"fine-tunes to run ('grid': all {len(GRID)}); names: {sorted(VARIANTS)}")
     ap.add_argument("--jobs", type=int, default=2, help="fine-tunes trained at once")
