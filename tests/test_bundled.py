@@ -1,5 +1,6 @@
 """The bundled demo models: export (float32 or bfloat16, atomic, size-limited, pinned by SHA-256),
-lookup, corruption detection, and `tev-jax generate` with and without explicit paths.
+lookup of the target and its two drafters (ExitTrain, the default, and DFlash), corruption
+detection, `tev-jax generate` with and without explicit paths and `tev-jax compare`.
 
 The models here are random ones of the shipped shapes with the project's tokenizer
 (V = 4096), exported into a temporary bundle; the last test runs the real bundle inside
@@ -35,7 +36,8 @@ PROMPT = "def fibonacci(n):"
 
 def _random_demo_models():
     """Random models shaped like the shipped ones (`train.train_target`,
-    `train.demo_models`), so the real bundle's test reuses the CLI test's compilation."""
+    `train.demo_models`), so the real bundle's test reuses the CLI test's compilation:
+    (target, ExitTrain drafter, DFlash drafter); the two drafters differ."""
     cfg = TargetTrainConfig().model_config(tok_lib.load_default_tokenizer().get_vocab_size())
     rng = np.random.default_rng(0)
     target = _numpy_build(lambda: Target(cfg, rngs=nnx.Rngs(0)), rng, kernel_std=0.05,
@@ -43,24 +45,27 @@ def _random_demo_models():
     plan = DemoPlan()
     dcfg = drafter_config_for(cfg, num_layers=plan.drafter_layers, block_size=plan.block_size,
                               mask_token_id=tok_lib.MASK_ID)
-    drafter = _numpy_build(lambda: Drafter(dcfg, rngs=nnx.Rngs(0)), rng, kernel_std=0.05,
-                           norm_std=0.3)
-    return target, drafter
+    drafters = [_numpy_build(lambda: Drafter(dcfg, rngs=nnx.Rngs(0)), rng, kernel_std=0.05,
+                             norm_std=0.3) for _ in range(2)]
+    return target, *drafters
 
 
 @pytest.fixture(scope="module")
 def sources(tmp_path_factory):
     """Float32 source checkpoints laid out like the training runs (logs next to them)."""
     root = tmp_path_factory.mktemp("runs")
-    target, drafter = _random_demo_models()
+    target, drafter, dflash = _random_demo_models()
     save_target(target, root / "target" / "hf", tokenizer=tok_lib.load_default_tokenizer())
     (root / "target" / "log.jsonl").write_text(
         json.dumps({"step": 10, "loss": 5.0}) + "\n"
         + json.dumps({"step": 20, "loss": 4.0, "val": {"code": 1.234, "prose": 4.567}}) + "\n")
     save_drafter(drafter, root / "ft" / "drafter")
-    (root / "ft" / "config.json").write_text(json.dumps({"loss": "exit", "budget": 64,
+    (root / "ft" / "config.json").write_text(json.dumps({"loss": "reach", "budget": 32,
                                                          "exit_lambda": 0.1}))
-    return root / "target" / "hf", root / "ft" / "drafter", target, drafter
+    save_drafter(dflash, root / "dflash" / "drafter")
+    (root / "dflash" / "config.json").write_text(json.dumps({"loss": "token", "budget": 32}))
+    drafters = {"exittrain": root / "ft" / "drafter", "dflash": root / "dflash" / "drafter"}
+    return root / "target" / "hf", drafters, target, {"exittrain": drafter, "dflash": dflash}
 
 
 @pytest.fixture(scope="module")
@@ -84,17 +89,22 @@ def _flat_params(module) -> dict:
 
 
 def test_export_round_trip(sources, bundle):
-    src_t, src_d, target, drafter = sources
+    src_t, src_d, target, drafters = sources
     paths = bundled.bundled_paths(bundle)
-    for sub in paths:
+    assert paths.drafter == paths.drafters["exittrain"] == bundle / "drafters" / "exittrain"
+    for sub in (paths.target, *paths.drafters.values()):
         assert {h.dtype for h in read_headers(sub).values()} == {"BF16"}
     loaded = load_target(paths.target)
-    loaded_d = load_drafter(paths.drafter, loaded)
-    for original, got in ((target, loaded), (drafter, loaded_d)):
+    pairs = [(target, loaded)] + [(drafters[k], load_drafter(paths.drafters[k], loaded))
+                                  for k in bundled.DRAFTERS]
+    for original, got in pairs:
         want, have = _flat_params(original), _flat_params(got)
         assert want.keys() == have.keys()
         for p in want:
             np.testing.assert_array_equal(have[p], _bf16(want[p]), err_msg=str(p))
+    # each name holds its own drafter (the two differ, so a swap would fail above)
+    a, b = (_flat_params(drafters[k]) for k in bundled.DRAFTERS)
+    assert any(not np.array_equal(a[p], b[p]) for p in a)
 
     tokens = np.asarray([tok_lib.load_default_tokenizer().encode(PROBE_TEXT).ids], np.int32)
     graphdef, params, rest = nnx.split(target, nnx.Param, ...)
@@ -112,13 +122,19 @@ def test_export_round_trip(sources, bundle):
     assert (paths.target / "tokenizer.json").read_bytes() == (src_t / "tokenizer.json").read_bytes()
     card = (paths.target / "README.md").read_text()
     assert "1.234" in card and "Apache" in card and "tev_jax/data/README.md" in card
-    assert "train.export_bundled" in card and "loss `exit`" in (paths.drafter / "README.md").read_text()
+    cards = {k: (paths.drafters[k] / "README.md").read_text() for k in bundled.DRAFTERS}
+    assert "train.export_bundled" in card and "loss `reach`" in cards["exittrain"]
+    assert "(ExitTrain)" in cards["exittrain"] and "bundled:exittrain" in cards["exittrain"]
+    assert "token objective" in cards["dflash"] and "loss `token`" in cards["dflash"]
 
     manifest = json.loads((bundle / bundled.MANIFEST_FILE).read_text())
     assert set(manifest["files"]) == {
         "target/config.json", "target/generation_config.json", "target/model.safetensors",
-        "target/tokenizer.json", "target/tokenizer_config.json", "drafter/config.json",
-        "drafter/model.safetensors"}
+        "target/tokenizer.json", "target/tokenizer_config.json",
+        "drafters/exittrain/config.json", "drafters/exittrain/model.safetensors",
+        "drafters/dflash/config.json", "drafters/dflash/model.safetensors"}
+    assert {k: v["source"] for k, v in manifest["drafters"].items()} == {
+        k: str(v) for k, v in src_d.items()}
     assert manifest["check"]["max_abs_logit_diff"] == pytest.approx(
         float(np.abs(got - ref32).max()), rel=1e-5)
 
@@ -167,13 +183,32 @@ def test_corrupted_or_missing_files_are_named(bundle, tmp_path):
     assert bundled.bundled_paths(out, verify=False).target == out / "target"
 
     shutil.copyfile(bundle / "target" / "model.safetensors", weights)
-    d = out / "drafter" / "model.safetensors"
+    d = out / "drafters" / "dflash" / "model.safetensors"
     d.write_bytes(d.read_bytes()[:-10])
-    with pytest.raises(ValueError, match=r"drafter/model\.safetensors is corrupted: .* bytes"):
+    with pytest.raises(ValueError,
+                       match=r"drafters/dflash/model\.safetensors is corrupted: .* bytes"):
         bundled.bundled_paths(out)
     d.unlink()
-    with pytest.raises(ValueError, match=r"drafter/model\.safetensors is missing"):
+    with pytest.raises(ValueError, match=r"drafters/dflash/model\.safetensors is missing"):
         bundled.bundled_paths(out)
+    shutil.rmtree(out / "drafters" / "dflash")
+    with pytest.raises(ValueError, match=r"no drafters/dflash/ directory"):
+        bundled.bundled_paths(out)
+
+
+def test_export_needs_both_drafters_and_load_bundled_names_them(sources, bundle, tmp_path):
+    with pytest.raises(ValueError, match=r"ships the drafters \('exittrain', 'dflash'\)"):
+        export_bundle(sources[0], {"exittrain": sources[1]["exittrain"]}, tmp_path / "m")
+    assert not (tmp_path / "m").exists()
+    with pytest.raises(ValueError, match="unknown bundled drafter 'ddtree'"):
+        bundled.load_bundled(drafter="ddtree", root=bundle)
+    _, d_exit, _ = bundled.load_bundled(root=bundle)
+    _, d_flash, _ = bundled.load_bundled(drafter="dflash", root=bundle)
+    want = {k: _flat_params(load_drafter(bundle / "drafters" / k, load_target(
+        bundle / "target"))) for k in bundled.DRAFTERS}
+    for got, k in ((d_exit, "exittrain"), (d_flash, "dflash")):
+        have = _flat_params(got)
+        assert all(np.array_equal(have[p], want[k][p]) for p in have), k
 
 
 def test_missing_bundle_names_the_export_command(tmp_path, monkeypatch, capsys):
@@ -194,7 +229,7 @@ def test_cli_generate_explicit_paths_and_bundled_defaults(bundle, monkeypatch, c
     common = ["--max-new-tokens", "8"]  # ddtree (budget 64) + tev, T = 0
 
     rc = cli.main(["generate", PROMPT, "--target", str(bundle / "target"),
-                   "--drafter", str(bundle / "drafter"), *common])
+                   "--drafter", str(bundle / "drafters" / "exittrain"), *common])
     out, err = capsys.readouterr()
     assert rc == 0 and out.strip() == want.strip() and out.startswith(PROMPT)
     assert "8 new tokens" in err and "tau = " in err and "tokens/s" in err
@@ -203,11 +238,36 @@ def test_cli_generate_explicit_paths_and_bundled_defaults(bundle, monkeypatch, c
     rc = cli.main(["generate", PROMPT, *common])
     out, err = capsys.readouterr()
     assert rc == 0 and out.strip() == want.strip()
-    assert "bundled target + bundled drafter" in err
+    assert "bundled target + bundled exittrain drafter" in err
+    rc = cli.main(["generate", PROMPT, "--drafter", "bundled:dflash", "--verifier", "predraw",
+                   *common])
+    out, err = capsys.readouterr()
+    assert rc == 0 and out.strip() == want.strip()
+    assert "bundled target + bundled dflash drafter; ddtree (budget 64) + predraw" in err
 
-    with pytest.raises(SystemExit):  # our drafter with a user's target makes no sense
-        cli.main(["generate", PROMPT, "--target", str(bundle / "target"), *common])
-    assert "--drafter is required" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        cli.main(["generate", PROMPT, "--drafter", "bundled:eagle", *common])
+    assert "unknown bundled drafter 'eagle'" in capsys.readouterr().err
+    for drafter in ([], ["--drafter", "bundled:dflash"]):  # ours only fit our target
+        with pytest.raises(SystemExit):
+            cli.main(["generate", PROMPT, "--target", str(bundle / "target"), *drafter,
+                      *common])
+        assert "--drafter is required" in capsys.readouterr().err
+
+
+def test_cli_compare_runs_the_three_methods_on_the_same_prompts(bundle, monkeypatch, capsys):
+    monkeypatch.setattr(bundled, "bundle_root", lambda: bundle)
+    assert cli.main(["compare", PROMPT, "def add(a, b):", "--max-new-tokens", "8"]) == 0
+    out = capsys.readouterr().out
+    lines = {line.split("  ")[0]: line.split() for line in out.splitlines()}
+    for label, *_ in cli.COMPARE_METHODS:
+        assert label in lines, out
+    ar = lines["AR (target alone)"]
+    assert ar[-4:-1] == ["1.00", ar[-3], "1.00x"] and 2 <= int(ar[-1]) <= 16  # 2 x <= 8
+    for label in ("DFlash + DDTree + predraw", "ExitTrain + DDTree + TEV"):
+        tau, speed, n = float(lines[label][-4]), float(lines[label][-3]), lines[label][-1]
+        assert tau >= 1.0 and speed > 0 and n == ar[-1]
+    assert "greedy outputs identical across methods: yes" in out
 
 
 def test_real_bundle_generates_with_defaults(capsys):
@@ -218,4 +278,4 @@ def test_real_bundle_generates_with_defaults(capsys):
     assert cli.main(["generate", "def fibonacci(n):", "--max-new-tokens", "8"]) == 0
     out, err = capsys.readouterr()
     assert out.startswith("def fibonacci(n):")
-    assert "bundled target + bundled drafter; ddtree (budget 64) + tev; T=0" in err
+    assert "bundled target + bundled exittrain drafter; ddtree (budget 64) + tev; T=0" in err

@@ -32,6 +32,7 @@ T1 = Sampling(1.0)
 TOPK = Sampling(0.7, top_k=4)
 
 EXCLUDED = {
+    "tev_jax.exit_train.check_floor": "host-side validation",
     # Host-side validation, construction and display (ValueErrors, numpy, strings).
     "tev_jax.ddtree.check_draft_logits": "host-side input validation",
     "tev_jax.tree.make_tree": "host-side constructor from Python lists",
@@ -127,6 +128,9 @@ CASES = {
     "tev_jax.exit_law.exit_law_from_edges": Case(
         lambda t, x: exit_law.exit_law_from_edges(
             t, exit_law.edge_log_probs(t, exit_law.target_scores(x, TOPK))),
+        (TREES, LOGITS_NV)),
+    "tev_jax.exit_law.floored_reach": Case(
+        lambda t, x: exit_law.floored_reach(t, exit_law.exit_law(t, x, T1).log_a, 1e-4),
         (TREES, LOGITS_NV)),
     "tev_jax.exit_law.exit_law": Case(lambda t, x: exit_law.exit_law(t, x, TOPK),
                                       (TREES, LOGITS_NV)),

@@ -91,21 +91,32 @@ def _add_exit_law(sub) -> None:
     p.set_defaults(func=exit_law_demo)
 
 
+BUNDLED_PREFIX = "bundled:"
+
+
 def _checkpoint_dirs(args) -> tuple[str, str | None, str]:
-    """(target dir, drafter dir or None, description) from the flags and the bundle."""
-    from tev_jax.models.bundled import bundled_paths
+    """(target dir, drafter dir or None, description) from the flags and the bundle.
+
+    ``--drafter bundled:NAME`` picks one of the bundled drafters (with the bundled
+    target); no ``--drafter`` means the bundled default (ExitTrain).
+    """
+    from tev_jax.models.bundled import DEFAULT_DRAFTER, bundled_paths, check_drafter_name
 
     needs_drafter = args.builder != "none"
+    name = None
+    if args.drafter is None or args.drafter.startswith(BUNDLED_PREFIX):
+        name = DEFAULT_DRAFTER if args.drafter is None else args.drafter[len(BUNDLED_PREFIX):]
+        check_drafter_name(name)
     if args.target is None:
         paths = bundled_paths()
-        drafter = args.drafter if args.drafter is not None else paths.drafter
+        drafter = paths.drafters[name] if name is not None else args.drafter
         where = "bundled target" + (
             "" if not needs_drafter else
-            " + bundled drafter" if args.drafter is None else f" + drafter {args.drafter}")
+            f" + bundled {name} drafter" if name is not None else f" + drafter {args.drafter}")
         return str(paths.target), str(drafter) if needs_drafter else None, where
-    if needs_drafter and args.drafter is None:
+    if needs_drafter and name is not None:
         raise ValueError(f"--drafter is required with --target and --builder {args.builder}: "
-                         "the bundled drafter only fits the bundled target (or use "
+                         "the bundled drafters only fit the bundled target (or use "
                          "--builder none for plain autoregressive decoding)")
     where = f"target {args.target}" + (f" + drafter {args.drafter}" if needs_drafter else "")
     return args.target, args.drafter if needs_drafter else None, where
@@ -207,8 +218,9 @@ def _add_generate(sub) -> None:
                    help="target checkpoint directory (config.json, safetensors, "
                         "tokenizer.json); default: the bundled demo target")
     p.add_argument("--drafter", default=None,
-                   help="DFlash drafter checkpoint directory; default: the bundled drafter "
-                        "when --target is not given")
+                   help="DFlash drafter checkpoint directory, or bundled:exittrain / "
+                        "bundled:dflash; default: the bundled ExitTrain drafter when "
+                        "--target is not given")
     p.add_argument("--builder", choices=("ddtree", "chain", "none"), default="ddtree",
                    help="ddtree (default), chain (plain DFlash) or none (autoregressive)")
     p.add_argument("--budget", type=int, default=64, help="DDTree node budget (default %(default)s)")
@@ -250,6 +262,88 @@ def _mesh_from(args):
 
     axes = (args.mesh_data, args.mesh_fsdp, args.mesh_tensor)
     return None if axes == (1, 1, 1) else shd.make_mesh(*axes)
+
+
+# (label, bundled drafter, builder, verifier) of `tev-jax compare`, AR first.
+COMPARE_METHODS = (
+    ("AR (target alone)", None, "none", "tev"),
+    ("DFlash + DDTree + predraw", "dflash", "ddtree", "predraw"),
+    ("ExitTrain + DDTree + TEV", "exittrain", "ddtree", "tev"),
+)
+COMPARE_PROMPTS = ("def fibonacci(n):",
+                   "Question: Tom has 3 boxes of 12 apples. He eats 5. How many are left?\n"
+                   "Answer:",
+                   "The history of the printing press")
+
+
+def compare_command(args) -> int:
+    """``tev-jax compare [PROMPT ...]``: AR, DFlash + DDTree + predraw and ExitTrain +
+    DDTree + TEV on the same prompts with the bundled models; τ and tokens/s side by side.
+
+    Each method runs every prompt once to compile (one compilation per method: the
+    prompts share a fixed prompt buffer) and ``--repeats`` timed times (the median
+    counts). τ = output tokens per round over all prompts; tokens/s = new tokens over
+    the summed seconds.
+    """
+    from tev_jax import decode
+    from tev_jax.data.tokenizer import format_chat
+    from tev_jax.models import load_drafter, load_target, load_tokenizer
+    from tev_jax.models.bundled import bundled_paths
+
+    sampling = _sampling_from(args)
+    paths = bundled_paths()
+    target = load_target(paths.target)
+    tokenizer = load_tokenizer(paths.target)
+    texts = args.prompts or COMPARE_PROMPTS
+    prompts = [tokenizer.encode(format_chat(t) if args.chat else t).ids for t in texts]
+    base = decode.DecodeConfig(max_new_tokens=args.max_new_tokens, budget=args.budget,
+                               sampling=sampling, stop_token_ids=_stop_ids(target, tokenizer),
+                               prompt_len=max(len(p) for p in prompts))
+    rows, outputs = [], []
+    for label, name, builder, verifier in COMPARE_METHODS:
+        drafter = None if name is None else load_drafter(paths.drafters[name], target)
+        config = dataclasses.replace(base, builder=builder, verifier=verifier)
+        tokens = blocks = rounds = 0
+        seconds, texts_out = 0.0, []
+        for prompt in prompts:
+            gen, _ = _timed(target, drafter, prompt, config, args.seed, args.repeats)
+            n = int(gen.lengths[0])
+            tokens, seconds = tokens + n, seconds + gen.stats.seconds
+            blocks += int(gen.stats.block_lengths.sum())
+            rounds += int(gen.stats.rounds_per_row.sum())
+            texts_out.append(gen.tokens[0, :n].tolist())
+        rows.append((label, blocks / rounds, tokens / seconds, tokens))
+        outputs.append(texts_out)
+    ar_speed = rows[0][2]
+    print(f"bundled target, {len(prompts)} prompt(s), T={sampling.temperature:g}, "
+          f"DDTree budget {args.budget}, at most {args.max_new_tokens} new tokens each")
+    print(f"{'method':28s} {'tau':>6s} {'tokens/s':>9s} {'vs AR':>6s} {'tokens':>7s}")
+    for label, tau, speed, n in rows:
+        print(f"{label:28s} {tau:6.2f} {speed:9.1f} {speed / ar_speed:5.2f}x {n:7d}")
+    if sampling.greedy:
+        same = all(o == outputs[0] for o in outputs[1:])
+        print("greedy outputs identical across methods: " + ("yes" if same else
+              "NO (exact verifiers must reproduce the target's greedy text)"))
+    return 0
+
+
+def _add_compare(sub) -> None:
+    p = sub.add_parser("compare", help="AR vs DFlash + DDTree vs ExitTrain + TEV (bundled)",
+                       description="Decodes the same prompts with the bundled target alone, "
+                                   "with the DFlash drafter + DDTree + predraw and with the "
+                                   "ExitTrain drafter + DDTree + TEV; prints tau and tokens/s.")
+    p.add_argument("prompts", nargs="*", help="prompt texts (default: three examples)")
+    p.add_argument("--budget", type=int, default=64,
+                   help="DDTree node budget (default %(default)s)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-k", type=int, default=None)
+    p.add_argument("--top-p", type=float, default=None)
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--chat", action="store_true", help="wrap each prompt in the chat template")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--repeats", type=int, default=1,
+                   help="timed runs per prompt after the compile run (the median counts)")
+    p.set_defaults(func=compare_command)
 
 
 def plan_command(args) -> int:
@@ -487,7 +581,7 @@ def _add_merge_outputs(sub) -> None:
     p.set_defaults(func=merge_outputs_command)
 
 
-SUBCOMMANDS = [_add_exit_law, _add_generate, _add_plan, _add_merge_outputs]
+SUBCOMMANDS = [_add_exit_law, _add_generate, _add_compare, _add_plan, _add_merge_outputs]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -164,16 +164,38 @@ def edge_log_probs(tree: DraftTree, scores: Scores, block: int = BLOCK) -> jax.A
     return jnp.where(edge_N, log_a, jnp.where(slots == 0, 0.0, -jnp.inf))
 
 
-def exit_law_from_edges(tree: DraftTree, log_a_N: jax.Array) -> ExitLaw:
-    """The exit law from the edge log-probabilities alone (level-parallel, O(N^2)).
+def _path_sum(anc_NN: jax.Array, log_a_N: jax.Array) -> jax.Array:
+    """``sum of log_a over the path root..v`` per node, a masked sum over the ancestor
+    mask rather than ``anc @ log_a``: the matmul would form ``-inf * 0 = NaN`` for nodes
+    off a zero-probability edge."""
+    return jnp.sum(jnp.where(anc_NN, log_a_N[None, :], 0.0), axis=-1)
 
-    ``log P`` is a masked sum over the ancestor mask rather than ``anc @ log_a``: the
-    matmul would form ``-inf * 0 = NaN`` for nodes off a zero-probability edge.
+
+def floored_reach(tree: DraftTree, log_a_N: jax.Array, floor: float) -> jax.Array:
+    """Reach with every edge probability floored: ``prod_{u on root..v} max(a(u), floor)``.
+
+    The authors' ExitTrain weights (``P_tgt``) use this product with ``floor = 1e-4``, so
+    a node behind an edge the target almost never takes keeps a small weight. ``floor =
+    0`` gives the exact reach ``P``. float32 [N], 0 on padding.
+
+    Args:
+      tree: a `DraftTree` with N slots.
+      log_a_N: [N] edge log-probabilities (`ExitLaw.log_a`).
+      floor: static float in [0, 1].
     """
+    edge_N = tree.valid & (jnp.arange(tree.num_slots) > 0)
+    log_floor = jnp.log(jnp.float32(floor))
+    log_a = jnp.where(edge_N, jnp.maximum(log_a_N, log_floor), log_a_N)
+    reach = jnp.exp(_path_sum(ancestor_mask(tree), log_a))
+    return jnp.where(tree.valid, reach, 0.0)
+
+
+def exit_law_from_edges(tree: DraftTree, log_a_N: jax.Array) -> ExitLaw:
+    """The exit law from the edge log-probabilities alone (level-parallel, O(N^2))."""
     slots = jnp.arange(tree.num_slots)
     edge_N = tree.valid & (slots > 0)
     anc_NN = ancestor_mask(tree)
-    log_reach = jnp.sum(jnp.where(anc_NN, log_a_N[None, :], 0.0), axis=-1)
+    log_reach = _path_sum(anc_NN, log_a_N)
     reach = jnp.exp(log_reach)
     a_N = jnp.where(edge_N, jnp.exp(log_a_N), 0.0)
     child_mass_N = jnp.sum(jnp.where(children_mask(tree), a_N[None, :], 0.0), axis=-1)

@@ -9,10 +9,14 @@ node weights (detached)::
     exit        weight(v) = w(v) = P(v) * rho(v)
     exit_depth  weight(v) = w(v) * depth(v)
     prefix      weight(v) = P(v)                    (reachability)
+    reach       weight(v) = P_alpha(v)              (P with edges floored at alpha)
 
-and the exit loss is ``- sum_{v != root} weight(v) * log q_{depth(v)}(tokens[v])``
-divided by the total weight. Nodes of one anchor at the same depth share one draft row,
-so the loss needs one log-normaliser per (anchor, depth) row and one gathered logit per
+(or a callable of the tree and its law; with a floor alpha > 0, P_alpha replaces P in
+exit and exit_depth too, as in the authors' release), and the exit loss is
+``- sum_{v != root} weight(v) * log q_{depth(v)}(tokens[v])`` divided by the total
+weight (normaliser 'weight') or by the number of tree nodes ('nodes', the authors'; see
+`train.step.objective`). Nodes of one anchor at the same depth share one draft row, so
+the loss needs one log-normaliser per (anchor, depth) row and one gathered logit per
 node; no [nodes x V] tensor is formed (`exit_loss`).
 
 The scoring pass (`target_context`, `score_tree_nodes`) reuses the keys/values of the
@@ -41,13 +45,13 @@ through `score_tree_nodes` + `tree_exit_weights`). Attention is the blocked
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
 from flax import nnx, struct
 
-from tev_jax.exit_law import ExitLaw, exit_law, exit_law_from_edges
+from tev_jax.exit_law import ExitLaw, exit_law, exit_law_from_edges, floored_reach
 from tev_jax.models import lm_head
 from tev_jax.models.attention import Mask, attention
 from tev_jax.models.kv_cache import KVCache
@@ -57,42 +61,96 @@ from tev_jax.sampling import Sampling
 from tev_jax.sharding import constrain
 from tev_jax.tree import DraftTree, ancestor_mask, children_mask
 
-WEIGHTINGS = ("exit", "exit_depth", "prefix")
+WEIGHTINGS = ("exit", "exit_depth", "prefix", "reach")
+NORMALIZERS = ("weight", "nodes")
+
+Weighting = str | Callable[[DraftTree, ExitLaw], jax.Array]
 
 
-def check_weighting(weighting: str) -> None:
-    """Raises ValueError unless ``weighting`` is one of `WEIGHTINGS`."""
-    if weighting not in WEIGHTINGS:
-        raise ValueError(f"unknown exit weighting {weighting!r}; choose one of {WEIGHTINGS}")
+def check_weighting(weighting: Weighting) -> None:
+    """Raises ValueError unless ``weighting`` is one of `WEIGHTINGS` or a callable."""
+    if not callable(weighting) and weighting not in WEIGHTINGS:
+        raise ValueError(f"unknown exit weighting {weighting!r}; choose one of {WEIGHTINGS} "
+                         "or pass a callable (tree, law) -> weights [N]")
+
+
+def check_floor(floor: float) -> None:
+    """Raises ValueError unless the edge-probability floor is a float in [0, 1)."""
+    if isinstance(floor, bool) or not isinstance(floor, (int, float)) or not 0 <= floor < 1:
+        raise ValueError(f"exit_floor must be a number in [0, 1), got {floor!r}")
 
 
 # ------------------------------------------------------------------- node weights
 
 
-def node_weights(tree: DraftTree, law: ExitLaw, weighting: str) -> jax.Array:
+def _per_tree(fn, tree: DraftTree, law: ExitLaw) -> jax.Array:
+    """``fn(tree, law) -> [N]`` of one tree, applied over any leading axes."""
+    lead, n = tree.tokens.shape[:-1], tree.tokens.shape[-1]
+    if not lead:
+        return fn(tree, law)
+    flat = lambda x: x.reshape((-1,) + x.shape[len(lead):])
+    out = jax.vmap(fn)(jax.tree.map(flat, tree), jax.tree.map(flat, law))
+    return out.reshape(lead + (n,))
+
+
+def _checked(weighting):
+    """The user's ``weighting`` with its output checked (a ValueError at trace time)."""
+    def fn(tree, law):
+        n = tree.num_slots
+        out = weighting(tree, law)
+        shape, dtype = getattr(out, "shape", None), getattr(out, "dtype", None)
+        if shape != (n,) or dtype is None or not jnp.issubdtype(dtype, jnp.floating):
+            raise ValueError(f"exit weighting {getattr(weighting, '__name__', weighting)!r} "
+                             f"must return a float array of shape ({n},) (one weight per "
+                             f"tree slot), got shape {shape} and dtype {dtype}")
+        return out
+    return fn
+
+
+def node_weights(tree: DraftTree, law: ExitLaw, weighting: Weighting,
+                 floor: float = 0.0) -> jax.Array:
     """Detached per-node loss weights from an exit law; float32 [..., N].
 
     Works on single or batched trees (any leading axes shared by ``tree`` and
-    ``law``). The root and padding slots get weight 0 (the root has no exit term).
+    ``law``). The root and padding slots get weight 0 (the root has no exit term)::
+
+        exit        P_f(v) * rho(v)              (w when floor = 0)
+        exit_depth  P_f(v) * rho(v) * depth(v)   (the authors' 'exit')
+        prefix      P(v)                         (exact reach; the floor does not apply)
+        reach       P_f(v)                       (the authors' 'P_tgt')
+
+    where ``P_f`` is the reach with edge probabilities floored at ``floor``
+    (`tev_jax.exit_law.floored_reach`; ``P_f = P`` for floor 0).
 
     Args:
       tree: `DraftTree` with fields [..., N].
       law: its `ExitLaw` (fields [..., N]).
-      weighting: 'exit', 'exit_depth' or 'prefix'.
+      weighting: a name of `WEIGHTINGS`, or a callable ``(tree, law) -> weights [N]``
+        of one tree (float; the library applies it over the leading axes, detaches its
+        output and zeroes the root and padding).
+      floor: edge-probability floor alpha in [0, 1) of the floored reach.
+    Raises:
+      ValueError: an unknown name, a bad floor, or a callable whose output is not a
+        float array of shape [N].
     """
     check_weighting(weighting)
-    if weighting == "exit":
-        raw = law.w
-    elif weighting == "exit_depth":
-        raw = law.w * tree.depths.astype(jnp.float32)
-    else:
+    check_floor(floor)
+    if callable(weighting):
+        raw = _per_tree(_checked(weighting), tree, law)
+    elif weighting == "prefix":
         raw = law.reach
+    else:
+        reach = law.reach if floor == 0 else _per_tree(
+            lambda t, l: floored_reach(t, l.log_a, floor), tree, law)
+        raw = reach if weighting == "reach" else reach * law.rho
+        if weighting == "exit_depth":
+            raw = raw * tree.depths.astype(jnp.float32)
     edge = tree.valid & (tree.depths > 0)
     return jax.lax.stop_gradient(jnp.where(edge, raw, 0.0).astype(jnp.float32))
 
 
 def tree_exit_weights(trees: DraftTree, target_logits_XNV: jax.Array, sampling: Sampling,
-                      weighting: str) -> tuple[jax.Array, ExitLaw]:
+                      weighting: Weighting, floor: float = 0.0) -> tuple[jax.Array, ExitLaw]:
     """Exit laws and node weights of a batch of trees (any leading axes X).
 
     Args:
@@ -100,7 +158,7 @@ def tree_exit_weights(trees: DraftTree, target_logits_XNV: jax.Array, sampling: 
       target_logits_XNV: [*X, N, V] target logits of every node (row i = next-token
         logits after the path root..i).
       sampling: the target's sampling transform (static).
-      weighting: see `node_weights`.
+      weighting, floor: see `node_weights`.
     Returns:
       (weights float32 [*X, N], `ExitLaw` with fields [*X, N] / [*X]); all detached.
     """
@@ -112,7 +170,7 @@ def tree_exit_weights(trees: DraftTree, target_logits_XNV: jax.Array, sampling: 
     law = jax.vmap(lambda t, z: exit_law(t, z, sampling))(flat, logits)
     law = jax.tree.map(lambda x: x.reshape(lead + x.shape[1:]), law)
     law = jax.lax.stop_gradient(law)
-    return node_weights(trees, law, weighting), law
+    return node_weights(trees, law, weighting, floor), law
 
 
 # ------------------------------------------------------------------------ losses
@@ -496,9 +554,10 @@ def exit_laws_from_edges(trees: DraftTree, log_a_XN: jax.Array) -> ExitLaw:
 
 
 __all__ = [
-    "LossParts", "WEIGHTINGS", "blocked_law_ok", "check_weighting", "edge_log_probs_blocked",
-    "exit_laws_from_edges", "exit_loss", "node_weights", "parent_mask", "score_parent_hidden",
-    "score_parent_nodes", "score_tree_hidden", "score_tree_nodes", "target_context",
-    "token_loss", "tree_exit_weights",
+    "LossParts", "NORMALIZERS", "WEIGHTINGS", "Weighting", "blocked_law_ok", "check_floor",
+    "check_weighting", "edge_log_probs_blocked", "exit_laws_from_edges", "exit_loss",
+    "node_weights", "parent_mask", "score_parent_hidden", "score_parent_nodes",
+    "score_tree_hidden", "score_tree_nodes", "target_context", "token_loss",
+    "tree_exit_weights",
 ]
 

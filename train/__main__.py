@@ -7,8 +7,9 @@
         --out-dir runs/exit [--config base.json] [--mesh-fsdp 8] [--until-update 500]
     python -m train plan --target qwen3-4b --mesh-fsdp 8 --batch 8 --seq-len 2048
 
-Every `TrainConfig` field is a ``--flag`` (underscores become dashes); ``--config``
-reads a JSON file first and flags override it.
+Every `TrainConfig` field is a ``--flag`` (underscores become dashes); ``--recipe
+paper`` starts from a named preset (`train.config.RECIPES`, the authors' ExitTrain
+settings), ``--config`` reads a JSON file over it and flags override both.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import types
 import typing
 from pathlib import Path
 
-from train.config import TrainConfig
+from train.config import RECIPES, TrainConfig
 
 
 def _field_parser(tp):
@@ -46,7 +47,9 @@ def _add_config_flags(p: argparse.ArgumentParser) -> None:
 
 
 def config_from_args(ns: argparse.Namespace) -> TrainConfig:
-    base = {} if ns.config is None else json.loads(Path(ns.config).read_text())
+    base = dict(RECIPES[ns.recipe]) if ns.recipe else {}
+    if ns.config is not None:
+        base.update(json.loads(Path(ns.config).read_text()))
     for f in dataclasses.fields(TrainConfig):
         v = getattr(ns, f.name)
         if v is not None:
@@ -187,7 +190,10 @@ def build_parser() -> argparse.ArgumentParser:
     r.set_defaults(fn=_rollouts)
 
     t = sub.add_parser("run", help="train a drafter (resumes from --out-dir)")
-    t.add_argument("--config", help="JSON file of TrainConfig fields")
+    t.add_argument("--recipe", choices=sorted(RECIPES),
+                   help="start from a named preset of TrainConfig fields (paper: the "
+                        "authors' ExitTrain recipe)")
+    t.add_argument("--config", help="JSON file of TrainConfig fields (over --recipe)")
     _add_config_flags(t)
     t.add_argument("--until-update", type=int, help="stop (with a checkpoint) after this update")
     t.add_argument("--max-minutes", type=float, help="stop (with a checkpoint) after this time")

@@ -7,11 +7,24 @@ import json
 from pathlib import Path
 from typing import Any
 
-from tev_jax.exit_train import WEIGHTINGS
+from tev_jax.exit_train import NORMALIZERS, WEIGHTINGS, check_floor
 from tev_jax.sampling import Sampling
 from train.step import DTYPES, REMAT, TARGET_SHARDINGS
 
 LOSSES = ("token",) + WEIGHTINGS
+
+# Named presets of TrainConfig fields (``--recipe NAME``; --config and flags override).
+# 'paper': the authors' released ExitTrain recipe (hsj576/TEV, SpecForge, Qwen3-4B
+# config): 1.0 * CE + 0.1 * exit term, the exit term's weighted NLL divided by the number
+# of tree nodes, reach weights P with target edge probabilities floored at 1e-4 (their
+# 'P_tgt'), DDTree budget 32, 32 anchors, batch 4, lr 1e-4, clipping at 1. Not carried
+# over: their 2 epochs (set --steps for your data), warmup ratio 0.005 and 64-token
+# prefix window of the scoring pass (tev-jax scores trees with the full context).
+RECIPES: dict[str, dict[str, Any]] = {
+    "paper": dict(loss="reach", exit_lambda=0.1, exit_normalizer="nodes", exit_floor=1e-4,
+                  budget=32, num_anchors=32, batch_size=4, lr=1e-4, grad_clip=1.0,
+                  temperature=1.0, top_k=None, top_p=None),
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,9 +53,14 @@ class TrainConfig:
 
     Objective:
       loss: 'token' (DFlash token objective only), 'exit' (weight w), 'exit_depth'
-        (w * depth) or 'prefix' (P).
+        (w * depth), 'prefix' (P) or 'reach' (P with the floor; see
+        `tev_jax.exit_train.node_weights`).
       budget: DDTree node budget of the training trees (N = budget + 1).
       exit_lambda: total = token + exit_lambda * exit.
+      exit_normalizer: 'weight' (exit term = weighted NLL / total weight) or 'nodes'
+        (/ number of tree nodes, the authors' release).
+      exit_floor: target edge probabilities floored at this alpha inside the reach of
+        the node weights (0: exact; the authors use 1e-4).
       temperature, top_k, top_p: the target's sampling transform for the exit law.
       token_decay_gamma: optional DFlash position decay of the token loss.
       tree_metrics: with loss='token', still build and score the trees to log the
@@ -97,6 +115,8 @@ class TrainConfig:
     loss: str = "exit"
     budget: int = 32
     exit_lambda: float = 0.1
+    exit_normalizer: str = "weight"
+    exit_floor: float = 0.0
     temperature: float = 1.0
     top_k: int | None = None
     top_p: float | None = None
@@ -160,6 +180,10 @@ class TrainConfig:
             raise ValueError(f"end_lr_ratio must be in [0, 1], got {self.end_lr_ratio}")
         if self.exit_lambda < 0:
             raise ValueError(f"exit_lambda must be >= 0, got {self.exit_lambda}")
+        if self.exit_normalizer not in NORMALIZERS:
+            raise ValueError(f"exit_normalizer must be one of {NORMALIZERS}, got "
+                             f"{self.exit_normalizer!r}")
+        check_floor(self.exit_floor)
         if not self.grad_clip > 0:
             raise ValueError(f"grad_clip must be > 0, got {self.grad_clip}")
         if self.token_decay_gamma is not None and not self.token_decay_gamma > 0:
@@ -230,4 +254,4 @@ class TrainConfig:
         return {k: v for k, v in self.to_dict().items() if k not in skip}
 
 
-__all__ = ["LOSSES", "TrainConfig"]
+__all__ = ["LOSSES", "RECIPES", "TrainConfig"]

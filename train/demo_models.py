@@ -3,6 +3,8 @@
     python -m train.demo_models                  # all stages; a finished stage is skipped
     python -m train.demo_models --only rollouts  # one stage (reruns it if its output exists)
     python -m train.demo_models --set prompts=64 --set dflash_steps=10 --runs /tmp/demo
+    python -m train.demo_models --target tev_jax/data/models/target --only prompts \
+        --only rollouts --only dflash             # drafters for the bundled target
 
 Stages (outputs under ``--runs``, default ``runs/``; every stage resumes or restarts
 deterministically, and its seed and log are in its output folder):
@@ -14,10 +16,12 @@ prompts        training prompts from the corpus' train split (``train.demo_promp
 rollouts       the target's answers to them, T = 1 (``python -m train rollouts``)
 dflash         the DFlash drafter, token objective, from scratch (``python -m train run``)
 ft_token       fine-tunes of ``dflash`` with the same data, steps and optimiser:
-ft_exit        token-only, ExitTrain with exit weights (the shipped drafter), prefix
-ft_prefix      weights and exit-depth weights (budget 64; the ablation of the paper's
-ft_exit_depth  Table 2)
-bundle         target + ExitTrain drafter into ``tev_jax/data/models`` (bfloat16)
+ft_exit        token-only, ExitTrain with exit weights, prefix weights and exit-depth
+ft_prefix      weights (budget 64; the ablation of the paper's Table 2)
+ft_exit_depth
+bundle         target + the ExitTrain drafter ``DemoPlan.exittrain`` (a fine-tune of the
+               recipe sweep, ``experiments/exit_recipe/run.py``, run before this stage)
+               + ``dflash`` into ``tev_jax/data/models`` (float32)
 =============  =====================================================================
 """
 
@@ -43,7 +47,7 @@ class DemoPlan:
     block_size: int = 16
     batch_size: int = 8
     num_anchors: int = 16
-    dflash_steps: int = 2000
+    dflash_steps: int = 500  # the shipped drafter (2 000 in the previous session's ablation)
     dflash_lr: float = 1e-3
     finetune_steps: int = 400
     finetune_lr: float = 2e-4
@@ -52,6 +56,8 @@ class DemoPlan:
     budget: int = 64
     exit_lambda: float = 1.0
     seed: int = 0
+    # the bundle's ExitTrain drafter, under --runs (chosen by experiments/exit_recipe)
+    exittrain: str = "exit_recipe/weight-exit-l0.03"
 
 
 FINETUNES = {"ft_token": "token", "ft_exit": "exit", "ft_prefix": "prefix",
@@ -59,9 +65,15 @@ FINETUNES = {"ft_token": "token", "ft_exit": "exit", "ft_prefix": "prefix",
 STAGES = ("corpus", "target", "prompts", "rollouts", "dflash", *FINETUNES, "bundle")
 
 
-def drafter_args(plan: DemoPlan, runs: Path, name: str) -> list[str]:
+def target_dir(runs: Path, target: str | None = None) -> Path:
+    """The target's HF folder: ``target`` when given (e.g. the bundled one), else the
+    target stage's output."""
+    return Path(target) if target else runs / "target" / "hf"
+
+
+def drafter_args(plan: DemoPlan, runs: Path, name: str, target: str | None = None) -> list[str]:
     """The `python -m train` arguments of drafter stage ``name`` (dflash or a fine-tune)."""
-    common = ["run", "--target-path", str(runs / "target" / "hf"),
+    common = ["run", "--target-path", str(target_dir(runs, target)),
               "--data-dir", str(runs / "rollouts"), "--seed", str(plan.seed),
               "--out-dir", str(runs / "drafters" / name), "--checkpoint-every", "100"]
     if name == "dflash":
@@ -82,21 +94,26 @@ def drafter_args(plan: DemoPlan, runs: Path, name: str) -> list[str]:
                      "--end-lr-ratio", "0.1"]
 
 
-def _output(stage: str, runs: Path) -> Path:
+def _output(stage: str, runs: Path, target: str | None = None) -> Path:
     return {
         "corpus": runs / "corpus" / "manifest.json",
-        "target": runs / "target" / "hf" / "config.json",
+        "target": target_dir(runs, target) / "config.json",
         "prompts": runs / "prompts.jsonl",
         "rollouts": runs / "rollouts" / "manifest.json",
         "bundle": REPO_ROOT / "tev_jax" / "data" / "models" / "target" / "config.json",
     }.get(stage, runs / "drafters" / stage / "drafter" / "config.json")
 
 
-def run_stage(stage: str, plan: DemoPlan, runs: Path) -> None:
-    """Runs one stage through its own command-line entry point."""
+def run_stage(stage: str, plan: DemoPlan, runs: Path, target: str | None = None,
+              data_dir: str | None = None) -> None:
+    """Runs one stage through its own command-line entry point (``target``: an existing
+    target folder that replaces the target stage; ``data_dir``: the shared data folder)."""
+    data = ["--data-dir", data_dir] if data_dir else []
+    if stage == "target" and target:
+        raise ValueError(f"--target {target} replaces the target stage; do not run it")
     if stage == "corpus":
         from train.prepare_corpus import main
-        main(["--out", str(runs / "corpus")])
+        main(["--out", str(runs / "corpus"), *data])
     elif stage == "target":
         from train.train_target import main
         main(["--corpus", str(runs / "corpus"), "--out", str(runs / "target"),
@@ -105,10 +122,10 @@ def run_stage(stage: str, plan: DemoPlan, runs: Path) -> None:
     elif stage == "prompts":
         from train.demo_prompts import main
         main(["--out", str(runs / "prompts.jsonl"), "--count", str(plan.prompts),
-              "--seed", str(plan.seed)])
+              "--seed", str(plan.seed), *data])
     elif stage == "rollouts":
         from train.__main__ import main
-        code = main(["rollouts", "--target", str(runs / "target" / "hf"),
+        code = main(["rollouts", "--target", str(target_dir(runs, target)),
                      "--prompts-file", str(runs / "prompts.jsonl"),
                      "--out", str(runs / "rollouts"),
                      "--max-prompt-len", str(plan.max_prompt_len),
@@ -118,11 +135,12 @@ def run_stage(stage: str, plan: DemoPlan, runs: Path) -> None:
             raise SystemExit(code)
     elif stage == "bundle":
         from train.export_bundled import main
-        main(["--target", str(runs / "target" / "hf"),
-              "--drafter", str(runs / "drafters" / "ft_exit" / "drafter")])
+        main(["--target", str(target_dir(runs, target)),
+              "--exittrain", str(runs / plan.exittrain / "drafter"),
+              "--dflash", str(runs / "drafters" / "dflash" / "drafter")])
     else:
         from train.__main__ import main
-        code = main(drafter_args(plan, runs, stage))
+        code = main(drafter_args(plan, runs, stage, target))
         if code:
             raise SystemExit(code)
 
@@ -147,14 +165,22 @@ def main(argv=None) -> None:
                    help="run just these stages (even when their output exists)")
     p.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
                    help="override a DemoPlan field (smoke runs)")
+    p.add_argument("--target", default=None,
+                   help="an existing target HF folder (e.g. tev_jax/data/models/target): "
+                        "the target stage is skipped and every later stage uses it")
+    p.add_argument("--data-dir", default=None,
+                   help="the shared data folder (default: the scripts' own default)")
     args = p.parse_args(argv)
     plan, runs = plan_with(args.set), Path(args.runs)
     for stage in args.only or STAGES:
-        if not args.only and _output(stage, runs).exists():
-            print(f"[demo_models] {stage}: done ({_output(stage, runs)})")
+        if stage == "target" and args.target:
+            print(f"[demo_models] target: given ({args.target})")
+            continue
+        if not args.only and _output(stage, runs, args.target).exists():
+            print(f"[demo_models] {stage}: done ({_output(stage, runs, args.target)})")
             continue
         print(f"[demo_models] {stage}: running")
-        run_stage(stage, plan, runs)
+        run_stage(stage, plan, runs, args.target, args.data_dir)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,8 @@
-"""Exports the demo target and drafter into the package, so ``tev-jax generate`` needs no
-paths::
+"""Exports the demo target and its two drafters into the package, so ``tev-jax generate``
+needs no paths::
 
-    python -m train.export_bundled --target runs/target/hf --drafter runs/drafters/ft_exit/drafter
+    python -m train.export_bundled --target runs/target/hf \
+        --exittrain runs/exit_recipe/<chosen>/drafter --dflash runs/drafters/dflash/drafter
 
 Writes ``tev_jax/data/models/`` (the layout of `tev_jax.models.bundled`) as one
 directory, assembled in a temporary sibling and renamed into place only once complete
@@ -19,6 +20,7 @@ import argparse
 import json
 import shutil
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -201,9 +203,24 @@ Exported from `{source}` by `train/export_bundled.py` ({_conversion(stored)}).
 {LICENCE_TEXT}"""
 
 
+_DRAFTER_INTRO = {
+    "exittrain": ("ExitTrain", """\
+The DFlash block-diffusion drafter of the bundled target, fine-tuned with Exit-Guided
+Draft-Tree Training (ExitTrain) from the bundled token-only drafter (`../dflash`): it
+proposes {h} tokens per round from the target's hidden states, a DDTree is built from its
+per-depth distributions, and the target verifies the tree with TEV."""),
+    "dflash": ("DFlash, token objective", """\
+The DFlash block-diffusion drafter of the bundled target, trained with the token
+objective only (DDTree's drafter, and the starting point of the bundled ExitTrain drafter
+`../exittrain`): it proposes {h} tokens per round from the target's hidden states, a
+DDTree is built from its per-depth distributions, and the target verifies the tree (with
+predraw in the DDTree method, or TEV)."""),
+}
+
+
 def drafter_readme(drafter, source: Path, target_source: Path, weight_bytes: int,
-                   stored: str = "float32") -> str:
-    """The drafter's model card: what it is, how it was trained, licence."""
+                   stored: str = "float32", name: str = bundled.DEFAULT_DRAFTER) -> str:
+    """The model card of bundled drafter ``name``: what it is, how it was trained, licence."""
     c = drafter.config
     run_cfg = _read_json(source.parent / "config.json")
     last = _last_record_with(source.parent / "train_log.jsonl", "tau")
@@ -216,7 +233,7 @@ def drafter_readme(drafter, source: Path, target_source: Path, weight_bytes: int
         ("parameters", f"{_num_params(drafter) / 1e6:.2f} M (embedding and LM head are "
                        "the target's)"),
         ("weights", f"{stored}, `model.safetensors` ({_mb(weight_bytes)})"),
-        ("target", "the bundled target (`../target`); it fits no other model"),
+        ("target", "the bundled target (`../../target`); it fits no other model"),
     ]
     if isinstance(run_cfg, dict):
         rows.append(("objective", f"loss `{run_cfg.get('loss')}`, DDTree budget "
@@ -227,38 +244,38 @@ def drafter_readme(drafter, source: Path, target_source: Path, weight_bytes: int
                 else "")
     config_text = ("The flags of the training run (`config.json` of the run):\n\n"
                    + _json_block(run_cfg)) if run_cfg is not None else ""
+    title, intro = _DRAFTER_INTRO[name]
     return f"""---
 license: apache-2.0
 library_name: tev-jax
 tags: [dflash, speculative-decoding, exittrain, demo]
 ---
 
-# tev-jax demo drafter (ExitTrain)
+# tev-jax demo drafter ({title})
 
-The DFlash block-diffusion drafter of the bundled target, fine-tuned with Exit-Guided
-Draft-Tree Training (ExitTrain): it proposes {c.block_size - 1} tokens per round from the
-target's hidden states, a DDTree is built from its per-depth distributions, and the target
-verifies the tree with TEV. The verifiers are exact, so the output follows the target's
-distribution (at T = 0 it is the target's greedy text); the drafter only decides the speed.
+{intro.format(h=c.block_size - 1)} The verifiers are exact, so the output follows the
+target's distribution (at T = 0 it is the target's greedy text); the drafter only decides
+the speed.
 
 {table}
 {tau_text}
 ## Use
 
 ```bash
-tev-jax generate "def fibonacci(n):" --compare-ar     # bundled target + this drafter
+tev-jax generate "def fibonacci(n):" --drafter bundled:{name} --compare-ar
+tev-jax compare "def fibonacci(n):"     # AR, DFlash + DDTree + predraw, ExitTrain + TEV
 ```
 
 ```python
-from tev_jax.models import load_target, load_drafter
-drafter = load_drafter(path_to_this_directory, target)
+from tev_jax.models import load_bundled
+target, drafter, tokenizer = load_bundled(drafter="{name}")
 ```
 
 ## Training
 
 Target rollouts, then the DFlash token objective and the ExitTrain fine-tune
-(`python -m train rollouts ...`, `python -m train run --loss exit ...`; the steps and
-their flags are in `train/README.md`), then
+(`python -m train rollouts ...`, `python -m train run ...`; the steps and their flags are
+in `train/README.md`, the fine-tune's choice in `experiments/exit_recipe/README.md`), then
 
 ```bash
 {bundled.EXPORT_COMMAND}
@@ -294,14 +311,15 @@ def _logit_check(original, bundle_dir: Path, tokenizer):
     return check, reloaded
 
 
-def export_bundle(target_dir: str | Path, drafter_dir: str | Path,
+def export_bundle(target_dir: str | Path, drafter_dirs: Mapping[str, str | Path],
                   out: str | Path = DEFAULT_OUT, *, max_bytes: int = bundled.MAX_BUNDLE_BYTES,
                   dtype=jnp.float32) -> dict[str, Any]:
-    """Writes the bundle (target + drafter, ``dtype`` weights, manifest) to ``out``.
+    """Writes the bundle (target + drafters, ``dtype`` weights, manifest) to ``out``.
 
     Args:
       target_dir: Hugging Face target directory with the project's ``tokenizer.json``.
-      drafter_dir: DFlash drafter directory made for that target.
+      drafter_dirs: {name: DFlash drafter directory made for that target} for every name
+        of `tev_jax.models.bundled.DRAFTERS` ('exittrain', 'dflash').
       out: the bundle directory, replaced atomically (default the package's
         ``tev_jax/data/models``).
       max_bytes: refuse a bundle larger than this (all files together).
@@ -309,11 +327,15 @@ def export_bundle(target_dir: str | Path, drafter_dir: str | Path,
     Returns:
       The manifest dict.
     Raises:
-      ValueError: unreadable or mismatched checkpoints, a tokenizer without the
-        project's special tokens, or a bundle above ``max_bytes``; ``out`` is then
-        left as it was.
+      ValueError: unreadable or mismatched checkpoints, other drafter names, a tokenizer
+        without the project's special tokens, or a bundle above ``max_bytes``; ``out``
+        is then left as it was.
     """
-    target_dir, drafter_dir = Path(target_dir), Path(drafter_dir)
+    if set(drafter_dirs) != set(bundled.DRAFTERS):
+        raise ValueError(f"the bundle ships the drafters {bundled.DRAFTERS}, got "
+                         f"{sorted(drafter_dirs)}")
+    target_dir = Path(target_dir)
+    drafter_dirs = {name: Path(drafter_dirs[name]) for name in bundled.DRAFTERS}
     tok_file = target_dir / "tokenizer.json"
     if not tok_file.is_file():
         raise ValueError(f"{target_dir}: no tokenizer.json (the bundle ships the target's "
@@ -321,11 +343,11 @@ def export_bundle(target_dir: str | Path, drafter_dir: str | Path,
     tokenizer = load_tokenizer(target_dir)
     tok_lib.check_special_tokens(tokenizer)
     target = load_target(target_dir)
-    drafter = load_drafter(drafter_dir, target)
+    drafters = {name: load_drafter(d, target) for name, d in drafter_dirs.items()}
     stored = jnp.dtype(dtype).name
 
     def write(tmp: Path) -> None:
-        t_dir, d_dir = tmp / bundled.TARGET_DIR, tmp / bundled.DRAFTER_DIR
+        t_dir = tmp / bundled.TARGET_DIR
         save_target(target, t_dir, dtype=dtype)
         config = json.loads((t_dir / "config.json").read_text())
         config.update(_special_ids())
@@ -335,26 +357,30 @@ def export_bundle(target_dir: str | Path, drafter_dir: str | Path,
         shutil.copyfile(tok_file, t_dir / "tokenizer.json")
         (t_dir / "tokenizer_config.json").write_text(json.dumps(
             tokenizer_config(target.config.max_position_embeddings), indent=2))
-        save_drafter(drafter, d_dir, dtype=dtype)
         t_bytes = (t_dir / "model.safetensors").stat().st_size
-        d_bytes = (d_dir / "model.safetensors").stat().st_size
         (t_dir / "README.md").write_text(target_readme(target, target_dir, t_bytes, stored))
-        (d_dir / "README.md").write_text(
-            drafter_readme(drafter, drafter_dir, target_dir, d_bytes, stored))
+        for name, drafter in drafters.items():
+            d_dir = tmp / bundled.DRAFTERS_DIR / name
+            save_drafter(drafter, d_dir, dtype=dtype)
+            d_bytes = (d_dir / "model.safetensors").stat().st_size
+            (d_dir / "README.md").write_text(drafter_readme(
+                drafter, drafter_dirs[name], target_dir, d_bytes, stored, name))
         total = sum(p.stat().st_size for p in tmp.rglob("*") if p.is_file())
         if total > max_bytes:
             raise ValueError(f"the bundle is {_mb(total)} ({total} bytes), above the "
                              f"{_mb(max_bytes)} limit: ship smaller models")
         check, reloaded = _logit_check(target, t_dir, tokenizer)
-        load_drafter(d_dir, reloaded)
+        for name in drafters:
+            load_drafter(tmp / bundled.DRAFTERS_DIR / name, reloaded)
         bundled.write_manifest(tmp, {
             "dtype": stored,
             "target": {"source": str(target_dir), "params": target.config.num_params,
                        "vocab_size": target.config.vocab_size},
-            "drafter": {"source": str(drafter_dir), "params": _num_params(drafter),
-                        "block_size": drafter.config.block_size,
-                        "mask_token_id": drafter.config.mask_token_id,
-                        "target_layer_ids": list(drafter.config.target_layer_ids)},
+            "drafters": {name: {"source": str(drafter_dirs[name]), "params": _num_params(d),
+                                "block_size": d.config.block_size,
+                                "mask_token_id": d.config.mask_token_id,
+                                "target_layer_ids": list(d.config.target_layer_ids)}
+                         for name, d in drafters.items()},
             "tokenizer": {"sha256": tok_lib.tokenizer_sha256(tokenizer),
                           "vocab_size": tokenizer_vocab_size(tokenizer)},
             "check": check,
@@ -371,7 +397,10 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--target", required=True, help="Hugging Face target directory")
-    p.add_argument("--drafter", required=True, help="DFlash drafter directory")
+    p.add_argument("--exittrain", required=True,
+                   help="the ExitTrain drafter's directory (the bundle's default drafter)")
+    p.add_argument("--dflash", required=True,
+                   help="the token-only DFlash drafter's directory (DDTree's drafter)")
     p.add_argument("--out", default=str(DEFAULT_OUT),
                    help="bundle directory (default: the package's tev_jax/data/models)")
     p.add_argument("--max-mb", type=float, default=bundled.MAX_BUNDLE_BYTES / 1e6,
@@ -380,14 +409,17 @@ def main(argv: list[str] | None = None) -> int:
                    help="stored weight dtype (default: as trained)")
     args = p.parse_args(argv)
     try:
-        manifest = export_bundle(args.target, args.drafter, args.out,
+        manifest = export_bundle(args.target, {"exittrain": args.exittrain,
+                                               "dflash": args.dflash}, args.out,
                                  max_bytes=int(args.max_mb * 1e6), dtype=args.dtype)
     except ValueError as e:
         p.error(str(e))
     total = sum(f["bytes"] for f in manifest["files"].values())
+    drafters = ", ".join(f"{k} {v['params'] / 1e6:.2f} M"
+                         for k, v in manifest["drafters"].items())
     print(f"wrote {args.out}: {len(manifest['files'])} pinned files, {_mb(total)}; target "
-          f"{manifest['target']['params'] / 1e6:.2f} M params, drafter "
-          f"{manifest['drafter']['params'] / 1e6:.2f} M; {manifest['dtype']} vs float32 "
+          f"{manifest['target']['params'] / 1e6:.2f} M params, drafters {drafters}; "
+          f"{manifest['dtype']} vs float32 "
           f"logits: max |Δ| {manifest['check']['max_abs_logit_diff']:.4f}, top-1 agreement "
           f"{manifest['check']['top1_agreement']:.3f}")
     return 0

@@ -118,7 +118,8 @@ def step_config(cfg: TrainConfig, drafter) -> StepConfig:
                       tree_metrics=cfg.tree_metrics, grad_accum=cfg.grad_accum,
                       score_capacities=cfg.score_capacities,
                       compute_dtype=None if compute_dtype == param_dtype else compute_dtype,
-                      remat=cfg.remat, target_sharding=cfg.target_sharding)
+                      remat=cfg.remat, target_sharding=cfg.target_sharding,
+                      exit_normalizer=cfg.exit_normalizer, exit_floor=cfg.exit_floor)
 
 
 def optim_config(cfg: TrainConfig) -> OptimConfig:

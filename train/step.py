@@ -55,6 +55,10 @@ from tev_jax.exit_train import (
     blocked_law_ok,
     edge_log_probs_blocked,
     exit_laws_from_edges,
+    NORMALIZERS,
+    LossParts,
+    check_floor,
+    check_weighting,
     exit_loss,
     node_weights,
     score_parent_hidden,
@@ -84,9 +88,15 @@ class StepConfig:
     """Static settings of a step (hashable).
 
     Attributes:
-      loss: 'token', 'exit', 'exit_depth' or 'prefix'.
+      loss: 'token', or the ExitTrain node weighting: a name of
+        `tev_jax.exit_train.WEIGHTINGS` or a callable ``(tree, law) -> weights [N]``.
       budget: DDTree budget (N = budget + 1).
       exit_lambda: weight of the exit loss.
+      exit_normalizer: the exit term is the weighted NLL sum divided by the total
+        weight ('weight') or by the number of tree nodes, root excluded, of the valid
+        anchors ('nodes', the authors' release: the term then shrinks with the weights).
+      exit_floor: edge-probability floor alpha of the reach in the node weights
+        (`tev_jax.exit_train.node_weights`; the authors use 1e-4).
       sampling: target sampling transform of the exit law.
       taps: target layers feeding the drafter.
       horizon: H.
@@ -124,8 +134,16 @@ class StepConfig:
     remat: str = "none"
     target_sharding: str = "fsdp"
     vocab_block: int = lm_head.BLOCK
+    exit_normalizer: str = "weight"
+    exit_floor: float = 0.0
 
     def __post_init__(self):
+        if self.loss != "token":
+            check_weighting(self.loss)
+        check_floor(self.exit_floor)
+        if self.exit_normalizer not in NORMALIZERS:
+            raise ValueError(f"exit_normalizer must be one of {NORMALIZERS}, got "
+                             f"{self.exit_normalizer!r}")
         caps = self.score_capacities
         if not isinstance(caps, tuple) or any(not 0 < c < 1 for c in caps):
             raise ValueError(f"score_capacities must be a tuple of fractions in (0, 1), "
@@ -146,7 +164,7 @@ class StepConfig:
         return self.loss != "token" or self.tree_metrics
 
     @property
-    def weighting(self) -> str:
+    def weighting(self):
         return "exit" if self.loss == "token" else self.loss
 
 
@@ -338,10 +356,10 @@ def exit_targets(target, cache, draft, batch: Batch, cfg: StepConfig, top=None):
         log_a = edge_log_probs_blocked(trees, hidden, lm_head.head_of(target), cfg.sampling,
                                        cfg.vocab_block)
         law = exit_laws_from_edges(trees, log_a)
-        weights = node_weights(trees, law, cfg.weighting)
+        weights = node_weights(trees, law, cfg.weighting, cfg.exit_floor)
     else:   # top-k / top-p / greedy transform whole rows: dense [B, A, N, V] logits
         weights, law = tree_exit_weights(trees, target.unembed(hidden), cfg.sampling,
-                                         cfg.weighting)
+                                         cfg.weighting, cfg.exit_floor)
     weights = jnp.where(batch.valid[:, :, None], weights, 0.0)
     return trees, weights, law.coverage
 
@@ -350,6 +368,8 @@ def objective(draft_logits_BAHV, labels_BAH, valid_BA, trees, weights_BAN, cfg: 
     """total = token + lambda * exit (exit only for the ExitTrain losses).
 
     ``draft_logits_BAHV`` is [B, A, H, V] logits or their `HeadRows` (the step's).
+    The exit term is normalised by its total weight or by the tree-node count of the
+    valid anchors (``cfg.exit_normalizer``).
 
     Returns:
       (total loss [], aux dict of [] arrays)
@@ -360,8 +380,11 @@ def objective(draft_logits_BAHV, labels_BAH, valid_BA, trees, weights_BAN, cfg: 
     total = tok.mean
     if cfg.loss != "token":
         ex = exit_loss(draft_logits_BAHV, trees, weights_BAN)
+        if cfg.exit_normalizer == "nodes":
+            nodes = trees.valid & (trees.depths > 0) & valid_BA[:, :, None]
+            ex = LossParts(total=ex.total, weight=jnp.sum(nodes).astype(jnp.float32))
         aux["exit_loss"] = ex.mean
-        aux["exit_weight"] = ex.weight
+        aux["exit_weight"] = jnp.sum(weights_BAN)
         total = total + cfg.exit_lambda * ex.mean
     return total, aux
 

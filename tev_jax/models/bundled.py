@@ -7,8 +7,10 @@
     target/               Hugging Face layout: config.json, generation_config.json,
                           model.safetensors (float32), tokenizer.json,
                           tokenizer_config.json, README.md
-    drafter/              DFlash layout: config.json, model.safetensors (float32),
-                          README.md
+    drafters/exittrain/   the ExitTrain drafter (the default), DFlash layout:
+                          config.json, model.safetensors (float32), README.md
+    drafters/dflash/      the token-only DFlash drafter it was fine-tuned from (DDTree's
+                          drafter), same layout
 
 `bundled_paths` finds the directories through ``importlib.resources`` (so it works from
 an installed wheel as well as from a checkout) and, by default, checks every file
@@ -29,21 +31,35 @@ from typing import Any, NamedTuple
 import jax.numpy as jnp
 
 MANIFEST_FILE = "manifest.json"
-MANIFEST_FORMAT = 1
-TARGET_DIR, DRAFTER_DIR = "target", "drafter"
+MANIFEST_FORMAT = 2
+TARGET_DIR, DRAFTERS_DIR = "target", "drafters"
+# The bundled drafters of the one target: ExitTrain (for TEV) first, the default.
+DRAFTERS = ("exittrain", "dflash")
+DEFAULT_DRAFTER = DRAFTERS[0]
 # Bundles are small by design: the repository and the wheel stay light.
 MAX_BUNDLE_BYTES = 40 * 1000**2
-EXPORT_COMMAND = ("python -m train.export_bundled --target runs/target/hf "
-                  "--drafter runs/drafters/ft_exit/drafter")
+EXPORT_COMMAND = ("python -m train.export_bundled --target tev_jax/data/models/target "
+                  "--exittrain runs/exit_recipe/<chosen>/drafter "
+                  "--dflash runs/drafters/dflash/drafter")
 # Free-text files the manifest does not pin, so their text can be edited after export.
 UNPINNED_NAMES = ("README.md",)
 
 
 class BundledPaths(NamedTuple):
-    """The bundled checkpoint directories (`load_target` / `load_drafter` read them)."""
+    """The bundled checkpoint directories (`load_target` / `load_drafter` read them).
+
+    Attributes:
+      target: the target's directory.
+      drafters: {name: directory} of every bundled drafter (`DRAFTERS`).
+    """
 
     target: Path
-    drafter: Path
+    drafters: dict[str, Path]
+
+    @property
+    def drafter(self) -> Path:
+        """The default (ExitTrain) drafter's directory."""
+        return self.drafters[DEFAULT_DRAFTER]
 
 
 def bundle_root() -> Path:
@@ -116,7 +132,7 @@ def verify_bundle(root: str | os.PathLike) -> dict[str, Any]:
     if fmt != MANIFEST_FORMAT:
         raise ValueError(f"{f}: bundle manifest format {fmt!r}, this tev-jax reads "
                          f"{MANIFEST_FORMAT}")
-    for sub in (TARGET_DIR, DRAFTER_DIR):
+    for sub in (TARGET_DIR, *(f"{DRAFTERS_DIR}/{d}" for d in DRAFTERS)):
         if not (root / sub).is_dir():
             raise _missing(root, f"no {sub}/ directory")
     for rel, want in files.items():
@@ -146,7 +162,7 @@ def bundled_paths(root: str | os.PathLike | None = None, *, verify: bool = True
       verify: check every pinned file's size and SHA-256 against the manifest first
         (about 10 ms per 8 MB).
     Returns:
-      `BundledPaths` (target, drafter).
+      `BundledPaths` (target, drafters by name).
     Raises:
       ValueError: the bundle is missing (the message names the command that creates
         it) or a file does not match the manifest.
@@ -154,34 +170,46 @@ def bundled_paths(root: str | os.PathLike | None = None, *, verify: bool = True
     root = bundle_root() if root is None else Path(root)
     if verify:
         verify_bundle(root)
-    paths = BundledPaths(root / TARGET_DIR, root / DRAFTER_DIR)
-    for p in paths:
+    paths = BundledPaths(root / TARGET_DIR,
+                         {d: root / DRAFTERS_DIR / d for d in DRAFTERS})
+    for p in (paths.target, *paths.drafters.values()):
         if not (p / "config.json").is_file():
-            raise _missing(root, f"no {p.name}/config.json")
+            raise _missing(root, f"no {p.relative_to(root).as_posix()}/config.json")
     return paths
 
 
-def load_bundled(*, dtype=jnp.float32, root: str | os.PathLike | None = None):
-    """Loads the bundled demo models.
+def check_drafter_name(drafter: str) -> None:
+    """Raises ValueError unless ``drafter`` names a bundled drafter (`DRAFTERS`)."""
+    if drafter not in DRAFTERS:
+        raise ValueError(f"unknown bundled drafter {drafter!r}; the bundle ships {DRAFTERS}")
+
+
+def load_bundled(*, drafter: str = DEFAULT_DRAFTER, dtype=jnp.float32,
+                 root: str | os.PathLike | None = None):
+    """Loads the bundled demo target and one of its drafters.
 
     Args:
+      drafter: 'exittrain' (default: fine-tuned with ExitTrain, for TEV) or 'dflash'
+        (the token-only DFlash drafter it started from, DDTree's drafter).
       dtype: parameter/activation dtype of both models (float32, as stored, computes
         fastest on CPU).
       root: the bundle directory (default: inside the installed package).
     Returns:
-      (target, drafter, tokenizer): a `Target`, its DFlash `Drafter` and the
+      (target, drafter, tokenizer): a `Target`, the DFlash `Drafter` and the
       `tokenizers.Tokenizer`.
     Raises:
-      ValueError: see `bundled_paths`.
+      ValueError: an unknown drafter name, or see `bundled_paths`.
     """
     from tev_jax.models.checkpoint_io import load_target, load_tokenizer
     from tev_jax.models.drafter_io import load_drafter
 
+    check_drafter_name(drafter)
     paths = bundled_paths(root)
     target = load_target(paths.target, dtype=dtype)
-    return target, load_drafter(paths.drafter, target), load_tokenizer(paths.target)
+    return (target, load_drafter(paths.drafters[drafter], target),
+            load_tokenizer(paths.target))
 
 
-__all__ = ["BundledPaths", "EXPORT_COMMAND", "MAX_BUNDLE_BYTES", "bundle_root",
-           "bundled_paths", "file_sha256", "load_bundled", "verify_bundle",
-           "write_manifest"]
+__all__ = ["BundledPaths", "DEFAULT_DRAFTER", "DRAFTERS", "EXPORT_COMMAND",
+           "MAX_BUNDLE_BYTES", "bundle_root", "bundled_paths", "check_drafter_name",
+           "file_sha256", "load_bundled", "verify_bundle", "write_manifest"]
