@@ -48,9 +48,8 @@ UNPINNED_NAMES = ("README.md",)
 class BundledPaths(NamedTuple):
     """The bundled checkpoint directories (`load_target` / `load_drafter` read them).
 
-    Attributes:
-      target: the target's directory.
-      drafters: {name: directory} of every bundled drafter (`DRAFTERS`).
+    ``target`` is the target's directory and ``drafters`` maps the name of every bundled
+    drafter (`DRAFTERS`) to its directory.
     """
 
     target: Path
