@@ -9,7 +9,7 @@ from typing import Any
 
 from tev_jax.exit_train import NORMALIZERS, WEIGHTINGS, check_floor
 from tev_jax.sampling import Sampling
-from train.step import DTYPES, REMAT, TARGET_SHARDINGS
+from train.step import DTYPES, REMAT, TARGET_SHARDINGS, check_score_capacities
 
 LOSSES = ("token",) + WEIGHTINGS
 
@@ -158,10 +158,7 @@ class TrainConfig:
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name} must be one of {allowed}, got "
                                  f"{getattr(self, name)!r}")
-        caps = self.score_capacities
-        if not isinstance(caps, tuple) or any(not 0 < c < 1 for c in caps):
-            raise ValueError(f"score_capacities must be a tuple of fractions in (0, 1), "
-                             f"got {caps!r}")
+        check_score_capacities(self.score_capacities)
         positive = ("drafter_layers", "batch_size", "num_anchors", "budget", "steps",
                     "grad_accum", "mesh_data", "mesh_fsdp", "mesh_tensor",
                     "checkpoint_every", "keep_checkpoints", "log_every")

@@ -83,6 +83,13 @@ REMAT = {
 }
 
 
+def check_score_capacities(caps) -> None:
+    """Raises ValueError unless ``caps`` is a tuple of fractions in (0, 1)."""
+    if not isinstance(caps, tuple) or any(not 0 < c < 1 for c in caps):
+        raise ValueError(f"score_capacities must be a tuple of fractions in (0, 1), "
+                         f"got {caps!r}")
+
+
 @dataclasses.dataclass(frozen=True)
 class StepConfig:
     """Static settings of a step (hashable).
@@ -144,10 +151,7 @@ class StepConfig:
         if self.exit_normalizer not in NORMALIZERS:
             raise ValueError(f"exit_normalizer must be one of {NORMALIZERS}, got "
                              f"{self.exit_normalizer!r}")
-        caps = self.score_capacities
-        if not isinstance(caps, tuple) or any(not 0 < c < 1 for c in caps):
-            raise ValueError(f"score_capacities must be a tuple of fractions in (0, 1), "
-                             f"got {caps!r}")
+        check_score_capacities(self.score_capacities)
         if self.compute_dtype not in (None,) + DTYPES:
             raise ValueError(f"compute_dtype must be None or one of {DTYPES}, got "
                              f"{self.compute_dtype!r}")
