@@ -1,8 +1,26 @@
 """Test configuration: 8 host CPU devices, set before jax is imported anywhere."""
 
+import gc
 import os
 
 os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _release_compiled_programs():
+    """Drop jax's compiled programs after each test module.
+
+    Every XLA:CPU executable holds a few memory mappings; the whole suite compiles
+    thousands of programs, and past the kernel's ``vm.max_map_count`` (65530 by default)
+    the next compilation aborts the process.
+    """
+    yield
+    import jax
+
+    jax.clear_caches()
+    gc.collect()
