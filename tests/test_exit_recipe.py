@@ -11,12 +11,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import reference as ref
+import experiment_scripts
 import train_fixtures as tf
 from test_exit_train import random_tree, stack
 from tev_jax.exit_law import exit_law, floored_reach
 from tev_jax.exit_train import exit_loss, node_weights, tree_exit_weights
 from tev_jax.sampling import Sampling
+from tev_jax.testing import reference as ref
 from train.__main__ import build_parser, config_from_args
 from train.config import RECIPES, TrainConfig
 from train.loop import step_config
@@ -204,21 +205,10 @@ def test_paper_recipe_trains(tmp_path):
 # ------------------------------------------------------------------ the sweep script
 
 
-def _sweep_module():
-    import importlib.util
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parents[1] / "experiments" / "exit_recipe" / "run.py"
-    spec = importlib.util.spec_from_file_location("exit_recipe_run", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_sweep_variants_parse_and_the_paper_point_is_the_recipe(tmp_path):
     from pathlib import Path
 
-    sweep = _sweep_module()
+    sweep = experiment_scripts.load("exit_recipe")
     assert len(sweep.GRID) == 1 + 2 * 4 * 4 and set(sweep.SUBSET) <= set(sweep.GRID)
     configs = {}
     for name in sweep.GRID:
@@ -239,7 +229,7 @@ def test_sweep_validation_prompts_are_disjoint_from_the_test_prompts():
     import paper_common as pc
     from tev_jax.data import load_default_tokenizer
 
-    sweep = _sweep_module()
+    sweep = experiment_scripts.load("exit_recipe")
     setup = pc.Setup(prompts_per_set=16)
     tok = load_default_tokenizer()
     test, val = pc.eval_prompts(tok, setup), sweep.validation_prompts(tok, setup)

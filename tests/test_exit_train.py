@@ -23,25 +23,15 @@ from tev_jax.exit_train import (
 from tev_jax.models import ModelConfig, init_target
 from tev_jax.sampling import Sampling
 from tev_jax.testing import reference as ref
+from tev_jax.testing import strategies as tst
 from tev_jax.tree import make_tree
 
 
 def random_tree(rng, n_slots, vocab, horizon, root=None):
     """A random valid tree (siblings distinct, depth <= horizon), padded to n_slots."""
     n = int(rng.integers(1, n_slots + 1))
-    tokens = [int(rng.integers(vocab)) if root is None else int(root)]
-    parents, depths, used = [-1], [0], {0: set()}
-    for i in range(1, n):
-        open_ = [p for p in range(i) if depths[p] < horizon and len(used[p]) < vocab]
-        if not open_:
-            break
-        p = int(rng.choice(open_))
-        tok = int(rng.choice(sorted(set(range(vocab)) - used[p])))
-        used[p].add(tok)
-        used[i] = set()
-        tokens.append(tok)
-        parents.append(p)
-        depths.append(depths[p] + 1)
+    root = int(rng.integers(vocab)) if root is None else int(root)
+    tokens, parents = tst.grow_tree(n, root, vocab, horizon, lambda o: int(rng.choice(o)))
     return make_tree(tokens, parents, n_slots)
 
 

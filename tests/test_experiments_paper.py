@@ -20,6 +20,7 @@ from flax import nnx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "experiments"))
 
+import experiment_scripts  # noqa: E402
 import paper_common as pc  # noqa: E402
 from tev_jax.models import score  # noqa: E402
 from tev_jax.sampling import Sampling  # noqa: E402
@@ -107,18 +108,8 @@ def test_captured_round_is_a_real_decode_round(models, prompts):
         lengths, np.repeat(np.asarray(law.expected_length).round().astype(int)[:, None], 5, 1))
 
 
-def _coverage_module():
-    import importlib.util
-
-    path = Path(__file__).resolve().parents[1] / "experiments" / "coverage" / "run.py"
-    spec = importlib.util.spec_from_file_location("coverage_study", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_coverage_study_is_the_greedy_block_length_at_t0(models, prompts):
-    cov = _coverage_module()
+    cov = experiment_scripts.load("coverage")
     cuts = [0, 2, 5]
     records = cov.coverage(models, prompts, SETUP, cuts, BUDGET, ("dflash", "ft_exit"))
     assert len(records) == 2 * len(SETS)
@@ -135,7 +126,7 @@ def test_coverage_study_is_the_greedy_block_length_at_t0(models, prompts):
 
 
 def test_coverage_ratios_are_paired_and_harmonic():
-    cov = _coverage_module()
+    cov = experiment_scripts.load("coverage")
     ref = dict(values=[1.0, 2.0, 4.0, 1.5], prompt=[0, 0, 1, 1])
     same_shift = dict(values=[2.0, 4.0, 8.0, 3.0], prompt=ref["prompt"])  # 2x everywhere
     one_prompt = dict(values=[2.0, 4.0, 4.0, 1.5], prompt=ref["prompt"])  # 2x on prompt 0

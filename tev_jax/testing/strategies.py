@@ -16,34 +16,44 @@ from hypothesis import strategies as st
 
 from tev_jax.tree import make_tree
 
-__all__ = ["logits", "tree_lists", "trees"]
+__all__ = ["grow_tree", "logits", "tree_lists", "trees"]
 
 
-@st.composite
-def tree_lists(draw, max_nodes: int = 8, vocab: int = 5, max_depth: int | None = None):
-    """(tokens, parents) of a valid tree with 1..max_nodes nodes, tokens in [0, vocab).
+def grow_tree(num_nodes: int, root_token: int, vocab: int, max_depth: int | None, pick
+              ) -> tuple[list[int], list[int]]:
+    """(tokens, parents) of a valid tree of at most ``num_nodes`` nodes, grown one node at a
+    time: ``pick(options)`` chooses the parent among the nodes that can take a child, then
+    the child's token among its parent's unused ones (a hypothesis draw or a numpy rng).
 
     Parents come before children, depth is at most ``max_depth`` and siblings carry
     distinct tokens (a node has at most ``vocab`` children).
     """
-    n = draw(st.integers(1, max_nodes))
-    tokens, parents, depths = [draw(st.integers(0, vocab - 1))], [-1], [0]
+    tokens, parents, depths = [root_token], [-1], [0]
     used: dict[int, set[int]] = {0: set()}
-    for i in range(1, n):
+    for i in range(1, num_nodes):
         open_parents = [
             p for p in range(i)
             if len(used[p]) < vocab and (max_depth is None or depths[p] < max_depth)
         ]
         if not open_parents:
             break
-        p = draw(st.sampled_from(open_parents))
-        tok = draw(st.sampled_from(sorted(set(range(vocab)) - used[p])))
+        p = pick(open_parents)
+        tok = pick(sorted(set(range(vocab)) - used[p]))
         used[p].add(tok)
         used[i] = set()
         tokens.append(tok)
         parents.append(p)
         depths.append(depths[p] + 1)
     return tokens, parents
+
+
+@st.composite
+def tree_lists(draw, max_nodes: int = 8, vocab: int = 5, max_depth: int | None = None):
+    """(tokens, parents) of a valid tree with 1..max_nodes nodes, tokens in [0, vocab)
+    (`grow_tree`)."""
+    n = draw(st.integers(1, max_nodes))
+    root = draw(st.integers(0, vocab - 1))
+    return grow_tree(n, root, vocab, max_depth, lambda options: draw(st.sampled_from(options)))
 
 
 @st.composite
