@@ -1,4 +1,4 @@
-"""A fixed-shape draft tree (Medusa / SpecInfer style) plugged into `decode.generate`.
+"""A fixed-shape draft tree (Medusa / SpecInfer style) plugged into `engine.generate`.
 
 A `tev_jax.extensions.TreeBuilder` maps one row's draft logits [H, V] and its root
 token to a `DraftTree`. This one has a shape fixed ahead of time: node i is the
@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from tev_jax import decode
+from tev_jax import decode, engine
 from tev_jax.models import load_bundled
 from tev_jax.tree import DraftTree
 
@@ -83,8 +83,8 @@ def main(max_new_tokens: int = 48, prompt: str = "def fibonacci(n):") -> dict:
     config = decode.DecodeConfig(max_new_tokens=max_new_tokens,
                                  builder=fixed_tree_builder,
                                  verifier="tev")
-    spec = decode.generate(target, drafter, ids, config)
-    ar = decode.generate_ar(target, ids, config)
+    spec = engine.generate(target, drafter, ids, config)
+    ar = engine.generate_ar(target, ids, config)
     same = spec.rows() == ar.rows()
     print(f"fixed tree (N = {len(PARENTS)}): tau = {spec.stats.tau:.2f} tokens per round, "
           f"output equal to AR greedy: {same}")

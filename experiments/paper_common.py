@@ -23,7 +23,7 @@ Definitions used in every table:
 
 - τ (tau): mean output-block length per target verify round = accepted draft tokens +
   the bonus token, pooled over the rounds of all prompts of a set (``sum of block
-  lengths / number of rounds``, `tev_jax.decode.DecodeStats.tau`). The first token,
+  lengths / number of rounds``, `tev_jax.engine.DecodeStats.tau`). The first token,
   sampled from the prefill's logits, is not a round and is not counted. A block that
   crosses ``max_new_tokens`` or a stop token counts in full. AR has τ = 1. Its standard
   error treats prompts as independent clusters (`ratio_se`), not rounds.
@@ -52,7 +52,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from tev_jax import ddtree, decode
+from tev_jax import ddtree, decode, drafters, engine
+from tev_jax.engine import Engine
 from tev_jax import verify as verify_lib
 from tev_jax.data import PROMPT_SETS, load_default_tokenizer, prompt_set
 from tev_jax.exit_law import exit_law
@@ -91,7 +92,7 @@ class Method:
     Attributes:
       label: row name in the tables.
       drafter: drafter name under the drafter root, or None for autoregressive decoding.
-      verifier: 'tev', 'predraw', ... (`tev_jax.decode.VERIFIERS`).
+      verifier: 'tev', 'predraw', ... (`tev_jax.extensions.VERIFIERS`).
       budget: DDTree node budget B (N = B + 1 tree slots).
     """
 
@@ -332,71 +333,48 @@ class FusedRunner:
     prompt buffer of ``prompt_len`` slots; any drafter of the same architecture reuses it.
 
     The configuration's ``prompt_len`` fixes the prompt buffer (and so the cache
-    length). Unlike `tev_jax.decode.generate`, the runner splits each drafter's
-    parameters once and times only the jitted call, through decode's internal
-    ``_prepare`` / ``_generate_jit`` / ``_finish``.
+    length). Unlike `tev_jax.engine.generate`, the runner keeps one
+    `tev_jax.engine.Engine` per drafter (`models_for`, same compilation) and times only
+    the jitted call.
     """
 
     def __init__(self, target, drafter, config: decode.DecodeConfig, batch: int):
         if config.prompt_len is None:
             raise ValueError("FusedRunner needs a config with a fixed prompt_len")
         self.config, self.batch, self.prompt_len = config, batch, config.prompt_len
-        self.vocab = target.config.vocab_size
-        dummy = [[0] * self.prompt_len] * batch
-        self.graphdef, self._params, _, _, self.static = decode._prepare(
-            target, drafter, dummy, config)
+        self.engine = Engine.create(target, drafter, config, batch)
         self.compile_seconds = None
 
-    def params_for(self, target, drafter):
-        """The split parameters of ``(target, drafter)`` (the graphdef must match)."""
-        models = (target,) if self.config.builder == "none" else (
-            target, decode.as_drafter(drafter))
-        graphdef, params = nnx.split(models)
-        if graphdef != self.graphdef:
-            raise ValueError("this drafter's architecture differs from the compiled one")
-        return params
+    def models_for(self, target, drafter) -> Engine:
+        """The runner's engine over ``(target, drafter)`` (same architecture)."""
+        return self.engine.with_models(target, drafter)
 
-    def _inputs(self, prompts: Sequence[Sequence[int]]):
-        if len(prompts) != self.batch:
-            raise ValueError(f"expected {self.batch} prompts, got {len(prompts)}")
-        tokens = np.zeros((self.batch, self.prompt_len), np.int32)
-        for i, p in enumerate(prompts):
-            p = np.asarray(p, np.int32)
-            if not 1 <= p.size <= self.prompt_len:
-                raise ValueError(f"prompt {i} has {p.size} tokens; need 1..{self.prompt_len}")
-            if p.min() < 0 or p.max() >= self.vocab:
-                raise ValueError(f"prompt {i} has a token id outside [0, {self.vocab})")
-            tokens[i, : p.size] = p
-        lengths = np.asarray([len(p) for p in prompts], np.int32)
-        return jnp.asarray(tokens), jnp.asarray(lengths)
-
-    def __call__(self, params, prompts, key) -> decode.Generation:
+    def __call__(self, models: Engine, prompts, key) -> engine.Generation:
         """One generation; ``stats.seconds`` = wall time of the jitted call."""
-        tokens, lengths = self._inputs(prompts)
+        inputs = models.prompts(prompts)
         if isinstance(key, int):
             key = jax.random.key(key)
         t0 = time.perf_counter()
-        st = jax.block_until_ready(decode._generate_jit(
-            self.graphdef, params, tokens, lengths, key, static=self.static))
+        st = jax.block_until_ready(models.generate(inputs, key))
         seconds = time.perf_counter() - t0
         if self.compile_seconds is None:
             self.compile_seconds = seconds
-        return decode._finish(st, self.config, seconds=seconds)
+        return models.finish(st, seconds=seconds)
 
-    def compile(self, params) -> float:
+    def compile(self, models: Engine) -> float:
         """Compiles (first call on a dummy batch); returns the seconds it took."""
         if self.compile_seconds is None:
-            self(params, [[1, 2]] * self.batch, jax.random.key(0))
+            self(models, [[1, 2]] * self.batch, jax.random.key(0))
         return self.compile_seconds
 
 
 class RunnerPool:
-    """Compiled runners by (configuration, batch) and split parameters by drafter."""
+    """Compiled runners by (configuration, batch) and their engines by drafter."""
 
     def __init__(self, models: Models, setup: Setup):
         self.models, self.setup = models, setup
         self._runners: dict = {}
-        self._params: dict = {}
+        self._engines: dict = {}
 
     def get(self, method: Method, sampling: Sampling, batch: int, *,
             track_exit_law: bool = False):
@@ -408,26 +386,27 @@ class RunnerPool:
         key = (cfg, batch)
         if key not in self._runners:
             runner = FusedRunner(self.models.target, drafter, cfg, batch)
-            params = self._params_of(runner, method)
+            params = self._engine_of(runner, method)
             secs = runner.compile(params)
             what = f"{method.verifier} B={method.budget}" if method.drafter else "AR"
             print(f"  compiled {what} T={sampling.temperature} batch={batch}: {secs:.1f} s",
                   flush=True)
             self._runners[key] = runner
         runner = self._runners[key]
-        return runner, self._params_of(runner, method)
+        return runner, self._engine_of(runner, method)
 
-    def _params_of(self, runner: FusedRunner, method: Method):
-        if method.drafter not in self._params:
+    def _engine_of(self, runner: FusedRunner, method: Method):
+        key = (id(runner), method.drafter)  # runners live as long as the pool
+        if key not in self._engines:
             d = None if method.drafter is None else self.models.drafters[method.drafter]
-            self._params[method.drafter] = runner.params_for(self.models.target, d)
-        return self._params[method.drafter]
+            self._engines[key] = runner.models_for(self.models.target, d)
+        return self._engines[key]
 
     def compile_seconds(self) -> list[float]:
         return [r.compile_seconds for r in self._runners.values()]
 
 
-def _row_blocks(stats: decode.DecodeStats, row: int) -> np.ndarray:
+def _row_blocks(stats: engine.DecodeStats, row: int) -> np.ndarray:
     return stats.block_lengths[: int(stats.rounds_per_row[row]), row]
 
 
@@ -689,7 +668,7 @@ def capture_trees(models: Models, drafter: str, contexts: Sequence[Sequence[int]
     """
     if any(len(c) < 2 for c in contexts):
         raise ValueError("every context needs at least 2 tokens (committed tokens + root)")
-    d = decode.as_drafter(models.drafters[drafter])
+    d = drafters.as_drafter(models.drafters[drafter])
     width = -(-max(len(c) for c in contexts) // _ALIGN) * _ALIGN
     tokens = np.zeros((len(contexts), width), np.int32)
     for i, c in enumerate(contexts):

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from tev_jax import decode
+from tev_jax import drafters
 from tev_jax.models import ModelConfig, init_target, score
 
 
@@ -25,7 +25,7 @@ class MixDrafter(nnx.Module):
     """The DFlash drafter (random weights) or the oracle, chosen by a runtime flag."""
 
     def __init__(self, dflash, oracle):
-        self.dflash = decode.DFlashDrafter(dflash)
+        self.dflash = drafters.DFlashDrafter(dflash)
         self.oracle = oracle
         self.use_oracle = nnx.Variable(jnp.asarray(False))
         self.block_size = self.dflash.block_size

@@ -3,7 +3,7 @@
 T = 0: more prompts than slots, of mixed lengths, with a stop token so rows finish at
 different rounds and slots are refilled one or two at a time. Every request's tokens
 must equal the cache-free greedy reference (`greedy_reference`, no engine), and its
-rounds and τ must equal `decode.generate` of that prompt alone. A second set of prompts
+rounds and τ must equal `engine.generate` of that prompt alone. A second set of prompts
 of other lengths then runs without compiling anything new.
 
 T = 1: the first two tokens of one prompt, repeated over many requests among requests
@@ -17,7 +17,7 @@ import pytest
 from scipy import stats
 
 from decode_fixtures import greedy_reference, jit_score, tiny_target
-from tev_jax import batching, decode
+from tev_jax import batching, decode, engine
 from tev_jax.models.drafter_io import init_drafter
 from tev_jax.sampling import Sampling
 
@@ -61,7 +61,7 @@ def test_every_request_equals_its_prompt_alone_at_t0(target, drafter):
     config = decode.DecodeConfig(max_new_tokens=M, budget=6, stop_token_ids=STOP,
                                  prompt_len=P)
     widths = (16, P)
-    before = decode._refill_jit._cache_size()
+    before = engine._refill_jit._cache_size()
     prompts = _prompts(0, 8)
     got = _run(target, drafter, prompts, config, batch_size=2, widths=widths)
     reference = greedy_reference(target, prompts, M)
@@ -71,7 +71,7 @@ def test_every_request_equals_its_prompt_alone_at_t0(target, drafter):
         assert got[i].token_ids == want, i
         assert got[i].stop_reason == ("stop" if want[-1] in STOP else "length")
         stopped += want[-1] in STOP
-        alone = decode.generate(target, drafter, [prompt], config)
+        alone = engine.generate(target, drafter, [prompt], config)
         assert got[i].rounds == int(alone.stats.rounds_per_row[0])
         if got[i].rounds:
             assert got[i].tau == pytest.approx(alone.stats.tau)
@@ -80,11 +80,11 @@ def test_every_request_equals_its_prompt_alone_at_t0(target, drafter):
 
     # Prompts of other lengths compile nothing new: at most one refill program per
     # (rows, width) bucket, 2 x 2 here, and one rounds program.
-    rounds_programs = decode._run_rounds_jit._cache_size()
+    rounds_programs = engine._run_rounds_jit._cache_size()
     more = _prompts(1, 6)
     again = _run(target, drafter, more, config, batch_size=2, widths=widths)
-    assert decode._run_rounds_jit._cache_size() == rounds_programs
-    assert decode._refill_jit._cache_size() - before <= 4
+    assert engine._run_rounds_jit._cache_size() == rounds_programs
+    assert engine._refill_jit._cache_size() - before <= 4
     reference = greedy_reference(target, more, M)
     assert [again[i].token_ids for i in range(len(more))] == [_until_stop(r) for r in reference]
 
@@ -144,7 +144,7 @@ def test_bad_requests_and_settings_raise(target, drafter):
         run([batching.Request("long", [1] * 9)])
     with pytest.raises(ValueError, match="request 7: token id 64 is outside"):
         run([batching.Request(7, [1, 64])])
-    with pytest.raises(ValueError, match="request 'e': the prompt must be a non-empty"):
+    with pytest.raises(ValueError, match="request 'e': the prompt is empty"):
         run([batching.Request("e", [])])
     with pytest.raises(ValueError, match="batch_size must be a positive int"):
         run([batching.Request(0, [1])], b=0)

@@ -23,7 +23,7 @@ import pytest
 from flax import nnx
 
 from decode_fixtures import MixDrafter, greedy_reference, tiny_target
-from tev_jax import decode
+from tev_jax import decode, engine, extensions, profile
 from tev_jax.decode_drafters import OracleDrafter
 from tev_jax.models.drafter_io import init_drafter
 from tev_jax.sampling import Sampling
@@ -65,7 +65,7 @@ def test_reference_is_not_degenerate(reference):
 
 
 def test_ar_fused_equals_reference(target, reference):
-    gen = decode.generate_ar(target, PROMPTS, _config())
+    gen = engine.generate_ar(target, PROMPTS, _config())
     assert gen.rows() == reference
     np.testing.assert_array_equal(gen.lengths, M)
     assert gen.stats.tau == 1.0
@@ -75,8 +75,8 @@ def test_ar_fused_equals_reference(target, reference):
 def test_every_builder_and_verifier_is_greedy_exact(target, drafter, reference, quality):
     drafter.use_oracle[...] = jnp.asarray(quality == "oracle")
     for builder in ("chain", "ddtree"):
-        for verifier in decode.VERIFIERS:
-            gen = decode.profile_generate(
+        for verifier in extensions.VERIFIERS:
+            gen = profile.profile_generate(
                 target, drafter, PROMPTS,
                 _config(builder=builder, verifier=verifier, track_exit_law=True), key=3,
                 warmup=False)
@@ -101,7 +101,7 @@ def test_stop_tokens_end_rows_independently(target, drafter, reference):
     drafter.use_oracle[...] = jnp.asarray(True)
     # A stop token that row 0 emits early; the other rows must be unaffected up to theirs.
     stop = reference[0][10]
-    gen = decode.profile_generate(target, drafter, PROMPTS,
+    gen = profile.profile_generate(target, drafter, PROMPTS,
                                   _config(builder="ddtree", stop_token_ids=(stop,)), warmup=False)
     for row, ref, n, toks in zip(gen.rows(), reference, gen.lengths, gen.tokens):
         end = ref.index(stop) + 1 if stop in ref else M
@@ -113,7 +113,7 @@ def test_stop_tokens_end_rows_independently(target, drafter, reference):
 
 def test_profile_reports_stage_times(target, drafter):
     drafter.use_oracle[...] = jnp.asarray(True)
-    gen = decode.profile_generate(target, drafter, PROMPTS, _config(builder="chain"))
+    gen = profile.profile_generate(target, drafter, PROMPTS, _config(builder="chain"))
     t = gen.stats.stage_seconds
     assert set(t) == {"prefill", "draft", "build", "verify", "decide", "commit"}
     assert all(v > 0 for v in t.values())
@@ -124,12 +124,12 @@ def test_fused_path_equals_profiled_path_at_t1(target, drafter):
     """Same key, same stages: the while_loop and the Python loop agree at T = 1."""
     drafter.use_oracle[...] = jnp.asarray(True)
     config = _config(builder="ddtree", verifier="tev", sampling=Sampling(1.0), max_new_tokens=40)
-    a = decode.generate(target, drafter, PROMPTS, config, key=7)
-    b = decode.profile_generate(target, drafter, PROMPTS, config, key=7, warmup=False)
+    a = engine.generate(target, drafter, PROMPTS, config, key=7)
+    b = profile.profile_generate(target, drafter, PROMPTS, config, key=7, warmup=False)
     np.testing.assert_array_equal(a.tokens, b.tokens)
     np.testing.assert_array_equal(a.stats.block_lengths, b.stats.block_lengths)
     assert a.stats.tau > 1.5
-    c = decode.generate(target, drafter, PROMPTS, config, key=8)
+    c = engine.generate(target, drafter, PROMPTS, config, key=8)
     assert not np.array_equal(a.tokens, c.tokens)
 
 
@@ -138,20 +138,20 @@ def test_fused_path_equals_profiled_path_at_t1(target, drafter):
 
 def test_prompt_len_reuses_one_compilation(target, drafter, reference):
     config = _config(builder="ddtree", max_new_tokens=12, prompt_len=16)
-    decode.generate(target, drafter, [PROMPTS[0]], config)  # compiles for P = 16
-    compiled = decode._generate_jit._cache_size()
+    engine.generate(target, drafter, [PROMPTS[0]], config)  # compiles for P = 16
+    compiled = engine._generate_jit._cache_size()
     for i in (1, 2):  # other prompt lengths (11 and 1 tokens): the same program
-        out = decode.generate(target, drafter, [PROMPTS[i]], config)
+        out = engine.generate(target, drafter, [PROMPTS[i]], config)
         assert out.rows()[0] == reference[i][:12]
-    assert decode._generate_jit._cache_size() == compiled
+    assert engine._generate_jit._cache_size() == compiled
     # the negative control: without a fixed buffer the 11-token prompt needs its own
     free = _config(builder="ddtree", max_new_tokens=12)
-    decode.generate(target, drafter, [PROMPTS[0]], free)
-    before = decode._generate_jit._cache_size()
-    decode.generate(target, drafter, [PROMPTS[1]], free)
-    assert decode._generate_jit._cache_size() == before + 1
-    with pytest.raises(ValueError, match="more than prompt_len"):
-        decode.generate(target, drafter, [PROMPTS[1]], _config(prompt_len=8))
+    engine.generate(target, drafter, [PROMPTS[0]], free)
+    before = engine._generate_jit._cache_size()
+    engine.generate(target, drafter, [PROMPTS[1]], free)
+    assert engine._generate_jit._cache_size() == before + 1
+    with pytest.raises(ValueError, match=r"more than the prompt buffer \(8\)"):
+        engine.generate(target, drafter, [PROMPTS[1]], _config(prompt_len=8))
     with pytest.raises(ValueError, match="prompt_len must be a positive int"):
         _config(prompt_len=0)
 
@@ -159,19 +159,19 @@ def test_prompt_len_reuses_one_compilation(target, drafter, reference):
 def test_bad_inputs_raise(target, drafter):
     config = _config(builder="chain")
     with pytest.raises(ValueError, match="empty"):
-        decode.generate(target, drafter, [], config)
-    with pytest.raises(ValueError, match="prompt 1 is empty"):
-        decode.generate(target, drafter, [[1, 2], []], config)
+        engine.generate(target, drafter, [], config)
+    with pytest.raises(ValueError, match="prompt 1: the prompt is empty"):
+        engine.generate(target, drafter, [[1, 2], []], config)
     with pytest.raises(ValueError, match=r"token id 64 is outside the vocabulary \[0, 64\)"):
-        decode.generate(target, drafter, [[1, 64]], config)
+        engine.generate(target, drafter, [[1, 64]], config)
     with pytest.raises(ValueError, match="token id -3"):
-        decode.generate(target, drafter, [[-3]], config)
+        engine.generate(target, drafter, [[-3]], config)
     with pytest.raises(ValueError, match="cache is too short"):
-        decode.generate(target, drafter, [[1] * 60], _config(builder="chain", max_cache_len=256))
+        engine.generate(target, drafter, [[1] * 60], _config(builder="chain", max_cache_len=256))
     with pytest.raises(ValueError, match="needs a drafter"):
-        decode.generate(target, None, [[1]], config)
+        engine.generate(target, None, [[1]], config)
     with pytest.raises(ValueError, match="stop token id 99"):
-        decode.generate(target, drafter, [[1]], _config(stop_token_ids=(99,)))
+        engine.generate(target, drafter, [[1]], _config(stop_token_ids=(99,)))
 
 
 def test_bad_configs_raise():
@@ -191,7 +191,7 @@ def test_non_finite_target_logits_raise(target):
     broken = nnx.clone(target)
     broken.lm_head[...] = broken.lm_head[...].at[:, 3].set(jnp.nan)
     with pytest.raises(ValueError, match="target produced non-finite logits"):
-        decode.generate_ar(broken, PROMPTS, _config())  # the compilation of test_ar_fused_...
+        engine.generate_ar(broken, PROMPTS, _config())  # the compilation of test_ar_fused_...
 
 
 def test_non_finite_draft_logits_raise(target, drafter):
@@ -200,7 +200,7 @@ def test_non_finite_draft_logits_raise(target, drafter):
     norm = broken.dflash.drafter.norm.weight
     norm[...] = norm[...].at[0].set(jnp.nan)
     with pytest.raises(ValueError, match="drafter produced non-finite logits"):
-        decode.profile_generate(target, broken, PROMPTS, _config(builder="chain", verifier="tev",
+        profile.profile_generate(target, broken, PROMPTS, _config(builder="chain", verifier="tev",
                                                                  track_exit_law=True), warmup=False)
 
 

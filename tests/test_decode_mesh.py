@@ -12,9 +12,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
-from tev_jax import decode
+from tev_jax import decode, engine, vocab
+from tev_jax.engine import Engine
 from tev_jax import sharding as shd
 from tev_jax.models import ModelConfig, init_target
 from tev_jax.models.drafter import Drafter, DrafterConfig
@@ -61,9 +63,9 @@ def _config(**kw):
 def test_every_mesh_gives_single_device_tokens(models, mesh_name):
     target, drafter = models
     cfg = _config()
-    ref = decode.generate(target, drafter, PROMPTS, cfg)
+    ref = engine.generate(target, drafter, PROMPTS, cfg)
     mesh = shd.make_mesh(**MESHES[mesh_name])
-    out = decode.generate(target, drafter, PROMPTS, cfg, mesh=mesh)
+    out = engine.generate(target, drafter, PROMPTS, cfg, mesh=mesh)
     assert out.rows() == ref.rows()
     np.testing.assert_array_equal(out.stats.block_lengths, ref.stats.block_lengths)
 
@@ -80,8 +82,8 @@ def test_builders_and_verifiers_under_mesh(models, mesh_name, builder, verifier,
     distribution is the single-device one."""
     target, drafter = models
     cfg = _config(builder=builder, verifier=verifier, sampling=Sampling(temperature))
-    ref = decode.generate(target, drafter, PROMPTS, cfg, key=3)
-    out = decode.generate(target, drafter, PROMPTS, cfg, key=3,
+    ref = engine.generate(target, drafter, PROMPTS, cfg, key=3)
+    out = engine.generate(target, drafter, PROMPTS, cfg, key=3,
                           mesh=shd.make_mesh(**MESHES[mesh_name]))
     assert out.rows() == ref.rows()
 
@@ -92,7 +94,7 @@ def test_state_and_parameters_are_sharded(models):
     target, drafter = models
     mesh = shd.make_mesh(data=2, tensor=4, fsdp=1)
     cfg = _config(prompt_len=8)
-    compiled = decode.lower(target, drafter, cfg, 8, mesh=mesh).compile()
+    compiled = Engine.create(target, drafter, cfg, 8, mesh=mesh).lower().compile()
     param_bytes = 4 * sum(x.size for x in jax.tree.leaves(nnx.state((target, drafter))))
     # tensor 4 splits every weight matrix: far fewer argument bytes per device
     assert compiled.memory_analysis().argument_size_in_bytes < 0.5 * param_bytes
@@ -106,13 +108,13 @@ def test_state_and_parameters_are_sharded(models):
 def test_mesh_errors_name_the_dimension(models):
     target, drafter = models
     with pytest.raises(ValueError, match=r"batch of 3 prompts.*data \(2\)"):
-        decode.generate(target, drafter, PROMPTS[:3], _config(),
+        engine.generate(target, drafter, PROMPTS[:3], _config(),
                         mesh=shd.make_mesh(data=2, fsdp=1, tensor=4))
     few_kv = ModelConfig("qwen3", vocab_size=512, hidden_size=64, intermediate_size=128,
                          num_layers=1, num_heads=8, num_kv_heads=4, head_dim=8, qk_norm=True)
     small = init_target(few_kv, key=0)
     with pytest.raises(ValueError, match=r"k_proj.*kv_heads.*size 4.*tensor \(8\)"):
-        decode.generate_ar(small, PROMPTS, _config(), mesh=shd.make_mesh(tensor=8, fsdp=1))
+        engine.generate_ar(small, PROMPTS, _config(), mesh=shd.make_mesh(tensor=8, fsdp=1))
 
 
 @needs8
@@ -125,7 +127,7 @@ def test_vocab_top_k_is_exact_and_local(axes):
     x = x.at[:, :, 100].set(x[:, :, 3000]).at[:, :, 7].set(x[:, :, 4095])   # ties
     ref_v, ref_i = jax.lax.top_k(x, k)
     mesh = shd.make_mesh(**axes)
-    fn = jax.jit(lambda a: shd.vocab_top_k(a, k, ("batch", None)))
+    fn = jax.jit(lambda a: vocab.vocab_top_k(a, k, ("batch", None)))
     with jax.set_mesh(mesh):
         xs = jax.device_put(x, NamedSharding(mesh, shd.logical_to_spec(
             ("batch", None, "act_vocab"), x.shape, mesh)))
@@ -141,8 +143,8 @@ def test_vocab_top_k_is_exact_and_local(axes):
 def test_lower_on_abstract_models_needs_prompt_len():
     abstract = nnx.eval_shape(lambda: Target(CFG, rngs=nnx.Rngs(0)))
     with pytest.raises(ValueError, match="prompt_len"):
-        decode.lower(abstract, None, _config(builder="none"), 2)
-    lowered = decode.lower(abstract, None, _config(builder="none", prompt_len=16), 2)
+        Engine.create(abstract, None, _config(builder="none"), 2).lower()
+    lowered = Engine.create(abstract, None, _config(builder="none", prompt_len=16), 2).lower()
     mem = lowered.compile().memory_analysis()
     params = CFG.num_params * 4
     assert mem.argument_size_in_bytes >= params
@@ -161,7 +163,7 @@ def test_bfloat16_weights_and_caches_with_float32_numerics():
     d16 = nnx.merge(graphdef, init(jax.random.key(1)))
     cfg = _config(prompt_len=8, sampling=Sampling(1.0), track_exit_law=True)
     mesh = shd.make_mesh(data=2, tensor=4, fsdp=1)
-    out = decode.lower(t16, d16, cfg, 8, mesh=mesh).out_info
+    out = Engine.create(t16, d16, cfg, 8, mesh=mesh).lower().out_info
     assert out.cache.k.dtype == jnp.bfloat16 and out.ctx.k.dtype == jnp.bfloat16
     assert out.expected_len_RB.dtype == jnp.float32
     cache = t16.init_cache(2, 16)

@@ -27,7 +27,7 @@ import pytest
 from scipy import stats
 
 from decode_fixtures import TableDrafter, jit_score, oracle_table, tiny_target
-from tev_jax import decode
+from tev_jax import decode, profile
 from tev_jax import verify as verify_lib
 from tev_jax.sampling import Sampling, log_probs
 
@@ -77,7 +77,7 @@ def _generate(target, drafter, verifier, seed):
                                  verifier=verifier, sampling=SAMPLING, max_cache_len=16,
                                  track_exit_law=True)
     # The un-fused path shares every stage's compilation across verifiers but decide.
-    return decode.profile_generate(target, drafter, [PROMPT] * CHUNK, config,
+    return profile.profile_generate(target, drafter, [PROMPT] * CHUNK, config,
                                    key=seed, warmup=False)
 
 

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from examples import custom_verifier, custom_weighting, fixed_tree_builder
-from tev_jax import decode, extensions
+from tev_jax import decode, engine, extensions
 
 
 def test_fixed_tree_builder_decodes_the_greedy_text():
@@ -44,8 +44,8 @@ def test_custom_verifier_is_an_engine_verifier():
     ids = [tokenizer.encode("Question: 2 + 3?").ids]
     config = decode.DecodeConfig(max_new_tokens=12, budget=8,
                                  verifier=custom_verifier.exit_first)
-    assert (decode.generate(target, drafter, ids, config).rows()
-            == decode.generate_ar(target, ids, config).rows())
+    assert (engine.generate(target, drafter, ids, config).rows()
+            == engine.generate_ar(target, ids, config).rows())
 
 
 def test_custom_weighting_trains():

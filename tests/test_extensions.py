@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tev_jax import ddtree, decode, extensions, verify
+from tev_jax import ddtree, decode, engine, extensions, verify
 from tev_jax.sampling import Sampling
 from tev_jax.tree import DraftTree
 
@@ -126,9 +126,9 @@ def test_a_callable_builder_takes_the_named_builders_path(models):
     prompts = [[5, 17, 3], [9, 1, 2, 33]]
     cfg = lambda **kw: decode.DecodeConfig(max_new_tokens=16, sampling=Sampling(1.0),
                                            budget=6, **kw)
-    named = decode.generate(target, drafter, prompts, cfg(builder="ddtree"), key=3)
+    named = engine.generate(target, drafter, prompts, cfg(builder="ddtree"), key=3)
     fn = lambda draft_logits_HV, root: ddtree.build_tree(draft_logits_HV, root, 6)[0]
-    passed = decode.generate(target, drafter, prompts, cfg(builder=fn), key=3)
+    passed = engine.generate(target, drafter, prompts, cfg(builder=fn), key=3)
     np.testing.assert_array_equal(named.tokens, passed.tokens)
     np.testing.assert_array_equal(named.stats.block_lengths, passed.stats.block_lengths)
     assert named.stats.tau > 1.2  # the trees were used
@@ -138,11 +138,11 @@ def test_the_engine_names_a_bad_builder_or_verifier(models):
     target, drafter = models
     bad_builder = lambda x, r: ddtree.build_tree(x, r, 3)  # (tree, info), not a tree
     with pytest.raises(ValueError, match="builder must return a tev_jax.tree.DraftTree"):
-        decode.generate(target, drafter, [[1, 2]], decode.DecodeConfig(
+        engine.generate(target, drafter, [[1, 2]], decode.DecodeConfig(
             max_new_tokens=4, builder=bad_builder))
     long_path = lambda k, t, x, s, *, horizon: verify.tev(k, t, x, s, horizon=horizon + 1)
     with pytest.raises(ValueError, match=r"path \[H\+1\] = \[5\]"):
-        decode.generate(target, drafter, [[1, 2]], decode.DecodeConfig(
+        engine.generate(target, drafter, [[1, 2]], decode.DecodeConfig(
             max_new_tokens=4, budget=6, verifier=long_path, sampling=Sampling(1.0)))
     with pytest.raises(ValueError, match="builder must be hashable"):
         decode.DecodeConfig(builder=type("B", (), {"__hash__": None, "__call__": bad_builder})())

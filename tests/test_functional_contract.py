@@ -20,13 +20,22 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tev_jax import ddtree, exit_law, exit_train, extensions, sampling, tree, verify
-from tev_jax.exit_law import Scores
+from tev_jax import (
+    ddtree,
+    exit_law,
+    exit_train,
+    extensions,
+    sampling,
+    tree,
+    verify,
+    vocab,
+)
 from tev_jax.models.lm_head import Head
 from tev_jax.sampling import Sampling
 from tev_jax.tree import make_tree
+from tev_jax.vocab import Scores
 
-MODULES = [exit_law, verify, ddtree, tree, sampling, exit_train, extensions]
+MODULES = [exit_law, verify, vocab, ddtree, tree, sampling, exit_train, extensions]
 N, V, H = 6, 7, 3
 T1 = Sampling(1.0)
 TOPK = Sampling(0.7, top_k=4)
@@ -46,6 +55,7 @@ EXCLUDED = {
     "tev_jax.extensions.check_verdict": "host-side shape check",
     "tev_jax.extensions.check_verifier": "host-side shape check (jax.eval_shape)",
     "tev_jax.extensions.resolve_builder": "host-side name lookup",
+    "tev_jax.extensions.resolve_verifier": "host-side name lookup",
     # Model forward passes: functions of a Target module and its caches, compared with
     # dense references (and jitted, as the train step runs them) in test_exit_train.
     "tev_jax.exit_train.target_context": "target forward pass (test_exit_train)",
@@ -114,29 +124,36 @@ def _exit_loss(x_HV, root):
 
 
 CASES = {
-    "tev_jax.exit_law.target_scores": Case(
-        lambda x: exit_law.target_scores(x, TOPK).x, (LOGITS_NV,)),
-    "tev_jax.exit_law.block_masses": Case(
-        lambda x: exit_law.block_masses(Scores(x, 0.5), block=3), (LOGITS_NV,)),
-    "tev_jax.exit_law.log_normalizer": Case(
-        lambda x: exit_law.log_normalizer(Scores(x, 1.0)), (LOGITS_NV,)),
-    "tev_jax.exit_law.gather_blocks": Case(
-        lambda x: exit_law.gather_blocks(x, jnp.arange(N), jnp.arange(N) % 3, 3),
+    "tev_jax.vocab.target_scores": Case(
+        lambda x: vocab.target_scores(x, TOPK).x, (LOGITS_NV,)),
+    "tev_jax.vocab.block_masses": Case(
+        lambda x: vocab.block_masses(Scores(x, 0.5), block=3), (LOGITS_NV,)),
+    "tev_jax.vocab.log_normalizer": Case(
+        lambda x: vocab.log_normalizer(Scores(x, 1.0)), (LOGITS_NV,)),
+    "tev_jax.vocab.gather_blocks": Case(
+        lambda x: vocab.gather_blocks(x, jnp.arange(N), jnp.arange(N) % 3, 3),
         (LOGITS_NV,)),
     "tev_jax.exit_law.edge_log_probs": Case(
         lambda t, x: exit_law.edge_log_probs(t, Scores(x, 1.0)), (TREES, LOGITS_NV)),
     "tev_jax.exit_law.exit_law_from_edges": Case(
         lambda t, x: exit_law.exit_law_from_edges(
-            t, exit_law.edge_log_probs(t, exit_law.target_scores(x, TOPK))),
+            t, exit_law.edge_log_probs(t, vocab.target_scores(x, TOPK))),
         (TREES, LOGITS_NV)),
     "tev_jax.exit_law.floored_reach": Case(
         lambda t, x: exit_law.floored_reach(t, exit_law.exit_law(t, x, T1).log_a, 1e-4),
         (TREES, LOGITS_NV)),
     "tev_jax.exit_law.exit_law": Case(lambda t, x: exit_law.exit_law(t, x, TOPK),
                                       (TREES, LOGITS_NV)),
-    "tev_jax.verify.uniform": Case(lambda k: verify.uniform(k, (5,)), (KEYS,)),
-    "tev_jax.verify.inverse_cdf": Case(
-        lambda u, x: verify.inverse_cdf(u, Scores(x, 1.0), block=3), (UNIFORMS_N, LOGITS_NV)),
+    "tev_jax.vocab.uniform": Case(lambda k: vocab.uniform(k, (5,)), (KEYS,)),
+    "tev_jax.vocab.inverse_cdf": Case(
+        lambda u, x: vocab.inverse_cdf(u, Scores(x, 1.0), block=3), (UNIFORMS_N, LOGITS_NV)),
+    "tev_jax.vocab.first_above": Case(
+        lambda u, x: vocab.first_above(jnp.cumsum(jnp.exp(x), -1), u * 3.0, jnp.exp(x)),
+        (UNIFORMS_N, LOGITS_NV)),
+    "tev_jax.vocab.sample_token": Case(lambda k, x: vocab.sample_token(k, x, T1),
+                                       (KEYS, LOGITS_NV)),
+    "tev_jax.vocab.vocab_top_k": Case(lambda x: vocab.vocab_top_k(x, 3), (LOGITS_NV,)),
+    "tev_jax.vocab.cpu_barrier": Case(lambda x: vocab.cpu_barrier(x) * 2.0, (LOGITS_NV,)),
     "tev_jax.verify.tev": Case(lambda k, t, x: verify.tev(k, t, x, T1, horizon=H),
                                (KEYS, TREES, LOGITS_NV)),
     "tev_jax.verify.predraw": Case(lambda k, t, x: verify.predraw(k, t, x, TOPK, horizon=H),
@@ -144,7 +161,7 @@ CASES = {
     "tev_jax.verify.sequential_residual": Case(
         lambda k, t, x: verify.sequential_residual(k, t, x, T1, horizon=H),
         (KEYS, TREES, LOGITS_NV)),
-    "tev_jax.verify.argmax": Case(lambda x: verify.argmax(x, block=3), (LOGITS_NV,)),
+    "tev_jax.vocab.argmax": Case(lambda x: vocab.argmax(x, block=3), (LOGITS_NV,)),
     "tev_jax.verify.greedy": Case(lambda t, x: verify.greedy(t, x, horizon=H),
                                   (TREES, LOGITS_NV)),
     "tev_jax.ddtree.topk_logq": Case(_topk, (DRAFT_HV,)),
@@ -177,6 +194,9 @@ CASES = {
     "tev_jax.extensions.batched": Case(extensions.batched(extensions.DDTreeBuilder(5)),
                                        (DRAFT_BHV, ROOTS_B)),
     "tev_jax.extensions.chain_builder": Case(extensions.chain_builder, (DRAFT_HV, ROOTS)),
+    "tev_jax.extensions.greedy_verifier": Case(
+        lambda k, t, x: extensions.greedy_verifier(k, t, x, T1, horizon=H),
+        (KEYS, TREES, LOGITS_NV)),
     "tev_jax.extensions.root_only_builder": Case(extensions.root_only_builder,
                                                  (DRAFT_HV, ROOTS)),
 }

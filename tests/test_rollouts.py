@@ -32,7 +32,8 @@ def _arrays(data: RolloutSet):
 
 
 def test_rollouts_round_trip(tmp_path):
-    from tev_jax.decode import DecodeConfig, generate_ar
+    from tev_jax.decode import DecodeConfig
+    from tev_jax.engine import generate_ar
 
     target, _ = tf.models()
     manifest = make_rollouts(target, PROMPTS, tmp_path / "roll", RC)

@@ -18,11 +18,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tev_jax import verify
-from tev_jax.exit_law import Scores, target_scores
 from tev_jax.sampling import Sampling
 from tev_jax.testing import reference as ref
 from tev_jax.testing import strategies as tst
 from tev_jax.tree import make_tree
+from tev_jax.vocab import Scores, argmax, inverse_cdf, target_scores, uniform
 
 N, V, H = 8, 5, 3
 SAMPLINGS = [Sampling(0.7), Sampling(1.3, top_k=3, top_p=0.8), Sampling(1.0, top_k=2)]
@@ -131,7 +131,7 @@ def test_inverse_cdf_matches_float64_search(vocab, block):
     z = z - np.max(z, axis=-1, keepdims=True)
     u = _grid_uniforms(rng, rows)
     u[:4] = [0.0, 0.0, 1 - 2.0**-24, 0.5]
-    draw = jax.jit(lambda u, z: verify.inverse_cdf(u, Scores(z, 1.0), block))
+    draw = jax.jit(lambda u, z: inverse_cdf(u, Scores(z, 1.0), block))
     got = np.asarray(draw(u, z))
     want = [ref.inverse_cdf(u[r], np.exp(z[r].astype(np.float64))) for r in range(rows)]
     np.testing.assert_array_equal(got, want)
@@ -139,7 +139,7 @@ def test_inverse_cdf_matches_float64_search(vocab, block):
 
 
 def test_uniform_grid():
-    u = np.asarray(verify.uniform(jax.random.key(0), (100_000,)))
+    u = np.asarray(uniform(jax.random.key(0), (100_000,)))
     assert u.dtype == np.float32 and u.min() >= 0 and u.max() < 1
     np.testing.assert_array_equal(u * 2**24, np.round(u * 2**24))
     assert abs(u.mean() - 0.5) < 0.005
@@ -189,7 +189,7 @@ def test_vmap_over_keys_trees_and_logits():
         _, size, ref_fn = CORES[name]
         for b in range(3):
             tokens, parents, n = ref.host_tree(trees[b])
-            u = np.asarray(verify.uniform(keys[b], (size(N),)))
+            u = np.asarray(uniform(keys[b], (size(N),)))
             ref_u = u if name == "tev" else np.concatenate([u[:n], u[N:]])
             path, bonus = ref_fn(ref_u, tokens, parents, ref.log_probs(logits[b, :n], 0.9))
             _check_verdict(jax.tree.map(lambda x: x[b], got), trees[b], path, bonus)
@@ -210,5 +210,5 @@ def test_two_stage_argmax_matches_argmax(vocab):
     x = rng.integers(-3, 3, (64, vocab)).astype(np.float32)  # many ties
     x[0] = -np.inf
     x[1, -1] = 10.0  # the maximum in the tail block
-    got = np.asarray(jax.jit(functools.partial(verify.argmax, block=128))(x))
+    got = np.asarray(jax.jit(functools.partial(argmax, block=128))(x))
     np.testing.assert_array_equal(got, np.argmax(x, axis=-1))

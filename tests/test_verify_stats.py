@@ -30,11 +30,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from tev_jax import testing, verify
-from tev_jax.exit_law import Scores, exit_law, target_scores
+
+from tev_jax import testing, verify, vocab
+from tev_jax.exit_law import exit_law
 from tev_jax.sampling import Sampling
 from tev_jax.testing import reference as ref
 from tev_jax.tree import make_tree
+from tev_jax.vocab import Scores, target_scores
 
 N, V, H = 8, 6, 3
 DRAWS = 100_000
@@ -154,20 +156,20 @@ def test_verifier_is_exact(vname, sname):
 
 def _tev_bonus_from_full(key, tree, logits, sampling, *, horizon):
     """Bug: the bonus is drawn from p_exit, child tokens included."""
-    u = verify.uniform(key, (2,))
+    u = vocab.uniform(key, (2,))
     w = exit_law(tree, logits, sampling).w
-    exit_node = verify.inverse_cdf(u[:1], Scores(jnp.log(w)[None], 1.0))[0]
+    exit_node = vocab.inverse_cdf(u[:1], Scores(jnp.log(w)[None], 1.0))[0]
     scores = target_scores(logits, sampling)
     row = Scores(scores.x[exit_node][None], scores.scale)
-    bonus = verify.inverse_cdf(u[1:], row)[0]
+    bonus = vocab.inverse_cdf(u[1:], row)[0]
     return verify._verdict(tree, exit_node, bonus, horizon)
 
 
 def _tev_exit_from_reach(key, tree, logits, sampling, *, horizon):
     """Bug: the exit node is drawn from P (normalised) instead of w."""
-    u = verify.uniform(key, (2,))
+    u = vocab.uniform(key, (2,))
     reach = exit_law(tree, logits, sampling).reach
-    exit_node = verify.inverse_cdf(u[:1], Scores(jnp.log(reach)[None], 1.0))[0]
+    exit_node = vocab.inverse_cdf(u[:1], Scores(jnp.log(reach)[None], 1.0))[0]
     bonus = verify._residual_draw(u[1], tree, target_scores(logits, sampling), exit_node)
     return verify._verdict(tree, exit_node, bonus, horizon)
 

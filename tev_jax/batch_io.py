@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from tev_jax.batching import Request
+from tev_jax.engine import check_prompt
 
 PROMPT_FIELDS = ("prompt", "messages", "prompt_ids")
 RUN_KEY = "run"  # settings entries that may differ between a run and its resumption
@@ -183,12 +184,7 @@ def encode_records(records: Sequence[PromptRecord], tokenizer, chat, *, vocab_si
             text = r.value if r.kind == "prompt" else chat(r.value)
             special = not (bos and text.startswith(bos))
             ids = tokenizer.encode(text, add_special_tokens=special).ids
-        bad = [t for t in ids if not 0 <= t < vocab_size]
-        if bad:
-            raise ValueError(f"{where}:{r.line}: id {r.id!r}: token id {bad[0]} is outside "
-                             f"the vocabulary [0, {vocab_size})")
-        if not ids:
-            raise ValueError(f"{where}:{r.line}: id {r.id!r}: the prompt encodes to no tokens")
+        check_prompt(ids, vocab_size, what=f"{where}:{r.line}: id {r.id!r}")
         if prompt_len is not None and len(ids) > prompt_len:
             if not truncate:
                 raise ValueError(f"{where}:{r.line}: id {r.id!r}: the prompt has {len(ids)} "

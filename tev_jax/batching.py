@@ -1,16 +1,17 @@
 """Continuous batching: B row slots, each refilled with the next prompt when it finishes.
 
-`decode.generate` runs a static batch to its end, so every row waits for the longest.
+`tev_jax.engine.generate` runs a static batch to its end, so every row waits for the longest.
 Here the batch is a set of slots over one decode state (DESIGN.md §12)::
 
     free slots <- prefill the next prompts (bucketed K rows x T tokens, scattered in)
     run rounds until one more row is done            (one jitted while_loop)
     hand the finished rows back; their slots are free again
 
-Both programs are compiled once per shape: `run_rounds` once, `refill_slots` once per
+Both programs are `tev_jax.engine.Engine`'s, compiled once per shape: `run_rounds` once,
+`refill` once per
 (row bucket, width bucket) it meets, so prompts of any length up to
 ``config.prompt_len`` reuse a handful of programs. Rows never interact, so at T = 0
-every request gets the tokens `decode.generate` gives its prompt alone; at T > 0 each
+every request gets the tokens `tev_jax.engine.generate` gives its prompt alone; at T > 0 each
 row is an exact sample of the same distribution (with different random numbers).
 """
 
@@ -25,6 +26,7 @@ import jax
 import numpy as np
 
 from tev_jax import decode
+from tev_jax.engine import Engine, check_prompt
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,7 +63,7 @@ def width_buckets(prompt_len: int, count: int = 5) -> tuple[int, ...]:
     """Prompt widths ``prompt_len / 2**i`` (multiples of 8, at least 8), smallest first."""
     if prompt_len < 1 or count < 1:
         raise ValueError(f"prompt_len and count must be positive, got {prompt_len}, {count}")
-    align = decode._LEN_ALIGN
+    align = decode.LEN_ALIGN
     widths = {prompt_len}
     for i in range(1, count):
         widths.add(max(align, -(-(prompt_len >> i) // align) * align))
@@ -78,24 +80,6 @@ def _bucket(n: int, sizes: Sequence[int]) -> int:
     return next(s for s in sizes if s >= n)
 
 
-def check_request(request: Request, vocab_size: int, prompt_len: int) -> np.ndarray:
-    """The request's prompt as int32 [T]; ValueError naming the id if it is unusable."""
-    ids = np.asarray(request.prompt_ids)
-    if ids.ndim != 1 or ids.size == 0:
-        raise ValueError(f"request {request.id!r}: the prompt must be a non-empty list of "
-                         "token ids")
-    if not np.issubdtype(ids.dtype, np.integer):
-        raise ValueError(f"request {request.id!r}: token ids must be integers")
-    bad = (ids < 0) | (ids >= vocab_size)
-    if bad.any():
-        raise ValueError(f"request {request.id!r}: token id {int(ids[np.argmax(bad)])} is "
-                         f"outside the vocabulary [0, {vocab_size})")
-    if ids.size > prompt_len:
-        raise ValueError(f"request {request.id!r}: the prompt has {ids.size} tokens, more "
-                         f"than the prompt buffer ({prompt_len})")
-    return ids.astype(np.int32)
-
-
 def generate_continuous(target, drafter, requests: Iterable[Request],
                         config: decode.DecodeConfig, *, batch_size: int,
                         key: jax.Array | int = 0, widths: Sequence[int] | None = None,
@@ -107,7 +91,7 @@ def generate_continuous(target, drafter, requests: Iterable[Request],
 
     Args:
       target: a `tev_jax.models.Target`.
-      drafter: a drafter (`decode.DrafterProtocol`); None with ``builder='none'``.
+      drafter: a drafter (`tev_jax.drafters.DrafterProtocol`); None with ``builder='none'``.
       requests: the prompts (any iterable; consumed lazily).
       config: a `decode.DecodeConfig` with ``prompt_len`` = the longest prompt allowed.
       batch_size: B, the number of row slots.
@@ -116,7 +100,7 @@ def generate_continuous(target, drafter, requests: Iterable[Request],
       max_rounds: return to the host at least every this many rounds (default: only
         when a row finishes).
       mesh: optional mesh (`tev_jax.sharding.make_mesh`): parameters, caches and slots
-        laid out as in `decode.generate` (slots over data and fsdp).
+        laid out as in `tev_jax.engine.generate` (slots over data and fsdp).
 
     Yields:
       A `Result` per request.
@@ -125,8 +109,14 @@ def generate_continuous(target, drafter, requests: Iterable[Request],
       ValueError: a bad config or batch size, an unusable request (its id named), or
         non-finite logits.
     """
-    graphdef, params, static, axes = decode.prepare_slots(target, drafter, config, batch_size,
-                                                          mesh)
+    if not isinstance(config, decode.DecodeConfig) or config.prompt_len is None:
+        raise ValueError("continuous batching needs a DecodeConfig with prompt_len set "
+                         "(the longest prompt a slot can take)")
+    if config.track_exit_law:
+        raise ValueError("track_exit_law records per round of the whole batch; it is not "
+                         "supported with continuous batching")
+    engine = Engine.create(target, drafter, config, batch_size, mesh=mesh)
+    axes = engine.slot_axes()
     widths = tuple(sorted(widths or width_buckets(config.prompt_len)))
     if widths[-1] < config.prompt_len:
         raise ValueError(f"the widest bucket ({widths[-1]}) is below prompt_len "
@@ -136,7 +126,7 @@ def generate_continuous(target, drafter, requests: Iterable[Request],
     vocab = target.config.vocab_size
     key = jax.random.key(key) if isinstance(key, int) else key
     key, sub = jax.random.split(key)
-    st = decode.empty_slots(graphdef, params, static, batch_size, sub)
+    st = engine.empty_slots(sub)
     in_slot: list[tuple[Any, int] | None] = [None] * batch_size  # (id, prompt length)
     pending = iter(requests)
     exhausted = False
@@ -148,7 +138,9 @@ def generate_continuous(target, drafter, requests: Iterable[Request],
             if request is None:
                 exhausted = True
             else:
-                batch.append((request.id, check_request(request, vocab, config.prompt_len)))
+                batch.append((request.id, check_prompt(request.prompt_ids, vocab,
+                                                       config.prompt_len,
+                                                       what=f"request {request.id!r}")))
         if batch:
             k, t = _bucket(len(batch), rows), _bucket(max(len(p) for _, p in batch), widths)
             tokens_KT = np.zeros((k, t), np.int32)
@@ -159,13 +151,11 @@ def generate_continuous(target, drafter, requests: Iterable[Request],
                 lengths_K[j], slots_K[j] = len(prompt), slot
                 in_slot[slot] = (rid, len(prompt))
             key, sub = jax.random.split(key)
-            st = decode.refill_slots(graphdef, params, st, tokens_KT, lengths_K, slots_K, sub,
-                                     static=static, axes=axes)
+            st = engine.refill(st, tokens_KT, lengths_K, slots_K, sub, axes=axes)
         busy = sum(r is not None for r in in_slot)
         if busy == 0:
             return
-        st = decode.run_rounds(graphdef, params, st, batch_size - busy + 1,
-                               max_rounds or 2**30, static=static)
+        st = engine.run_rounds(st, batch_size - busy + 1, max_rounds or 2**30)
         done_B, num_out_B, rounds_B, start_B, out_BM, bad_target, bad_draft = jax.device_get(
             (st.done_B, st.num_out_B, st.rounds_B, st.start_B, st.out_BM, st.bad_target,
              st.bad_draft))

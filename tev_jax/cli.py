@@ -1,7 +1,10 @@
 """The ``tev-jax`` command line: one small function per subcommand.
 
 Each subcommand parses its arguments into library objects and calls the library; the
-work lives in ``tev_jax``. Add a subcommand by writing ``_add_<name>(subparsers)`` that
+work lives in ``tev_jax`` (`tev_jax.engine`, `tev_jax.profile`, `tev_jax.serve`,
+`tev_jax.plan`). The decoding flags are declared once (`add_decode_flags`, choices from
+the builder and verifier registries of `tev_jax.extensions`) and read once
+(`decode_config`). Add a subcommand by writing ``_add_<name>(subparsers)`` that
 registers its arguments and sets ``func``, and listing it in ``SUBCOMMANDS``.
 """
 
@@ -12,12 +15,13 @@ import dataclasses
 import functools
 import json
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from tev_jax import extensions
+from tev_jax.decode import DecodeConfig
 from tev_jax.exit_law import exit_law
 from tev_jax.plan import PRESETS
 from tev_jax.sampling import Sampling, check_finite
@@ -42,6 +46,13 @@ def _demo_logits(seed: int) -> np.ndarray:
     for i in range(1, n):
         logits[_DEMO_PARENTS[i], _DEMO_TOKENS[i]] += 2.5
     return logits
+
+
+def _add_sampling_flags(p, *, temperature: float) -> None:
+    p.add_argument("--temperature", type=float, default=temperature,
+                   help="0 = greedy (default %(default)s)")
+    p.add_argument("--top-k", type=int, default=None, help="sampling: keep the k best")
+    p.add_argument("--top-p", type=float, default=None, help="sampling: nucleus mass")
 
 
 def _sampling_from(args) -> Sampling:
@@ -82,9 +93,7 @@ def _add_exit_law(sub) -> None:
     p = sub.add_parser("exit-law", help="show the canonical exit law of a draft tree")
     p.add_argument("--demo", action="store_true", required=True,
                    help="use the built-in example tree and synthetic target logits")
-    p.add_argument("--temperature", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=None)
-    p.add_argument("--top-p", type=float, default=None)
+    _add_sampling_flags(p, temperature=1.0)
     p.add_argument("--draws", type=int, default=10_000, help="TEV draws for the mean length")
     p.add_argument("--show", type=int, default=5, help="how many draws to print")
     p.add_argument("--seed", type=int, default=0)
@@ -122,27 +131,35 @@ def _checkpoint_dirs(args) -> tuple[str, str | None, str]:
     return args.target, args.drafter if needs_drafter else None, where
 
 
-def _stop_ids(target, tokenizer) -> tuple[int, ...]:
-    """config.json's eos ids, else the project tokenizer's <|end|> / <|eos|> if present."""
-    from tev_jax.data.tokenizer import END, EOS
+def add_decode_flags(p, *, max_new_tokens: int = 256) -> None:
+    """The flags of a `DecodeConfig` (the builder and verifier choices are the
+    registries' names)."""
+    p.add_argument("--builder", choices=tuple(extensions.BUILDERS), default="ddtree",
+                   help="ddtree (default), chain (plain DFlash) or none (autoregressive)")
+    p.add_argument("--budget", type=int, default=64, help="DDTree node budget (default %(default)s)")
+    p.add_argument("--verifier", choices=tuple(extensions.VERIFIERS), default="tev",
+                   help="exact tree verifier (default %(default)s; greedy: T = 0 only)")
+    _add_sampling_flags(p, temperature=0.0)
+    p.add_argument("--max-new-tokens", type=int, default=max_new_tokens,
+                   help="at most this many (default %(default)s); stops at <|end|> / <|eos|>")
+    p.add_argument("--prefill-chunk", type=int, default=512,
+                   help="prefill the prompt in chunks of this many tokens (bounded memory; "
+                        "default %(default)s)")
 
-    if target.config.eos_token_ids:
-        return tuple(target.config.eos_token_ids)
-    ids = (tokenizer.token_to_id(t) for t in (END, EOS))
-    return tuple(i for i in ids if i is not None)
+
+def decode_config(args, **fields) -> DecodeConfig:
+    """The `DecodeConfig` of `add_decode_flags`'s flags; ``fields`` override or add."""
+    return DecodeConfig(**{
+        "max_new_tokens": args.max_new_tokens, "builder": args.builder,
+        "budget": args.budget, "verifier": args.verifier, "sampling": _sampling_from(args),
+        "prefill_chunk": args.prefill_chunk} | fields)
 
 
-def _timed(target, drafter, prompt, config, seed, repeats, mesh=None):
-    """(Generation with the median seconds of ``repeats`` runs, compile seconds)."""
-    from tev_jax import decode
-
-    t0 = time.perf_counter()
-    run = decode.compiled_generate(target, drafter, [prompt], config, seed, mesh=mesh)
-    compile_s = time.perf_counter() - t0
-    gens = [run() for _ in range(max(repeats, 1))]
-    seconds = float(np.median([g.stats.seconds for g in gens]))
-    stats = dataclasses.replace(gens[-1].stats, seconds=seconds)
-    return dataclasses.replace(gens[-1], stats=stats), compile_s
+def _method(config: DecodeConfig) -> str:
+    if config.builder == "none":
+        return "autoregressive"
+    budget = f" (budget {config.budget})" if config.builder == "ddtree" else ""
+    return f"{config.builder}{budget} + {config.verifier}"
 
 
 def generate_command(args) -> int:
@@ -158,14 +175,12 @@ def generate_command(args) -> int:
         return batch_generate_command(args)
     if args.prompt is None:
         raise ValueError("give a PROMPT, or --prompts FILE --output OUT.jsonl")
-    from tev_jax import decode, plan
+    from tev_jax import plan, profile
     from tev_jax.data.tokenizer import format_chat
     from tev_jax.models import load_drafter, load_target, load_tokenizer
+    from tev_jax.serve import stop_token_ids
 
-    sampling = _sampling_from(args)
-    config = decode.DecodeConfig(
-        max_new_tokens=args.max_new_tokens, builder=args.builder, budget=args.budget,
-        verifier=args.verifier, sampling=sampling, prefill_chunk=args.prefill_chunk)
+    config = decode_config(args)
     target_dir, drafter_dir, where = _checkpoint_dirs(args)
     mesh = _mesh_from(args)
     dtype = jnp.dtype(args.dtype)
@@ -173,25 +188,24 @@ def generate_command(args) -> int:
     tokenizer = load_tokenizer(target_dir)
     drafter = (None if drafter_dir is None
                else load_drafter(drafter_dir, target, dtype=dtype, mesh=mesh))
-    config = dataclasses.replace(config, stop_token_ids=_stop_ids(target, tokenizer))
     text = format_chat(args.prompt) if args.chat else args.prompt
     prompt = tokenizer.encode(text).ids
-    config = dataclasses.replace(config, prompt_len=max(len(prompt), 1))
+    config = dataclasses.replace(config, stop_token_ids=stop_token_ids(target, tokenizer),
+                                 prompt_len=max(len(prompt), 1))
     try:  # compiles once; the run below reuses the compilation
         planned = plan.check_decode_fits(target, drafter, config, 1, mesh=mesh)
     except plan.NotEnoughMemory as e:
         print(f"tev-jax generate: {e}", file=sys.stderr)
         return 2
-    gen, compile_s = _timed(target, drafter, prompt, config, args.seed, args.repeats, mesh)
-    compile_s += planned.compile_seconds
+    timed = functools.partial(profile.timed_generate, prompt_ids=[prompt], key=args.seed,
+                              repeats=args.repeats, mesh=mesh)
+    gen = timed(target, drafter, config=config)
+    compile_s = gen.stats.compile_seconds + planned.compile_seconds
     n = int(gen.lengths[0])
-    print(tokenizer.decode(prompt + gen.tokens[0, :n].tolist()), flush=True)
+    print(tokenizer.decode(prompt + gen.rows()[0]), flush=True)
 
     speed = n / gen.stats.seconds
-    method = ("autoregressive" if args.builder == "none" else
-              f"{args.builder}" + (f" (budget {args.budget})" if args.builder == "ddtree" else "")
-              + f" + {args.verifier}")
-    lines = [f"[{where}; {method}; T={sampling.temperature:g}]",
+    lines = [f"[{where}; {_method(config)}; T={config.sampling.temperature:g}]",
              f"{n} new tokens in {gen.stats.rounds} rounds: tau = {gen.stats.tau:.2f} "
              f"tokens/round, {speed:.1f} tokens/s "
              f"({gen.stats.seconds:.3f} s; compile {compile_s:.1f} s, not counted)"]
@@ -199,8 +213,7 @@ def generate_command(args) -> int:
         if args.builder == "none":
             lines.append("--compare-ar: this run is already autoregressive")
         else:
-            ar, _ = _timed(target, None, prompt, dataclasses.replace(config, builder="none"),
-                           args.seed, args.repeats, mesh)
+            ar = timed(target, None, config=dataclasses.replace(config, builder="none"))
             ar_speed = int(ar.lengths[0]) / ar.stats.seconds
             lines.append(f"AR {ar_speed:.1f} tokens/s -> speed-up {speed / ar_speed:.2f}x "
                          "(same target, same run)")
@@ -221,16 +234,7 @@ def _add_generate(sub) -> None:
                    help="DFlash drafter checkpoint directory, or bundled:exittrain / "
                         "bundled:dflash; default: the bundled ExitTrain drafter when "
                         "--target is not given")
-    p.add_argument("--builder", choices=("ddtree", "chain", "none"), default="ddtree",
-                   help="ddtree (default), chain (plain DFlash) or none (autoregressive)")
-    p.add_argument("--budget", type=int, default=64, help="DDTree node budget (default %(default)s)")
-    p.add_argument("--verifier", choices=("tev", "predraw", "sequential", "greedy"),
-                   default="tev", help="exact tree verifier (default %(default)s; greedy: T = 0 only)")
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    p.add_argument("--top-k", type=int, default=None, help="sampling: keep the k best")
-    p.add_argument("--top-p", type=float, default=None, help="sampling: nucleus mass")
-    p.add_argument("--max-new-tokens", type=int, default=256,
-                   help="at most this many (default %(default)s); stops at <|end|> / <|eos|>")
+    add_decode_flags(p)
     p.add_argument("--chat", action="store_true",
                    help="wrap the prompt in the chat template (one user turn)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed (default %(default)s)")
@@ -241,8 +245,6 @@ def _add_generate(sub) -> None:
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
                    help="parameter and KV-cache dtype (logits, exit law and verifier stay "
                         "float32; default %(default)s)")
-    p.add_argument("--prefill-chunk", type=int, default=512,
-                   help="prefill the prompt in chunks of this many tokens (bounded memory; default %(default)s)")
     _add_mesh_flags(p)
     _add_batch_options(p)
     p.set_defaults(func=generate_command)
@@ -282,13 +284,13 @@ def compare_command(args) -> int:
 
     Each method runs every prompt once to compile (one compilation per method: the
     prompts share a fixed prompt buffer) and ``--repeats`` timed times (the median
-    counts). τ = output tokens per round over all prompts; tokens/s = new tokens over
-    the summed seconds.
+    counts); `tev_jax.profile.compare_methods` does the timing.
     """
-    from tev_jax import decode
+    from tev_jax import profile
     from tev_jax.data.tokenizer import format_chat
     from tev_jax.models import load_drafter, load_target, load_tokenizer
     from tev_jax.models.bundled import bundled_paths
+    from tev_jax.serve import stop_token_ids
 
     sampling = _sampling_from(args)
     paths = bundled_paths()
@@ -296,32 +298,23 @@ def compare_command(args) -> int:
     tokenizer = load_tokenizer(paths.target)
     texts = args.prompts or COMPARE_PROMPTS
     prompts = [tokenizer.encode(format_chat(t) if args.chat else t).ids for t in texts]
-    base = decode.DecodeConfig(max_new_tokens=args.max_new_tokens, budget=args.budget,
-                               sampling=sampling, stop_token_ids=_stop_ids(target, tokenizer),
-                               prompt_len=max(len(p) for p in prompts))
-    rows, outputs = [], []
-    for label, name, builder, verifier in COMPARE_METHODS:
-        drafter = None if name is None else load_drafter(paths.drafters[name], target)
-        config = dataclasses.replace(base, builder=builder, verifier=verifier)
-        tokens = blocks = rounds = 0
-        seconds, texts_out = 0.0, []
-        for prompt in prompts:
-            gen, _ = _timed(target, drafter, prompt, config, args.seed, args.repeats)
-            n = int(gen.lengths[0])
-            tokens, seconds = tokens + n, seconds + gen.stats.seconds
-            blocks += int(gen.stats.block_lengths.sum())
-            rounds += int(gen.stats.rounds_per_row.sum())
-            texts_out.append(gen.tokens[0, :n].tolist())
-        rows.append((label, blocks / rounds, tokens / seconds, tokens))
-        outputs.append(texts_out)
-    ar_speed = rows[0][2]
+    base = DecodeConfig(max_new_tokens=args.max_new_tokens, budget=args.budget,
+                        sampling=sampling, stop_token_ids=stop_token_ids(target, tokenizer),
+                        prompt_len=max(len(p) for p in prompts))
+    methods = [(label, None if name is None else load_drafter(paths.drafters[name], target),
+                dataclasses.replace(base, builder=builder, verifier=verifier))
+               for label, name, builder, verifier in COMPARE_METHODS]
+    rows = profile.compare_methods(target, methods, prompts, key=args.seed,
+                                   repeats=args.repeats)
+    ar_speed = rows[0].tokens_per_second
     print(f"bundled target, {len(prompts)} prompt(s), T={sampling.temperature:g}, "
           f"DDTree budget {args.budget}, at most {args.max_new_tokens} new tokens each")
     print(f"{'method':28s} {'tau':>6s} {'tokens/s':>9s} {'vs AR':>6s} {'tokens':>7s}")
-    for label, tau, speed, n in rows:
-        print(f"{label:28s} {tau:6.2f} {speed:9.1f} {speed / ar_speed:5.2f}x {n:7d}")
+    for r in rows:
+        print(f"{r.label:28s} {r.tau:6.2f} {r.tokens_per_second:9.1f} "
+              f"{r.tokens_per_second / ar_speed:5.2f}x {r.tokens:7d}")
     if sampling.greedy:
-        same = all(o == outputs[0] for o in outputs[1:])
+        same = all(r.outputs == rows[0].outputs for r in rows[1:])
         print("greedy outputs identical across methods: " + ("yes" if same else
               "NO (exact verifiers must reproduce the target's greedy text)"))
     return 0
@@ -335,9 +328,7 @@ def _add_compare(sub) -> None:
     p.add_argument("prompts", nargs="*", help="prompt texts (default: three examples)")
     p.add_argument("--budget", type=int, default=64,
                    help="DDTree node budget (default %(default)s)")
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    p.add_argument("--top-k", type=int, default=None)
-    p.add_argument("--top-p", type=float, default=None)
+    _add_sampling_flags(p, temperature=0.0)
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--chat", action="store_true", help="wrap each prompt in the chat template")
     p.add_argument("--seed", type=int, default=0)
@@ -348,15 +339,12 @@ def _add_compare(sub) -> None:
 
 def plan_command(args) -> int:
     """``tev-jax plan``: per-device memory of the fused decode program, without weights."""
-    from tev_jax import decode, plan
+    from tev_jax import plan
 
     if (args.model is None) == (args.config is None):
         raise ValueError("give exactly one of --model PRESET or --config path/config.json")
     cfg = plan.model_config(args.model or args.config, num_layers=args.layers)
-    config = decode.DecodeConfig(
-        max_new_tokens=args.max_new_tokens, builder=args.builder, budget=args.budget,
-        verifier=args.verifier, sampling=_sampling_from(args), prompt_len=args.prompt_len,
-        max_cache_len=args.cache_len, prefill_chunk=args.prefill_chunk)
+    config = decode_config(args, prompt_len=args.prompt_len, max_cache_len=args.cache_len)
     axes = {"data": args.mesh_data, "fsdp": args.mesh_fsdp, "tensor": args.mesh_tensor}
     try:
         mesh = _mesh_from(args)
@@ -398,17 +386,8 @@ def _add_plan(sub) -> None:
     p.add_argument("--prompt-len", type=int, default=1024, help="prompt buffer P")
     p.add_argument("--cache-len", type=int, default=None,
                    help="cache slots L (default: P + max-new-tokens + tree slots)")
-    p.add_argument("--max-new-tokens", type=int, default=256)
-    p.add_argument("--builder", choices=("ddtree", "chain", "none"), default="ddtree")
-    p.add_argument("--budget", type=int, default=64, help="DDTree node budget")
-    p.add_argument("--verifier", choices=("tev", "predraw", "sequential", "greedy"),
-                   default="tev")
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--top-k", type=int, default=None)
-    p.add_argument("--top-p", type=float, default=None)
+    add_decode_flags(p)
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
-    p.add_argument("--prefill-chunk", type=int, default=512,
-                   help="prefill the prompt in chunks of this many tokens (default %(default)s)")
     p.add_argument("--drafter-layers", type=int, default=1, help="DFlash drafter depth")
     _add_mesh_flags(p)
     p.add_argument("--json", action="store_true", help="one JSON object on stdout")
@@ -445,26 +424,6 @@ def _add_batch_options(p) -> None:
                    help="return to the host (progress bar) at least every this many rounds")
 
 
-def _batch_settings(args, target_dir, drafter_dir, config, prompt_len, index, count) -> dict:
-    """What decides the results (compared on resumption) and, under 'run', what not."""
-    from tev_jax import __version__
-
-    s = config.sampling
-    return {
-        "target": target_dir, "drafter": drafter_dir, "builder": config.builder,
-        "budget": config.budget if config.builder == "ddtree" else None,
-        "verifier": config.verifier if config.builder != "none" else None,
-        "temperature": s.temperature, "top_k": s.top_k, "top_p": s.top_p,
-        "max_new_tokens": config.max_new_tokens, "stop_token_ids": list(config.stop_token_ids),
-        "seed": args.seed, "truncate_to": prompt_len if args.truncate == "left" else None,
-        "dtype": args.dtype,
-        "run": {"prompts": args.prompts, "batch_size": args.batch_size,
-                "mesh": [args.mesh_data, args.mesh_fsdp, args.mesh_tensor],
-                "prompt_len": prompt_len, "process_index": index, "process_count": count,
-                "tev_jax": __version__},
-    }
-
-
 def _process_shard(args) -> tuple[int, int]:
     if args.process_index is None and args.process_count is None:
         return jax.process_index(), jax.process_count()
@@ -477,87 +436,25 @@ def _process_shard(args) -> tuple[int, int]:
 
 
 def batch_generate_command(args) -> int:
-    """``tev-jax generate --prompts FILE --output OUT.jsonl``: continuous batching.
-
-    Checks every prompt before loading anything heavy, skips the ids already in OUT,
-    appends one line per finished prompt, shows prompts/s, tokens/s and running τ, and
-    prints a summary (also to ``--summary-json``).
-    """
-    import json
+    """``tev-jax generate --prompts FILE --output OUT.jsonl``: continuous batching
+    (`tev_jax.serve.generate_file`)."""
     from pathlib import Path
 
-    from tqdm import tqdm
-
-    from tev_jax import batch_io, batching, decode
-    from tev_jax.models import load_drafter, load_target, load_tokenizer
+    from tev_jax import serve
 
     if args.prompt is not None:
         raise ValueError("give either a PROMPT or --prompts FILE, not both")
     if args.output is None:
         raise ValueError("--prompts needs --output OUT.jsonl")
-    if args.batch_size < 1:
-        raise ValueError(f"--batch-size must be >= 1, got {args.batch_size}")
-    if args.truncate == "left" and args.prompt_len is None:
-        raise ValueError("--truncate left needs --prompt-len")
     index, count = _process_shard(args)
-    records = batch_io.read_prompts(args.prompts)
     target_dir, drafter_dir, where = _checkpoint_dirs(args)
-    tokenizer = load_tokenizer(target_dir)
-    config_file = Path(target_dir) / "tokenizer_config.json"
-    chat = batch_io.chat_formatter(
-        json.loads(config_file.read_text()) if config_file.is_file() else None)
-    mesh = _mesh_from(args)
-    dtype = jnp.dtype(args.dtype)
-    target = load_target(target_dir, dtype=dtype, mesh=mesh)
-    # Every process encodes the whole file, so all agree on the default prompt buffer.
-    requests = batch_io.encode_records(
-        records, tokenizer, chat, vocab_size=target.config.vocab_size,
-        prompt_len=args.prompt_len, truncate=args.truncate == "left", where=args.prompts)
-    prompt_len = args.prompt_len or -(-max(len(r.prompt_ids) for r in requests) // 8) * 8
-    config = decode.DecodeConfig(
-        max_new_tokens=args.max_new_tokens, builder=args.builder, budget=args.budget,
-        verifier=args.verifier, sampling=_sampling_from(args),
-        stop_token_ids=_stop_ids(target, tokenizer), prompt_len=prompt_len,
-        prefill_chunk=args.prefill_chunk)
-    out = batch_io.shard_path(args.output, index, count)
-    settings = _batch_settings(args, target_dir, drafter_dir, config, prompt_len, index, count)
-    done, f = batch_io.open_output(out, settings, force=args.force)
-    todo = [r for r in batch_io.shard_of(requests, index, count)
-            if batch_io.id_key(r.id) not in done]
-    drafter = (None if drafter_dir is None
-               else load_drafter(drafter_dir, target, dtype=dtype, mesh=mesh))
-    key = jax.random.fold_in(jax.random.key(args.seed), index)
-    tokens = rounds = block_tokens = 0
-    reasons = {"stop": 0, "length": 0}
-    t0 = time.perf_counter()
-    with f, tqdm(total=len(todo), unit="prompt", file=sys.stderr) as bar:
-        for r in batching.generate_continuous(target, drafter, todo, config,
-                                              batch_size=args.batch_size, key=key,
-                                              max_rounds=args.sync_rounds, mesh=mesh):
-            batch_io.write_line(f, {
-                "id": r.id, "text": tokenizer.decode(r.token_ids), "token_ids": r.token_ids,
-                "rounds": r.rounds, "tau": None if r.rounds == 0 else round(r.tau, 4),
-                "stop_reason": r.stop_reason, "prompt_tokens": r.prompt_tokens})
-            tokens += len(r.token_ids)
-            reasons[r.stop_reason] += 1
-            if r.rounds:
-                rounds += r.rounds
-                block_tokens += r.tau * r.rounds
-            bar.set_postfix({"tok/s": f"{tokens / (time.perf_counter() - t0):.1f}",
-                             "tau": f"{block_tokens / max(rounds, 1):.2f}"}, refresh=False)
-            bar.update(1)
-    seconds = time.perf_counter() - t0
-    summary = {"output": str(out), "prompts": len(todo), "skipped": len(done),
-               "new_tokens": tokens, "seconds": round(seconds, 3),
-               "prompts_per_s": round(len(todo) / seconds, 3),
-               "tokens_per_s": round(tokens / seconds, 2),
-               "tau": round(block_tokens / rounds, 4) if rounds else None,
-               "stop_reasons": reasons, "batch_size": args.batch_size,
-               "method": where}
-    print(f"[{where}] {len(todo)} prompts ({len(done)} already in {out}), {tokens} new "
-          f"tokens in {seconds:.1f} s (compilation included): {summary['tokens_per_s']} "
-          f"tokens/s, {summary['prompts_per_s']} prompts/s, tau = {summary['tau']}",
-          file=sys.stderr)
+    job = serve.FileJob(
+        prompts=args.prompts, output=args.output, target=target_dir, drafter=drafter_dir,
+        config=decode_config(args, prompt_len=args.prompt_len),
+        batch_size=args.batch_size, truncate=args.truncate == "left", force=args.force,
+        seed=args.seed, dtype=args.dtype, process_index=index, process_count=count,
+        sync_rounds=args.sync_rounds, method=where)
+    summary = serve.generate_file(job, mesh=_mesh_from(args))
     if args.summary_json:
         Path(args.summary_json).write_text(json.dumps(summary, indent=1) + "\n")
     return 0

@@ -55,7 +55,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from tev_jax import sharding as shd
+from tev_jax import vocab
 from tev_jax.tree import DraftTree
 
 
@@ -130,13 +130,13 @@ def topk_logq(draft_logits_HV: jax.Array, k: int, lead_names=()
       ``(tokens_HK int32, logq_HK float32)`` [..., H, k], each row sorted by logit
       descending, equal logits by token id ascending; ``logq = logit - logsumexp(row)``.
       Exact under any mesh: a vocabulary split over devices gets a local top-k per
-      shard and a merge of the winners (`tev_jax.sharding.vocab_top_k`).
+      shard and a merge of the winners (`tev_jax.vocab.vocab_top_k`).
     """
     logits = _canonical(draft_logits_HV)
     # On XLA:CPU the top-k result sits behind an optimization barrier; without it XLA
     # may rewrite top_k over the vocabulary into a full sort when its outputs are
     # sliced or computed on (100x slower; DESIGN.md §5).
-    top_HK, tokens_HK = shd.vocab_top_k(logits, k, lead_names)
+    top_HK, tokens_HK = vocab.vocab_top_k(logits, k, lead_names)
     lse_H = jax.nn.logsumexp(logits, axis=-1)
     return tokens_HK, top_HK - lse_H[..., None]
 

@@ -1,4 +1,4 @@
-"""The speculative decoding engine (DESIGN.md §7).
+"""The speculative decoding loop (DESIGN.md §7): its state, its stages, its programs.
 
 One round for every row b of a batch, with static shapes::
 
@@ -17,142 +17,43 @@ t0 from its last logits (a plain autoregressive step, counted as output but not 
 round); t0 is the first root. Every round emits ``length`` tokens (accepted draft tokens
 plus the bonus), so the mean of ``length`` over rounds is the acceptance length τ.
 
-The whole generation is one ``lax.while_loop`` inside one ``jax.jit`` (`generate`): B rows
-run in lock-step, each with its own start, tree and stop; a finished row stops changing
-(its updates are masked and its forward passes only write scratch slots past its
-committed length). With ``builder='none'`` the tree is the root alone and a round is one
-autoregressive step of the target: that is the AR baseline (`generate_ar`).
+A whole generation is `prefill` then one ``lax.while_loop`` of `decode_round`
+(`generation`): B rows run in lock-step, each with its own start, tree and stop; a
+finished row stops changing (its updates are masked and its forward passes only write
+scratch slots past its committed length). With ``builder='none'`` the tree is the root
+alone and a round is one autoregressive step of the target: the AR baseline. The slot
+programs of continuous batching (`refill`, `rounds_until`) run the same round over a
+state whose rows are refilled one by one.
 
-`profile_generate` is a second, un-fused path: the same five stage functions, each jitted
-on its own and timed with ``block_until_ready`` from a Python loop over rounds. Its
-per-stage seconds are the only stage timings; end-to-end tokens/s should be measured on
-the fused path (`generate`, see `timed_generate`).
-
-Drafters plug in through the `DrafterProtocol`. The engine splits the target and the
-drafter together (``nnx.split((target, drafter))``, so a drafter that shares the target's
-embedding or head is not copied) and merges them inside the jitted function.
+Everything here is un-jitted and reads its shapes from a `DecodeSpec` (static). The
+models come in as ``(graphdef, params)`` of ``nnx.split((target, drafter))`` (so a
+drafter that shares the target's embedding or head is not copied) and are merged inside
+the traced function. `tev_jax.engine.Engine` builds the spec, places the parameters and
+jits these functions; use it rather than calling them directly.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import functools
-import time
-from collections.abc import Callable, Sequence
-from typing import Any, Protocol
+from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx, struct
 from jax.sharding import NamedSharding
 
 from tev_jax import extensions
 from tev_jax import sharding as shd
 from tev_jax import verify as verify_lib
-from tev_jax.exit_law import exit_law, target_scores
+from tev_jax.exit_law import exit_law
 from tev_jax.models import kv_cache as kvc
 from tev_jax.sampling import Sampling
 from tev_jax.tree import DraftTree, ancestor_mask
+from tev_jax.vocab import sample_token
 
-BUILDERS = tuple(extensions.BUILDERS)
-VERIFIERS = ("tev", "predraw", "sequential", "greedy")
 PAD_TOKEN = -1
-_LEN_ALIGN = 8  # prompt and cache lengths are rounded up to this, to share compilations
-
-VerifierFn = Callable[..., verify_lib.Verdict]
-
-
-class DrafterProtocol(Protocol):
-    """What the engine needs from a drafter.
-
-    The drafter is an ``nnx.Module`` used inside jit (split together with the target,
-    which every method receives, so a drafter may borrow the target's embedding and
-    head without holding them). Its context is a pytree of static-shape buffers (e.g. a
-    KV cache over context positions) covering the committed positions ``< start`` of
-    every row. A DFlash `tev_jax.models.drafter.Drafter` is adapted by `as_drafter`.
-
-    Attributes:
-      block_size: H + 1, the block ``[root, MASK x H]``; the drafter proposes H rows.
-      target_layer_ids: target layers whose hidden states (concatenated, F features per
-        position) are the drafter's context features; ``()`` if it reads tokens only.
-    """
-
-    block_size: int
-    target_layer_ids: tuple[int, ...]
-
-    def init_context(self, target, batch: int, max_len: int) -> Any:
-        """An empty context for ``batch`` rows and ``max_len`` positions."""
-
-    def extend_context(self, target, ctx: Any, tokens_BP: jax.Array, feats_BPF: jax.Array,
-                       start_B: jax.Array, count_B: jax.Array) -> Any:
-        """Appends committed positions ``start .. start+count-1`` of every row.
-
-        Args:
-          target: the `Target`.
-          ctx: the context, covering positions ``< start``.
-          tokens_BP: int32 [B, P] committed tokens; entries ``>= count`` are padding.
-          feats_BPF: [B, P, F] the target's tapped hidden states at those tokens.
-          start_B: int32 [B] position of the first new entry.
-          count_B: int32 [B] number of real entries per row (0 leaves the row as is).
-        """
-
-    def draft(self, target, ctx: Any, root_B: jax.Array, start_B: jax.Array
-              ) -> tuple[jax.Array, Any]:
-        """Draft logits for the block ``[root, MASK x H]`` at positions ``start..start+H``.
-
-        Returns:
-          (float32 logits [B, H, V], row d-1 for the token at depth d; the context, which
-          may hold scratch past ``start`` but must still cover positions ``< start``).
-        """
-
-
-class DFlashDrafter(nnx.Module):
-    """The `DrafterProtocol` over a DFlash `tev_jax.models.drafter.Drafter`."""
-
-    def __init__(self, drafter):
-        self.drafter = drafter
-        self.block_size = int(drafter.config.block_size)
-        self.target_layer_ids = tuple(int(i) for i in drafter.config.target_layer_ids)
-
-    def init_context(self, target, batch, max_len):
-        from tev_jax.models import drafter as dflash
-
-        return dflash.init_drafter_cache(self.drafter.config, batch, max_len, self.drafter.dtype)
-
-    def extend_context(self, target, ctx, tokens_BP, feats_BPF, start_B, count_B):
-        from tev_jax.models import drafter as dflash
-
-        # The DFlash cache tracks its own lengths, which equal ``start`` here.
-        return dflash.append_context(self.drafter, ctx, feats_BPF, count_B)
-
-    def draft(self, target, ctx, root_B, start_B):
-        from tev_jax.models import drafter as dflash
-
-        return dflash.draft_logits(self.drafter, target, ctx, root_B), ctx
-
-    def context_axes(self, ctx):
-        """Logical axes of the context cache (optional in the protocol: for meshes)."""
-        from tev_jax.models import drafter as dflash
-
-        return dflash.DrafterCache(k=kvc.CACHE_AXES, v=kvc.CACHE_AXES, lengths=("batch",))
-
-
-def as_drafter(drafter) -> DrafterProtocol | None:
-    """Wraps a DFlash drafter module in `DFlashDrafter`; returns protocol drafters as is."""
-    if drafter is None:
-        return None
-    from tev_jax.models import drafter as dflash
-
-    if isinstance(drafter, dflash.Drafter):
-        return DFlashDrafter(drafter)
-    missing = [m for m in ("block_size", "target_layer_ids", "init_context",
-                           "extend_context", "draft") if not hasattr(drafter, m)]
-    if missing:
-        raise ValueError(f"drafter {type(drafter).__name__} lacks {missing} of "
-                         "tev_jax.decode.DrafterProtocol")
-    return drafter
+LEN_ALIGN = 8  # prompt and cache lengths are rounded up to this, to share compilations
+STAGES = ("draft", "build", "verify", "decide", "commit")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -187,7 +88,7 @@ class DecodeConfig:
     max_new_tokens: int = 256
     builder: str | extensions.TreeBuilder = "ddtree"
     budget: int = 64
-    verifier: str | VerifierFn = "tev"
+    verifier: str | extensions.Verifier = "tev"
     sampling: Sampling = Sampling(temperature=0.0)
     stop_token_ids: tuple[int, ...] = ()
     prompt_len: int | None = None
@@ -200,16 +101,13 @@ class DecodeConfig:
             raise ValueError(f"max_new_tokens must be a positive int, got {self.max_new_tokens!r}")
         if not isinstance(self.builder, str):
             extensions.check_hashable(self.builder, "builder")
-        elif self.builder not in BUILDERS:
-            raise ValueError(f"builder must be one of {BUILDERS} or a callable, "
-                             f"got {self.builder!r}")
+        else:
+            extensions.resolve_builder(self.builder, self.budget)
         if self.builder == "ddtree" and (not isinstance(self.budget, int) or self.budget < 1):
             raise ValueError(
                 f"budget must be a positive int for builder='ddtree', got {self.budget!r}")
         if isinstance(self.verifier, str):
-            if self.verifier not in VERIFIERS:
-                raise ValueError(f"verifier must be one of {VERIFIERS} or a callable, "
-                                 f"got {self.verifier!r}")
+            extensions.resolve_verifier(self.verifier)
         else:
             extensions.check_hashable(self.verifier, "verifier")
         if not isinstance(self.sampling, Sampling):
@@ -233,76 +131,31 @@ class DecodeConfig:
 
 
 @dataclasses.dataclass(frozen=True)
-class DecodeStats:
-    """Statistics of one generation (host numpy arrays).
+class DecodeSpec:
+    """Everything that decides the decode programs' shapes and code paths (hashable: it
+    is the static argument of every program).
 
     Attributes:
-      rounds: loop iterations run (the longest row's rounds).
-      rounds_per_row: int [B] rounds in which the row was still active.
-      kv_moves: int [B] rounds in which the accepted path was not the first slots of the
-        tree, so that commit moved key/value entries (DDTree paths through later slots).
-      block_lengths: int [R, B] output-block length (accepted + bonus) per round and row
-        (before truncation at a stop token or at M); 0 where the row was finished.
-      expected_lengths: float [R, B] the exit law's ``1 + coverage`` of the same trees
-        (``track_exit_law``), else None.
-      stage_seconds: per-stage wall seconds up to ``block_until_ready``, summed over
-        rounds (`profile_generate` only; keys 'prefill', 'draft', 'build', 'verify',
-        'decide', 'commit'; each includes the stage call's dispatch), else None.
-      round_seconds: the per-round stage times behind ``stage_seconds`` (stage ->
-        float [R]; the prefill has one entry), for robust statistics such as medians
-        on a loaded machine (`profile_generate` only), else None.
-      seconds: wall time of the timed call (`timed_generate`, `profile_generate`), else None.
+      config: the `DecodeConfig`.
+      batch_size: B, rows of the decode state.
+      prompt_len: P, the prompt buffer the cache was sized for.
+      horizon: H, draft rows per round (0 without a drafter).
+      num_slots: N, tree slots per row, root included.
+      taps: the target layers whose hidden states feed the drafter.
+      max_len: L, target and drafter cache slots.
+      has_drafter: whether a drafter is split with the target.
+      mesh: the ``jax.sharding.Mesh`` of the explicit shardings, or None.
     """
-
-    rounds: int
-    rounds_per_row: np.ndarray
-    kv_moves: np.ndarray
-    block_lengths: np.ndarray
-    expected_lengths: np.ndarray | None = None
-    stage_seconds: dict[str, float] | None = None
-    round_seconds: dict[str, np.ndarray] | None = None
-    seconds: float | None = None
-
-    @property
-    def tau(self) -> float:
-        """Mean output-block length per round (bonus included), over all rows."""
-        n = int(self.rounds_per_row.sum())
-        return float(self.block_lengths.sum()) / n if n else float("nan")
-
-
-@dataclasses.dataclass(frozen=True)
-class Generation:
-    """The output of `generate`.
-
-    Attributes:
-      tokens: int32 [B, M] generated tokens only; ``PAD_TOKEN`` (-1) after each row's end.
-      lengths: int32 [B] generated tokens per row (a final stop token included).
-      stats: `DecodeStats`.
-    """
-
-    tokens: np.ndarray
-    lengths: np.ndarray
-    stats: DecodeStats
-
-    def rows(self) -> list[list[int]]:
-        """The generated tokens of every row as Python lists (padding removed)."""
-        return [t[:n].tolist() for t, n in zip(self.tokens, self.lengths)]
-
-
-# ------------------------------------------------------------------------------ state
-
-
-@dataclasses.dataclass(frozen=True)
-class _Static:
-    """Everything that decides shapes or code paths (hashable)."""
 
     config: DecodeConfig
-    horizon: int  # H
-    num_slots: int  # N
+    batch_size: int
+    prompt_len: int
+    horizon: int
+    num_slots: int
     taps: tuple[int, ...]
-    max_len: int  # L
+    max_len: int
     has_drafter: bool
-    mesh: Any = None  # jax.sharding.Mesh of the explicit shardings, or None
+    mesh: Any = None
 
 
 @struct.dataclass
@@ -358,7 +211,7 @@ class DecodeState:
 # round, so the while_loop's carry has one fixed sharding that GSPMD cannot drift from.
 
 
-def _state_axes(st: DecodeState, drafter) -> DecodeState:
+def state_axes(st: DecodeState, drafter) -> DecodeState:
     """Logical axis names (tuples) of every state field; None = left to GSPMD."""
     b = ("batch",)
     ctx_axes = getattr(drafter, "context_axes", None)
@@ -376,36 +229,23 @@ def _is_names(x) -> bool:
                                                       for n in x))
 
 
-def _constrain_state(st: DecodeState, drafter, static: _Static) -> DecodeState:
-    """Pins every state buffer to its layout on ``static.mesh`` (no-op without one)."""
-    if static.mesh is None:
+def constrain_state(st: DecodeState, drafter, spec: DecodeSpec) -> DecodeState:
+    """Pins every state buffer to its layout on ``spec.mesh`` (no-op without one)."""
+    if spec.mesh is None:
         return st
-    mesh = static.mesh
+    mesh = spec.mesh
 
     def pin(names, x):
         if names is None:
             return x
-        spec = shd.logical_to_spec(names, x.shape, mesh)
-        return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
+        pspec = shd.logical_to_spec(names, x.shape, mesh)
+        return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, pspec))
 
-    return jax.tree.map(pin, _state_axes(st, drafter), st, is_leaf=_is_names)
+    return jax.tree.map(pin, state_axes(st, drafter), st, is_leaf=_is_names)
 
 
 def _not_finite(x: jax.Array) -> jax.Array:
     return jnp.isnan(x) | (x == jnp.inf)
-
-
-def sample_token(key: jax.Array, logits_BV: jax.Array, sampling: Sampling) -> jax.Array:
-    """One token per row from ``softmax(transform(logits))``; int32 [B]. Argmax at T = 0.
-
-    Uses the verifiers' samplers: their two-stage argmax, and one uniform per row with
-    the blocked inverse-CDF search (cheaper on CPU than Gumbel-max, which draws V random
-    numbers per row).
-    """
-    if sampling.greedy:
-        return verify_lib.argmax(logits_BV)
-    scores = target_scores(logits_BV, sampling)
-    return verify_lib.inverse_cdf(verify_lib.uniform(key, (logits_BV.shape[0],)), scores)
 
 
 def _stop_mask(tokens: jax.Array, stop_ids: tuple[int, ...]) -> jax.Array:
@@ -414,22 +254,23 @@ def _stop_mask(tokens: jax.Array, stop_ids: tuple[int, ...]) -> jax.Array:
     return jnp.isin(tokens, jnp.asarray(stop_ids, jnp.int32))
 
 
-def _merge(graphdef, params):
+def merge_models(graphdef, params):
+    """``(target, drafter or None)`` from the split models."""
     models = nnx.merge(graphdef, params)
     return models[0], (models[1] if len(models) > 1 else None)
 
 
-# ----------------------------------------------------------------------------- prefill
+# ------------------------------------------------------------------------ the stages
 
 
-def _prefill(graphdef, params, tokens_BT, lengths_B, key, *, static: _Static) -> DecodeState:
+def prefill(graphdef, params, tokens_BT, lengths_B, key, *, spec: DecodeSpec) -> DecodeState:
     """Consumes the prompts, samples t0, gives the prompt's taps to the drafter."""
-    target, drafter = _merge(graphdef, params)
-    cfg = static.config
+    target, drafter = merge_models(graphdef, params)
+    cfg = spec.config
     b, t = tokens_BT.shape
-    h, m = static.horizon, cfg.max_new_tokens
-    cache = target.init_cache(b, static.max_len)
-    logits_BV, feats_BTF, cache = target.prefill(cache, tokens_BT, lengths_B, taps=static.taps,
+    h, m = spec.horizon, cfg.max_new_tokens
+    cache = target.init_cache(b, spec.max_len)
+    logits_BV, feats_BTF, cache = target.prefill(cache, tokens_BT, lengths_B, taps=spec.taps,
                                                  chunk=cfg.prefill_chunk)
     key, sub = jax.random.split(key)
     t0_B = sample_token(sub, logits_BV, cfg.sampling)
@@ -438,7 +279,7 @@ def _prefill(graphdef, params, tokens_BT, lengths_B, key, *, static: _Static) ->
     zeros_B = jnp.zeros((b,), jnp.int32)
     ctx = ()
     if drafter is not None:
-        ctx = drafter.init_context(target, b, static.max_len)
+        ctx = drafter.init_context(target, b, spec.max_len)
         ctx = drafter.extend_context(target, ctx, tokens_BT, feats_BTF, zeros_B, lengths_B)
     out_BM = jnp.full((b, m), PAD_TOKEN, jnp.int32).at[:, 0].set(t0_B)
     return DecodeState(
@@ -463,43 +304,40 @@ def _prefill(graphdef, params, tokens_BT, lengths_B, key, *, static: _Static) ->
     )
 
 
-# ------------------------------------------------------------------------ the 5 stages
-
-
-def _stage_draft(graphdef, params, st: DecodeState, *, static: _Static):
+def draft_stage(graphdef, params, st: DecodeState, *, spec: DecodeSpec):
     """Drafter: consume the last committed path, then draft the block. -> (logits, ctx)."""
-    target, drafter = _merge(graphdef, params)
+    target, drafter = merge_models(graphdef, params)
     if drafter is None:
         return None, st.ctx
     ctx = drafter.extend_context(target, st.ctx, st.new_tokens_BP, st.new_feats_BPF,
                                  st.start_B - st.new_count_B, st.new_count_B)
     logits_BHV, ctx = drafter.draft(target, ctx, st.root_B, st.start_B)
-    want = (st.root_B.shape[0], static.horizon, target.config.vocab_size)
+    want = (st.root_B.shape[0], spec.horizon, target.config.vocab_size)
     if logits_BHV.shape != want:  # raised while tracing, i.e. on the host
         raise ValueError(f"the drafter returned draft logits of shape {logits_BHV.shape}; "
                          f"expected [B, H, V] = {list(want)}")
     return logits_BHV.astype(jnp.float32), ctx
 
 
-def _stage_build(draft_logits_BHV, root_B, *, static: _Static) -> DraftTree:
+def build_stage(draft_logits_BHV, root_B, *, spec: DecodeSpec) -> DraftTree:
     """The draft tree of every row (root = the pending token): the builder over the batch
     (its ``batched`` form when it has one, e.g. DDTree's batch-level top-k)."""
-    builder = extensions.resolve_builder(static.config.builder, static.config.budget)
+    builder = extensions.resolve_builder(spec.config.builder, spec.config.budget)
     return extensions.batched(builder)(draft_logits_BHV, root_B)
 
 
-def _stage_verify(graphdef, params, cache, tree: DraftTree, start_B, *, static: _Static):
+def verify_stage(graphdef, params, cache, tree: DraftTree, start_B, *, spec: DecodeSpec):
     """Target tree pass. -> (logits [B, N, V], taps [B, N, F] or None, cache)."""
-    target, _ = _merge(graphdef, params)
+    target, _ = merge_models(graphdef, params)
     anc_BNN = jax.vmap(ancestor_mask)(tree)
     return target.verify_tree(cache, tree.tokens, tree.depths, anc_BNN, start_B,
-                              taps=static.taps)
+                              taps=spec.taps)
 
 
-def _stage_decide(key, tree: DraftTree, logits_BNV, *, static: _Static) -> verify_lib.Verdict:
+def decide_stage(key, tree: DraftTree, logits_BNV, *, spec: DecodeSpec) -> verify_lib.Verdict:
     """The verifier on every row, with one key per row."""
-    cfg = static.config
-    h = static.horizon
+    cfg = spec.config
+    h = spec.horizon
     b = logits_BNV.shape[0]
     if cfg.builder == "none":
         bonus_B = sample_token(key, logits_BNV[:, 0], cfg.sampling)
@@ -507,21 +345,17 @@ def _stage_decide(key, tree: DraftTree, logits_BNV, *, static: _Static) -> verif
         return verify_lib.Verdict(path=jnp.zeros((b, 1), jnp.int32), length=zeros_B + 1,
                                   bonus=bonus_B, exit_node=zeros_B)
     keys = jax.random.split(key, b)
-    v = cfg.verifier
-    if v == "greedy":
-        return jax.vmap(lambda t, l: verify_lib.greedy(t, l, horizon=h))(tree, logits_BNV)
-    fn = {"tev": verify_lib.tev, "predraw": verify_lib.predraw,
-          "sequential": verify_lib.sequential_residual}.get(v, v) if isinstance(v, str) else v
+    fn = extensions.resolve_verifier(cfg.verifier)
     return jax.vmap(lambda k, t, l: fn(k, t, l, cfg.sampling, horizon=h))(keys, tree, logits_BNV)
 
 
-def _stage_commit(st: DecodeState, ctx, draft_logits_BHV, tree: DraftTree, logits_BNV,
-                  feats_BNF, cache, verdict: verify_lib.Verdict, key, *,
-                  static: _Static) -> DecodeState:
+def commit_stage(st: DecodeState, ctx, draft_logits_BHV, tree: DraftTree, logits_BNV,
+                 feats_BNF, cache, verdict: verify_lib.Verdict, key, *,
+                 spec: DecodeSpec) -> DecodeState:
     """Moves the accepted path's KV, emits the block, updates every active row."""
-    cfg = static.config
+    cfg = spec.config
     b = st.start_B.shape[0]
-    p = static.horizon + 1
+    p = spec.horizon + 1
     m = cfg.max_new_tokens
     active_B = ~st.done_B
     length_B = jnp.where(active_B, verdict.length, 0)
@@ -589,362 +423,102 @@ def _stage_commit(st: DecodeState, ctx, draft_logits_BHV, tree: DraftTree, logit
     )
 
 
-def _round(graphdef, params, st: DecodeState, *, static: _Static) -> DecodeState:
+def decode_round(graphdef, params, st: DecodeState, *, spec: DecodeSpec) -> DecodeState:
     """One fused round: draft, build, verify, decide, commit."""
-    draft_logits, ctx = _stage_draft(graphdef, params, st, static=static)
-    tree = _stage_build(draft_logits, st.root_B, static=static)
-    logits, feats, cache = _stage_verify(graphdef, params, st.cache, tree, st.start_B,
-                                         static=static)
+    draft_logits, ctx = draft_stage(graphdef, params, st, spec=spec)
+    tree = build_stage(draft_logits, st.root_B, spec=spec)
+    logits, feats, cache = verify_stage(graphdef, params, st.cache, tree, st.start_B,
+                                         spec=spec)
     key, sub = jax.random.split(st.key)
-    verdict = _stage_decide(sub, tree, logits, static=static)
-    return _stage_commit(st, ctx, draft_logits, tree, logits, feats, cache, verdict, key,
-                         static=static)
+    verdict = decide_stage(sub, tree, logits, spec=spec)
+    return commit_stage(st, ctx, draft_logits, tree, logits, feats, cache, verdict, key,
+                         spec=spec)
 
 
-def _running(st: DecodeState, m: int) -> jax.Array:
-    return jnp.any(~st.done_B) & (st.round < m)
+def running(st: DecodeState, max_new_tokens: int) -> jax.Array:
+    """Whether a generation goes on: some row is active and fewer than M rounds ran."""
+    return jnp.any(~st.done_B) & (st.round < max_new_tokens)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "static"))
-def _generate_jit(graphdef, params, tokens_BT, lengths_B, key, *, static: _Static):
-    drafter = _merge(graphdef, params)[1]
-    pin = lambda st: _constrain_state(st, drafter, static)
-    st = pin(_prefill(graphdef, params, tokens_BT, lengths_B, key, static=static))
+def generation(graphdef, params, tokens_BT, lengths_B, key, *, spec: DecodeSpec
+               ) -> DecodeState:
+    """A whole generation: `prefill`, then `decode_round` until every row is done.
+
+    Args:
+      graphdef, params: ``nnx.split((target,))`` or ``nnx.split((target, drafter))``.
+      tokens_BT: int32 [B, T] prompts, zero-padded; lengths_B: int32 [B] their lengths.
+      key: PRNG key of the whole generation.
+      spec: the `DecodeSpec`.
+    Returns:
+      The final `DecodeState` (``out_BM``, ``num_out_B`` and the per-round records).
+    """
+    drafter = merge_models(graphdef, params)[1]
+    pin = lambda st: constrain_state(st, drafter, spec)
+    st = pin(prefill(graphdef, params, tokens_BT, lengths_B, key, spec=spec))
     return jax.lax.while_loop(
-        lambda s: _running(s, static.config.max_new_tokens),
-        lambda s: pin(_round(graphdef, params, s, static=static)),
+        lambda s: running(s, spec.config.max_new_tokens),
+        lambda s: pin(decode_round(graphdef, params, s, spec=spec)),
         st,
     )
 
 
-# ------------------------------------------------------------------------ host side
-
-
-def _check_prompts(prompt_ids, config: DecodeConfig, vocab: int) -> list[np.ndarray]:
-    """Host validation of the prompts and stop tokens; -> int32 arrays."""
-    if isinstance(prompt_ids, (str, bytes)) or not isinstance(prompt_ids, Sequence):
-        raise ValueError("prompt_ids must be a list of token-id lists")
-    if len(prompt_ids) == 0:
-        raise ValueError("prompt_ids is empty: give at least one prompt")
-    prompts = []
-    for i, p in enumerate(prompt_ids):
-        arr = np.asarray(p)
-        if arr.ndim != 1:
-            raise ValueError(f"prompt {i} must be a flat list of token ids, got shape {arr.shape}")
-        if arr.size == 0:
-            raise ValueError(f"prompt {i} is empty; every prompt needs at least one token")
-        if not np.issubdtype(arr.dtype, np.integer):
-            raise ValueError(f"prompt {i} must hold integer token ids, got dtype {arr.dtype}")
-        bad = (arr < 0) | (arr >= vocab)
-        if bad.any():
-            k = int(np.argmax(bad))
-            raise ValueError(f"prompt {i}, position {k}: token id {int(arr[k])} is outside "
-                             f"the vocabulary [0, {vocab})")
-        prompts.append(arr.astype(np.int32))
-    longest = max(len(p) for p in prompts)
-    if config.prompt_len is not None and longest > config.prompt_len:
-        raise ValueError(f"a prompt has {longest} tokens, more than prompt_len "
-                         f"({config.prompt_len}); raise prompt_len or shorten the prompt")
-    return prompts
-
-
-def _place(tree, shardings):
-    """``device_put`` of arrays, and shardings attached to abstract leaves."""
-    def one(x, sharding):
-        if isinstance(x, jax.ShapeDtypeStruct):
-            return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
-        return jax.device_put(x, sharding)
-
-    return jax.tree.map(one, tree, shardings)
-
-
-def _setup(target, drafter, config: DecodeConfig, batch: int, width: int, mesh):
-    """Validates models, config and mesh; -> (graphdef, params, static).
-
-    ``width`` is the prompt buffer. With a mesh the parameters are placed by their
-    logical axes (strictly: a dimension the mesh does not divide is an error).
-    """
-    if not isinstance(config, DecodeConfig):
-        raise ValueError(f"config must be a DecodeConfig, got {type(config).__name__}")
-    vocab = target.config.vocab_size
-    for s in config.stop_token_ids:
-        if not isinstance(s, (int, np.integer)) or not 0 <= s < vocab:
-            raise ValueError(f"stop token id {s!r} is outside the vocabulary [0, {vocab})")
-    if config.builder == "none":
-        horizon, taps = 0, ()
-        drafter = None
-    else:
-        drafter = as_drafter(drafter)
-        if drafter is None:
-            raise ValueError(f"builder={config.builder!r} needs a drafter (or use builder='none')")
-        horizon = int(drafter.block_size) - 1
-        if horizon < 1:
-            raise ValueError(f"drafter block_size must be >= 2, got {drafter.block_size}")
-        taps = tuple(int(t) for t in drafter.target_layer_ids)
-        for t in taps:
-            if not 0 <= t < target.config.num_layers:
-                raise ValueError(f"drafter taps target layer {t}, but the target has "
-                                 f"{target.config.num_layers} layers")
-    builder = extensions.resolve_builder(config.builder, config.budget)
-    num_slots = extensions.builder_num_slots(builder, horizon, vocab)
-    if callable(config.verifier) and config.builder != "none":
-        extensions.check_verifier(config.verifier, num_slots, horizon, vocab, config.sampling)
-
-    need = width + config.max_new_tokens + num_slots
-    if config.max_cache_len is None:
-        max_len = -(-need // _LEN_ALIGN) * _LEN_ALIGN
-    else:
-        max_len = config.max_cache_len
-        if max_len < need:
-            raise ValueError(
-                f"the cache is too short: the prompt buffer ({width} tokens) + "
-                f"max_new_tokens ({config.max_new_tokens}) + tree slots ({num_slots}) = "
-                f"{need} > max_cache_len ({max_len})")
-    models = (target,) if drafter is None else (target, drafter)
-    graphdef, params = nnx.split(models)
-    if mesh is not None:
-        shd.logical_to_spec(("batch",), (batch,), mesh, strict=True,
-                            what=f"the batch of {batch} prompts")
-        params = _place(params, shd.state_shardings(params, mesh, strict=True))
-    static = _Static(config=config, horizon=horizon, num_slots=num_slots, taps=taps,
-                     max_len=max_len, has_drafter=drafter is not None, mesh=mesh)
-    return graphdef, params, static
-
-
-def _prepare(target, drafter, prompt_ids, config: DecodeConfig, mesh=None):
-    """Validates inputs on the host; -> (graphdef, params, tokens_BT, lengths_B, static)."""
-    if not isinstance(config, DecodeConfig):
-        raise ValueError(f"config must be a DecodeConfig, got {type(config).__name__}")
-    prompts = _check_prompts(prompt_ids, config, target.config.vocab_size)
-    longest = max(len(p) for p in prompts)
-    width = longest if config.prompt_len is None else config.prompt_len
-    graphdef, params, static = _setup(target, drafter, config, len(prompts), width, mesh)
-    t_pad = (config.prompt_len if config.prompt_len is not None
-             else min(-(-longest // _LEN_ALIGN) * _LEN_ALIGN, static.max_len))
-    tokens_BT = np.zeros((len(prompts), t_pad), np.int32)
-    for i, p in enumerate(prompts):
-        tokens_BT[i, : len(p)] = p
-    lengths_B = np.asarray([len(p) for p in prompts], np.int32)
-    if mesh is None:
-        return graphdef, params, jnp.asarray(tokens_BT), jnp.asarray(lengths_B), static
-    rows = lambda x: shd.logical_sharding(("batch",) + (None,) * (x.ndim - 1), x.shape, mesh)
-    return (graphdef, params, jax.device_put(tokens_BT, rows(tokens_BT)),
-            jax.device_put(lengths_B, rows(lengths_B)), static)
-
-
-def _mesh_scope(mesh):
-    """``jax.set_mesh(mesh)`` (activates the models' activation constraints), or nothing."""
-    return contextlib.nullcontext() if mesh is None else jax.set_mesh(mesh)
-
-
-def lower(target, drafter, config: DecodeConfig, batch_size: int, mesh=None
-          ) -> jax.stages.Lowered:
-    """The jax ``Lowered`` of the whole fused generation (prefill + decode loop).
-
-    Works on abstract models (``nnx.eval_shape(lambda: Target(cfg, rngs=nnx.Rngs(0)))``,
-    no weights made), so memory can be planned for models that do not fit this host:
-    ``lower(...).compile().memory_analysis()`` gives per-device argument, output and
-    temporary bytes.
-
-    Args:
-      target, drafter: as in `generate` (concrete or abstract).
-      config: a `DecodeConfig` with ``prompt_len`` set (it fixes the prompt buffer).
-      batch_size: B.
-      mesh: optional mesh; the arguments carry the shardings `generate` would use.
-
-    Raises:
-      ValueError: ``prompt_len`` unset, or anything `generate` rejects.
-    """
-    if not isinstance(config, DecodeConfig) or config.prompt_len is None:
-        raise ValueError("decode.lower needs a DecodeConfig with prompt_len set (the "
-                         "prompt buffer decides the program's shapes)")
-    if not isinstance(batch_size, int) or batch_size < 1:
-        raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
-    graphdef, params, static = _setup(target, drafter, config, batch_size,
-                                      config.prompt_len, mesh)
-    rows = lambda *shape: (None if mesh is None else shd.logical_sharding(
-        ("batch",) + (None,) * (len(shape) - 1), shape, mesh))
-    tokens = jax.ShapeDtypeStruct((batch_size, config.prompt_len), jnp.int32,
-                                  sharding=rows(batch_size, config.prompt_len))
-    lengths = jax.ShapeDtypeStruct((batch_size,), jnp.int32, sharding=rows(batch_size))
-    params = jax.tree.map(lambda x: x if isinstance(x, jax.ShapeDtypeStruct)
-                          else jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
-                          params)
-    key = jax.eval_shape(lambda: jax.random.key(0))
-    with _mesh_scope(mesh):
-        return _generate_jit.lower(graphdef, params, tokens, lengths, key, static=static)
-
-
-def _finish(st: DecodeState, config: DecodeConfig, *, stage_seconds=None,
-            round_seconds=None, seconds=None) -> Generation:
-    """Host checks and conversion of the final state."""
-    if bool(st.bad_target):
-        raise ValueError("the target produced non-finite logits (NaN or +inf) during "
-                         "generation; the output would be garbage")
-    if bool(st.bad_draft):
-        raise ValueError("the drafter produced non-finite logits (NaN or +inf) during "
-                         "generation; its trees would be garbage")
-    rounds = int(st.round)
-    return Generation(
-        tokens=np.asarray(st.out_BM),
-        lengths=np.asarray(st.num_out_B),
-        stats=DecodeStats(
-            rounds=rounds,
-            rounds_per_row=np.asarray(st.rounds_B),
-            kv_moves=np.asarray(st.moved_B),
-            block_lengths=np.asarray(st.block_len_RB)[:rounds],
-            expected_lengths=(np.asarray(st.expected_len_RB)[:rounds]
-                              if config.track_exit_law else None),
-            stage_seconds=stage_seconds,
-            round_seconds=round_seconds,
-            seconds=seconds,
-        ),
-    )
-
-
-def generate(target, drafter: DrafterProtocol | None, prompt_ids: Sequence[Sequence[int]],
-             config: DecodeConfig, key: jax.Array | int = 0, *, mesh=None) -> Generation:
-    """Generates up to ``config.max_new_tokens`` tokens per prompt (the fused path).
-
-    Args:
-      target: a `tev_jax.models.Target`.
-      drafter: a DFlash drafter or any `DrafterProtocol`; None with ``builder='none'``.
-      prompt_ids: B prompts, each a non-empty list of token ids (lengths may differ).
-      config: a `DecodeConfig`.
-      key: PRNG key or int seed.
-      mesh: optional ``('data', 'fsdp', 'tensor')`` mesh (`tev_jax.sharding.make_mesh`).
-        The parameters, both caches and the loop state get explicit shardings: batch
-        rows over data and fsdp; heads, MLP and vocabulary over tensor; parameters'
-        ``embed`` axis over fsdp (gathered when used: use ``data`` instead to keep
-        weights whole on every device). The tokens equal the single-device run's.
-
-    Returns:
-      A `Generation`: tokens [B, M] (generated only, -1 padded), lengths [B], stats.
-
-    Raises:
-      ValueError: an empty prompt list or prompt, a token id outside the vocabulary, a
-        cache too short for prompt + M + N, a missing drafter, a mesh that does not
-        divide a dimension (the batch, heads, vocabulary, ...: named in the message),
-        or non-finite logits seen during generation.
-    """
-    graphdef, params, tokens_BT, lengths_B, static = _prepare(target, drafter, prompt_ids,
-                                                              config, mesh)
-    if isinstance(key, int):
-        key = jax.random.key(key)
-    with _mesh_scope(mesh):
-        st = _generate_jit(graphdef, params, tokens_BT, lengths_B, key, static=static)
-    return _finish(st, config)
-
-
-def generate_ar(target, prompt_ids: Sequence[Sequence[int]], config: DecodeConfig,
-                key: jax.Array | int = 0, *, mesh=None) -> Generation:
-    """Plain autoregressive decoding from the target (the baseline and the reference).
-
-    Same cache, prefill and stopping as `generate`; one target token per round.
-    """
-    return generate(target, None, prompt_ids, dataclasses.replace(config, builder="none"), key,
-                    mesh=mesh)
-
-
-def compiled_generate(target, drafter, prompt_ids, config: DecodeConfig, key=0, *,
-                      mesh=None) -> Callable[[], Generation]:
-    """Validates and compiles `generate` once; returns a function that reruns it.
-
-    Each call of the returned function runs the fused generation once and returns its
-    `Generation` with ``stats.seconds`` = wall time of the jitted call up to
-    ``block_until_ready`` (host checks excluded). Benchmarks compile every
-    configuration first and then time them round-robin.
-    """
-    graphdef, params, tokens_BT, lengths_B, static = _prepare(target, drafter, prompt_ids,
-                                                              config, mesh)
-    if isinstance(key, int):
-        key = jax.random.key(key)
-
-    def call():
-        with _mesh_scope(mesh):
-            return jax.block_until_ready(
-                _generate_jit(graphdef, params, tokens_BT, lengths_B, key, static=static))
-
-    call()
-
-    def run() -> Generation:
-        t0 = time.perf_counter()
-        st = call()
-        return _finish(st, config, seconds=time.perf_counter() - t0)
-
-    return run
-
-
-def timed_generate(target, drafter, prompt_ids, config: DecodeConfig, key=0, *,
-                   repeats: int = 3, mesh=None) -> Generation:
-    """`generate` after a compile call; ``stats.seconds`` = median over ``repeats`` runs."""
-    run = compiled_generate(target, drafter, prompt_ids, config, key, mesh=mesh)
-    gens = [run() for _ in range(max(repeats, 1))]
-    seconds = float(np.median([g.stats.seconds for g in gens]))
-    return dataclasses.replace(gens[-1], stats=dataclasses.replace(gens[-1].stats,
-                                                                   seconds=seconds))
-
-
-# ------------------------------------------------------------ continuous batching
+# ------------------------------------------------------------------ continuous batching
 #
-# Two jitted programs over one decode state of B row slots (the host loop that uses
-# them is `tev_jax.batching`): `refill_slots` prefills K new prompts into a small state
-# with `_prefill` and scatters its rows into the big state at given slots;
-# `run_rounds` runs `_round` until some more rows have finished. ``state.round`` keeps
-# counting across requests, so the per-round records (``block_len_RB``) are not
-# per-request there; a request's statistics come from ``rounds_B`` and ``start_B``.
+# Two programs over one decode state of B row slots (the host loop that uses them is
+# `tev_jax.batching`): `refill` prefills K new prompts into a small state with `prefill`
+# and scatters its rows into the big state at given slots; `rounds_until` runs
+# `decode_round` until some more rows have finished. ``state.round`` keeps counting
+# across requests, so the per-round records (``block_len_RB``) are not per-request
+# there; a request's statistics come from ``rounds_B`` and ``start_B``.
 
 
-def prepare_slots(target, drafter, config: DecodeConfig, batch_size: int, mesh=None):
-    """Host checks for a state of ``batch_size`` slots; -> (graphdef, params, static, axes).
-
-    ``config.prompt_len`` (required) is the longest prompt any slot takes; the cache
-    length is the one `generate` would pick for that prompt buffer. With a ``mesh`` the
-    parameters and the state are laid out as in `generate`. ``axes`` is the row axis of
-    every `DecodeState` leaf (None for the per-batch scalars), for `refill_slots`.
-    """
-    if not isinstance(config, DecodeConfig) or config.prompt_len is None:
-        raise ValueError("continuous batching needs a DecodeConfig with prompt_len set "
-                         "(the longest prompt a slot can take)")
-    if config.track_exit_law:
-        raise ValueError("track_exit_law records per round of the whole batch; it is not "
-                         "supported with continuous batching")
-    if not isinstance(batch_size, int) or batch_size < 1:
-        raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
-    graphdef, params, static = _setup(target, drafter, config, batch_size, config.prompt_len,
-                                      mesh)
-    axes = []
-    with _mesh_scope(mesh):
-        shapes = [jax.tree.leaves(_state_shapes(graphdef, params, static, rows))
-                  for rows in (1, 2)]
-    for one, two in zip(*shapes):
-        diff = [i for i, (a, b) in enumerate(zip(one.shape, two.shape)) if a != b]
-        axes.append(diff[0] if diff else None)
-    return graphdef, params, static, tuple(axes)
-
-
-def _state_shapes(graphdef, params, static: _Static, rows: int) -> DecodeState:
+def state_shapes(graphdef, params, rows: int, *, spec: DecodeSpec) -> DecodeState:
+    """The abstract `DecodeState` of ``rows`` rows (``jax.ShapeDtypeStruct`` leaves)."""
     return jax.eval_shape(
-        functools.partial(_prefill, graphdef, static=static), params,
-        jax.ShapeDtypeStruct((rows, _LEN_ALIGN), jnp.int32),
+        lambda p, t, n, k: prefill(graphdef, p, t, n, k, spec=spec), params,
+        jax.ShapeDtypeStruct((rows, LEN_ALIGN), jnp.int32),
         jax.ShapeDtypeStruct((rows,), jnp.int32), jax.eval_shape(jax.random.key, 0))
 
 
-def empty_slots(graphdef, params, static: _Static, batch: int, key) -> DecodeState:
-    """A state of ``batch`` free slots (every row done, nothing in flight)."""
+def row_axes(graphdef, params, *, spec: DecodeSpec) -> tuple[int | None, ...]:
+    """The row axis of every `DecodeState` leaf (None for the per-batch scalars)."""
+    shapes = [jax.tree.leaves(state_shapes(graphdef, params, rows, spec=spec))
+              for rows in (1, 2)]
+    axes = []
+    for one, two in zip(*shapes):
+        diff = [i for i, (a, b) in enumerate(zip(one.shape, two.shape)) if a != b]
+        axes.append(diff[0] if diff else None)
+    return tuple(axes)
+
+
+def empty_state(graphdef, params, key, *, spec: DecodeSpec) -> DecodeState:
+    """A state of ``spec.batch_size`` free slots (every row done, nothing in flight)."""
     def zeros(s):
         if jnp.issubdtype(s.dtype, jax.dtypes.prng_key):
             return key
         return jnp.zeros(s.shape, s.dtype)
 
-    st = jax.tree.map(zeros, _state_shapes(graphdef, params, static, batch))
-    return st.replace(done_B=jnp.ones((batch,), bool))
+    st = jax.tree.map(zeros, state_shapes(graphdef, params, spec.batch_size, spec=spec))
+    return st.replace(done_B=jnp.ones((spec.batch_size,), bool))
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "static", "axes"),
-                   donate_argnames=("st",))
-def _refill_jit(graphdef, params, st, tokens_KT, lengths_K, slots_K, key, *, static, axes):
-    new = _prefill(graphdef, params, tokens_KT, lengths_K, key, static=static)
+def refill(graphdef, params, st: DecodeState, tokens_KT, lengths_K, slots_K, key, *,
+           spec: DecodeSpec, axes: tuple[int | None, ...]) -> DecodeState:
+    """Prefills K prompts into the given slots of ``st``; other rows unchanged.
+
+    Args:
+      graphdef, params: as in `generation`.
+      st: the batch state ([B] rows).
+      tokens_KT: int32 [K, T] the prompts, zero-padded (T a bucket width <= P).
+      lengths_K: int32 [K] prompt lengths (>= 1).
+      slots_K: int32 [K] the row of ``st`` each prompt goes to; ``>= B`` drops the
+        prompt (padding rows of a bucketed K).
+      key: PRNG key of the prefill's first token.
+      spec: the `DecodeSpec`; axes: `row_axes`.
+    Returns:
+      The state with those rows freshly prefilled (t0 sampled, rounds 0).
+    """
+    new = prefill(graphdef, params, tokens_KT, lengths_K, key, spec=spec)
     big, treedef = jax.tree.flatten(st)
 
     def put(axis, old, fresh):
@@ -953,171 +527,29 @@ def _refill_jit(graphdef, params, st, tokens_KT, lengths_K, slots_K, key, *, sta
         return old.at[(slice(None),) * axis + (slots_K,)].set(fresh, mode="drop")
 
     st = treedef.unflatten([put(a, o, f) for a, o, f in zip(axes, big, jax.tree.leaves(new))])
-    return _constrain_state(st, _merge(graphdef, params)[1], static)
+    return constrain_state(st, merge_models(graphdef, params)[1], spec)
 
 
-def refill_slots(graphdef, params, st: DecodeState, tokens_KT, lengths_K, slots_K, key, *,
-                 static: _Static, axes: tuple[int | None, ...]) -> DecodeState:
-    """Prefills K prompts into the given slots of ``st`` (donated); other rows unchanged.
+def rounds_until(graphdef, params, st: DecodeState, until_done, max_rounds, *,
+                 spec: DecodeSpec) -> DecodeState:
+    """Runs rounds until ``until_done`` rows are done, all are, or ``max_rounds`` ran
+    (both int32 scalars, traced)."""
+    drafter = merge_models(graphdef, params)[1]
+    pin = lambda s: constrain_state(s, drafter, spec)
 
-    Args:
-      graphdef, params, static, axes: from `prepare_slots`.
-      st: the batch state ([B] rows).
-      tokens_KT: int32 [K, T] the prompts, zero-padded (T a bucket width <= prompt_len).
-      lengths_K: int32 [K] prompt lengths (>= 1).
-      slots_K: int32 [K] the row of ``st`` each prompt goes to; ``>= B`` drops the
-        prompt (padding rows of a bucketed K).
-      key: PRNG key of the prefill's first token.
-
-    Returns:
-      The state with those rows freshly prefilled (t0 sampled, rounds 0).
-    """
-    with _mesh_scope(static.mesh):
-        return _refill_jit(graphdef, params, st, tokens_KT, lengths_K, slots_K, key,
-                           static=static, axes=axes)
-
-
-@functools.partial(jax.jit, static_argnames=("graphdef", "static"), donate_argnames=("st",))
-def _run_rounds_jit(graphdef, params, st, until_done, max_rounds, *, static):
-    drafter = _merge(graphdef, params)[1]
-    pin = lambda s: _constrain_state(s, drafter, static)
-
-    def running(carry):
+    def more(carry):
         s, i = carry
         return (jnp.any(~s.done_B) & (jnp.sum(s.done_B.astype(jnp.int32)) < until_done)
                 & (i < max_rounds))
 
     st, _ = jax.lax.while_loop(
-        running, lambda c: (pin(_round(graphdef, params, c[0], static=static)), c[1] + 1),
+        more, lambda c: (pin(decode_round(graphdef, params, c[0], spec=spec)), c[1] + 1),
         (st, jnp.zeros((), jnp.int32)))
     return st
 
 
-def run_rounds(graphdef, params, st: DecodeState, until_done: int, max_rounds: int, *,
-               static: _Static) -> DecodeState:
-    """Runs rounds until ``until_done`` rows are done, all are, or ``max_rounds`` ran.
-
-    Both bounds are traced, so every call reuses one compilation. ``st`` is donated.
-    """
-    with _mesh_scope(static.mesh):
-        return _run_rounds_jit(graphdef, params, st, jnp.int32(until_done),
-                               jnp.int32(max_rounds), static=static)
-
-
-# ---------------------------------------------------------------------- profiling path
-
-
-# The config fields each stage reads; the others are reset to their defaults so that
-# configurations differing only elsewhere share that stage's compilation.
-_STAGE_FIELDS = {
-    "prefill": ("max_new_tokens", "sampling", "stop_token_ids", "prefill_chunk"),
-    "draft": (),
-    "build": ("builder", "budget"),
-    "verify": (),
-    "decide": ("builder", "verifier", "sampling"),
-    "commit": ("max_new_tokens", "stop_token_ids", "track_exit_law", "sampling"),
-}
-
-
-def _reduced(static: _Static, stage: str) -> _Static:
-    keep = {f: getattr(static.config, f) for f in _STAGE_FIELDS[stage]}
-    if stage == "decide" and keep["builder"] != "none":
-        keep["builder"] = "chain"  # decide only asks whether there is a tree
-    if stage == "commit" and not keep["track_exit_law"]:
-        keep.pop("sampling")
-    if "verifier" not in keep and "sampling" in keep:
-        keep["verifier"] = "tev"  # any verifier is valid with any sampling
-    return dataclasses.replace(static, config=dataclasses.replace(_CANONICAL, **keep),
-                               num_slots=0)
-
-
-_CANONICAL = DecodeConfig(verifier="tev")
-_STAGES = {"prefill": _prefill, "draft": _stage_draft, "build": _stage_build,
-           "verify": _stage_verify, "decide": _stage_decide, "commit": _stage_commit}
-_GRAPH_STAGES = ("prefill", "draft", "verify")
-
-
-@functools.lru_cache(maxsize=None)
-def _stage_fn(stage: str, static: _Static, graphdef=None):
-    # The graphdef is bound here rather than passed as a static argument: hashing it on
-    # every call would add a dispatch cost that dwarfs small stages.
-    if stage in _GRAPH_STAGES:
-        return jax.jit(functools.partial(_STAGES[stage], graphdef, static=static))
-    return jax.jit(functools.partial(_STAGES[stage], static=static))
-
-
-def _stage_fns(static: _Static, graphdef) -> dict[str, Callable]:
-    fns = {stage: _stage_fn(stage, _reduced(static, stage),
-                            graphdef if stage in _GRAPH_STAGES else None)
-           for stage in _STAGES}
-    fns["split"] = _split
-    return fns
-
-
-_split = jax.jit(jax.random.split)
-
-
-def profile_generate(target, drafter, prompt_ids, config: DecodeConfig, key=0, *,
-                     warmup: bool = True, mesh=None) -> Generation:
-    """The un-fused path: every stage jitted separately and timed per round.
-
-    Runs the same stage functions as the fused loop of `generate`, so it produces the
-    same tokens for the same key. A stage is compiled once per setting of the config
-    fields it reads (changing the verifier recompiles only the decide stage).
-    ``stats.stage_seconds`` holds each stage's wall time up to ``block_until_ready``,
-    summed over rounds; with ``warmup`` a first pass over the prefill and the first
-    round compiles every stage before anything is timed (without it the times include
-    compilation). Each stage's time includes its dispatch overhead, so the sum exceeds
-    the fused loop's time. ``mesh`` as in `generate` (the stages run under it).
-    """
-    with _mesh_scope(mesh):
-        return _profile(target, drafter, prompt_ids, config, key, warmup, mesh)
-
-
-def _profile(target, drafter, prompt_ids, config, key, warmup, mesh) -> Generation:
-    graphdef, params, tokens_BT, lengths_B, static = _prepare(target, drafter, prompt_ids,
-                                                              config, mesh)
-    if isinstance(key, int):
-        key = jax.random.key(key)
-    fns = _stage_fns(static, graphdef)
-    m = config.max_new_tokens
-    times = {k: [] for k in ("prefill", "draft", "build", "verify", "decide", "commit")}
-
-    def one_round(st, record: bool):
-        def timed(name, fn, *args, **kw):
-            t0 = time.perf_counter()
-            out = jax.block_until_ready(fn(*args, **kw))
-            if record:
-                times[name].append(time.perf_counter() - t0)
-            return out
-
-        if static.has_drafter:
-            draft_logits, ctx = timed("draft", fns["draft"], params, st)
-        else:
-            draft_logits, ctx = None, st.ctx
-            if record:
-                times["draft"].append(0.0)
-        tree = timed("build", fns["build"], draft_logits, st.root_B)
-        logits, feats, cache = timed("verify", fns["verify"], params, st.cache, tree,
-                                     st.start_B)
-        key, sub = fns["split"](st.key)
-        verdict = timed("decide", fns["decide"], sub, tree, logits)
-        return timed("commit", fns["commit"], st, ctx, draft_logits, tree, logits, feats,
-                     cache, verdict, key)
-
-    prefill = lambda: jax.block_until_ready(
-        fns["prefill"](params, tokens_BT, lengths_B, key))
-    if warmup:
-        prefill()
-    t0 = time.perf_counter()
-    st = prefill()
-    times["prefill"].append(time.perf_counter() - t0)
-    if warmup and bool(np.any(~np.asarray(st.done_B))):
-        one_round(st, record=False)
-    start = time.perf_counter()
-    while int(st.round) < m and bool(np.any(~np.asarray(st.done_B))):
-        st = one_round(st, record=True)
-    seconds = time.perf_counter() - start + times["prefill"][0]
-    rounds = {k: np.asarray(v) for k, v in times.items()}
-    return _finish(st, config, stage_seconds={k: float(v.sum()) for k, v in rounds.items()},
-                   round_seconds=rounds, seconds=seconds)
+__all__ = ["LEN_ALIGN", "PAD_TOKEN", "STAGES", "DecodeConfig", "DecodeSpec", "DecodeState",
+           "build_stage", "commit_stage", "constrain_state", "decide_stage", "decode_round",
+           "draft_stage", "empty_state", "generation", "merge_models", "prefill", "refill",
+           "row_axes", "rounds_until", "running", "state_axes", "state_shapes",
+           "verify_stage"]

@@ -27,9 +27,9 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from tev_jax import sharding as shd
-from tev_jax.sampling import Sampling, log_probs
+from tev_jax.sampling import Sampling
 from tev_jax.tree import DraftTree, ancestor_mask, children_mask
+from tev_jax.vocab import BLOCK, Scores, block_masses, gather_blocks, target_scores
 
 
 @struct.dataclass
@@ -56,83 +56,6 @@ class ExitLaw:
     w: jax.Array
     coverage: jax.Array
     expected_length: jax.Array
-
-
-@struct.dataclass
-class Scores:
-    """Target log-weights ``z = x * scale`` with ``p = softmax(z)`` per row.
-
-    ``z`` is never materialised for a plain temperature: each consumer applies the
-    scale to what it reads from ``x``. Every exact verifier reads the [N, V] logits
-    through ``block_masses`` only (plus gathers of a few 128-token blocks), so XLA
-    emits one fused kernel for the pass over the logits: row max, exp, block sums. A
-    row max or a shared ``z`` array needed elsewhere would cost a second pass over the
-    logits (or a written [N, V] buffer) on XLA:CPU.
-
-    Attributes:
-      x: [..., V] logits (raw, or already transformed for top-k / top-p / T = 0).
-      scale: static 1 / T (1 when ``x`` is already transformed).
-    """
-
-    x: jax.Array
-    scale: float = struct.field(pytree_node=False)
-
-
-def target_scores(logits_NV: jax.Array, sampling: Sampling) -> Scores:
-    """The target's log-weights for ``sampling``; unmaterialised for a plain temperature,
-    the materialised ``sampling.log_probs`` with top-k, top-p or T = 0."""
-    if sampling.greedy or sampling.top_k is not None or sampling.top_p is not None:
-        return Scores(log_probs(logits_NV, sampling), 1.0)
-    return Scores(logits_NV.astype(jnp.float32), 1.0 / sampling.temperature)
-
-
-BLOCK = 128  # vocabulary block of the two-stage reductions (see block_masses)
-
-
-def _blocks(x: jax.Array, block: int):
-    """[..., V] -> ([..., V // block, block] full blocks, [..., V % block] tail)."""
-    *lead, vocab = x.shape
-    n_full = vocab // block
-    return x[..., : n_full * block].reshape(*lead, n_full, block), x[..., n_full * block :]
-
-
-def block_masses(scores: Scores, block: int = BLOCK) -> jax.Array:
-    """Masses ``sum exp((x - max x) * scale)`` of consecutive vocabulary blocks.
-
-    float32 [..., ceil(V / block)], in units of each row's largest weight (the row
-    max stays inside the kernel). Every row needs a finite maximum. This is the one
-    pass over the logits: XLA:CPU fuses the row max, the exp and the block sums into
-    one kernel. The optimization barrier (XLA:CPU only, `tev_jax.sharding.cpu_barrier`) stops XLA from merging the block sums with a
-    following row sum into one long-row reduction, which XLA:CPU ran 3.4x slower on
-    [8, 65, 151 936]; blocks of 256 or more were ~4x slower than 128 (see
-    experiments/verifier_latency).
-    """
-    x, scale = scores.x, jnp.float32(scores.scale)
-    block = min(block, x.shape[-1])
-    m = jnp.max(x, axis=-1)
-    full, tail = _blocks(x, block)
-    mass = jnp.sum(jnp.exp((full - m[..., None, None]) * scale), axis=-1)
-    if tail.shape[-1]:
-        tail_mass = jnp.sum(jnp.exp((tail - m[..., None]) * scale), axis=-1, keepdims=True)
-        mass = jnp.concatenate([mass, tail_mass], axis=-1)
-    return shd.cpu_barrier(mass)
-
-
-def log_normalizer(scores: Scores) -> jax.Array:
-    """``log sum_y exp((x_y - max x) * scale)`` per row; float32 [...].
-
-    The log-normaliser relative to the row maximum (the benchmark's floor).
-    """
-    return jnp.log(jnp.sum(block_masses(scores), axis=-1))
-
-
-def gather_blocks(x_NV: jax.Array, rows_R: jax.Array, block_R: jax.Array, block: int):
-    """Vocabulary block ``block_R[r]`` (``block`` wide) of row ``rows_R[r]``; [R, block],
-    -inf past the end of the vocabulary. One gather of R x block entries."""
-    vocab = x_NV.shape[-1]
-    idx_RK = block_R[:, None] * block + jnp.arange(block)[None, :]
-    x_RK = x_NV[rows_R[:, None], jnp.minimum(idx_RK, vocab - 1)]
-    return jnp.where(idx_RK < vocab, x_RK, -jnp.inf)
 
 
 def edge_log_probs(tree: DraftTree, scores: Scores, block: int = BLOCK) -> jax.Array:

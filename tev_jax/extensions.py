@@ -10,7 +10,8 @@ A research extension is one pure function with one of three signatures, each a
   resolve to builders of the same form (`resolve_builder`).
 - `Verifier` ``(key, tree, target_logits_NV, sampling, *, horizon) -> Verdict``, for
   one row: passed as ``DecodeConfig(verifier=...)``, and checked for exactness by
-  `tev_jax.testing.check_lossless`.
+  `tev_jax.testing.check_lossless`. The built-in names 'tev', 'predraw', 'sequential'
+  and 'greedy' resolve to verifiers of the same form (`resolve_verifier`).
 - `NodeWeighting` ``(tree, law) -> weights_N``, for one tree: ExitTrain's per-node
   weights of the exit loss, passed as ``train.step.StepConfig(loss=...)`` beside the
   named weightings of `tev_jax.exit_train`; the library detaches them and zeroes the
@@ -33,7 +34,7 @@ from typing import Protocol, runtime_checkable
 import jax
 import jax.numpy as jnp
 
-from tev_jax import ddtree
+from tev_jax import ddtree, verify
 from tev_jax.exit_law import ExitLaw
 from tev_jax.sampling import Sampling
 from tev_jax.tree import DraftTree
@@ -121,7 +122,7 @@ class DDTreeBuilder:
     def batched(self, draft_logits_BHV: jax.Array, root_B: jax.Array) -> DraftTree:
         """The same trees for a batch [B, H, V], with one top-k over the whole batch, so
         that a vocabulary sharded over a mesh gets the per-shard top-k with the batch
-        axis kept in place (`tev_jax.sharding.vocab_top_k`)."""
+        axis kept in place (`tev_jax.vocab.vocab_top_k`)."""
         k = min(self.budget, draft_logits_BHV.shape[-1])
         tokens_BHK, logq_BHK = ddtree.topk_logq(draft_logits_BHV, k, ("batch", None))
         row = lambda t, q, r: ddtree.build_tree_from_topk(t, q, r, self.budget)[0]
@@ -145,6 +146,32 @@ BUILDERS: dict[str, Callable[[int], TreeBuilder]] = {
     "none": lambda budget: root_only_builder,
 }
 """Builder names -> ``budget -> TreeBuilder``; the engine resolves names through it."""
+
+
+def greedy_verifier(key: jax.Array, tree: DraftTree, target_logits_NV: jax.Array,
+                    sampling: Sampling, *, horizon: int) -> Verdict:
+    """`tev_jax.verify.greedy` as a `Verifier` (the key and sampling are not read: it
+    is exact at T = 0 only, which `tev_jax.decode.DecodeConfig` checks)."""
+    return verify.greedy(tree, target_logits_NV, horizon=horizon)
+
+
+VERIFIERS: dict[str, Verifier] = {
+    "tev": verify.tev,
+    "predraw": verify.predraw,
+    "sequential": verify.sequential_residual,
+    "greedy": greedy_verifier,
+}
+"""Verifier names -> `Verifier`; the engine resolves names through it."""
+
+
+def resolve_verifier(verifier: str | Verifier) -> Verifier:
+    """The `Verifier` of a name in `VERIFIERS`, or ``verifier`` itself."""
+    if isinstance(verifier, str):
+        if verifier not in VERIFIERS:
+            raise ValueError(f"verifier must be one of {tuple(VERIFIERS)} or a callable, "
+                             f"got {verifier!r}")
+        return VERIFIERS[verifier]
+    return verifier
 
 
 def batched(builder: TreeBuilder) -> Callable[[jax.Array, jax.Array], DraftTree]:
@@ -252,5 +279,6 @@ def check_verifier(verifier: Verifier, num_slots: int, horizon: int, vocab: int,
 __all__ = [
     "BUILDERS", "DDTreeBuilder", "NodeWeighting", "TreeBuilder", "Verifier", "batched",
     "builder_num_slots", "chain_builder", "check_hashable", "check_tree_struct",
-    "check_verdict", "check_verifier", "resolve_builder", "root_only_builder",
+    "check_verdict", "check_verifier", "greedy_verifier", "resolve_builder",
+    "resolve_verifier", "root_only_builder", "VERIFIERS",
 ]

@@ -3,7 +3,7 @@
 Real model shapes live here as `ModelConfig` presets, so that a decode or training
 program can be lowered and compiled for a Qwen3-4B or Llama-3-8B target on a machine
 that could never hold its weights (``nnx.eval_shape`` builds the model without them).
-`plan_decode` compiles the fused generation of `tev_jax.decode` for such a model and
+`plan_decode` compiles the fused generation of a `tev_jax.engine.Engine` for such a model and
 returns the compiler's per-device `MemoryReport`; `check_decode_fits` is the cheap
 analytic pre-flight that `tev-jax generate` runs before compiling anything.
 
@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from tev_jax import decode
+from tev_jax.engine import Engine
 from tev_jax.models.checkpoint_io import read_config
 from tev_jax.models.config import ModelConfig, RopeScaling
 from tev_jax.models.drafter import Drafter, DrafterConfig, default_target_layer_ids
@@ -209,7 +209,7 @@ def plan_decode(target_cfg: ModelConfig, config, batch_size: int, *, dtype=jnp.f
     drafter = (None if config.builder == "none" else
                abstract_drafter(target_cfg, dtype, num_layers=drafter_layers,
                                 block_size=block_size))
-    return compile_report(decode.lower(target, drafter, config, batch_size, mesh))
+    return compile_report(Engine.create(target, drafter, config, batch_size, mesh=mesh).lower())
 
 
 # ----------------------------------------------------------------------- pre-flight
@@ -233,12 +233,11 @@ def decode_floor(target, drafter, config, batch_size: int) -> dict[str, int]:
     Returns:
       {'kv cache': ..., 'tree logits': ..., 'tree mask': ...}: bytes per buffer.
     """
-    _, _, static = decode._setup(target, drafter, config, batch_size, config.prompt_len, None)
-    b, n, l = batch_size, static.num_slots, static.max_len
+    engine = Engine.create(target, drafter, config, batch_size)
+    b, n, l = batch_size, engine.num_slots, engine.max_len
     caches = [jax.eval_shape(lambda: target.init_cache(b, l))]
-    if static.has_drafter:
-        caches.append(jax.eval_shape(
-            lambda: decode.as_drafter(drafter).init_context(target, b, l)))
+    if engine.drafter is not None:
+        caches.append(jax.eval_shape(lambda: engine.drafter.init_context(target, b, l)))
     return {"kv cache": sum(_bytes(x.shape, x.dtype) for x in jax.tree.leaves(caches)),
             "tree logits": _bytes((b, n, target.config.vocab_size), jnp.float32),
             "tree mask": _bytes((b, n, n), jnp.bool_)}
@@ -305,7 +304,7 @@ def check_decode_fits(target, drafter, config, batch_size: int, *, mesh=None
     generation next does not compile again.
 
     Args:
-      target, drafter, config, batch_size, mesh: as for `tev_jax.decode.generate`;
+      target, drafter, config, batch_size, mesh: as for `tev_jax.engine.generate`;
         ``config.prompt_len`` must be set.
     Returns:
       The compiled program's `MemoryReport`.
@@ -321,7 +320,8 @@ def check_decode_fits(target, drafter, config, batch_size: int, *, mesh=None
     have, where = available_bytes(devices)
     msg = shortfall(sum(floor.values()), floor, have, where, config)
     if msg is None:
-        report = compile_report(decode.lower(target, drafter, config, batch_size, mesh))
+        report = compile_report(
+            Engine.create(target, drafter, config, batch_size, mesh=mesh).lower())
         need = (report.output_bytes + report.temp_bytes - report.alias_bytes
                 + report.code_bytes)
         msg = shortfall(need, floor, have, where, config)

@@ -16,11 +16,8 @@ for its parameters, caches and state) raises a ValueError naming the array, the
 dimension and the mesh axis instead, so nothing is replicated silently. A mesh axis is
 never used twice in one spec.
 
-Vocabulary-sharded reductions. `vocab_top_k` is the exact top-k over a vocabulary
-split across the ``tensor`` axis: a local top-k per shard, then a merge of the shard
-winners (never a gather of the whole row). `cpu_barrier` is the XLA:CPU scheduling
-hint the kernels use (an ``optimization_barrier``) where it is safe: on the CPU
-backend, and not on a vocabulary-sharded operand (XLA's SPMD partitioner aborts on it).
+The vocabulary-sharded reductions that build on these rules (the exact top-k of a
+vocabulary split across ``tensor``, the XLA:CPU barrier) live in `tev_jax.vocab`.
 
 Typical use::
 
@@ -41,7 +38,6 @@ from collections.abc import Sequence
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
@@ -238,78 +234,6 @@ def mesh_axis_size(names: Sequence[str]) -> int:
     return total
 
 
-def _vocab_spec(x: jax.Array, lead_names: Sequence[str | None]) -> PartitionSpec | None:
-    """The spec of ``x`` [..., V] when its vocabulary axis is sharded, else None."""
-    mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty:
-        return None
-    names = tuple(lead_names) + (None,) * (x.ndim - 1 - len(lead_names)) + ("act_vocab",)
-    spec = logical_to_spec(names, x.shape, mesh)
-    spec = tuple(spec) + (None,) * (x.ndim - len(spec))
-    return PartitionSpec(*spec) if spec[-1] is not None else None
-
-
-def _spec_axes(entry) -> tuple[str, ...]:
-    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
-
-
-def cpu_barrier(x, *, vocab_sharded: bool = False):
-    """``lax.optimization_barrier(x)`` on the CPU backend, else ``x``.
-
-    The kernels use it to stop XLA:CPU from fusing a reduction into a slower form
-    (DESIGN.md §5, experiments/verifier_latency). It is skipped on other backends,
-    where it only constrains scheduling, and whenever the operand's vocabulary axis is
-    sharded (``vocab_sharded``, or a tensor axis on the active mesh), where XLA's SPMD
-    partitioner aborts on it.
-    """
-    if jax.default_backend() != "cpu" or vocab_sharded or mesh_axis_size(("act_vocab",)) > 1:
-        return x
-    return jax.lax.optimization_barrier(x)
-
-
-def vocab_top_k(x: jax.Array, k: int, lead_names: Sequence[str | None] = ()
-                ) -> tuple[jax.Array, jax.Array]:
-    """``lax.top_k(x, k)`` over the last (vocabulary) axis, exact under any mesh.
-
-    When the active mesh shards the vocabulary (logical ``act_vocab``), each shard takes
-    the top-k of its own slice (`jax.shard_map`), and the merge takes the top-k of the
-    shards' winners: only ``shards * k`` candidates per row move between devices. Ties
-    keep the smaller index first, as ``lax.top_k`` does: shard winners are listed in
-    shard (= index) order.
-
-    Args:
-      x: [..., V].
-      k: static, 1 <= k <= V (above V / shards the row is gathered: it is small).
-      lead_names: logical names of the leading axes (e.g. ``("batch", None)``), so that
-        their sharding is kept inside the per-shard computation.
-    Returns:
-      (values [..., k], int32 indices [..., k]).
-    """
-    spec = _vocab_spec(x, lead_names)
-    if spec is None:
-        values, idx = jax.lax.top_k(x, k)
-        values, idx = cpu_barrier((values, idx))
-        return values, idx.astype(jnp.int32)
-    vocab_axes = _spec_axes(spec[-1])
-    width = x.shape[-1] // mesh_axis_size(("act_vocab",))
-    if k > width:  # a tiny vocabulary over many shards: the whole row is small anyway
-        values, idx = jax.lax.top_k(x, k)
-        return values, idx.astype(jnp.int32)
-
-    def local(x_loc):
-        values, idx = jax.lax.top_k(x_loc, k)
-        shard = jnp.zeros((), jnp.int32)
-        for ax in vocab_axes:  # row-major shard index over the vocabulary's mesh axes
-            shard = shard * jax.lax.axis_size(ax) + jax.lax.axis_index(ax)
-        return values, idx.astype(jnp.int32) + shard * width
-
-    manual = {a for entry in spec for a in _spec_axes(entry)}
-    values, idx = jax.shard_map(local, in_specs=spec, out_specs=(spec, spec),
-                                axis_names=manual)(x)
-    values, pick = jax.lax.top_k(values, k)
-    return values, jnp.take_along_axis(idx, pick, axis=-1)
-
-
 def replicated(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, PartitionSpec())
 
@@ -320,8 +244,7 @@ def device_count_ok(n: int) -> bool:
 
 
 __all__ = [
-    "DEFAULT_RULES", "MESH_AXES", "axis_rules", "constrain", "cpu_barrier", "current_rules",
+    "DEFAULT_RULES", "MESH_AXES", "axis_rules", "constrain", "current_rules",
     "device_count_ok", "logical_sharding", "logical_to_spec", "make_mesh", "mesh_axis_size",
     "replicated", "shard_model", "shard_state", "state_shardings", "variable_axes",
-    "vocab_top_k",
 ]

@@ -31,18 +31,12 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from tev_jax import sharding as shd
-from tev_jax.exit_law import (
-    BLOCK,
-    Scores,
-    block_masses,
-    edge_log_probs,
-    exit_law_from_edges,
-    gather_blocks,
-    target_scores,
-)
+from tev_jax.exit_law import edge_log_probs, exit_law_from_edges
 from tev_jax.sampling import Sampling
 from tev_jax.tree import DraftTree, ancestor_mask, path_to
+from tev_jax.vocab import (Scores, argmax, first_above, inverse_cdf, target_scores,
+                           uniform)
+
 
 @struct.dataclass
 class Verdict:
@@ -60,55 +54,6 @@ class Verdict:
     length: jax.Array
     bonus: jax.Array
     exit_node: jax.Array
-
-
-def uniform(key: jax.Array, shape: tuple[int, ...]) -> jax.Array:
-    """Uniforms on the grid ``k / 2^24``, k = 0 .. 2^24 - 1 (exact in float32, < 1)."""
-    bits = jax.random.bits(key, shape, jnp.uint32)
-    return (bits >> 8).astype(jnp.float32) * jnp.float32(2.0**-24)
-
-
-def _first_above(cum_RK: jax.Array, t_R: jax.Array, mass_RK: jax.Array) -> jax.Array:
-    """Index of the first entry with ``cum > t`` in each row, never one with zero mass.
-
-    If rounding puts ``t`` at or past the row total, the last entry with mass is taken.
-    Zero-mass entries never raise ``cum``, so they are never the first above ``t``.
-    """
-    k = jnp.sum(cum_RK <= t_R[:, None], axis=-1)
-    size = mass_RK.shape[-1]
-    last = size - 1 - jnp.argmax((mass_RK > 0)[:, ::-1], axis=-1)
-    return jnp.minimum(k, last).astype(jnp.int32)
-
-
-def inverse_cdf(u_R: jax.Array, scores: Scores, block: int = BLOCK) -> jax.Array:
-    """Token ``y ~ softmax(z)`` per row by a blocked inverse-CDF search; int32 [R].
-
-    ``block_masses`` (the one pass over the logits) gives per-block masses; the block
-    holding ``u * total`` is found by a cumulative sum over blocks, then the token
-    inside it by a cumulative sum over that block's gathered entries, searched at the
-    same fraction of the block's mass (so the row max is never needed outside the
-    kernel). The logits are read once plus ``R * block`` gathered entries; Gumbel-max
-    needs R x V random numbers, a plain inverse CDF an [R, V] cumulative sum.
-
-    Args:
-      u_R: [R] uniforms in [0, 1).
-      scores: the rows' log-weights ``z = x * scale``; every row needs a finite max.
-      block: vocabulary block size.
-    """
-    x_RV, scale = scores.x, jnp.float32(scores.scale)
-    block = min(block, x_RV.shape[-1])
-    mass_RB = block_masses(scores, block)
-    cum_RB = jnp.cumsum(mass_RB, axis=-1)
-    t_R = u_R * cum_RB[:, -1]
-    blk_R = _first_above(cum_RB, t_R, mass_RB)
-    take = lambda a_RB, i_R: jnp.take_along_axis(a_RB, i_R[:, None], axis=-1)[:, 0]
-    before_R = jnp.where(blk_R > 0, take(cum_RB, jnp.maximum(blk_R - 1, 0)), 0.0)
-    frac_R = (t_R - before_R) / take(mass_RB, blk_R)
-    seg_RK = gather_blocks(x_RV, jnp.arange(x_RV.shape[0]), blk_R, block)
-    seg_mass_RK = jnp.exp((seg_RK - jnp.max(seg_RK, axis=-1, keepdims=True)) * scale)
-    seg_cum_RK = jnp.cumsum(seg_mass_RK, axis=-1)
-    pos_R = _first_above(seg_cum_RK, frac_R * seg_cum_RK[:, -1], seg_mass_RK)
-    return blk_R * block + pos_R
 
 
 def _verdict(tree: DraftTree, exit_node: jax.Array, bonus: jax.Array, horizon: int) -> Verdict:
@@ -160,7 +105,7 @@ def _tev(u_2: jax.Array, tree, target_logits_NV, sampling, *, horizon) -> Verdic
     law = exit_law_from_edges(tree, edge_log_probs(tree, scores))
     w_N = law.w
     cum_N = jnp.cumsum(w_N)
-    exit_node = _first_above(cum_N[None], u_2[0:1] * cum_N[-1], w_N[None])[0]
+    exit_node = first_above(cum_N[None], u_2[0:1] * cum_N[-1], w_N[None])[0]
     bonus = _residual_draw(u_2[1], tree, scores, exit_node)
     return _verdict(tree, exit_node, bonus, horizon)
 
@@ -297,28 +242,6 @@ def sequential_residual(
     """
     u = uniform(key, (tree.num_slots + 1,))
     return _sequential_residual(u, tree, target_logits_NV, sampling, horizon=horizon)
-
-
-def argmax(x_RV: jax.Array, block: int = BLOCK) -> jax.Array:
-    """``jnp.argmax(x, -1)`` (lowest index on ties) in two stages; int32 [R].
-
-    Block maxima first, then the first block holding the row maximum, then the first
-    maximum inside it. XLA:CPU's one-stage argmax (a variadic reduction) is ~7x slower
-    on [65, 151 936] logits.
-    """
-    rows, vocab = x_RV.shape
-    block = min(block, vocab)
-    n_full, rem = divmod(vocab, block)
-    x_RV = x_RV.astype(jnp.float32)
-    best_RB = jnp.max(x_RV[:, : n_full * block].reshape(rows, n_full, block), axis=-1)
-    if rem:
-        tail = jnp.max(x_RV[:, n_full * block :], axis=-1, keepdims=True)
-        best_RB = jnp.concatenate([best_RB, tail], axis=-1)
-    blk_R = jnp.argmax(shd.cpu_barrier(best_RB), axis=-1)
-    idx_RK = blk_R[:, None] * block + jnp.arange(block)[None, :]
-    x_RK = jnp.take_along_axis(x_RV, jnp.minimum(idx_RK, vocab - 1), axis=-1)
-    x_RK = jnp.where(idx_RK < vocab, x_RK, -jnp.inf)
-    return (blk_R * block + jnp.argmax(x_RK, axis=-1)).astype(jnp.int32)
 
 
 def greedy(tree: DraftTree, target_logits_NV: jax.Array, *, horizon: int) -> Verdict:

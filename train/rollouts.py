@@ -1,7 +1,7 @@
 """Target rollouts: the training sequences of the drafter (DESIGN.md §8).
 
 `make_rollouts` generates a response to every prompt with the target's autoregressive
-decode path (`tev_jax.decode.generate_ar`) and stores ``[prompt ; response]`` token ids
+decode path (`tev_jax.engine.generate_ar`) and stores ``[prompt ; response]`` token ids
 in row shards plus a manifest (format 2)::
 
     <dir>/manifest.json                     format, seq_len L, pad_id, rows per shard
@@ -90,7 +90,8 @@ def generate_responses(target, prompts: Sequence[Sequence[int]], config: Rollout
     Returns:
       One int32 array per prompt: the generated tokens (a final stop token included).
     """
-    from tev_jax.decode import DecodeConfig, generate_ar
+    from tev_jax.decode import DecodeConfig
+    from tev_jax.engine import generate_ar
 
     dc = DecodeConfig(max_new_tokens=config.max_new_tokens, builder="none",
                       sampling=config.sampling, stop_token_ids=tuple(config.stop_token_ids))

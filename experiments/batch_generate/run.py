@@ -5,8 +5,8 @@ decoding of the same target), T = 0, at most ``--max-new-tokens`` (128) new toke
 the stop tokens <|end|> / <|eos|>: ``--num-prompts`` (256) prompts drawn evenly from the
 four bundled evaluation sets (mixed lengths: 24 to 576 tokens):
 
-(a) one prompt at a time: `decode.generate` per prompt (batch 1);
-(b) static batches: `decode.generate` on consecutive chunks of B prompts, each chunk
+(a) one prompt at a time: `engine.generate` per prompt (batch 1);
+(b) static batches: `engine.generate` on consecutive chunks of B prompts, each chunk
     running until its longest row is done;
 (c) continuous batching: `batching.generate_continuous` with B slots.
 
@@ -40,7 +40,8 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from tev_jax import batching, decode
+from tev_jax import batching, decode, engine
+from tev_jax.engine import Engine
 from tev_jax.data.prompts import PROMPT_SETS, prompt_set
 from tev_jax.data.tokenizer import STOP_IDS
 from tev_jax.models import load_bundled
@@ -71,17 +72,17 @@ class Clock:
 
 
 def static_batches(target, drafter, prompts, config, b):
-    """`decode.generate` on chunks of ``b`` prompts, each padded to its width bucket."""
+    """`engine.generate` on chunks of ``b`` prompts, each padded to its width bucket."""
     chunks = [prompts[i: i + b] for i in range(0, len(prompts), b)]
     widths = batching.width_buckets(config.prompt_len)
     configs = [dataclasses.replace(
         config, prompt_len=next(w for w in widths if w >= max(map(len, c)))) for c in chunks]
     for size, cfg in {(len(c), cfg) for c, cfg in zip(chunks, configs)}:  # compile
-        decode.generate(target, drafter, [[1]] * size, cfg)
+        engine.generate(target, drafter, [[1]] * size, cfg)
     clock = Clock()
     rows, rounds, blocks, row_rounds = [], 0, 0.0, 0
     for chunk, cfg in zip(chunks, configs):
-        g = decode.generate(target, drafter, chunk, cfg)
+        g = engine.generate(target, drafter, chunk, cfg)
         rows += g.rows()
         rounds += int(g.stats.rounds_per_row.sum())
         blocks += float(g.stats.block_lengths.sum())
@@ -93,14 +94,14 @@ def static_batches(target, drafter, prompts, config, b):
 
 def warm_up_continuous(target, drafter, config, b, widths):
     """Compiles every refill bucket and the rounds program of ``b`` slots."""
-    graphdef, params, static, axes = decode.prepare_slots(target, drafter, config, b)
-    st = decode.empty_slots(graphdef, params, static, b, jax.random.key(0))
+    eng = Engine.create(target, drafter, config, b)
+    axes = eng.slot_axes()
+    st = eng.empty_slots(jax.random.key(0))
     for k in batching.row_buckets(b):
         for t in widths:
-            st = decode.refill_slots(graphdef, params, st, np.ones((k, t), np.int32),
-                                     np.ones((k,), np.int32), np.arange(k, dtype=np.int32),
-                                     jax.random.key(1), static=static, axes=axes)
-    jax.block_until_ready(decode.run_rounds(graphdef, params, st, b, 1, static=static))
+            st = eng.refill(st, np.ones((k, t), np.int32), np.ones((k,), np.int32),
+                            np.arange(k, dtype=np.int32), jax.random.key(1), axes=axes)
+    jax.block_until_ready(eng.run_rounds(st, b, 1))
 
 
 def continuous(target, drafter, prompts, config, b):
@@ -136,8 +137,8 @@ def main(argv=None) -> int:
                                stop_token_ids=STOP_IDS, prompt_len=prompt_len)
     methods = {"ar": dataclasses.replace(base, builder="none"), "spec": base}
     for name, config in methods.items():  # one cache length per method, every batching
-        static = decode.prepare_slots(target, drafter, config, 1)[2]
-        methods[name] = dataclasses.replace(config, max_cache_len=static.max_len)
+        max_len = Engine.create(target, drafter, config, 1).max_len
+        methods[name] = dataclasses.replace(config, max_cache_len=max_len)
     lengths = [len(p) for p in prompts]
     out = {"rows": [], "num_prompts": len(prompts), "max_new_tokens": args.max_new_tokens,
            "prompt_len": prompt_len, "prompt_lengths": [min(lengths), int(np.median(lengths)),

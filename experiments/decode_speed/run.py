@@ -2,14 +2,14 @@
 
 Everything runs in one process on the same models, batch 1, float32:
 
-1. **Fused** (`tev_jax.decode.compiled_generate`: the whole generation is one jitted
+1. **Fused** (`tev_jax.profile.compiled_generate`: the whole generation is one jitted
    ``lax.while_loop``; every configuration is compiled first, then all are timed
    round-robin ``--repeats`` times, so that load drift on a shared machine hits them
    alike; medians): tokens/s and τ of plain autoregressive decoding (AR), the DFlash chain
    (verified by TEV) and DDTree trees of each budget verified by predraw and by TEV, at
    T = 0 and T = 1, with the DFlash drafter. Speed-ups are against the AR run of the same
    temperature.
-2. **Un-fused** (`tev_jax.decode.profile_generate`: every stage jitted separately and
+2. **Un-fused** (`tev_jax.profile.profile_generate`: every stage jitted separately and
    timed with ``block_until_ready``, after a warm-up pass; one run per configuration;
    each stage call includes a dispatch overhead, measured and recorded): per-stage seconds (prefill,
    draft, build, verify, decide, commit) and τ, for the DFlash drafter and for the oracle
@@ -47,7 +47,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from tev_jax import decode
+from tev_jax import decode, engine, profile
 from tev_jax.decode_drafters import OracleDrafter
 from tev_jax.models import ModelConfig, init_drafter, init_target, load_drafter, load_target
 from tev_jax.sampling import Sampling
@@ -112,9 +112,8 @@ def dispatch_seconds(target, drafter, prompt, max_new, repeats=200):
     """Median wall time of a jitted no-op over the un-fused path's arguments (params and
     decode state): the dispatch overhead included in every un-fused stage time."""
     cfg = decode.DecodeConfig(max_new_tokens=max_new, builder="chain")
-    graphdef, params, tokens_BT, lengths_B, static = decode._prepare(target, drafter, [prompt], cfg)
-    st = decode._stage_fns(static, graphdef)["prefill"](params, tokens_BT, lengths_B,
-                                                        jax.random.key(0))
+    eng, prompts = engine.engine_for(target, drafter, [prompt], cfg)
+    st, params = eng.prefill(prompts, jax.random.key(0)), eng.params
     noop = jax.jit(lambda params, st: st.round)
     jax.block_until_ready(noop(params, st))
     times = []
@@ -211,7 +210,7 @@ def main():
     for temp in args.temperatures:
         for name, cfg in configs(budgets, temp, max_new):
             t0 = time.perf_counter()
-            fused[temp, name] = decode.compiled_generate(
+            fused[temp, name] = profile.compiled_generate(
                 target, None if cfg.builder == "none" else drafter, [prompt], cfg, key=0)
             print(f"compiled T={temp} {name} in {time.perf_counter() - t0:.1f} s", flush=True)
     times = {k: [] for k in fused}
@@ -242,7 +241,7 @@ def main():
             for name, cfg in configs(budgets, temp, max_new):
                 if name == "AR" and dname == "oracle":
                     continue
-                gen = decode.profile_generate(target, None if cfg.builder == "none" else d,
+                gen = profile.profile_generate(target, None if cfg.builder == "none" else d,
                                               [prompt], cfg, key=0)
                 med = {k: float(np.median(v)) for k, v in gen.stats.round_seconds.items()}
                 per_round = sum(v for k, v in med.items() if k != "prefill")

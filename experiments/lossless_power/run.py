@@ -33,11 +33,12 @@ import numpy as np
 
 from examples import custom_verifier
 from examples.custom_verifier import verdict, without_children
-from tev_jax import testing, verify
-from tev_jax.exit_law import Scores, exit_law
+from tev_jax import testing, verify, vocab
+from tev_jax.exit_law import exit_law
 from tev_jax.sampling import Sampling, log_probs
 from tev_jax.testing import reference as ref
 from tev_jax.tree import make_tree
+from tev_jax.vocab import Scores
 
 HERE = Path(__file__).resolve().parent
 DRAWS = 100_000
@@ -55,7 +56,7 @@ def biased(key, tree, logits_NV, sampling, *, horizon, bug):
     row_V = logp_NV[exit_node] if bug == "bonus_from_full" else without_children(
         tree, logp_NV, exit_node)
     # The library's blocked inverse CDF: one uniform per draw, not V Gumbel numbers.
-    bonus = verify.inverse_cdf(jax.random.uniform(k_bonus, (1,)), Scores(row_V[None], 1.0))[0]
+    bonus = vocab.inverse_cdf(jax.random.uniform(k_bonus, (1,)), Scores(row_V[None], 1.0))[0]
     return verdict(tree, exit_node, bonus, horizon)
 
 

@@ -39,7 +39,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from tev_jax import decode, plan, sharding
+from tev_jax import decode, plan, profile, sharding
 from tev_jax.models.kv_cache import cache_shardings
 from tev_jax.sampling import Sampling
 
@@ -128,7 +128,7 @@ def speed_rows(meshes, new_tokens: int, repeats: int) -> list[dict]:
     for mesh_name in meshes:
         row = dict(mesh=mesh_name)
         try:
-            gen = decode.timed_generate(target, drafter, prompts, config, repeats=repeats,
+            gen = profile.timed_generate(target, drafter, prompts, config, repeats=repeats,
                                         mesh=_mesh(mesh_name))
         except Exception as e:  # informational: record and go on
             row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"

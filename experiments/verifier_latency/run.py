@@ -28,10 +28,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from tev_jax import verify
-from tev_jax.exit_law import log_normalizer, target_scores
+from tev_jax import verify, vocab
 from tev_jax.sampling import Sampling
 from tev_jax.tree import make_tree
+from tev_jax.vocab import log_normalizer, target_scores
 
 HERE = Path(__file__).resolve().parent
 HORIZON = 15  # DFlash block size 16
@@ -253,7 +253,7 @@ def main():
         },
         "quick": args.quick,
         "horizon": HORIZON,
-        "block": verify.BLOCK,
+        "block": vocab.BLOCK,
         "rows": rows,
     }
     Path(args.out).write_text(json.dumps(out, indent=1))

@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from tev_jax import sharding as shd
+from tev_jax.vocab import cpu_barrier
 
 BLOCK = 8192  # vocabulary entries per block: [rows, 8192] float32 is 32 KiB per row
 
@@ -180,7 +180,7 @@ def top_k(h_XD: jax.Array, head: Head, k: int, block: int = BLOCK):
         # The barrier (CPU only, never on a vocabulary-sharded operand) keeps XLA:CPU
         # from rewriting top_k into a full sort of the block when its outputs are
         # computed on (as in `tev_jax.ddtree.topk_logq`).
-        vals, pos = shd.cpu_barrier(jax.lax.top_k(x, k))
+        vals, pos = cpu_barrier(jax.lax.top_k(x, k))
         m_new = jnp.maximum(m, vals[..., 0])
         s = (jnp.where(m > -jnp.inf, s * jnp.exp(m - m_new), 0.0)
              + jnp.sum(jnp.exp(x - m_new[..., None]), axis=-1))
@@ -192,7 +192,7 @@ def top_k(h_XD: jax.Array, head: Head, k: int, block: int = BLOCK):
     cand = jnp.moveaxis(vals_nXk, 0, -2).reshape(lead + (n * k,))
     cand_ids = jnp.moveaxis(ids_nXk, 0, -2).reshape(lead + (n * k,))
     vals, pos = jax.lax.top_k(cand, k)
-    vals, pos = shd.cpu_barrier((vals, pos))
+    vals, pos = cpu_barrier((vals, pos))
     return vals, jnp.take_along_axis(cand_ids, pos, axis=-1).astype(jnp.int32), m + jnp.log(s)
 
 

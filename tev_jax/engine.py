@@ -1,0 +1,675 @@
+"""The decode engine: one object that owns the shapes and hands out the programs.
+
+`Engine.create` checks a (target, drafter, config, batch size, mesh) once, splits and
+places the models, and fixes every shape (`DecodeSpec`: horizon H, tree slots N, cache
+length L, prompt buffer P). Its methods are the programs of `tev_jax.decode`, jitted
+here, at their call site::
+
+    engine = Engine.create(target, drafter, DecodeConfig(budget=64), batch_size=8)
+    prompts = engine.prompts(prompt_ids)            # host checks, padding, placement
+    gen = engine.finish(engine.generate(prompts, key))   # prefill + fused loop, one program
+
+    st = engine.prefill(prompts, key)                # or step by step
+    st = engine.round(st)                            # one round (draft ... commit)
+    st = engine.run(st)                              # the fused loop to the end
+
+    engine.lower("round").compile().memory_analysis()   # any program, ahead of time
+
+The programs are compiled once per spec and shape and shared by every engine with the
+same spec (two engines with equal configs reuse one compilation). The engine is frozen;
+`with_models` swaps in other weights of the same architecture without recompiling.
+`generate` and `generate_ar` are the one-call forms; `tev_jax.batching` drives the slot
+programs (`empty_slots`, `refill`, `run_rounds`), `tev_jax.profile` times the fused
+program and the stage programs (`stage`), and `tev_jax.plan` compiles the `lower` of each.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from tev_jax import decode, extensions
+from tev_jax import sharding as shd
+from tev_jax.decode import DecodeConfig, DecodeSpec, DecodeState
+from tev_jax.drafters import DrafterProtocol, as_drafter
+
+PROGRAMS = ("generate", "prefill", "round", *decode.STAGES)
+"""The names `Engine.lower` takes: the whole generation, the prefill, one round and
+each stage of a round."""
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeStats:
+    """Statistics of one generation (host numpy arrays).
+
+    Attributes:
+      rounds: loop iterations run (the longest row's rounds).
+      rounds_per_row: int [B] rounds in which the row was still active.
+      kv_moves: int [B] rounds in which the accepted path was not the first slots of the
+        tree, so that commit moved key/value entries (DDTree paths through later slots).
+      block_lengths: int [R, B] output-block length (accepted + bonus) per round and row
+        (before truncation at a stop token or at M); 0 where the row was finished.
+      expected_lengths: float [R, B] the exit law's ``1 + coverage`` of the same trees
+        (``track_exit_law``), else None.
+      stage_seconds: per-stage wall seconds up to ``block_until_ready``, summed over
+        rounds (`tev_jax.profile.profile_generate` only; keys 'prefill', 'draft',
+        'build', 'verify', 'decide', 'commit'; each includes the stage call's
+        dispatch), else None.
+      round_seconds: the per-round stage times behind ``stage_seconds`` (stage ->
+        float [R]; the prefill has one entry), for robust statistics such as medians
+        on a loaded machine (`tev_jax.profile.profile_generate` only), else None.
+      seconds: wall time of the timed call (`tev_jax.profile`), else None.
+      compile_seconds: wall time of the first (compiling) call (`tev_jax.profile`),
+        else None.
+    """
+
+    rounds: int
+    rounds_per_row: np.ndarray
+    kv_moves: np.ndarray
+    block_lengths: np.ndarray
+    expected_lengths: np.ndarray | None = None
+    stage_seconds: dict[str, float] | None = None
+    round_seconds: dict[str, np.ndarray] | None = None
+    seconds: float | None = None
+    compile_seconds: float | None = None
+
+    @property
+    def tau(self) -> float:
+        """Mean output-block length per round (bonus included), over all rows."""
+        n = int(self.rounds_per_row.sum())
+        return float(self.block_lengths.sum()) / n if n else float("nan")
+
+
+@dataclasses.dataclass(frozen=True)
+class Generation:
+    """The output of a generation.
+
+    Attributes:
+      tokens: int32 [B, M] generated tokens only; ``PAD_TOKEN`` (-1) after each row's end.
+      lengths: int32 [B] generated tokens per row (a final stop token included).
+      stats: `DecodeStats`.
+    """
+
+    tokens: np.ndarray
+    lengths: np.ndarray
+    stats: DecodeStats
+
+    def rows(self) -> list[list[int]]:
+        """The generated tokens of every row as Python lists (padding removed)."""
+        return [t[:n].tolist() for t, n in zip(self.tokens, self.lengths)]
+
+
+@dataclasses.dataclass(frozen=True)
+class Prompts:
+    """A batch of prompts ready for the engine: int32 tokens [B, T] (zero-padded) and
+    int32 lengths [B], placed on the engine's mesh."""
+
+    tokens_BT: jax.Array
+    lengths_B: jax.Array
+
+
+# ------------------------------------------------------------------------ host checks
+
+
+def check_prompt(ids, vocab_size: int, prompt_len: int | None = None, *,
+                 what: str = "prompt") -> np.ndarray:
+    """One prompt as int32 [T]; a ValueError starting with ``what`` if it is unusable.
+
+    The one prompt check of the library (`generate`, continuous batching, batch files).
+
+    Args:
+      ids: the token ids (a flat sequence of integers).
+      vocab_size: V; every id must be in ``[0, V)``.
+      prompt_len: the prompt buffer P (at most P tokens), or None.
+      what: how the message names the prompt (``"prompt 3"``, ``"request 'a'"``,
+        ``"file.jsonl:3: id 'a'"``).
+    """
+    arr = np.asarray(ids)
+    if arr.ndim != 1:
+        raise ValueError(f"{what}: the prompt must be a flat list of token ids, got shape "
+                         f"{arr.shape}")
+    if arr.size == 0:
+        raise ValueError(f"{what}: the prompt is empty; every prompt needs at least one token")
+    if not np.issubdtype(arr.dtype, np.integer):
+        raise ValueError(f"{what}: token ids must be integers, got dtype {arr.dtype}")
+    bad = (arr < 0) | (arr >= vocab_size)
+    if bad.any():
+        k = int(np.argmax(bad))
+        raise ValueError(f"{what}: token id {int(arr[k])} is outside the vocabulary "
+                         f"[0, {vocab_size}) (position {k})")
+    if prompt_len is not None and arr.size > prompt_len:
+        raise ValueError(f"{what}: the prompt has {arr.size} tokens, more than the prompt "
+                         f"buffer ({prompt_len}); raise prompt_len or shorten the prompt")
+    return arr.astype(np.int32)
+
+
+def check_prompts(prompt_ids, vocab_size: int, prompt_len: int | None = None
+                  ) -> list[np.ndarray]:
+    """`check_prompt` of every prompt of a non-empty batch; -> int32 arrays."""
+    if isinstance(prompt_ids, (str, bytes)) or not isinstance(prompt_ids, Sequence):
+        raise ValueError("prompt_ids must be a list of token-id lists")
+    if len(prompt_ids) == 0:
+        raise ValueError("prompt_ids is empty: give at least one prompt")
+    return [check_prompt(p, vocab_size, prompt_len, what=f"prompt {i}")
+            for i, p in enumerate(prompt_ids)]
+
+
+def _align(n: int) -> int:
+    return -(-n // decode.LEN_ALIGN) * decode.LEN_ALIGN
+
+
+def _place(tree, shardings):
+    """``device_put`` of arrays, and shardings attached to abstract leaves."""
+    def one(x, sharding):
+        if isinstance(x, jax.ShapeDtypeStruct):
+            return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
+        return jax.device_put(x, sharding)
+
+    return jax.tree.map(one, tree, shardings)
+
+
+def _abstract(tree):
+    """Every leaf as a ``jax.ShapeDtypeStruct`` that keeps its sharding."""
+    def one(x):
+        if isinstance(x, jax.ShapeDtypeStruct):
+            return x
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None))
+
+    return jax.tree.map(one, tree)
+
+
+def _mesh_scope(mesh):
+    """``jax.set_mesh(mesh)`` (activates the models' activation constraints), or nothing."""
+    return contextlib.nullcontext() if mesh is None else jax.set_mesh(mesh)
+
+
+def _spec_of(target, drafter, config: DecodeConfig, batch_size: int, prompt_len: int,
+             mesh) -> tuple[Any, DecodeSpec]:
+    """Validates models, config and mesh; -> (drafter as a protocol or None, spec)."""
+    if not isinstance(config, DecodeConfig):
+        raise ValueError(f"config must be a DecodeConfig, got {type(config).__name__}")
+    if not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
+    if not isinstance(prompt_len, int) or prompt_len < 1:
+        raise ValueError(f"prompt_len must be a positive int, got {prompt_len!r}")
+    vocab = target.config.vocab_size
+    for s in config.stop_token_ids:
+        if not isinstance(s, (int, np.integer)) or not 0 <= s < vocab:
+            raise ValueError(f"stop token id {s!r} is outside the vocabulary [0, {vocab})")
+    if config.builder == "none":
+        horizon, taps, drafter = 0, (), None
+    else:
+        drafter = as_drafter(drafter)
+        if drafter is None:
+            raise ValueError(f"builder={config.builder!r} needs a drafter (or use builder='none')")
+        horizon = int(drafter.block_size) - 1
+        if horizon < 1:
+            raise ValueError(f"drafter block_size must be >= 2, got {drafter.block_size}")
+        taps = tuple(int(t) for t in drafter.target_layer_ids)
+        for t in taps:
+            if not 0 <= t < target.config.num_layers:
+                raise ValueError(f"drafter taps target layer {t}, but the target has "
+                                 f"{target.config.num_layers} layers")
+    builder = extensions.resolve_builder(config.builder, config.budget)
+    num_slots = extensions.builder_num_slots(builder, horizon, vocab)
+    if callable(config.verifier) and config.builder != "none":
+        extensions.check_verifier(config.verifier, num_slots, horizon, vocab, config.sampling)
+    need = prompt_len + config.max_new_tokens + num_slots
+    max_len = _align(need) if config.max_cache_len is None else config.max_cache_len
+    if max_len < need:
+        raise ValueError(
+            f"the cache is too short: the prompt buffer ({prompt_len} tokens) + "
+            f"max_new_tokens ({config.max_new_tokens}) + tree slots ({num_slots}) = "
+            f"{need} > max_cache_len ({max_len})")
+    if mesh is not None:
+        shd.logical_to_spec(("batch",), (batch_size,), mesh, strict=True,
+                            what=f"the batch of {batch_size} prompts")
+    return drafter, DecodeSpec(config=config, batch_size=batch_size, prompt_len=prompt_len,
+                               horizon=horizon, num_slots=num_slots, taps=taps,
+                               max_len=max_len, has_drafter=drafter is not None, mesh=mesh)
+
+
+# ---------------------------------------------------------------------- the programs
+#
+# Jitted once here; the spec (hashable) and the graphdef are static, so every engine
+# with the same spec and architecture shares a compilation. State arguments that a
+# program replaces are donated.
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "spec"))
+def _generate_jit(graphdef, params, tokens_BT, lengths_B, key, *, spec):
+    return decode.generation(graphdef, params, tokens_BT, lengths_B, key, spec=spec)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "spec"))
+def _prefill_jit(graphdef, params, tokens_BT, lengths_B, key, *, spec):
+    drafter = decode.merge_models(graphdef, params)[1]
+    st = decode.prefill(graphdef, params, tokens_BT, lengths_B, key, spec=spec)
+    return decode.constrain_state(st, drafter, spec)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "spec"), donate_argnames=("st",))
+def _round_jit(graphdef, params, st, *, spec):
+    drafter = decode.merge_models(graphdef, params)[1]
+    return decode.constrain_state(decode.decode_round(graphdef, params, st, spec=spec),
+                                  drafter, spec)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "spec"), donate_argnames=("st",))
+def _run_jit(graphdef, params, st, *, spec):
+    m = spec.config.max_new_tokens
+    return decode.rounds_until(graphdef, params, st, spec.batch_size, m - st.round, spec=spec)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "spec", "axes"),
+                   donate_argnames=("st",))
+def _refill_jit(graphdef, params, st, tokens_KT, lengths_K, slots_K, key, *, spec, axes):
+    return decode.refill(graphdef, params, st, tokens_KT, lengths_K, slots_K, key, spec=spec,
+                         axes=axes)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "spec"), donate_argnames=("st",))
+def _run_rounds_jit(graphdef, params, st, until_done, max_rounds, *, spec):
+    return decode.rounds_until(graphdef, params, st, until_done, max_rounds, spec=spec)
+
+
+# The config fields each stage reads; the others are reset to their defaults so that
+# configurations differing only elsewhere share that stage's compilation.
+_STAGE_FIELDS = {
+    "draft": (),
+    "build": ("builder", "budget"),
+    "verify": (),
+    "decide": ("builder", "verifier", "sampling"),
+    "commit": ("max_new_tokens", "stop_token_ids", "track_exit_law", "sampling"),
+}
+_CANONICAL = DecodeConfig(verifier="tev")
+_STAGE_FNS = {"draft": decode.draft_stage, "build": decode.build_stage,
+              "verify": decode.verify_stage, "decide": decode.decide_stage,
+              "commit": decode.commit_stage}
+_MODEL_STAGES = ("draft", "verify")
+
+
+def _stage_spec(spec: DecodeSpec, stage: str) -> DecodeSpec:
+    keep = {f: getattr(spec.config, f) for f in _STAGE_FIELDS[stage]}
+    if stage == "decide" and keep["builder"] != "none":
+        keep["builder"] = "chain"  # decide only asks whether there is a tree
+    if stage == "commit" and not keep["track_exit_law"]:
+        keep.pop("sampling")
+    if "verifier" not in keep and "sampling" in keep:
+        keep["verifier"] = "tev"  # any verifier is valid with any sampling
+    return dataclasses.replace(spec, config=dataclasses.replace(_CANONICAL, **keep),
+                               num_slots=0, prompt_len=0, batch_size=0)
+
+
+@functools.lru_cache(maxsize=None)
+def _stage_jit(stage: str, spec: DecodeSpec, graphdef=None):
+    # The graphdef is bound here rather than passed as a static argument: hashing it on
+    # every call would add a dispatch cost that dwarfs small stages.
+    fn = _STAGE_FNS[stage]
+    if stage in _MODEL_STAGES:
+        return jax.jit(functools.partial(fn, graphdef, spec=spec))
+    return jax.jit(functools.partial(fn, spec=spec))
+
+
+# --------------------------------------------------------------------------- engine
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Engine:
+    """Speculative (or plain AR) decoding of B rows with fixed shapes, as programs.
+
+    Build with `Engine.create`. Concrete models give runnable programs; abstract ones
+    (``nnx.eval_shape``) give only `lower`, for planning memory on any slice.
+
+    Attributes:
+      graphdef: the split ``(target,)`` or ``(target, drafter)``.
+      params: their parameters (placed on the mesh; ``jax.ShapeDtypeStruct`` leaves for
+        abstract models).
+      spec: the `DecodeSpec`: config, B, P, H, N, L, taps, mesh.
+      drafter: the `DrafterProtocol` of the drafter (None for AR).
+      vocab_size: V, the target's vocabulary.
+    """
+
+    graphdef: Any
+    params: Any
+    spec: DecodeSpec
+    drafter: DrafterProtocol | None
+    vocab_size: int
+
+    @classmethod
+    def create(cls, target, drafter, config: DecodeConfig, batch_size: int, *,
+               prompt_len: int | None = None, mesh=None) -> Engine:
+        """Checks everything once and fixes the shapes.
+
+        Args:
+          target: a `tev_jax.models.Target` (concrete or abstract).
+          drafter: a DFlash drafter or any `tev_jax.drafters.DrafterProtocol`; None
+            with ``builder='none'`` (it is ignored then).
+          config: a `DecodeConfig`.
+          batch_size: B, rows decoded together (or row slots of continuous batching).
+          prompt_len: P, the prompt buffer the cache is sized for; default
+            ``config.prompt_len`` (one of the two is required).
+          mesh: optional ``('data', 'fsdp', 'tensor')`` mesh
+            (`tev_jax.sharding.make_mesh`). The parameters are placed by their logical
+            axes strictly (a dimension the mesh does not divide is an error); both
+            caches and the loop state get explicit shardings: batch rows over data and
+            fsdp; heads, MLP and vocabulary over tensor; parameters' ``embed`` axis over
+            fsdp (gathered when used: use ``data`` to keep weights whole per device).
+
+        Raises:
+          ValueError: a bad config, batch size or prompt buffer; a cache too short for
+            P + M + N; a missing or malformed drafter, builder or verifier; a mesh that
+            does not divide a dimension (named in the message).
+        """
+        width = config.prompt_len if prompt_len is None else prompt_len
+        if width is None:
+            raise ValueError("Engine.create needs a prompt buffer: set prompt_len (or "
+                             "DecodeConfig.prompt_len); it decides the cache length")
+        if (isinstance(config, DecodeConfig) and config.prompt_len is not None
+                and width != config.prompt_len):
+            raise ValueError(f"prompt_len {width} differs from DecodeConfig.prompt_len "
+                             f"({config.prompt_len}); give one of them")
+        drafter, spec = _spec_of(target, drafter, config, batch_size, width, mesh)
+        graphdef, params = nnx.split((target,) if drafter is None else (target, drafter))
+        if mesh is not None:
+            params = _place(params, shd.state_shardings(params, mesh, strict=True))
+        return cls(graphdef=graphdef, params=params, spec=spec, drafter=drafter,
+                   vocab_size=target.config.vocab_size)
+
+    def with_models(self, target, drafter=None) -> Engine:
+        """The same engine (same spec and compilations) over other weights of the same
+        architecture; a ValueError if the architecture differs."""
+        drafter = None if self.drafter is None else as_drafter(drafter)
+        graphdef, params = nnx.split((target,) if drafter is None else (target, drafter))
+        if graphdef != self.graphdef:
+            raise ValueError("these models' architecture differs from the engine's")
+        if self.mesh is not None:
+            params = _place(params, shd.state_shardings(params, self.mesh, strict=True))
+        return dataclasses.replace(self, params=params, drafter=drafter)
+
+    # ------------------------------------------------------------------ description
+
+    @property
+    def config(self) -> DecodeConfig:
+        return self.spec.config
+
+    @property
+    def batch_size(self) -> int:
+        """B."""
+        return self.spec.batch_size
+
+    @property
+    def prompt_len(self) -> int:
+        """P, the prompt buffer."""
+        return self.spec.prompt_len
+
+    @property
+    def horizon(self) -> int:
+        """H, draft rows per round (0 for AR)."""
+        return self.spec.horizon
+
+    @property
+    def num_slots(self) -> int:
+        """N, tree slots per row (root included)."""
+        return self.spec.num_slots
+
+    @property
+    def max_len(self) -> int:
+        """L, cache slots of the target and the drafter."""
+        return self.spec.max_len
+
+    @property
+    def mesh(self):
+        return self.spec.mesh
+
+    # --------------------------------------------------------------------- programs
+
+    def prompts(self, prompt_ids: Sequence[Sequence[int]]) -> Prompts:
+        """Host checks of B prompts, zero-padded and placed as the programs expect.
+
+        The padding width is P with ``config.prompt_len`` set, else the longest prompt
+        rounded up to a multiple of 8 (so prompts of similar lengths share a program).
+        """
+        prompts = check_prompts(prompt_ids, self.vocab_size, self.prompt_len)
+        if len(prompts) != self.batch_size:
+            raise ValueError(f"the engine decodes {self.batch_size} prompts at a time, "
+                             f"got {len(prompts)}")
+        width = (self.config.prompt_len if self.config.prompt_len is not None
+                 else min(_align(max(len(p) for p in prompts)), self.max_len))
+        tokens_BT = np.zeros((len(prompts), width), np.int32)
+        for i, p in enumerate(prompts):
+            tokens_BT[i, : len(p)] = p
+        lengths_B = np.asarray([len(p) for p in prompts], np.int32)
+        return Prompts(*(self._rows(x) for x in (tokens_BT, lengths_B)))
+
+    def _rows(self, x: np.ndarray) -> jax.Array:
+        if self.mesh is None:
+            return jnp.asarray(x)
+        names = ("batch",) + (None,) * (x.ndim - 1)
+        return jax.device_put(x, shd.logical_sharding(names, x.shape, self.mesh))
+
+    def _call(self, fn, *args, **kw):
+        with _mesh_scope(self.mesh):
+            return fn(self.graphdef, self.params, *args, spec=self.spec, **kw)
+
+    def generate(self, prompts: Prompts, key: jax.Array) -> DecodeState:
+        """The whole generation as one program: prefill + the fused loop."""
+        return self._call(_generate_jit, prompts.tokens_BT, prompts.lengths_B, key)
+
+    def prefill(self, prompts: Prompts, key: jax.Array) -> DecodeState:
+        """Consumes the prompts and samples each row's first token."""
+        return self._call(_prefill_jit, prompts.tokens_BT, prompts.lengths_B, key)
+
+    def round(self, st: DecodeState) -> DecodeState:
+        """One round (draft, build, verify, decide, commit); ``st`` is donated."""
+        return self._call(_round_jit, st)
+
+    def run(self, st: DecodeState) -> DecodeState:
+        """The fused loop from ``st`` until every row is done (or M rounds ran); ``st``
+        is donated. ``run(prefill(p, k))`` gives what ``generate(p, k)`` gives."""
+        return self._call(_run_jit, st)
+
+    def finish(self, st: DecodeState, **stats) -> Generation:
+        """The host side of a final state: NaN checks and the `Generation`.
+
+        Args:
+          st: a final `DecodeState`.
+          **stats: extra `DecodeStats` fields (``seconds``, ``stage_seconds``, ...).
+        Raises:
+          ValueError: the target or the drafter produced non-finite logits.
+        """
+        if bool(st.bad_target):
+            raise ValueError("the target produced non-finite logits (NaN or +inf) during "
+                             "generation; the output would be garbage")
+        if bool(st.bad_draft):
+            raise ValueError("the drafter produced non-finite logits (NaN or +inf) during "
+                             "generation; its trees would be garbage")
+        rounds = int(st.round)
+        return Generation(
+            tokens=np.asarray(st.out_BM),
+            lengths=np.asarray(st.num_out_B),
+            stats=DecodeStats(
+                rounds=rounds,
+                rounds_per_row=np.asarray(st.rounds_B),
+                kv_moves=np.asarray(st.moved_B),
+                block_lengths=np.asarray(st.block_len_RB)[:rounds],
+                expected_lengths=(np.asarray(st.expected_len_RB)[:rounds]
+                                  if self.config.track_exit_law else None),
+                **stats,
+            ),
+        )
+
+    def stage(self, name: str) -> Callable:
+        """The jitted program of one stage (`tev_jax.decode.STAGES`), for the un-fused
+        path of `tev_jax.profile`; its models are bound (call it without graphdef).
+
+        Signatures (as the stage functions of `tev_jax.decode`, params first where
+        the stage runs a model): ``draft(params, st) -> (logits_BHV, ctx)``,
+        ``build(logits_BHV, root_B) -> tree``, ``verify(params, cache, tree, start_B)
+        -> (logits_BNV, feats, cache)``, ``decide(key, tree, logits_BNV) -> verdict``,
+        ``commit(st, ctx, logits_BHV, tree, logits_BNV, feats, cache, verdict, key)``.
+        A stage is compiled once per setting of the config fields it reads.
+        """
+        if name not in _STAGE_FNS:
+            raise ValueError(f"stage must be one of {decode.STAGES}, got {name!r}")
+        return _stage_jit(name, _stage_spec(self.spec, name),
+                          self.graphdef if name in _MODEL_STAGES else None)
+
+    # ------------------------------------------------------------ continuous batching
+
+    def slot_axes(self) -> tuple[int | None, ...]:
+        """The row axis of every `DecodeState` leaf (for `refill`)."""
+        with _mesh_scope(self.mesh):
+            return decode.row_axes(self.graphdef, self.params, spec=self.spec)
+
+    def empty_slots(self, key: jax.Array) -> DecodeState:
+        """A state of B free slots (every row done, nothing in flight)."""
+        with _mesh_scope(self.mesh):
+            return decode.empty_state(self.graphdef, self.params, key, spec=self.spec)
+
+    def refill(self, st: DecodeState, tokens_KT, lengths_K, slots_K, key, *,
+               axes: tuple[int | None, ...]) -> DecodeState:
+        """Prefills K prompts into the given slots of ``st`` (donated); see
+        `tev_jax.decode.refill`. ``axes`` is `slot_axes`."""
+        return self._call(_refill_jit, st, tokens_KT, lengths_K, slots_K, key, axes=axes)
+
+    def run_rounds(self, st: DecodeState, until_done: int, max_rounds: int) -> DecodeState:
+        """Runs rounds until ``until_done`` rows are done, all are, or ``max_rounds``
+        ran. Both bounds are traced, so every call reuses one compilation; ``st`` is
+        donated."""
+        return self._call(_run_rounds_jit, st, jnp.int32(until_done), jnp.int32(max_rounds))
+
+    # ------------------------------------------------------------------- lowering
+
+    def abstract_prompts(self, width: int | None = None) -> Prompts:
+        """Abstract prompts of the engine's batch (``width`` default: P)."""
+        b, t = self.batch_size, width or self.prompt_len
+        rows = lambda *shape: (None if self.mesh is None else shd.logical_sharding(
+            ("batch",) + (None,) * (len(shape) - 1), shape, self.mesh))
+        return Prompts(jax.ShapeDtypeStruct((b, t), jnp.int32, sharding=rows(b, t)),
+                       jax.ShapeDtypeStruct((b,), jnp.int32, sharding=rows(b)))
+
+    def abstract_state(self) -> DecodeState:
+        """The abstract `DecodeState` after the prefill, with the loop's shardings."""
+        with _mesh_scope(self.mesh):
+            st = jax.eval_shape(
+                functools.partial(_prefill_jit, self.graphdef, spec=self.spec),
+                _abstract(self.params), *dataclasses.astuple(self.abstract_prompts()),
+                jax.eval_shape(lambda: jax.random.key(0)))
+        return st
+
+    def lower(self, program: str = "generate") -> jax.stages.Lowered:
+        """The jax ``Lowered`` of one program, on abstract arguments.
+
+        Works on abstract models, so ``lower(...).compile()`` plans memory
+        (``memory_analysis()``: per-device argument, output and temporary bytes) and
+        cost (``cost_analysis()``) for models that do not fit this host.
+
+        Args:
+          program: one of `PROGRAMS`: 'generate' (prefill + fused loop: what must fit),
+            'prefill' (prompt buffer P), 'round' (one fused round), or a stage name
+            ('draft', 'build', 'verify', 'decide', 'commit'), lowered on the shapes
+            one round gives it.
+        Raises:
+          ValueError: an unknown program name.
+        """
+        if program not in PROGRAMS:
+            raise ValueError(f"program must be one of {PROGRAMS}, got {program!r}")
+        params = _abstract(self.params)
+        key = jax.eval_shape(lambda: jax.random.key(0))
+        with _mesh_scope(self.mesh):
+            if program in ("generate", "prefill"):
+                fn = _generate_jit if program == "generate" else _prefill_jit
+                return fn.lower(self.graphdef, params,
+                                *dataclasses.astuple(self.abstract_prompts()), key,
+                                spec=self.spec)
+            st = self.abstract_state()
+            if program == "round":
+                return _round_jit.lower(self.graphdef, params, st, spec=self.spec)
+            args = self._stage_args(program, params, st, key)
+            return self.stage(program).lower(*args)
+
+    def _stage_args(self, program: str, params, st: DecodeState, key) -> tuple:
+        """Abstract arguments of one stage: what the stages before it give in a round."""
+        shape = lambda stage, *args: jax.eval_shape(self.stage(stage), *args)
+        if self.spec.has_drafter:
+            draft_logits, ctx = shape("draft", params, st)
+        else:
+            draft_logits, ctx = None, st.ctx
+        tree = shape("build", draft_logits, st.root_B)
+        logits, feats, cache = shape("verify", params, st.cache, tree, st.start_B)
+        verdict = shape("decide", key, tree, logits)
+        return {
+            "draft": (params, st),
+            "build": (draft_logits, st.root_B),
+            "verify": (params, st.cache, tree, st.start_B),
+            "decide": (key, tree, logits),
+            "commit": (st, ctx, draft_logits, tree, logits, feats, cache, verdict, key),
+        }[program]
+
+
+# ------------------------------------------------------------------- one-call forms
+
+
+def _key(key) -> jax.Array:
+    return jax.random.key(key) if isinstance(key, int) else key
+
+
+def engine_for(target, drafter, prompt_ids, config: DecodeConfig, *, mesh=None
+               ) -> tuple[Engine, Prompts]:
+    """The engine for one batch of prompts (its buffer: ``config.prompt_len`` or the
+    longest prompt) and the placed prompts."""
+    if not isinstance(config, DecodeConfig):
+        raise ValueError(f"config must be a DecodeConfig, got {type(config).__name__}")
+    checked = check_prompts(prompt_ids, target.config.vocab_size, config.prompt_len)
+    width = config.prompt_len or max(len(p) for p in checked)
+    engine = Engine.create(target, drafter, config, len(checked), prompt_len=width, mesh=mesh)
+    return engine, engine.prompts(prompt_ids)
+
+
+def generate(target, drafter: DrafterProtocol | None, prompt_ids: Sequence[Sequence[int]],
+             config: DecodeConfig, key: jax.Array | int = 0, *, mesh=None) -> Generation:
+    """Generates up to ``config.max_new_tokens`` tokens per prompt (the fused program).
+
+    Args:
+      target: a `tev_jax.models.Target`.
+      drafter: a DFlash drafter or any `tev_jax.drafters.DrafterProtocol`; None with
+        ``builder='none'``.
+      prompt_ids: B prompts, each a non-empty list of token ids (lengths may differ).
+      config: a `DecodeConfig`.
+      key: PRNG key or int seed.
+      mesh: optional mesh (see `Engine.create`). The tokens equal the single-device run's.
+
+    Returns:
+      A `Generation`: tokens [B, M] (generated only, -1 padded), lengths [B], stats.
+
+    Raises:
+      ValueError: an empty prompt list or prompt, a token id outside the vocabulary, a
+        cache too short for prompt + M + N, a missing drafter, a mesh that does not
+        divide a dimension (the batch, heads, vocabulary, ...: named in the message),
+        or non-finite logits seen during generation.
+    """
+    engine, prompts = engine_for(target, drafter, prompt_ids, config, mesh=mesh)
+    return engine.finish(engine.generate(prompts, _key(key)))
+
+
+def generate_ar(target, prompt_ids: Sequence[Sequence[int]], config: DecodeConfig,
+                key: jax.Array | int = 0, *, mesh=None) -> Generation:
+    """Plain autoregressive decoding from the target (the baseline and the reference).
+
+    Same cache, prefill and stopping as `generate`; one target token per round.
+    """
+    return generate(target, None, prompt_ids, dataclasses.replace(config, builder="none"), key,
+                    mesh=mesh)
+
+
+__all__ = ["PROGRAMS", "DecodeStats", "Engine", "Generation", "Prompts", "check_prompt",
+           "check_prompts", "engine_for", "generate", "generate_ar"]

@@ -1,0 +1,188 @@
+"""Timing decoding: the fused program end to end, and each stage of a round on its own.
+
+Two paths, both over an `tev_jax.engine.Engine`:
+
+- **fused** (`compiled_generate`, `timed_generate`): the whole generation is one
+  program; ``stats.seconds`` is the wall time of the jitted call up to
+  ``block_until_ready``. End-to-end tokens/s come from here.
+- **un-fused** (`profile_generate`): the same stage functions, each jitted on its own
+  (`Engine.stage`) and timed from a Python loop over rounds. Its per-stage seconds are
+  the only stage timings; each includes one dispatch, so their sum exceeds the fused
+  time. It produces the same tokens as the fused path for the same key.
+
+`compare_methods` times several decoding methods on the same prompts (what
+``tev-jax compare`` prints).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable, Sequence
+
+import jax
+import numpy as np
+
+from tev_jax.decode import DecodeConfig, DecodeState
+from tev_jax.engine import Engine, Generation, Prompts, engine_for
+
+
+def _key(key) -> jax.Array:
+    return jax.random.key(key) if isinstance(key, int) else key
+
+
+def compiled_generate(target, drafter, prompt_ids, config: DecodeConfig, key=0, *,
+                      mesh=None) -> Callable[[], Generation]:
+    """Validates and compiles the fused generation once; returns a function that reruns it.
+
+    Each call of the returned function runs the fused generation once and returns its
+    `Generation` with ``stats.seconds`` = wall time of the jitted call up to
+    ``block_until_ready`` (host checks excluded) and ``stats.compile_seconds`` = the
+    first call's. Benchmarks compile every configuration first and then time them
+    round-robin.
+    """
+    engine, prompts = engine_for(target, drafter, prompt_ids, config, mesh=mesh)
+    key = _key(key)
+    t0 = time.perf_counter()
+    jax.block_until_ready(engine.generate(prompts, key))
+    compile_seconds = time.perf_counter() - t0
+
+    def run() -> Generation:
+        t0 = time.perf_counter()
+        st = jax.block_until_ready(engine.generate(prompts, key))
+        return engine.finish(st, seconds=time.perf_counter() - t0,
+                             compile_seconds=compile_seconds)
+
+    return run
+
+
+def timed_generate(target, drafter, prompt_ids, config: DecodeConfig, key=0, *,
+                   repeats: int = 3, mesh=None) -> Generation:
+    """The fused generation after a compile call; ``stats.seconds`` = median over
+    ``repeats`` runs, ``stats.compile_seconds`` = the compile call's wall time."""
+    run = compiled_generate(target, drafter, prompt_ids, config, key, mesh=mesh)
+    gens = [run() for _ in range(max(repeats, 1))]
+    seconds = float(np.median([g.stats.seconds for g in gens]))
+    return dataclasses.replace(gens[-1], stats=dataclasses.replace(gens[-1].stats,
+                                                                   seconds=seconds))
+
+
+def profile_generate(target, drafter, prompt_ids, config: DecodeConfig, key=0, *,
+                     warmup: bool = True, mesh=None) -> Generation:
+    """The un-fused path: every stage jitted separately and timed per round.
+
+    Runs the same stage functions as the fused loop, so it produces the same tokens for
+    the same key. A stage is compiled once per setting of the config fields it reads
+    (changing the verifier recompiles only the decide stage). ``stats.stage_seconds``
+    holds each stage's wall time up to ``block_until_ready``, summed over rounds;
+    ``stats.round_seconds`` the per-round times. With ``warmup`` a first pass over the
+    prefill and the first round compiles every stage before anything is timed (without
+    it the times include compilation). ``mesh`` as in `tev_jax.engine.generate`.
+    """
+    engine, prompts = engine_for(target, drafter, prompt_ids, config, mesh=mesh)
+    st, times, seconds = _profile(engine, prompts, _key(key), warmup)
+    rounds = {k: np.asarray(v) for k, v in times.items()}
+    return engine.finish(st, stage_seconds={k: float(v.sum()) for k, v in rounds.items()},
+                         round_seconds=rounds, seconds=seconds)
+
+
+_split = jax.jit(jax.random.split)
+
+
+def _profile(engine: Engine, prompts: Prompts, key, warmup: bool
+             ) -> tuple[DecodeState, dict[str, list[float]], float]:
+    """(final state, stage -> per-round seconds, wall seconds of prefill + rounds)."""
+    stage = {name: engine.stage(name) for name in ("draft", "build", "verify", "decide",
+                                                   "commit")}
+    params = engine.params
+    times: dict[str, list[float]] = {k: [] for k in ("prefill", *stage)}
+
+    def one_round(st, record: bool):
+        def timed(name, *args):
+            t0 = time.perf_counter()
+            out = jax.block_until_ready(stage[name](*args))
+            if record:
+                times[name].append(time.perf_counter() - t0)
+            return out
+
+        if engine.spec.has_drafter:
+            draft_logits, ctx = timed("draft", params, st)
+        else:
+            draft_logits, ctx = None, st.ctx
+            if record:
+                times["draft"].append(0.0)
+        tree = timed("build", draft_logits, st.root_B)
+        logits, feats, cache = timed("verify", params, st.cache, tree, st.start_B)
+        key, sub = _split(st.key)
+        verdict = timed("decide", sub, tree, logits)
+        return timed("commit", st, ctx, draft_logits, tree, logits, feats, cache, verdict,
+                     key)
+
+    prefill = lambda: jax.block_until_ready(engine.prefill(prompts, key))
+    if warmup:
+        prefill()
+    t0 = time.perf_counter()
+    st = prefill()
+    times["prefill"].append(time.perf_counter() - t0)
+    m = engine.config.max_new_tokens
+    if warmup and bool(np.any(~np.asarray(st.done_B))):
+        one_round(st, record=False)
+    start = time.perf_counter()
+    while int(st.round) < m and bool(np.any(~np.asarray(st.done_B))):
+        st = one_round(st, record=True)
+    return st, times, time.perf_counter() - start + times["prefill"][0]
+
+
+@dataclasses.dataclass(frozen=True)
+class MethodResult:
+    """One method of `compare_methods` over all prompts.
+
+    Attributes:
+      label: the method's name.
+      tau: output tokens per round over all prompts.
+      tokens_per_second: new tokens over the summed (median) seconds.
+      tokens: new tokens in all.
+      outputs: the generated tokens of each prompt.
+    """
+
+    label: str
+    tau: float
+    tokens_per_second: float
+    tokens: int
+    outputs: list[list[int]]
+
+
+def compare_methods(target, methods: Sequence[tuple[str, object, DecodeConfig]],
+                    prompts: Sequence[Sequence[int]], *, key=0, repeats: int = 1
+                    ) -> list[MethodResult]:
+    """Times decoding methods on the same prompts, one prompt at a time.
+
+    Each method runs every prompt once to compile and ``repeats`` timed times (the
+    median counts); give the configs one ``prompt_len`` so that the prompts share one
+    compilation per method.
+
+    Args:
+      target: the target model.
+      methods: (label, drafter or None, config) per method.
+      prompts: token-id lists.
+      key: PRNG key or seed (the same for every method and prompt).
+      repeats: timed runs per prompt.
+    """
+    results = []
+    for label, drafter, config in methods:
+        tokens = blocks = rounds = 0
+        seconds, outputs = 0.0, []
+        for prompt in prompts:
+            gen = timed_generate(target, drafter, [prompt], config, key, repeats=repeats)
+            n = int(gen.lengths[0])
+            tokens, seconds = tokens + n, seconds + gen.stats.seconds
+            blocks += int(gen.stats.block_lengths.sum())
+            rounds += int(gen.stats.rounds_per_row.sum())
+            outputs.append(gen.rows()[0])
+        results.append(MethodResult(label, blocks / rounds if rounds else float("nan"),
+                                    tokens / seconds, tokens, outputs))
+    return results
+
+
+__all__ = ["MethodResult", "compare_methods", "compiled_generate", "profile_generate",
+           "timed_generate"]

@@ -1,0 +1,170 @@
+"""Batch generation from a prompts file: the job behind ``tev-jax generate --prompts``.
+
+`generate_file` reads and checks every prompt before loading anything heavy, skips the
+ids already in the output (a rerun resumes it), decodes the rest with continuous
+batching (`tev_jax.batching`) and appends one JSON line per finished prompt
+(`tev_jax.batch_io`). Several processes split one file: process i of n takes prompts
+i, i + n, ... and writes ``OUT.<i>-of-<n>.jsonl`` (`tev_jax.batch_io.merge_outputs`
+joins them).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+
+from tev_jax import batch_io, batching
+from tev_jax.decode import DecodeConfig
+from tev_jax.sharding import MESH_AXES
+
+
+def stop_token_ids(target, tokenizer) -> tuple[int, ...]:
+    """The target's ``config.json`` eos ids, else the project tokenizer's <|end|> /
+    <|eos|> if it has them."""
+    from tev_jax.data.tokenizer import END, EOS
+
+    if target.config.eos_token_ids:
+        return tuple(target.config.eos_token_ids)
+    ids = (tokenizer.token_to_id(t) for t in (END, EOS))
+    return tuple(i for i in ids if i is not None)
+
+
+@dataclasses.dataclass(frozen=True)
+class FileJob:
+    """One batch-generation job.
+
+    Attributes:
+      prompts: the prompts file (`tev_jax.batch_io.read_prompts`).
+      output: OUT.jsonl; settings in ``OUT.settings.json``.
+      target: the target checkpoint directory.
+      drafter: the drafter checkpoint directory (None for AR).
+      config: how to decode; its stop tokens default to the target's (`stop_token_ids`)
+        and its prompt buffer to the longest prompt of the file (rounded up to 8).
+      batch_size: row slots of continuous batching.
+      truncate: keep the last ``config.prompt_len`` tokens of a longer prompt instead
+        of refusing it.
+      force: append to OUT even if it was written with other settings.
+      seed: sampling seed (each process folds in its index).
+      dtype: parameter and KV-cache dtype.
+      process_index, process_count: this process's shard of the file.
+      sync_rounds: return to the host (progress) at least every this many rounds.
+      method: how the summary names the models.
+    """
+
+    prompts: str
+    output: str
+    target: str
+    drafter: str | None
+    config: DecodeConfig
+    batch_size: int = 8
+    truncate: bool = False
+    force: bool = False
+    seed: int = 0
+    dtype: str = "float32"
+    process_index: int = 0
+    process_count: int = 1
+    sync_rounds: int = 16
+    method: str = ""
+
+    def settings(self, config: DecodeConfig, mesh) -> dict:
+        """What decides the results (compared on resumption) and, under 'run', what not."""
+        from tev_jax import __version__
+
+        s = config.sampling
+        mesh_shape = [1 if mesh is None else int(mesh.shape.get(a, 1)) for a in MESH_AXES]
+        return {
+            "target": self.target, "drafter": self.drafter, "builder": config.builder,
+            "budget": config.budget if config.builder == "ddtree" else None,
+            "verifier": config.verifier if config.builder != "none" else None,
+            "temperature": s.temperature, "top_k": s.top_k, "top_p": s.top_p,
+            "max_new_tokens": config.max_new_tokens,
+            "stop_token_ids": list(config.stop_token_ids), "seed": self.seed,
+            "truncate_to": config.prompt_len if self.truncate else None,
+            "dtype": self.dtype,
+            batch_io.RUN_KEY: {
+                "prompts": self.prompts, "batch_size": self.batch_size, "mesh": mesh_shape,
+                "prompt_len": config.prompt_len, "process_index": self.process_index,
+                "process_count": self.process_count, "tev_jax": __version__},
+        }
+
+
+def generate_file(job: FileJob, *, mesh=None, progress: bool = True) -> dict:
+    """Runs ``job``; -> its summary (also printed to stderr).
+
+    Raises:
+      ValueError: a bad setting, prompts file, prompt (file and line named), checkpoint,
+        or an output written with other settings (without ``force``).
+    """
+    from tqdm import tqdm
+
+    from tev_jax.models import load_drafter, load_target, load_tokenizer
+
+    if job.batch_size < 1:
+        raise ValueError(f"--batch-size must be >= 1, got {job.batch_size}")
+    if job.truncate and job.config.prompt_len is None:
+        raise ValueError("--truncate left needs --prompt-len")
+    records = batch_io.read_prompts(job.prompts)
+    tokenizer = load_tokenizer(job.target)
+    config_file = Path(job.target) / "tokenizer_config.json"
+    chat = batch_io.chat_formatter(
+        json.loads(config_file.read_text()) if config_file.is_file() else None)
+    dtype = jnp.dtype(job.dtype)
+    target = load_target(job.target, dtype=dtype, mesh=mesh)
+    # Every process encodes the whole file, so all agree on the default prompt buffer.
+    requests = batch_io.encode_records(
+        records, tokenizer, chat, vocab_size=target.config.vocab_size,
+        prompt_len=job.config.prompt_len, truncate=job.truncate, where=job.prompts)
+    config = job.config
+    if config.prompt_len is None:
+        config = dataclasses.replace(
+            config, prompt_len=-(-max(len(r.prompt_ids) for r in requests) // 8) * 8)
+    if not config.stop_token_ids:
+        config = dataclasses.replace(config, stop_token_ids=stop_token_ids(target, tokenizer))
+    out = batch_io.shard_path(job.output, job.process_index, job.process_count)
+    done, f = batch_io.open_output(out, job.settings(config, mesh), force=job.force)
+    todo = [r for r in batch_io.shard_of(requests, job.process_index, job.process_count)
+            if batch_io.id_key(r.id) not in done]
+    drafter = (None if job.drafter is None
+               else load_drafter(job.drafter, target, dtype=dtype, mesh=mesh))
+    key = jax.random.fold_in(jax.random.key(job.seed), job.process_index)
+    tokens = rounds = block_tokens = 0
+    reasons = {"stop": 0, "length": 0}
+    t0 = time.perf_counter()
+    with f, tqdm(total=len(todo), unit="prompt", file=sys.stderr, disable=not progress) as bar:
+        for r in batching.generate_continuous(target, drafter, todo, config,
+                                              batch_size=job.batch_size, key=key,
+                                              max_rounds=job.sync_rounds, mesh=mesh):
+            batch_io.write_line(f, {
+                "id": r.id, "text": tokenizer.decode(r.token_ids), "token_ids": r.token_ids,
+                "rounds": r.rounds, "tau": None if r.rounds == 0 else round(r.tau, 4),
+                "stop_reason": r.stop_reason, "prompt_tokens": r.prompt_tokens})
+            tokens += len(r.token_ids)
+            reasons[r.stop_reason] += 1
+            if r.rounds:
+                rounds += r.rounds
+                block_tokens += r.tau * r.rounds
+            bar.set_postfix({"tok/s": f"{tokens / (time.perf_counter() - t0):.1f}",
+                             "tau": f"{block_tokens / max(rounds, 1):.2f}"}, refresh=False)
+            bar.update(1)
+    seconds = time.perf_counter() - t0
+    summary = {"output": str(out), "prompts": len(todo), "skipped": len(done),
+               "new_tokens": tokens, "seconds": round(seconds, 3),
+               "prompts_per_s": round(len(todo) / seconds, 3),
+               "tokens_per_s": round(tokens / seconds, 2),
+               "tau": round(block_tokens / rounds, 4) if rounds else None,
+               "stop_reasons": reasons, "batch_size": job.batch_size,
+               "method": job.method}
+    print(f"[{job.method}] {len(todo)} prompts ({len(done)} already in {out}), {tokens} new "
+          f"tokens in {seconds:.1f} s (compilation included): {summary['tokens_per_s']} "
+          f"tokens/s, {summary['prompts_per_s']} prompts/s, tau = {summary['tau']}",
+          file=sys.stderr)
+    return summary
+
+
+__all__ = ["FileJob", "generate_file", "stop_token_ids"]

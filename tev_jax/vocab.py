@@ -1,0 +1,259 @@
+"""Reductions and draws over the vocabulary, and their placement on a mesh.
+
+Every pass over [..., V] logits in the library goes through here: the target's
+log-weights (`Scores`), the one fused pass that gives per-block masses
+(`block_masses`), its uses (`log_normalizer`, `inverse_cdf`, `sample_token`), the
+two-stage `argmax`, the exact top-k of a vocabulary sharded over a mesh (`vocab_top_k`)
+and the XLA:CPU scheduling barrier they share (`cpu_barrier`). The blocks of 128
+entries keep XLA:CPU's reductions fast (DESIGN.md §5, experiments/verifier_latency).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+from jax.sharding import PartitionSpec
+
+from tev_jax.sampling import Sampling, log_probs
+from tev_jax.sharding import logical_to_spec, mesh_axis_size
+
+
+@struct.dataclass
+class Scores:
+    """Target log-weights ``z = x * scale`` with ``p = softmax(z)`` per row.
+
+    ``z`` is never materialised for a plain temperature: each consumer applies the
+    scale to what it reads from ``x``. Every exact verifier reads the [N, V] logits
+    through ``block_masses`` only (plus gathers of a few 128-token blocks), so XLA
+    emits one fused kernel for the pass over the logits: row max, exp, block sums. A
+    row max or a shared ``z`` array needed elsewhere would cost a second pass over the
+    logits (or a written [N, V] buffer) on XLA:CPU.
+
+    Attributes:
+      x: [..., V] logits (raw, or already transformed for top-k / top-p / T = 0).
+      scale: static 1 / T (1 when ``x`` is already transformed).
+    """
+
+    x: jax.Array
+    scale: float = struct.field(pytree_node=False)
+
+
+def target_scores(logits_NV: jax.Array, sampling: Sampling) -> Scores:
+    """The target's log-weights for ``sampling``; unmaterialised for a plain temperature,
+    the materialised ``sampling.log_probs`` with top-k, top-p or T = 0."""
+    if sampling.greedy or sampling.top_k is not None or sampling.top_p is not None:
+        return Scores(log_probs(logits_NV, sampling), 1.0)
+    return Scores(logits_NV.astype(jnp.float32), 1.0 / sampling.temperature)
+
+
+BLOCK = 128  # vocabulary block of the two-stage reductions (see block_masses)
+
+
+def _blocks(x: jax.Array, block: int):
+    """[..., V] -> ([..., V // block, block] full blocks, [..., V % block] tail)."""
+    *lead, vocab = x.shape
+    n_full = vocab // block
+    return x[..., : n_full * block].reshape(*lead, n_full, block), x[..., n_full * block :]
+
+
+def block_masses(scores: Scores, block: int = BLOCK) -> jax.Array:
+    """Masses ``sum exp((x - max x) * scale)`` of consecutive vocabulary blocks.
+
+    float32 [..., ceil(V / block)], in units of each row's largest weight (the row
+    max stays inside the kernel). Every row needs a finite maximum. This is the one
+    pass over the logits: XLA:CPU fuses the row max, the exp and the block sums into
+    one kernel. The optimization barrier (XLA:CPU only, `cpu_barrier`) stops XLA from merging the block sums with a
+    following row sum into one long-row reduction, which XLA:CPU ran 3.4x slower on
+    [8, 65, 151 936]; blocks of 256 or more were ~4x slower than 128 (see
+    experiments/verifier_latency).
+    """
+    x, scale = scores.x, jnp.float32(scores.scale)
+    block = min(block, x.shape[-1])
+    m = jnp.max(x, axis=-1)
+    full, tail = _blocks(x, block)
+    mass = jnp.sum(jnp.exp((full - m[..., None, None]) * scale), axis=-1)
+    if tail.shape[-1]:
+        tail_mass = jnp.sum(jnp.exp((tail - m[..., None]) * scale), axis=-1, keepdims=True)
+        mass = jnp.concatenate([mass, tail_mass], axis=-1)
+    return cpu_barrier(mass)
+
+
+def log_normalizer(scores: Scores) -> jax.Array:
+    """``log sum_y exp((x_y - max x) * scale)`` per row; float32 [...].
+
+    The log-normaliser relative to the row maximum (the benchmark's floor).
+    """
+    return jnp.log(jnp.sum(block_masses(scores), axis=-1))
+
+
+def gather_blocks(x_NV: jax.Array, rows_R: jax.Array, block_R: jax.Array, block: int):
+    """Vocabulary block ``block_R[r]`` (``block`` wide) of row ``rows_R[r]``; [R, block],
+    -inf past the end of the vocabulary. One gather of R x block entries."""
+    vocab = x_NV.shape[-1]
+    idx_RK = block_R[:, None] * block + jnp.arange(block)[None, :]
+    x_RK = x_NV[rows_R[:, None], jnp.minimum(idx_RK, vocab - 1)]
+    return jnp.where(idx_RK < vocab, x_RK, -jnp.inf)
+
+
+def uniform(key: jax.Array, shape: tuple[int, ...]) -> jax.Array:
+    """Uniforms on the grid ``k / 2^24``, k = 0 .. 2^24 - 1 (exact in float32, < 1)."""
+    bits = jax.random.bits(key, shape, jnp.uint32)
+    return (bits >> 8).astype(jnp.float32) * jnp.float32(2.0**-24)
+
+
+def first_above(cum_RK: jax.Array, t_R: jax.Array, mass_RK: jax.Array) -> jax.Array:
+    """Index of the first entry with ``cum > t`` in each row, never one with zero mass.
+
+    If rounding puts ``t`` at or past the row total, the last entry with mass is taken.
+    Zero-mass entries never raise ``cum``, so they are never the first above ``t``.
+    """
+    k = jnp.sum(cum_RK <= t_R[:, None], axis=-1)
+    size = mass_RK.shape[-1]
+    last = size - 1 - jnp.argmax((mass_RK > 0)[:, ::-1], axis=-1)
+    return jnp.minimum(k, last).astype(jnp.int32)
+
+
+def inverse_cdf(u_R: jax.Array, scores: Scores, block: int = BLOCK) -> jax.Array:
+    """Token ``y ~ softmax(z)`` per row by a blocked inverse-CDF search; int32 [R].
+
+    ``block_masses`` (the one pass over the logits) gives per-block masses; the block
+    holding ``u * total`` is found by a cumulative sum over blocks, then the token
+    inside it by a cumulative sum over that block's gathered entries, searched at the
+    same fraction of the block's mass (so the row max is never needed outside the
+    kernel). The logits are read once plus ``R * block`` gathered entries; Gumbel-max
+    needs R x V random numbers, a plain inverse CDF an [R, V] cumulative sum.
+
+    Args:
+      u_R: [R] uniforms in [0, 1).
+      scores: the rows' log-weights ``z = x * scale``; every row needs a finite max.
+      block: vocabulary block size.
+    """
+    x_RV, scale = scores.x, jnp.float32(scores.scale)
+    block = min(block, x_RV.shape[-1])
+    mass_RB = block_masses(scores, block)
+    cum_RB = jnp.cumsum(mass_RB, axis=-1)
+    t_R = u_R * cum_RB[:, -1]
+    blk_R = first_above(cum_RB, t_R, mass_RB)
+    take = lambda a_RB, i_R: jnp.take_along_axis(a_RB, i_R[:, None], axis=-1)[:, 0]
+    before_R = jnp.where(blk_R > 0, take(cum_RB, jnp.maximum(blk_R - 1, 0)), 0.0)
+    frac_R = (t_R - before_R) / take(mass_RB, blk_R)
+    seg_RK = gather_blocks(x_RV, jnp.arange(x_RV.shape[0]), blk_R, block)
+    seg_mass_RK = jnp.exp((seg_RK - jnp.max(seg_RK, axis=-1, keepdims=True)) * scale)
+    seg_cum_RK = jnp.cumsum(seg_mass_RK, axis=-1)
+    pos_R = first_above(seg_cum_RK, frac_R * seg_cum_RK[:, -1], seg_mass_RK)
+    return blk_R * block + pos_R
+
+
+def argmax(x_RV: jax.Array, block: int = BLOCK) -> jax.Array:
+    """``jnp.argmax(x, -1)`` (lowest index on ties) in two stages; int32 [R].
+
+    Block maxima first, then the first block holding the row maximum, then the first
+    maximum inside it. XLA:CPU's one-stage argmax (a variadic reduction) is ~7x slower
+    on [65, 151 936] logits.
+    """
+    rows, vocab = x_RV.shape
+    block = min(block, vocab)
+    n_full, rem = divmod(vocab, block)
+    x_RV = x_RV.astype(jnp.float32)
+    best_RB = jnp.max(x_RV[:, : n_full * block].reshape(rows, n_full, block), axis=-1)
+    if rem:
+        tail = jnp.max(x_RV[:, n_full * block :], axis=-1, keepdims=True)
+        best_RB = jnp.concatenate([best_RB, tail], axis=-1)
+    blk_R = jnp.argmax(cpu_barrier(best_RB), axis=-1)
+    idx_RK = blk_R[:, None] * block + jnp.arange(block)[None, :]
+    x_RK = jnp.take_along_axis(x_RV, jnp.minimum(idx_RK, vocab - 1), axis=-1)
+    x_RK = jnp.where(idx_RK < vocab, x_RK, -jnp.inf)
+    return (blk_R * block + jnp.argmax(x_RK, axis=-1)).astype(jnp.int32)
+
+
+def _vocab_spec(x: jax.Array, lead_names: Sequence[str | None]) -> PartitionSpec | None:
+    """The spec of ``x`` [..., V] when its vocabulary axis is sharded, else None."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return None
+    names = tuple(lead_names) + (None,) * (x.ndim - 1 - len(lead_names)) + ("act_vocab",)
+    spec = logical_to_spec(names, x.shape, mesh)
+    spec = tuple(spec) + (None,) * (x.ndim - len(spec))
+    return PartitionSpec(*spec) if spec[-1] is not None else None
+
+
+def _spec_axes(entry) -> tuple[str, ...]:
+    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def cpu_barrier(x, *, vocab_sharded: bool = False):
+    """``lax.optimization_barrier(x)`` on the CPU backend, else ``x``.
+
+    The kernels use it to stop XLA:CPU from fusing a reduction into a slower form
+    (DESIGN.md §5, experiments/verifier_latency). It is skipped on other backends,
+    where it only constrains scheduling, and whenever the operand's vocabulary axis is
+    sharded (``vocab_sharded``, or a tensor axis on the active mesh), where XLA's SPMD
+    partitioner aborts on it.
+    """
+    if jax.default_backend() != "cpu" or vocab_sharded or mesh_axis_size(("act_vocab",)) > 1:
+        return x
+    return jax.lax.optimization_barrier(x)
+
+
+def vocab_top_k(x: jax.Array, k: int, lead_names: Sequence[str | None] = ()
+                ) -> tuple[jax.Array, jax.Array]:
+    """``lax.top_k(x, k)`` over the last (vocabulary) axis, exact under any mesh.
+
+    When the active mesh shards the vocabulary (logical ``act_vocab``), each shard takes
+    the top-k of its own slice (`jax.shard_map`), and the merge takes the top-k of the
+    shards' winners: only ``shards * k`` candidates per row move between devices. Ties
+    keep the smaller index first, as ``lax.top_k`` does: shard winners are listed in
+    shard (= index) order.
+
+    Args:
+      x: [..., V].
+      k: static, 1 <= k <= V (above V / shards the row is gathered: it is small).
+      lead_names: logical names of the leading axes (e.g. ``("batch", None)``), so that
+        their sharding is kept inside the per-shard computation.
+    Returns:
+      (values [..., k], int32 indices [..., k]).
+    """
+    spec = _vocab_spec(x, lead_names)
+    if spec is None:
+        values, idx = jax.lax.top_k(x, k)
+        values, idx = cpu_barrier((values, idx))
+        return values, idx.astype(jnp.int32)
+    vocab_axes = _spec_axes(spec[-1])
+    width = x.shape[-1] // mesh_axis_size(("act_vocab",))
+    if k > width:  # a tiny vocabulary over many shards: the whole row is small anyway
+        values, idx = jax.lax.top_k(x, k)
+        return values, idx.astype(jnp.int32)
+
+    def local(x_loc):
+        values, idx = jax.lax.top_k(x_loc, k)
+        shard = jnp.zeros((), jnp.int32)
+        for ax in vocab_axes:  # row-major shard index over the vocabulary's mesh axes
+            shard = shard * jax.lax.axis_size(ax) + jax.lax.axis_index(ax)
+        return values, idx.astype(jnp.int32) + shard * width
+
+    manual = {a for entry in spec for a in _spec_axes(entry)}
+    values, idx = jax.shard_map(local, in_specs=spec, out_specs=(spec, spec),
+                                axis_names=manual)(x)
+    values, pick = jax.lax.top_k(values, k)
+    return values, jnp.take_along_axis(idx, pick, axis=-1)
+
+
+def sample_token(key: jax.Array, logits_BV: jax.Array, sampling: Sampling) -> jax.Array:
+    """One token per row from ``softmax(transform(logits))``; int32 [B]. Argmax at T = 0.
+
+    Uses the verifiers' samplers: their two-stage argmax, and one uniform per row with
+    the blocked inverse-CDF search (cheaper on CPU than Gumbel-max, which draws V random
+    numbers per row).
+    """
+    if sampling.greedy:
+        return argmax(logits_BV)
+    scores = target_scores(logits_BV, sampling)
+    return inverse_cdf(uniform(key, (logits_BV.shape[0],)), scores)
+
+
+__all__ = ["BLOCK", "Scores", "argmax", "block_masses", "cpu_barrier", "first_above", "gather_blocks",
+           "inverse_cdf", "log_normalizer", "sample_token", "target_scores", "uniform",
+           "vocab_top_k"]
