@@ -15,7 +15,7 @@ import pytest
 
 import train_fixtures as tf
 from tev_jax import sharding as shd
-from tev_jax.checkpoint import CheckpointError, TrainCheckpointer, abstract_like, checkpoint_path
+from train.checkpoint import CheckpointError, TrainCheckpointer, abstract_like, checkpoint_path
 from train.loop import read_log, train
 from train.rollouts import RolloutSet
 

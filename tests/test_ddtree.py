@@ -18,8 +18,8 @@ import scipy.special
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from heap_ddtree import heap_build, numpy_topk_logq
 from tev_jax import ddtree
+from tev_jax.testing.heap_ddtree import heap_build, numpy_topk_logq
 from tev_jax.tree import DraftTree, validate
 
 FIELDS = ("tokens", "parents", "depths", "valid", "logq", "score")

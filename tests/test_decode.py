@@ -24,9 +24,9 @@ from flax import nnx
 
 from decode_fixtures import MixDrafter, greedy_reference, tiny_target
 from tev_jax import decode, engine, extensions, profile
-from tev_jax.decode_drafters import OracleDrafter
 from tev_jax.models.drafter_io import init_drafter
 from tev_jax.sampling import Sampling
+from tev_jax.testing.drafters import OracleDrafter
 
 V = 64
 H = 4

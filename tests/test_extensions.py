@@ -114,7 +114,7 @@ def test_unknown_names_and_unhashable_functions_are_refused():
 @pytest.fixture(scope="module")
 def models():
     from decode_fixtures import tiny_target
-    from tev_jax.decode_drafters import OracleDrafter
+    from tev_jax.testing.drafters import OracleDrafter
 
     return tiny_target(seed=8), OracleDrafter(H + 1, scale=0.5)
 

@@ -21,7 +21,7 @@ Order and ties. Candidates are ranked by the total order
 
 The tree holds the first ``budget`` candidates of this order, in this order, in slots
 1..budget. A heap keyed on ``(-score, depth, i + r, i)`` pops them in exactly this
-order, which is what ``tests/heap_ddtree.py`` does. (Rule 3 is a tie-break only; it
+order, which is what ``tev_jax.testing.heap_ddtree`` does. (Rule 3 is a tie-break only; it
 is the anti-diagonal order in which the jitted builder lists its candidate pairs, the
 order that makes XLA:CPU's top_k about three times faster than a row-major one.)
 

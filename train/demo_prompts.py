@@ -24,8 +24,8 @@ from pathlib import Path
 
 import numpy as np
 
-from tev_jax.data.corpus import CorpusConfig, build_documents
 from tev_jax.data.tokenizer import ASSISTANT
+from train.corpus import CorpusConfig, build_documents
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_DATA_DIR = REPO_ROOT.parent / "shared" / "data"

@@ -5,7 +5,7 @@ A run is a pure function of its `TrainConfig` and its data: the micro-batch ``m`
 checkpoint replays exactly the same batches and (on CPU) the same losses bit for bit.
 Each process reads only the batch rows of its own devices (`train.local_input`).
 
-Checkpoints are asynchronous orbax saves (`tev_jax.checkpoint`), to ``out_dir/checkpoints``
+Checkpoints are asynchronous orbax saves (`train.checkpoint`), to ``out_dir/checkpoints``
 or ``checkpoint_dir`` (which may be ``gs://...``); on SIGTERM the run saves after the
 current update and returns (`train.preemption`).
 """
@@ -25,7 +25,7 @@ import numpy as np
 from flax import nnx
 
 from tev_jax import sharding as shd
-from tev_jax.checkpoint import CheckpointError, TrainCheckpointer
+from train.checkpoint import CheckpointError, TrainCheckpointer
 from train.config import TrainConfig
 from train.local_input import batch_rows, place_local_batch
 from train.preemption import PreemptionWatch

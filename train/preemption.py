@@ -28,7 +28,7 @@ class PreemptionWatch:
     """Context manager answering "save and stop after this update?".
 
     Args:
-      checkpointer: a `tev_jax.checkpoint.TrainCheckpointer` (for the sync point).
+      checkpointer: a `train.checkpoint.TrainCheckpointer` (for the sync point).
     """
 
     def __init__(self, checkpointer):

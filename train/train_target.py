@@ -28,6 +28,7 @@ from tqdm import tqdm
 
 from tev_jax import data
 from tev_jax.models import ModelConfig, Target, save_target
+from train import token_corpus
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,7 +94,7 @@ def evaluate(graphdef, params, corpus, seq_len, max_windows=16) -> dict[str, flo
     loss_fn = jax.jit(lambda p, w: lm_loss(graphdef, p, w))
     out = {}
     for domain, stream in sorted(corpus.val.items()):
-        windows = data.validation_windows(stream, seq_len + 1, max_windows)
+        windows = token_corpus.validation_windows(stream, seq_len + 1, max_windows)
         out[domain] = float(np.mean([loss_fn(params, windows[i:i + 8])
                                      for i in range(0, len(windows), 8)]))
     return out
@@ -117,9 +118,10 @@ def main(argv=None):
     cfg = TargetTrainConfig(steps=args.steps, batch_size=args.batch_size,
                             seq_len=args.seq_len, seed=args.seed)
     tokenizer = data.load_default_tokenizer()
-    corpus = data.load_token_corpus(args.corpus, tokenizer)
-    windows = data.WindowConfig(cfg.batch_size, cfg.seq_len + 1, cfg.seed,
-                                data.mixture_weights(corpus.train, cfg.mixture_alpha))
+    corpus = token_corpus.load_token_corpus(args.corpus, tokenizer)
+    windows = token_corpus.WindowConfig(
+        cfg.batch_size, cfg.seq_len + 1, cfg.seed,
+        token_corpus.mixture_weights(corpus.train, cfg.mixture_alpha))
     model = Target(cfg.model_config(tokenizer.get_vocab_size()),
                    rngs=nnx.Rngs(params=jax.random.key(cfg.seed)))
     graphdef, params = nnx.split(model, nnx.Param)
@@ -143,7 +145,7 @@ def main(argv=None):
     started = last_ckpt = time.time()
     bar = tqdm(total=cfg.steps, initial=step, disable=args.export_only)
     while step < cfg.steps and not args.export_only:
-        batch = jnp.asarray(data.train_batch(corpus.train, windows, step))
+        batch = jnp.asarray(token_corpus.train_batch(corpus.train, windows, step))
         t0 = time.time()
         params, opt_state, loss = train_step(params, opt_state, batch)
         loss = float(loss)

@@ -11,8 +11,8 @@ from __future__ import annotations
 import argparse
 import time
 
-from tev_jax.data.corpus import CorpusConfig, build_documents, tokenizer_training_texts
 from tev_jax.data.tokenizer import TokenizerConfig, default_tokenizer_path, train_tokenizer
+from train.corpus import CorpusConfig, build_documents, tokenizer_training_texts
 from train.prepare_corpus import DEFAULT_DATA_DIR
 
 

@@ -13,7 +13,7 @@ Everything runs in one process on the same models, batch 1, float32:
    timed with ``block_until_ready``, after a warm-up pass; one run per configuration;
    each stage call includes a dispatch overhead, measured and recorded): per-stage seconds (prefill,
    draft, build, verify, decide, commit) and τ, for the DFlash drafter and for the oracle
-   drafter (`tev_jax.decode_drafters.OracleDrafter`, which drafts with the target's own
+   drafter (`tev_jax.testing.drafters.OracleDrafter`, which drafts with the target's own
    greedy chain: τ is meaningful, but its draft stage costs H target decode steps).
    Stage times are medians over rounds (robust to load spikes on a shared machine).
    From these, a *projection*: the tokens/s of the oracle's trees if drafting cost what
@@ -48,9 +48,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from tev_jax import decode, engine, profile
-from tev_jax.decode_drafters import OracleDrafter
 from tev_jax.models import ModelConfig, init_drafter, init_target, load_drafter, load_target
 from tev_jax.sampling import Sampling
+from tev_jax.testing.drafters import OracleDrafter
 
 HERE = Path(__file__).resolve().parent
 STAGES = ("prefill", "draft", "build", "verify", "decide", "commit")

@@ -2,7 +2,7 @@
 
 Two figures per budget, measured in one run, side by side and interleaved:
   (a) tree construction after the per-row top-K: jitted ``build_tree_from_topk`` vs the
-      heap (``tests/heap_ddtree.py``, numpy + heapq) over the same top-K arrays;
+      heap (``tev_jax/testing/heap_ddtree.py``, numpy + heapq) over the same top-K arrays;
   (b) the whole builder from raw logits: jitted ``build_tree`` (top-K included) vs the
       jitted top-K, a device->host copy and the heap, as DDTree does it.
 Every measured case checks that both sides build the same trees, slot for slot.
@@ -28,10 +28,9 @@ import jax.numpy as jnp
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
-from heap_ddtree import heap_build  # noqa: E402
-
+sys.path.insert(0, str(ROOT))  # this checkout's tev_jax
 from tev_jax import ddtree  # noqa: E402
+from tev_jax.testing.heap_ddtree import heap_build  # noqa: E402
 
 FIELDS = ("tokens", "parents", "depths", "valid", "logq", "score")
 

@@ -1,23 +1,16 @@
-"""Offline data for the bundled models: tokenizer, corpus, training windows, prompt sets.
+"""Offline data for the bundled models: tokenizer and evaluation prompt sets.
 
 - ``tokenizer``: the bundled byte-level BPE (V = 4096), special-token ids, chat template.
-- ``corpus``: training/validation documents per domain from the shared data folder and
-  the interpreter's standard library.
-- ``token_corpus``: token arrays on disk, deterministic resumable training windows.
 - ``prompts``: the bundled evaluation prompt sets.
+
+The training corpus they come from (documents, token arrays, training windows) is built
+by the training package: ``train.corpus``, ``train.token_corpus``,
+``train.prepare_corpus``.
 
 Licences and attribution: ``tev_jax/data/README.md``.
 """
 
 from tev_jax.data.prompts import PROMPT_COUNTS, PROMPT_SETS, prompt_records, prompt_set
-from tev_jax.data.token_corpus import (
-    TokenCorpus,
-    WindowConfig,
-    load_token_corpus,
-    mixture_weights,
-    train_batch,
-    validation_windows,
-)
 from tev_jax.data.tokenizer import (
     ASSISTANT_ID,
     BOS_ID,
@@ -45,17 +38,11 @@ __all__ = [
     "PROMPT_SETS",
     "SPECIAL_TOKENS",
     "STOP_IDS",
-    "TokenCorpus",
     "USER_ID",
-    "WindowConfig",
     "format_chat",
     "format_chat_turn",
     "load_default_tokenizer",
-    "load_token_corpus",
     "load_tokenizer",
-    "mixture_weights",
     "prompt_records",
     "prompt_set",
-    "train_batch",
-    "validation_windows",
 ]

@@ -30,6 +30,7 @@ import sysconfig
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 
+from tev_jax.data.prompts import read_jsonl
 from tev_jax.data.tokenizer import format_chat_turn
 
 DOMAINS: tuple[str, ...] = ("prose", "code", "gsm", "math", "chat")
@@ -135,20 +136,6 @@ def resolve_data_dir(data_dir: str | Path) -> Path:
             "the shared data folder (default: ../shared/data relative to the repository root)"
         )
     return path
-
-
-def read_jsonl(path: str | Path) -> list[dict]:
-    """Reads a JSONL file into a list of dicts; a malformed line raises ``ValueError``."""
-    records = []
-    with open(path, encoding="utf-8") as f:
-        for line_number, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                records.append(json.loads(line))
-            except json.JSONDecodeError as error:
-                raise ValueError(f"{path}:{line_number}: invalid JSON ({error})") from error
-    return records
 
 
 def math_holdout_ids(records: Sequence[Mapping]) -> frozenset[str]:

@@ -1,7 +1,7 @@
 """Drafters that are good or bad by construction, for tests and benchmarks.
 
-They implement `tev_jax.decode.DrafterProtocol`. They are not real drafters: they exist so that
-the engine can be tested and timed with long accepted blocks before a trained DFlash
+They implement `tev_jax.drafters.DrafterProtocol`. They are not real drafters: they exist so
+that the engine can be tested and timed with long accepted blocks before a trained DFlash
 drafter exists (a randomly initialised DFlash drafter gives the short ones).
 """
 

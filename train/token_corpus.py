@@ -24,8 +24,8 @@ from pathlib import Path
 import numpy as np
 from tokenizers import Tokenizer
 
-from tev_jax.data.corpus import DOMAINS, SPLITS, Document
 from tev_jax.data.tokenizer import BOS_ID, EOS_ID, tokenizer_sha256
+from train.corpus import DOMAINS, SPLITS, Document
 
 MANIFEST = "manifest.json"
 SPLITS_FILE = "splits.json"
