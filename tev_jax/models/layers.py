@@ -46,7 +46,7 @@ from tev_jax.sharding import constrain
 _INIT_STD = 0.02
 
 
-def _param(rngs: nnx.Rngs | None, shape, dtype, axes, init: str) -> nnx.Param:
+def make_param(rngs: nnx.Rngs | None, shape, dtype, axes, init: str) -> nnx.Param:
     """A parameter with logical axes and its initializer kind recorded as metadata.
 
     ``init`` is 'normal' (std 0.02), 'ones' or 'zeros'. `fast_init` uses the recorded
@@ -114,9 +114,9 @@ class Linear(nnx.Module):
                  dtype, rngs: nnx.Rngs):
         in_shape, out_shape = tuple(in_shape), tuple(out_shape)
         self.n_in = len(in_shape)
-        self.kernel = _param(rngs, in_shape + out_shape, dtype,
+        self.kernel = make_param(rngs, in_shape + out_shape, dtype,
                              tuple(in_axes) + tuple(out_axes), "normal")
-        self.bias = (_param(rngs, out_shape, dtype, out_axes, "zeros")
+        self.bias = (make_param(rngs, out_shape, dtype, out_axes, "zeros")
                      if use_bias else None)
 
     def __call__(self, x: jax.Array) -> jax.Array:
@@ -135,7 +135,7 @@ class RMSNorm(nnx.Module):
 
     def __init__(self, dim: int, *, eps: float, dtype, rngs: nnx.Rngs | None = None):
         self.eps = float(eps)
-        self.weight = _param(rngs, (dim,), dtype, ("norm",), "ones")
+        self.weight = make_param(rngs, (dim,), dtype, ("norm",), "ones")
 
     def __call__(self, x: jax.Array) -> jax.Array:
         xf = x.astype(jnp.float32)

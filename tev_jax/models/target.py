@@ -48,7 +48,7 @@ from tev_jax.models.attention import Mask
 from tev_jax.models.config import ModelConfig
 from tev_jax.models.kv_cache import KVCache
 from tev_jax.models.layers import (
-    DecoderLayer, RMSNorm, _param, jitted_initializer, rope_inv_freq,
+    DecoderLayer, RMSNorm, jitted_initializer, make_param, rope_inv_freq,
 )
 from tev_jax.sharding import constrain
 
@@ -65,13 +65,13 @@ class Target(nnx.Module):
         c = config
         self.config = c
         self.dtype = jnp.dtype(dtype)
-        self.embed_tokens = _param(rngs, (c.vocab_size, c.hidden_size), dtype,
+        self.embed_tokens = make_param(rngs, (c.vocab_size, c.hidden_size), dtype,
                                    ("vocab", "embed"), "normal")
         self.layers = nnx.List([DecoderLayer(c, dtype=dtype, rngs=rngs)
                                 for _ in range(c.num_layers)])
         self.norm = RMSNorm(c.hidden_size, eps=c.rms_norm_eps, dtype=dtype, rngs=rngs)
         self.lm_head = (None if c.tie_word_embeddings else
-                        _param(rngs, (c.hidden_size, c.vocab_size), dtype,
+                        make_param(rngs, (c.hidden_size, c.vocab_size), dtype,
                                ("embed", "vocab"), "normal"))
 
     # ------------------------------------------------------------- embedding / head
