@@ -395,36 +395,9 @@ class Engine:
             params = _place(params, shd.state_shardings(params, self.mesh, strict=True))
         return dataclasses.replace(self, params=params, drafter=drafter)
 
-    # ------------------------------------------------------------------ description
-
     @property
     def config(self) -> DecodeConfig:
         return self.spec.config
-
-    @property
-    def batch_size(self) -> int:
-        """B."""
-        return self.spec.batch_size
-
-    @property
-    def prompt_len(self) -> int:
-        """P, the prompt buffer."""
-        return self.spec.prompt_len
-
-    @property
-    def horizon(self) -> int:
-        """H, draft rows per round (0 for AR)."""
-        return self.spec.horizon
-
-    @property
-    def num_slots(self) -> int:
-        """N, tree slots per row (root included)."""
-        return self.spec.num_slots
-
-    @property
-    def max_len(self) -> int:
-        """L, cache slots of the target and the drafter."""
-        return self.spec.max_len
 
     @property
     def mesh(self):
@@ -438,12 +411,12 @@ class Engine:
         The padding width is P with ``config.prompt_len`` set, else the longest prompt
         rounded up to a multiple of 8 (so prompts of similar lengths share a program).
         """
-        prompts = check_prompts(prompt_ids, self.vocab_size, self.prompt_len)
-        if len(prompts) != self.batch_size:
-            raise ValueError(f"the engine decodes {self.batch_size} prompts at a time, "
+        prompts = check_prompts(prompt_ids, self.vocab_size, self.spec.prompt_len)
+        if len(prompts) != self.spec.batch_size:
+            raise ValueError(f"the engine decodes {self.spec.batch_size} prompts at a time, "
                              f"got {len(prompts)}")
         width = (self.config.prompt_len if self.config.prompt_len is not None
-                 else min(_align(max(len(p) for p in prompts)), self.max_len))
+                 else min(_align(max(len(p) for p in prompts)), self.spec.max_len))
         tokens_BT = np.zeros((len(prompts), width), np.int32)
         for i, p in enumerate(prompts):
             tokens_BT[i, : len(p)] = p
@@ -551,7 +524,7 @@ class Engine:
 
     def abstract_prompts(self, width: int | None = None) -> Prompts:
         """Abstract prompts of the engine's batch (``width`` default: P)."""
-        b, t = self.batch_size, width or self.prompt_len
+        b, t = self.spec.batch_size, width or self.spec.prompt_len
         rows = lambda *shape: (None if self.mesh is None else shd.logical_sharding(
             ("batch",) + (None,) * (len(shape) - 1), shape, self.mesh))
         return Prompts(jax.ShapeDtypeStruct((b, t), jnp.int32, sharding=rows(b, t)),

@@ -234,7 +234,7 @@ def decode_floor(target, drafter, config, batch_size: int) -> dict[str, int]:
       {'kv cache': ..., 'tree logits': ..., 'tree mask': ...}: bytes per buffer.
     """
     engine = Engine.create(target, drafter, config, batch_size)
-    b, n, l = batch_size, engine.num_slots, engine.max_len
+    b, n, l = batch_size, engine.spec.num_slots, engine.spec.max_len
     caches = [jax.eval_shape(lambda: target.init_cache(b, l))]
     if engine.drafter is not None:
         caches.append(jax.eval_shape(lambda: engine.drafter.init_context(target, b, l)))

@@ -25,8 +25,8 @@ from tev_jax.sharding import MESH_AXES
 
 
 def stop_token_ids(target, tokenizer) -> tuple[int, ...]:
-    """The target's ``config.json`` eos ids, else the project tokenizer's <|end|> /
-    <|eos|> if it has them."""
+    """The target's ``config.json`` eos ids, else the project tokenizer's ``<|end|>`` /
+    ``<|eos|>`` if it has them."""
     from tev_jax.data.tokenizer import END, EOS
 
     if target.config.eos_token_ids:

@@ -137,7 +137,7 @@ def main(argv=None) -> int:
                                stop_token_ids=STOP_IDS, prompt_len=prompt_len)
     methods = {"ar": dataclasses.replace(base, builder="none"), "spec": base}
     for name, config in methods.items():  # one cache length per method, every batching
-        max_len = Engine.create(target, drafter, config, 1).max_len
+        max_len = Engine.create(target, drafter, config, 1).spec.max_len
         methods[name] = dataclasses.replace(config, max_cache_len=max_len)
     lengths = [len(p) for p in prompts]
     out = {"rows": [], "num_prompts": len(prompts), "max_new_tokens": args.max_new_tokens,
