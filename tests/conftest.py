@@ -10,6 +10,9 @@ os.environ["XLA_FLAGS"] = (
     " --xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# libtpu (the tpu extra: compiling for TPU slices) locks per process; the two pytest-xdist
+# workers each load it.
+os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 
 import pytest  # noqa: E402
 

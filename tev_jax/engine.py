@@ -41,9 +41,9 @@ from tev_jax import sharding as shd
 from tev_jax.decode import DecodeConfig, DecodeSpec, DecodeState
 from tev_jax.drafters import DrafterProtocol, as_drafter
 
-PROGRAMS = ("generate", "prefill", "round", *decode.STAGES)
-"""The names `Engine.lower` takes: the whole generation, the prefill, one round and
-each stage of a round."""
+PROGRAMS = ("generate", "prefill", "round", "run_rounds", *decode.STAGES)
+"""The names `Engine.lower` takes: the whole generation, the prefill, one round, the
+rounds program of continuous batching and each stage of a round."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -548,7 +548,8 @@ class Engine:
 
         Args:
           program: one of `PROGRAMS`: 'generate' (prefill + fused loop: what must fit),
-            'prefill' (prompt buffer P), 'round' (one fused round), or a stage name
+            'prefill' (prompt buffer P), 'round' (one fused round), 'run_rounds' (the
+            rounds program of continuous batching over B slots), or a stage name
             ('draft', 'build', 'verify', 'decide', 'commit'), lowered on the shapes
             one round gives it.
         Raises:
@@ -567,6 +568,10 @@ class Engine:
             st = self.abstract_state()
             if program == "round":
                 return _round_jit.lower(self.graphdef, params, st, spec=self.spec)
+            if program == "run_rounds":
+                bound = jax.ShapeDtypeStruct((), jnp.int32)
+                return _run_rounds_jit.lower(self.graphdef, params, st, bound, bound,
+                                             spec=self.spec)
             args = self._stage_args(program, params, st, key)
             return self.stage(program).lower(*args)
 

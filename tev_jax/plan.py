@@ -4,7 +4,7 @@ Real model shapes live here as `ModelConfig` presets, so that a decode or traini
 program can be lowered and compiled for a Qwen3-4B or Llama-3-8B target on a machine
 that could never hold its weights (``nnx.eval_shape`` builds the model without them).
 `plan_decode` compiles the fused generation of a `tev_jax.engine.Engine` for such a model and
-returns the compiler's per-device `MemoryReport`; `check_decode_fits` is the cheap
+returns the compiler's per-device `ProgramReport`; `check_decode_fits` is the cheap
 analytic pre-flight that `tev-jax generate` runs before compiling anything.
 
 The presets copy the architecture fields of the public ``config.json`` files (widths,
@@ -27,7 +27,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from tev_jax.decode import STAGES
 from tev_jax.engine import Engine
+from tev_jax.topology import Chip, chip_of
 from tev_jax.models.checkpoint_io import read_config
 from tev_jax.models.config import ModelConfig, RopeScaling
 from tev_jax.models.drafter import Drafter, DrafterConfig, default_target_layer_ids
@@ -129,8 +131,8 @@ def abstract_drafter(target_cfg: ModelConfig, dtype=jnp.float32, *, num_layers: 
 
 
 @dataclasses.dataclass(frozen=True)
-class MemoryReport:
-    """What a compiled program needs on one device (bytes, from XLA's buffer assignment).
+class ProgramReport:
+    """What a compiled program needs and does on one device, from the compiler.
 
     Attributes:
       argument_bytes: inputs (parameters, prompts, key) resident during the call.
@@ -138,7 +140,10 @@ class MemoryReport:
       temp_bytes: scratch the program allocates while it runs.
       alias_bytes: outputs that reuse donated argument buffers (counted in both above).
       code_bytes: generated code (0 on CPU).
-      compile_seconds: the XLA compile time (None if not measured).
+      compile_seconds: the compile time (None if not measured).
+      flops: floating-point operations of one call (``cost_analysis``; a while loop's
+        body is counted once), None where the backend gives none.
+      bytes_accessed: bytes read and written by one call (``cost_analysis``), or None.
     """
 
     argument_bytes: int
@@ -147,20 +152,27 @@ class MemoryReport:
     alias_bytes: int
     code_bytes: int
     compile_seconds: float | None = None
+    flops: float | None = None
+    bytes_accessed: float | None = None
 
     @classmethod
     def of(cls, compiled: jax.stages.Compiled, compile_seconds: float | None = None
-           ) -> "MemoryReport":
-        """The report of ``compiled.memory_analysis()``."""
+           ) -> "ProgramReport":
+        """The report of ``compiled.memory_analysis()`` and ``cost_analysis()``."""
         m = compiled.memory_analysis()
         if m is None:
             raise ValueError("this backend gives no memory analysis for compiled programs")
+        cost = compiled.cost_analysis() or {}
+        if isinstance(cost, (list, tuple)):  # older jax: one dict per device program
+            cost = cost[0] if cost else {}
+        get = lambda k: float(cost[k]) if k in cost else None
         return cls(argument_bytes=int(m.argument_size_in_bytes),
                    output_bytes=int(m.output_size_in_bytes),
                    temp_bytes=int(m.temp_size_in_bytes),
                    alias_bytes=int(m.alias_size_in_bytes),
                    code_bytes=int(m.generated_code_size_in_bytes),
-                   compile_seconds=compile_seconds)
+                   compile_seconds=compile_seconds,
+                   flops=get("flops"), bytes_accessed=get("bytes accessed"))
 
     @property
     def peak_bytes(self) -> int:
@@ -168,8 +180,19 @@ class MemoryReport:
         return (self.argument_bytes + self.output_bytes + self.temp_bytes - self.alias_bytes
                 + self.code_bytes)
 
-    def as_dict(self) -> dict:
-        return dataclasses.asdict(self) | {"peak_bytes": self.peak_bytes}
+    def roofline_seconds(self, chip: Chip | None, devices_per_chip: int = 1) -> float | None:
+        """``max(flops / peak, bytes accessed / bandwidth)`` on one device of ``chip``
+        (a chip's figures shared by its ``devices_per_chip`` devices); None without a
+        chip or a cost analysis."""
+        if chip is None or self.flops is None or self.bytes_accessed is None:
+            return None
+        return max(self.flops / (chip.peak_flops / devices_per_chip),
+                   self.bytes_accessed / (chip.hbm_bandwidth / devices_per_chip))
+
+    def as_dict(self, chip: Chip | None = None, devices_per_chip: int = 1) -> dict:
+        return dataclasses.asdict(self) | {
+            "peak_bytes": self.peak_bytes,
+            "roofline_seconds": self.roofline_seconds(chip, devices_per_chip)}
 
     def format(self) -> str:
         """A few aligned lines in GiB."""
@@ -185,15 +208,25 @@ class MemoryReport:
 # -------------------------------------------------------------------- decode plans
 
 
-def compile_report(lowered: jax.stages.Lowered) -> MemoryReport:
-    """Compiles ``lowered``; -> its `MemoryReport`, with the compile time."""
+def compile_report(lowered: jax.stages.Lowered) -> ProgramReport:
+    """Compiles ``lowered``; -> its `ProgramReport`, with the compile time."""
     t0 = time.perf_counter()
     compiled = lowered.compile()
-    return MemoryReport.of(compiled, time.perf_counter() - t0)
+    return ProgramReport.of(compiled, time.perf_counter() - t0)
+
+
+def abstract_models(target_cfg: ModelConfig, config, *, dtype=jnp.float32,
+                    drafter_layers: int = 1, block_size: int = 16):
+    """(target, drafter or None) without weights for a decode ``config``."""
+    target = abstract_target(target_cfg, dtype)
+    drafter = (None if config.builder == "none" else
+               abstract_drafter(target_cfg, dtype, num_layers=drafter_layers,
+                                block_size=block_size))
+    return target, drafter
 
 
 def plan_decode(target_cfg: ModelConfig, config, batch_size: int, *, dtype=jnp.float32,
-                drafter_layers: int = 1, block_size: int = 16, mesh=None) -> MemoryReport:
+                drafter_layers: int = 1, block_size: int = 16, mesh=None) -> ProgramReport:
     """Compiles the fused generation for abstract models; -> the per-device report.
 
     Args:
@@ -203,13 +236,138 @@ def plan_decode(target_cfg: ModelConfig, config, batch_size: int, *, dtype=jnp.f
       dtype: parameter and cache dtype of both models.
       drafter_layers, block_size: the DFlash drafter (see `drafter_config`); no drafter
         with ``builder='none'``.
-      mesh: a mesh from `tev_jax.sharding.make_mesh`, or None for one device.
+      mesh: a mesh from `tev_jax.sharding.make_mesh` (over a TPU slice's devices for a
+        TPU plan, `tev_jax.topology.slice_devices`), or None for one device.
     """
-    target = abstract_target(target_cfg, dtype)
-    drafter = (None if config.builder == "none" else
-               abstract_drafter(target_cfg, dtype, num_layers=drafter_layers,
-                                block_size=block_size))
+    target, drafter = abstract_models(target_cfg, config, dtype=dtype,
+                                      drafter_layers=drafter_layers, block_size=block_size)
     return compile_report(Engine.create(target, drafter, config, batch_size, mesh=mesh).lower())
+
+
+DECODE_PROGRAMS = ("generation", "ar_step", "round", "prefill", *STAGES)
+"""The programs of a decode plan: the whole fused generation (what must fit), one AR
+step (the baseline), one speculative round, the prefill of one chunk, and each stage of
+a round."""
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodePlan:
+    """The compiled decode programs of one configuration, per device.
+
+    Attributes:
+      programs: name (`DECODE_PROGRAMS`) -> `ProgramReport`; the ones planned.
+      batch_size: B.
+      chip: the chip the rooflines use (None: no roofline).
+      devices_per_chip: devices sharing one chip's figures.
+    """
+
+    programs: dict[str, ProgramReport]
+    batch_size: int
+    chip: Chip | None = None
+    devices_per_chip: int = 1
+
+    def seconds(self, name: str) -> float | None:
+        """The roofline time of one program (None without it or a chip)."""
+        report = self.programs.get(name)
+        return None if report is None else report.roofline_seconds(self.chip,
+                                                                    self.devices_per_chip)
+
+    @property
+    def break_even_tau(self) -> float | None:
+        """Round time / AR step time: the τ at which speculation matches AR."""
+        r, a = self.seconds("round"), self.seconds("ar_step")
+        return None if r is None or a is None or a <= 0 else r / a
+
+    def estimate(self, tau: float) -> dict[str, float] | None:
+        """Tokens/s of the batch and speed-up over AR for an expected ``tau``."""
+        r, a = self.seconds("round"), self.seconds("ar_step")
+        if r is None or a is None:
+            return None
+        return {"tau": tau, "tokens_per_second": self.batch_size * tau / r,
+                "ar_tokens_per_second": self.batch_size / a, "speedup": tau * a / r}
+
+    def as_dict(self, tau: float | None = None) -> dict:
+        """The JSON form: ``{"programs": {"generation": P, "ar_step": P, "round": P,
+        "prefill": P, "stages": {stage: P}}, ...}``."""
+        one = lambda name: self.programs[name].as_dict(self.chip, self.devices_per_chip)
+        programs = {k: one(k) for k in self.programs if k not in STAGES}
+        stages = {k: one(k) for k in STAGES if k in self.programs}
+        if stages:
+            programs["stages"] = stages
+        out = {"programs": programs, "batch_size": self.batch_size,
+               "chip": None if self.chip is None else dataclasses.asdict(self.chip),
+               "devices_per_chip": self.devices_per_chip,
+               "break_even_tau": self.break_even_tau}
+        if tau is not None:
+            out["estimate"] = self.estimate(tau)
+        return out
+
+    def format(self, tau: float | None = None) -> str:
+        """A table for people: memory, FLOPs, bytes and roofline time per program."""
+        head = (f"{'program':<11}{'args':>9}{'temp':>9}{'out':>9}{'peak':>9} GiB"
+                f"{'GFLOP':>10}{'GB acc.':>9}{'roofline':>11}{'compile':>9}")
+        lines = [head]
+        for name, r in self.programs.items():
+            t = self.seconds(name)
+            gf = "-" if r.flops is None else f"{r.flops / 1e9:.2f}"
+            gb = "-" if r.bytes_accessed is None else f"{r.bytes_accessed / 1e9:.3f}"
+            lines.append(
+                f"{name:<11}{r.argument_bytes / GiB:9.3f}{r.temp_bytes / GiB:9.3f}"
+                f"{r.output_bytes / GiB:9.3f}{r.peak_bytes / GiB:9.3f}    "
+                f"{gf:>10}{gb:>9}{'-' if t is None else f'{t * 1e3:.3f} ms':>11}"
+                f"{r.compile_seconds or 0:8.1f}s")
+        if self.break_even_tau is not None:
+            lines.append(f"break-even tau (round / AR step) = {self.break_even_tau:.2f}")
+        if tau is not None and self.estimate(tau) is not None:
+            e = self.estimate(tau)
+            lines.append(f"at tau = {tau:g}: {e['tokens_per_second']:.0f} tokens/s for the "
+                         f"batch (AR {e['ar_tokens_per_second']:.0f}), speed-up "
+                         f"{e['speedup']:.2f}x (roofline)")
+        return "\n".join(lines)
+
+
+def plan_decode_programs(target_cfg: ModelConfig, config, batch_size: int, *,
+                         dtype=jnp.float32, drafter_layers: int = 1, block_size: int = 16,
+                         mesh=None, programs=DECODE_PROGRAMS, chip: Chip | None = None,
+                         devices_per_chip: int = 1) -> DecodePlan:
+    """Compiles each decode program for abstract models; -> the `DecodePlan`.
+
+    The AR step is a round of the same engine with ``builder='none'``; the prefill is
+    one chunk (``config.prefill_chunk`` tokens, or the whole buffer if it is smaller);
+    all share the speculative engine's cache length.
+
+    Args:
+      target_cfg, config, batch_size, dtype, drafter_layers, block_size, mesh: as in
+        `plan_decode`.
+      programs: which of `DECODE_PROGRAMS` to compile.
+      chip, devices_per_chip: for the rooflines (`tev_jax.topology`).
+    Raises:
+      ValueError: an unknown program name, or anything `Engine.create` refuses.
+    """
+    bad = [p for p in programs if p not in DECODE_PROGRAMS]
+    if bad:
+        raise ValueError(f"unknown programs {bad}; choose from {DECODE_PROGRAMS}")
+    target, drafter = abstract_models(target_cfg, config, dtype=dtype,
+                                      drafter_layers=drafter_layers, block_size=block_size)
+    engine = Engine.create(target, drafter, config, batch_size, mesh=mesh)
+    fixed = dataclasses.replace(config, max_cache_len=engine.spec.max_len)
+    ar = Engine.create(target, None, dataclasses.replace(fixed, builder="none"), batch_size,
+                       mesh=mesh)
+    chunk = min(config.prompt_len, config.prefill_chunk or config.prompt_len)
+    prefill = Engine.create(target, drafter, dataclasses.replace(fixed, prompt_len=chunk),
+                            batch_size, mesh=mesh)
+    lowered = {"generation": lambda: engine.lower("generate"),
+               "ar_step": lambda: ar.lower("round"),
+               "round": lambda: engine.lower("round"),
+               "prefill": lambda: prefill.lower("prefill")}
+    reports = {}
+    for name in programs:
+        if name == "draft" and engine.drafter is None:
+            continue  # AR has no draft stage
+        lower = lowered.get(name) or (lambda name=name: engine.lower(name))
+        reports[name] = compile_report(lower())
+    return DecodePlan(programs=reports, batch_size=batch_size, chip=chip,
+                      devices_per_chip=devices_per_chip)
 
 
 # ----------------------------------------------------------------------- pre-flight
@@ -247,7 +405,8 @@ def available_bytes(devices=None) -> tuple[int, str]:
     """Free memory per device of ``devices`` (default: the first) and what it measures.
 
     Accelerators report ``memory_stats()['bytes_limit'] - ['bytes_in_use']`` (the least
-    over ``devices``). The CPU backend reports nothing: there the host's available
+    over ``devices``); a TPU without statistics has its chip's HBM capacity
+    (`tev_jax.topology.CHIPS`). The CPU backend reports nothing: there the host's available
     memory (``MemAvailable`` of /proc/meminfo, else ``os.sysconf`` free pages) is
     shared by the simulated devices, so each gets an equal part.
     """
@@ -256,6 +415,9 @@ def available_bytes(devices=None) -> tuple[int, str]:
     if all("bytes_limit" in st for st in stats):
         free = min(int(st["bytes_limit"]) - int(st.get("bytes_in_use", 0)) for st in stats)
         return free, f"{devices[0].device_kind} memory"
+    chip = chip_of(devices[0].device_kind)
+    if chip is not None:  # a TPU that reports no statistics: its published capacity
+        return chip.hbm_bytes, f"{chip.name} HBM (published capacity)"
     try:
         lines = Path("/proc/meminfo").read_text().splitlines()
         host = next(int(x.split()[1]) * 1024 for x in lines if x.startswith("MemAvailable:"))
@@ -289,12 +451,23 @@ def shortfall(need_bytes: int, floor: dict[str, int], have: int, where: str, con
             f"{parts} GiB) per device but {have / GiB:.1f} GiB of {where} is free; {advice}")
 
 
+def hbm_shortfall(plan: DecodePlan, floor: dict[str, int], config) -> str | None:
+    """One line naming what to lower when the whole generation's per-device peak exceeds
+    its chip's HBM (`shortfall` against the chip's capacity), else None (no chip, or
+    it fits)."""
+    report = plan.programs.get("generation")
+    if plan.chip is None or report is None:
+        return None
+    return shortfall(report.peak_bytes, floor, plan.chip.hbm_bytes // plan.devices_per_chip,
+                     f"{plan.chip.name} HBM per device", config)
+
+
 class NotEnoughMemory(ValueError):
     """A program that would not fit the device (the message is one line)."""
 
 
 def check_decode_fits(target, drafter, config, batch_size: int, *, mesh=None
-                      ) -> MemoryReport:
+                      ) -> ProgramReport:
     """The pre-flight check before a generation: raises unless it fits the device.
 
     Per device: first `decode_floor` (its share on one of the mesh's devices) against
@@ -307,7 +480,7 @@ def check_decode_fits(target, drafter, config, batch_size: int, *, mesh=None
       target, drafter, config, batch_size, mesh: as for `tev_jax.engine.generate`;
         ``config.prompt_len`` must be set.
     Returns:
-      The compiled program's `MemoryReport`.
+      The compiled program's `ProgramReport`.
     Raises:
       NotEnoughMemory: the one-line message of `shortfall`.
     """
@@ -330,7 +503,8 @@ def check_decode_fits(target, drafter, config, batch_size: int, *, mesh=None
     return report
 
 
-__all__ = ["GiB", "MemoryReport", "NotEnoughMemory", "PRESETS", "abstract_drafter",
-           "abstract_target", "available_bytes", "check_decode_fits", "compile_report",
-           "decode_floor", "drafter_config", "model_config", "plan_decode", "preset",
-           "shortfall", "with_layers"]
+__all__ = ["DECODE_PROGRAMS", "DecodePlan", "GiB", "NotEnoughMemory", "PRESETS",
+           "ProgramReport", "abstract_drafter", "abstract_models", "abstract_target",
+           "available_bytes", "check_decode_fits", "compile_report", "decode_floor",
+           "drafter_config", "hbm_shortfall", "model_config", "plan_decode",
+           "plan_decode_programs", "preset", "shortfall", "with_layers"]

@@ -1,0 +1,158 @@
+"""Compiling for TPU slices from this machine (libtpu, ahead of time, no chip needed).
+
+A bundled-size target (V 4096, width 256, 4 layers) with the real models' divisibility
+(16 query and 8 key/value heads) and a 1-layer DFlash drafter, bfloat16, B 8, budget 16:
+the whole generation, a round, an AR step and the continuous-batching rounds program
+compile for a single-host slice (``v5e:2x4``: tensor 8, data 2 x tensor 4) and a
+multi-host one (``v5e:4x4``, 16 chips on 4 hosts). Each program's per-chip peak must stay
+under a bound computed from the shapes: twice an even share of the parameters and the
+decode floor (caches, tree logits and mask) per chip plus 64 MiB of code and slack. A
+layout that replicated the weights or the caches on every chip would need about
+n_chips / 2 times that share and fail. The roofline arithmetic and the JSON contract of
+``tev-jax plan --topology`` are checked too.
+
+Skipped only where libtpu is not installed (CI installs the ``tpu`` extra).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import json
+import math
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from tev_jax import cli, plan, topology
+from tev_jax import sharding as shd
+from tev_jax.decode import DecodeConfig
+from tev_jax.models import ModelConfig
+
+needs_libtpu = pytest.mark.skipif(importlib.util.find_spec("libtpu") is None,
+                                  reason="libtpu is not installed (pip install -e '.[tpu]')")
+
+CFG = ModelConfig("qwen3", vocab_size=4096, hidden_size=256, intermediate_size=768,
+                  num_layers=4, num_heads=16, num_kv_heads=8, head_dim=64, qk_norm=True,
+                  tie_word_embeddings=True)
+CONFIG = DecodeConfig(max_new_tokens=32, budget=16, prompt_len=64)
+B = 8
+SLACK = 64 * 2**20
+
+
+def _bound(n_devices: int) -> int:
+    target, drafter = plan.abstract_models(CFG, CONFIG, dtype=jnp.bfloat16)
+    params = sum(math.prod(x.shape) * x.dtype.itemsize
+                 for x in jax.tree.leaves((target, drafter))
+                 if isinstance(x, jax.ShapeDtypeStruct))
+    floor = sum(plan.decode_floor(target, drafter, CONFIG, B).values())
+    return 2 * (params + floor) // n_devices + SLACK
+
+
+@needs_libtpu
+@pytest.mark.parametrize("name,axes", [("v5e:2x4", dict(tensor=8, fsdp=1)),
+                                       ("v5e:2x4", dict(data=2, tensor=4, fsdp=1)),
+                                       ("v5e:4x4", dict(data=2, tensor=8, fsdp=1))])
+def test_decode_programs_compile_for_a_tpu_slice(name, axes):
+    tpu = topology.slice_devices(name)
+    mesh = shd.make_mesh(**axes, devices=tpu.devices)
+    programs = ("generation", "round", "ar_step")
+    result = plan.plan_decode_programs(CFG, CONFIG, B, dtype=jnp.bfloat16, mesh=mesh,
+                                       programs=programs, chip=tpu.chip,
+                                       devices_per_chip=tpu.devices_per_chip)
+    bound = _bound(mesh.devices.size)
+    for p in programs:
+        report = result.programs[p]
+        assert report.peak_bytes <= bound, (p, report.peak_bytes, bound)
+        assert report.flops > 0 and report.bytes_accessed > 0
+    # a round verifies B x (budget + 1) tokens; an AR step B: more FLOPs, and a
+    # break-even tau above 1
+    assert result.programs["round"].flops > 4 * result.programs["ar_step"].flops
+    assert result.break_even_tau > 1
+
+
+@needs_libtpu
+def test_continuous_batching_rounds_compile_for_a_tpu_slice():
+    from tev_jax.engine import Engine
+
+    tpu = topology.slice_devices("v5e:2x4")
+    mesh = shd.make_mesh(data=2, tensor=4, fsdp=1, devices=tpu.devices)
+    target, drafter = plan.abstract_models(CFG, CONFIG, dtype=jnp.bfloat16)
+    engine = Engine.create(target, drafter, CONFIG, B, mesh=mesh)
+    report = plan.compile_report(engine.lower("run_rounds"))
+    assert report.peak_bytes <= _bound(8)
+
+
+@needs_libtpu
+def test_slice_errors_name_the_problem(capsys):
+    with pytest.raises(ValueError, match="not a TPU slice name"):
+        topology.slice_devices("v5e")
+    with pytest.raises(ValueError, match="unknown TPU topology 'v5e:3x3'"):
+        topology.slice_devices("v5e:3x3")
+    tpu = topology.slice_devices("v5e:4x4")
+    assert (len(tpu.devices), tpu.hosts, tpu.chip.name) == (16, 4, "v5e")
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["plan", "--model", "qwen3-0.6b", "--layers", "1", "--topology", "v5e:2x4",
+                  "--mesh-tensor", "16"])
+    assert exit_.value.code == 2
+    assert "needs 16 devices, 8 available: the mesh does not fit the slice v5e:2x4" in (
+        capsys.readouterr().err)
+
+
+def test_missing_libtpu_is_a_clear_error(monkeypatch):
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda n, *a: None if n == "libtpu" else real(n, *a))
+    with pytest.raises(ValueError, match=r"needs libtpu: pip install -e \"\.\[tpu\]\""):
+        topology.slice_devices("v5e:2x4")
+
+
+def test_roofline_break_even_and_estimate():
+    chip = topology.CHIPS["v5e"]
+    mem = dict(argument_bytes=0, output_bytes=0, temp_bytes=0, alias_bytes=0, code_bytes=0)
+    ar = plan.ProgramReport(**mem, flops=1e9, bytes_accessed=819e6)        # 1 ms of bytes
+    rnd = plan.ProgramReport(**mem, flops=197e12 * 4e-3, bytes_accessed=1e9)  # 4 ms of FLOPs
+    assert ar.roofline_seconds(chip) == pytest.approx(1e-3)
+    assert rnd.roofline_seconds(chip) == pytest.approx(4e-3)
+    assert rnd.roofline_seconds(chip, devices_per_chip=2) == pytest.approx(8e-3)
+    assert rnd.roofline_seconds(None) is None
+    p = plan.DecodePlan({"round": rnd, "ar_step": ar}, batch_size=8, chip=chip)
+    assert p.break_even_tau == pytest.approx(4.0)
+    e = p.estimate(6.0)
+    assert e["speedup"] == pytest.approx(1.5)
+    assert e["tokens_per_second"] == pytest.approx(8 * 6.0 / 4e-3)
+    assert plan.DecodePlan({"round": rnd, "ar_step": ar}, batch_size=8).estimate(6.0) is None
+
+
+def test_chip_table():
+    assert topology.chip_of("TPU v5 lite") is topology.CHIPS["v5e"]
+    assert topology.chip_of("cpu") is None
+    for chip in topology.CHIPS.values():
+        assert chip.peak_flops > 1e14 and chip.hbm_bandwidth > 5e11 and chip.hbm_bytes > 1e10
+        assert chip.source.startswith("https://cloud.google.com/tpu/docs/")
+
+
+@needs_libtpu
+def test_plan_command_json_for_a_topology(tmp_path, capsys):
+    cfg_file = tmp_path / "config.json"
+    cfg_file.write_text(json.dumps(dataclasses.replace(CFG, num_layers=1).to_hf()))
+    out = tmp_path / "plan.json"
+    argv = ["plan", "--config", str(cfg_file), "--topology", "v5e:2x4", "--mesh-tensor", "8",
+            "--batch", "8", "--budget", "16", "--prompt-len", "64", "--max-new-tokens", "16",
+            "--dtype", "bfloat16", "--tau", "2.5", "--json", str(out)]
+    assert cli.main(argv) == 0
+    printed = capsys.readouterr().out
+    assert "break-even tau" in printed and "fits:" in printed
+    record = json.loads(out.read_text())
+    programs = record["programs"]
+    assert set(programs) == {"generation", "ar_step", "round", "prefill", "stages"}
+    assert set(programs["stages"]) == {"draft", "build", "verify", "decide", "commit"}
+    keys = {"argument_bytes", "temp_bytes", "output_bytes", "flops", "bytes_accessed",
+            "roofline_seconds", "compile_seconds"}
+    for p in [*(programs[k] for k in ("generation", "ar_step", "round", "prefill")),
+              *programs["stages"].values()]:
+        assert keys <= set(p) and p["roofline_seconds"] > 0
+    assert record["estimate"]["tau"] == 2.5
+    assert record["break_even_tau"] == pytest.approx(
+        programs["round"]["roofline_seconds"] / programs["ar_step"]["roofline_seconds"])
