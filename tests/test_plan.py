@@ -92,15 +92,16 @@ def test_plan_command_json(tmp_path, capsys):
     (tmp_path / "config.json").write_text(json.dumps(TINY.to_hf()))
     argv = ["plan", "--config", str(tmp_path), "--batch", "2", "--prompt-len", "256",
             "--cache-len", "512", "--max-new-tokens", "8", "--budget", "8",
-            "--builder", "none", "--temperature", "1", "--json"]
+            "--builder", "none", "--temperature", "1", "--programs", "generation",
+            "--json", "-"]
     assert cli.main(argv) == 0
     full = json.loads(capsys.readouterr().out)
     assert cli.main(argv + ["--layers", "1"]) == 0
     fewer = json.loads(capsys.readouterr().out)
     assert full["layers"] == 2 and fewer["layers"] == 1
     direct = plan.plan_decode(TINY, AR, 2)
-    assert full["per_device"]["temp_bytes"] == direct.temp_bytes
-    assert fewer["per_device"]["argument_bytes"] < direct.argument_bytes
+    assert full["programs"]["generation"]["temp_bytes"] == direct.temp_bytes
+    assert fewer["programs"]["generation"]["argument_bytes"] < direct.argument_bytes
     with pytest.raises(SystemExit):
         cli.main(["plan", "--model", "qwen3-4b", "--config", str(tmp_path)])
 
