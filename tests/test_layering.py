@@ -1,7 +1,7 @@
 """The package's layering, checked on the source: no module reads another's private names,
 and the library never imports the training package.
 
-Every ``.py`` file under tev_jax/, train/ and experiments/ is parsed (nothing is
+Every ``.py`` file under tev_jax/, train/, experiments/ and examples/ is parsed (nothing is
 imported). A module's private names are those starting with one underscore; a file may
 use its own, but reading ``module._name`` of a module it imported, or ``from module
 import _name``, is a violation (dunders such as ``__version__`` are public). Names are
@@ -16,7 +16,7 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("tev_jax", "train", "experiments")
+PACKAGES = ("tev_jax", "train", "experiments", "examples")
 
 
 def _private(name: str) -> bool:
