@@ -19,11 +19,12 @@ weight (normaliser 'weight') or by the number of tree nodes ('nodes', the author
 the loss needs one log-normaliser per (anchor, depth) row and one gathered logit per
 node; no [nodes x V] tensor is formed (`exit_loss`).
 
-The scoring pass (`target_context`, `score_tree_nodes`) reuses the keys/values of the
-target's pass over the whole sequence: the nodes of all A anchors of a row are the
-queries of one forward, node v of anchor a sits at position ``anchor + depth(v)`` and
-sees the sequence positions ``< anchor`` plus its tree ancestors (itself and the root,
-whose token is ``tokens[anchor]``, included)::
+The scoring pass (`target_context`, `score_tree_nodes`) runs the target's own layers
+(`tev_jax.models.target.Target.layer_stack`, with an attention of its own) and reuses
+the keys/values of the target's pass over the whole sequence: the nodes of all A
+anchors of a row are the queries of one forward, node v of anchor a sits at position
+``anchor + depth(v)`` and sees the sequence positions ``< anchor`` plus its tree
+ancestors (itself and the root, whose token is ``tokens[anchor]``, included)::
 
     keys:          sequence 0..L-1      | the tree of anchor a
     query (a, v):  positions < anchor_a | ancestors of v (v included)
@@ -55,10 +56,8 @@ from tev_jax.exit_law import ExitLaw, exit_law, exit_law_from_edges, floored_rea
 from tev_jax.models import lm_head
 from tev_jax.models.attention import Mask, attention
 from tev_jax.models.kv_cache import KVCache
-from tev_jax.models.layers import rope_inv_freq
 from tev_jax.models.lm_head import DenseRows, Head, HeadRows
 from tev_jax.sampling import Sampling
-from tev_jax.sharding import constrain
 from tev_jax.tree import DraftTree, ancestor_mask, children_mask
 
 WEIGHTINGS = ("exit", "exit_depth", "prefix", "reach")
@@ -296,40 +295,13 @@ def _after(layer, x):
     return nnx.merge(graphdef, state)
 
 
-def _run_layers(target, tokens_BT, positions_BT, attention, taps=()):
-    """The target's decoder layers (same sub-modules and order as ``DecoderLayer``) with
-    a custom attention ``attention(i, q, k, v) -> [B, T, H, hd]``.
-
-    Returns:
-      (residual after the last layer, {tap: layer output}, keys [layers, B, T, K, hd],
-       values)
-    """
-    inv_freq = rope_inv_freq(target.config)
-    x = target.embed(tokens_BT)
-    tapped, ks, vs = {}, None, None
-    for i, layer in enumerate(target.layers):
-        layer = _after(layer, x)
-        q, k, v = layer.self_attn.qkv(layer.input_layernorm(x), positions_BT, inv_freq)
-        att = attention(i, q, k, v)
-        x = constrain(x + layer.self_attn.out(att), ("batch", "seq", "act_embed"))
-        x = x + layer.mlp(layer.post_attention_layernorm(x))
-        x = constrain(x, ("batch", "seq", "act_embed"))
-        if ks is None:   # written in place layer by layer (a stack would copy them all)
-            ks = jnp.zeros((len(target.layers),) + k.shape, k.dtype)
-            vs = jnp.zeros((len(target.layers),) + v.shape, v.dtype)
-        ks, vs = ks.at[i].set(k), vs.at[i].set(v)
-        if i in taps:
-            tapped[i] = x
-    return x, tapped, ks, vs
-
-
 def target_context(target, tokens_BL: jax.Array, taps: Sequence[int]
                    ) -> tuple[jax.Array, KVCache]:
     """The frozen target's causal pass over whole sequences, without the LM head.
 
-    Equal to the target's own forward (``Target._stack``) up to float rounding. Layers
-    above the last tap feed only the returned cache, so a caller that ignores the cache (the token-only
-    step) does not pay for them.
+    The target's own forward (`Target.layer_stack` with causal attention). Layers above
+    the last tap feed only the returned cache, so a caller that ignores the cache (the
+    token-only step) does not pay for them.
 
     Args:
       target: the `Target`.
@@ -339,19 +311,14 @@ def target_context(target, tokens_BL: jax.Array, taps: Sequence[int]
     Returns:
       (features [B, L, len(taps) * D], `KVCache` of the sequence with L slots), both
       detached.
+    Raises:
+      ValueError: a tap outside the target's layers.
     """
-    taps = tuple(int(t) for t in taps)
-    last = target.config.num_layers - 1
-    for t in taps:
-        if not 0 <= t <= last:
-            raise ValueError(f"tap layer {t} out of range [0, {last + 1})")
     b, length = tokens_BL.shape
     positions = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (b, length))
-    x, tapped, k, v = _run_layers(target, tokens_BL.astype(jnp.int32), positions,
-                                  lambda i, q, k, v: _causal_attention(q, k, v), taps)
-    if last in tapped:
-        tapped[last] = target.norm(x)
-    feats = jnp.concatenate([tapped[t] for t in taps], axis=-1)
+    _, feats, k, v = target.layer_stack(tokens_BL.astype(jnp.int32), positions,
+                                        lambda i, q, k, v: _causal_attention(q, k, v),
+                                        taps, _after)
     return jax.lax.stop_gradient((feats, KVCache(k=k, v=v)))
 
 
@@ -360,7 +327,7 @@ def score_tree_hidden(target, cache: KVCache, trees: DraftTree, anchors_BA: jax.
     """The target's final-normed hidden state of every node of every anchor's tree.
 
     The T = A * N nodes of a row are the queries of one pass through the target's
-    layers with anchor-blocked attention (`_anchor_attention`): node v of anchor a, at
+    layers (`Target.layer_stack`) with anchor-blocked attention: node v of anchor a, at
     position ``anchor_a + depth(v)``, sees the cached sequence positions ``< anchor_a``
     and its tree ancestors (itself included).
 
@@ -384,8 +351,8 @@ def score_tree_hidden(target, cache: KVCache, trees: DraftTree, anchors_BA: jax.
     def attention(i, q, k, v):
         return _anchor_attention(q, k, v, cache.k[i], cache.v[i], anchors, anc_BANN)
 
-    x, _, _, _ = _run_layers(target, tokens, positions, attention)
-    return jax.lax.stop_gradient(target.norm(x).reshape(b, a, n, -1))
+    hidden, _, _, _ = target.layer_stack(tokens, positions, attention, layer_hook=_after)
+    return jax.lax.stop_gradient(hidden.reshape(b, a, n, -1))
 
 
 def score_tree_nodes(target, cache: KVCache, trees: DraftTree, anchors_BA: jax.Array
@@ -441,8 +408,8 @@ def _score_pooled(target, cache: KVCache, trees: DraftTree, anchors_BA, needed_B
     def attention(i, q, k, v):
         return _pooled_attention(q, k, v, cache.k[i], cache.v[i], prefix_end, tree_BMM)
 
-    x, _, _, _ = _run_layers(target, flat(trees.tokens), positions, attention)
-    hidden_BMD = target.norm(x)
+    hidden_BMD, _, _, _ = target.layer_stack(flat(trees.tokens), positions, attention,
+                                             layer_hook=_after)
     # Row of slot t in the compact order (needed slots come first, in slot order), or
     # the appended zero row.
     row_BT = jnp.where(needed_BT, jnp.cumsum(needed_BT, axis=1) - 1, capacity)
