@@ -30,6 +30,7 @@ from tev_jax import (
     verify,
     vocab,
 )
+from tev_jax.models import lm_head
 from tev_jax.models.lm_head import Head
 from tev_jax.sampling import Sampling
 from tev_jax.tree import make_tree
@@ -42,6 +43,7 @@ TOPK = Sampling(0.7, top_k=4)
 
 EXCLUDED = {
     "tev_jax.exit_train.check_floor": "host-side validation",
+    "tev_jax.ddtree.tree_k": "host-side static K (from shapes)",
     # Host-side validation, construction and display (ValueErrors, numpy, strings).
     "tev_jax.ddtree.check_draft_logits": "host-side input validation",
     "tev_jax.tree.make_tree": "host-side constructor from Python lists",
@@ -191,6 +193,11 @@ CASES = {
                                            jnp.ones(H, bool), decay_gamma=2.0),
         (DRAFT_HV, ROOTS), grad=0),
     "tev_jax.exit_train.exit_loss": Case(_exit_loss, (DRAFT_HV, ROOTS), grad=0),
+    "tev_jax.ddtree.draft_top_k": Case(
+        lambda h: ddtree.draft_top_k(lm_head.head_rows(h, HEAD, 3), 3, block=3),
+        (HIDDEN_ND,)),
+    "tev_jax.ddtree.build_trees": Case(lambda x, r: ddtree.build_trees(x, r, 5),
+                                       (DRAFT_BHV, ROOTS_B)),
     "tev_jax.extensions.batched": Case(extensions.batched(extensions.DDTreeBuilder(5)),
                                        (DRAFT_BHV, ROOTS_B)),
     "tev_jax.extensions.chain_builder": Case(extensions.chain_builder, (DRAFT_HV, ROOTS)),

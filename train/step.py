@@ -69,9 +69,7 @@ from tev_jax.exit_train import (
 )
 from tev_jax.models import lm_head
 from tev_jax.models.drafter import anchor_hidden
-from tev_jax.models.lm_head import HeadRows
 from tev_jax.sampling import Sampling
-from tev_jax.tree import DraftTree
 
 
 DTYPES = ("float32", "bfloat16")
@@ -292,63 +290,20 @@ def block_labels(tokens_BL: jax.Array, anchors_BA: jax.Array, horizon: int) -> j
                                axis=1).reshape(b, a, h)
 
 
-def draft_top_k(draft, k: int, block: int = lm_head.BLOCK) -> tuple[jax.Array, jax.Array]:
-    """Top-k tokens of every (detached) draft row and their log-probabilities.
-
-    Args:
-      draft: [B, A, H, V] draft logits or their `HeadRows` (blocked over the vocabulary).
-      k: static, 1 <= k <= V.
-    Returns:
-      (tokens int32 [B, A, H, k], logq float32 [B, A, H, k]), best first, as
-      `tev_jax.ddtree.topk_logq`.
-    """
-    if isinstance(draft, HeadRows):
-        vals, ids, lse = lm_head.top_k(draft.hidden, draft.head, k, block)
-        return ids, vals - lse[..., None]
-    b, a, h, v = draft.shape
-    logits = jax.lax.stop_gradient(draft).reshape(b * a, h, v)
-    tokens, logq = jax.vmap(lambda l: ddtree.topk_logq(l, k))(logits)
-    return tokens.reshape(b, a, h, k), logq.reshape(b, a, h, k)
-
-
-def tree_k(draft, budget: int) -> int:
-    """K of the tree builder, ``min(budget, V)`` (at least 1)."""
-    vocab = draft.head.vocab if isinstance(draft, HeadRows) else draft.shape[-1]
-    return max(1, min(budget, vocab))
-
-
-def build_trees(draft, roots_BA: jax.Array, budget: int, *, top=None,
-                block: int = lm_head.BLOCK) -> DraftTree:
-    """DDTree of every anchor from its detached draft rows; fields [B, A, N].
-
-    Args:
-      draft: [B, A, H, V] draft logits or their `HeadRows`.
-      roots_BA: int [B, A] root tokens.
-      top: optional precomputed ``draft_top_k(draft, tree_k(draft, budget))``.
-    """
-    if top is None:
-        top = draft_top_k(draft, tree_k(draft, budget), block)
-    tokens, logq = top
-    b, a, h, k = tokens.shape
-    build = jax.vmap(lambda t, q, r: ddtree.build_tree_from_topk(t, q, r, budget)[0])
-    trees = build(tokens.reshape(b * a, h, k), logq.reshape(b * a, h, k),
-                  roots_BA.reshape(b * a).astype(jnp.int32))
-    return jax.tree.map(lambda x: x.reshape((b, a) + x.shape[1:]), trees)
-
-
 def exit_targets(target, cache, draft, batch: Batch, cfg: StepConfig, top=None):
     """Trees, detached node weights and exit-law coverage of every anchor.
 
     Args:
       draft: [B, A, H, V] draft logits or their `HeadRows` (detached).
-      top: optional precomputed ``draft_top_k(draft, tree_k(draft, cfg.budget))``.
+      top: optional precomputed ``ddtree.draft_top_k(draft, ddtree.tree_k(draft,
+        cfg.budget))``.
     Returns:
       (trees [B, A, N], weights float32 [B, A, N] (0 for invalid anchors),
        coverage float32 [B, A])
     """
     roots = jnp.take_along_axis(batch.tokens.astype(jnp.int32),
                                 batch.anchors.astype(jnp.int32), axis=1)
-    trees = build_trees(draft, roots, cfg.budget, top=top, block=cfg.vocab_block)
+    trees = ddtree.build_trees(draft, roots, cfg.budget, block=cfg.vocab_block, top=top)
     if not cfg.score_capacities:
         hidden = score_tree_hidden(target, cache, trees, batch.anchors)
     else:
@@ -413,8 +368,8 @@ def loss_and_grads(params, graphs: Graphs, frozen: Frozen, batch: Batch, cfg: St
     hidden, pullback = jax.vjp(drafter_forward, params)
     rows = lambda h: lm_head.head_rows(h, head, cfg.vocab_block)
     detached = rows(jax.lax.stop_gradient(hidden))
-    top = draft_top_k(detached, tree_k(detached, cfg.budget) if cfg.builds_trees else 1,
-                      cfg.vocab_block)
+    k = ddtree.tree_k(detached, cfg.budget) if cfg.builds_trees else 1
+    top = ddtree.draft_top_k(detached, k, block=cfg.vocab_block)
     labels = block_labels(batch.tokens, batch.anchors, cfg.horizon)
     metrics = {}
     trees = weights = None
@@ -682,8 +637,8 @@ def lower(target, drafter, step_config: StepConfig, optim_config: OptimConfig, m
 __all__ = [
     "Batch", "DTYPES", "Frozen", "Graphs", "OptimConfig", "Placement", "REMAT", "StepConfig",
     "StepProgram", "TARGET_SHARDINGS", "TrainState", "abstract_models", "abstract_state",
-    "block_labels", "build_trees", "draft_top_k", "exit_targets", "init_state",
+    "block_labels", "exit_targets", "init_state",
     "loss_and_grads", "lower", "make_optimizer", "make_step_fn", "merge_drafter",
     "objective", "place_batch", "place_frozen", "placement", "split_models", "step_program",
-    "target_rules", "target_rules_for", "train_step", "tree_k",
+    "target_rules", "target_rules_for", "train_step",
 ]

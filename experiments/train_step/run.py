@@ -55,6 +55,7 @@ import numpy as np
 from flax import nnx
 
 from tev_jax.data.prompts import prompt_set
+from tev_jax.ddtree import build_trees
 from tev_jax.exit_train import (
     exit_loss,
     score_tree_nodes,
@@ -72,7 +73,6 @@ from train.step import (
     OptimConfig,
     StepConfig,
     block_labels,
-    build_trees,
     init_state,
     merge_drafter,
     split_models,
