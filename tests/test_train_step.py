@@ -20,19 +20,9 @@ from train.__main__ import build_parser, config_from_args
 from train.anchors import anchor_range, sample_anchors, step_rng
 from train.config import TrainConfig
 from train.loop import optim_config, step_config, train
-from train.step import (
-    Batch,
-    block_labels,
-    exit_targets,
-    init_state,
-    loss_and_grads,
-    merge_drafter,
-    objective,
-    place_batch,
-    place_frozen,
-    split_models,
-    step_program,
-)
+from train.placement import init_state, place_batch, place_frozen
+from train.state import Batch, merge_drafter, split_models
+from train.step import block_labels, exit_targets, loss_and_grads, objective, step_program
 
 B, A = 8, 2
 

@@ -9,7 +9,8 @@ from typing import Any
 
 from tev_jax.exit_train import NORMALIZERS, WEIGHTINGS, check_floor
 from tev_jax.sampling import Sampling
-from train.step import DTYPES, REMAT, TARGET_SHARDINGS, check_score_capacities
+from tev_jax.sharding import TARGET_SHARDINGS
+from train.step import DTYPES, REMAT, check_score_capacities
 
 LOSSES = ("token",) + WEIGHTINGS
 

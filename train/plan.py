@@ -114,7 +114,8 @@ def plan_step(target_config, *, drafter_layers: int = 1, num_taps: int = 5,
     from tev_jax import sharding as shd
     from tev_jax.models.drafter_io import drafter_config_for
     from tev_jax.sampling import Sampling
-    from train.step import OptimConfig, StepConfig, abstract_models, lower
+    from train.optimizer import OptimConfig
+    from train.step import StepConfig, abstract_models, lower
 
     data, fsdp, tensor = mesh_shape
     if math.prod(mesh_shape) > jax.device_count():

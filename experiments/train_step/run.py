@@ -68,16 +68,10 @@ from tev_jax.models.drafter import anchor_logits, default_target_layer_ids
 from tev_jax.sampling import Sampling
 from train.anchors import sample_anchors
 from train.rollouts import RolloutConfig, generate_responses
-from train.step import (
-    Batch,
-    OptimConfig,
-    StepConfig,
-    block_labels,
-    init_state,
-    merge_drafter,
-    split_models,
-    step_program,
-)
+from train.optimizer import OptimConfig
+from train.placement import init_state
+from train.state import Batch, merge_drafter, split_models
+from train.step import StepConfig, block_labels, step_program
 
 HERE = Path(__file__).resolve().parent
 
