@@ -9,7 +9,8 @@ padding. This one, `sqrt_depth_exit`, sits between the named 'exit' (``w``) and
 'exit_depth' (``w * depth``): ``w(v) * sqrt(depth(v))``.
 
 `main` runs a few steps of `train.step` on the bundled target and drafter (a jitted
-step: drafter forward, trees, target scoring pass, exit law, weights, loss, AdamW).
+step: drafter forward, trees, target scoring pass, exit law, weights, loss, AdamW); the
+weighting goes in as the objective's ``loss`` (`tev_jax.exit_train.ExitTrainConfig`).
 
 Run: ``python -m examples.custom_weighting``.
 """
@@ -23,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from tev_jax.exit_law import ExitLaw
+from tev_jax.exit_train import ExitTrainConfig
 from tev_jax.models import load_bundled
 from tev_jax.sampling import Sampling
 from tev_jax.tree import DraftTree
@@ -64,8 +66,9 @@ def main(steps: int = 5, budget: int = 16, num_anchors: int = 4, seq_len: int = 
     per-step metrics (loss, exit_loss, coverage, ...)."""
     target, drafter, tokenizer = load_bundled()
     horizon = drafter.config.block_size - 1
-    cfg = StepConfig(loss=sqrt_depth_exit, budget=budget, exit_lambda=1.0,
-                     sampling=Sampling(1.0), taps=tuple(drafter.config.target_layer_ids),
+    objective = ExitTrainConfig(loss=sqrt_depth_exit, budget=budget, exit_lambda=1.0,
+                                sampling=Sampling(1.0))
+    cfg = StepConfig(objective=objective, taps=tuple(drafter.config.target_layer_ids),
                      horizon=horizon)
     graphs, frozen, params = split_models(target, drafter)
     optimizer, lr_schedule = make_optimizer(OptimConfig(lr=lr, steps=steps))

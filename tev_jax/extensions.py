@@ -13,9 +13,9 @@ A research extension is one pure function with one of three signatures, each a
   `tev_jax.testing.check_lossless`. The built-in names 'tev', 'predraw', 'sequential'
   and 'greedy' resolve to verifiers of the same form (`resolve_verifier`).
 - `NodeWeighting` ``(tree, law) -> weights_N``, for one tree: ExitTrain's per-node
-  weights of the exit loss, passed as ``train.step.StepConfig(loss=...)`` beside the
-  named weightings of `tev_jax.exit_train`; the library detaches them and zeroes the
-  root and padding.
+  weights of the exit loss, passed as ``tev_jax.exit_train.ExitTrainConfig(loss=...)``
+  beside the named weightings of `tev_jax.exit_train`; the library detaches them and
+  zeroes the root and padding.
 
 All three are called inside ``jax.jit`` with static shapes: no Python branching on
 array values, no host callbacks. A config that holds one is a static jit argument, so

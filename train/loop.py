@@ -25,6 +25,7 @@ import numpy as np
 from flax import nnx
 
 from tev_jax import sharding as shd
+from tev_jax.exit_train import ExitTrainConfig
 from train.checkpoint import CheckpointError, TrainCheckpointer
 from train.config import TrainConfig
 from train.local_input import batch_rows, place_local_batch
@@ -103,17 +104,23 @@ def _mask_id(target_path: str) -> int:
     return int(mask)
 
 
+def exit_train_config(cfg: TrainConfig) -> ExitTrainConfig:
+    """The objective's settings of a run."""
+    return ExitTrainConfig(loss=cfg.loss, budget=cfg.budget, exit_lambda=cfg.exit_lambda,
+                           sampling=cfg.sampling, decay_gamma=cfg.token_decay_gamma,
+                           exit_normalizer=cfg.exit_normalizer, exit_floor=cfg.exit_floor,
+                           tree_metrics=cfg.tree_metrics,
+                           score_capacities=cfg.score_capacities)
+
+
 def step_config(cfg: TrainConfig, drafter) -> StepConfig:
+    """The step's settings of a run with ``drafter`` (its taps and horizon)."""
     dc = drafter.config
     _, param_dtype, compute_dtype = cfg.dtypes
-    return StepConfig(loss=cfg.loss, budget=cfg.budget, exit_lambda=cfg.exit_lambda,
-                      sampling=cfg.sampling, taps=tuple(dc.target_layer_ids),
-                      horizon=dc.horizon, decay_gamma=cfg.token_decay_gamma,
-                      tree_metrics=cfg.tree_metrics,
-                      score_capacities=cfg.score_capacities,
+    return StepConfig(objective=exit_train_config(cfg), taps=tuple(dc.target_layer_ids),
+                      horizon=dc.horizon,
                       compute_dtype=None if compute_dtype == param_dtype else compute_dtype,
-                      remat=cfg.remat, target_sharding=cfg.target_sharding,
-                      exit_normalizer=cfg.exit_normalizer, exit_floor=cfg.exit_floor)
+                      remat=cfg.remat, target_sharding=cfg.target_sharding)
 
 
 def optim_config(cfg: TrainConfig) -> OptimConfig:

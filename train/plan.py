@@ -107,11 +107,13 @@ def plan_step(target_config, *, drafter_layers: int = 1, num_taps: int = 5,
       mesh_shape: (data, fsdp, tensor); needs that many devices (on CPU:
         ``XLA_FLAGS=--xla_force_host_platform_device_count=N``).
       target_dtype, param_dtype, compute_dtype, target_sharding, remat,
-        score_capacities: as in `train.config.TrainConfig` / `train.step.StepConfig`.
+        score_capacities: as in `train.config.TrainConfig` (`train.step.StepConfig`,
+        `tev_jax.exit_train.ExitTrainConfig`).
     """
     import jax
 
     from tev_jax import sharding as shd
+    from tev_jax.exit_train import ExitTrainConfig
     from tev_jax.models.drafter_io import drafter_config_for
     from tev_jax.sampling import Sampling
     from train.optimizer import OptimConfig
@@ -127,8 +129,9 @@ def plan_step(target_config, *, drafter_layers: int = 1, num_taps: int = 5,
                               mask_token_id=0, target_layer_ids=taps)
     target, drafter = abstract_models(target_config, dcfg, target_dtype=target_dtype,
                                       param_dtype=param_dtype)
-    scfg = StepConfig(loss=loss, budget=budget, exit_lambda=0.1, sampling=Sampling(1.0),
-                      taps=taps, horizon=dcfg.horizon, score_capacities=score_capacities,
+    objective = ExitTrainConfig(loss=loss, budget=budget, exit_lambda=0.1,
+                                sampling=Sampling(1.0), score_capacities=score_capacities)
+    scfg = StepConfig(objective=objective, taps=taps, horizon=dcfg.horizon,
                       compute_dtype=compute_dtype, remat=remat,
                       target_sharding=target_sharding)
     mesh = None if mesh_shape == (1, 1, 1) else shd.make_mesh(data, fsdp, tensor)

@@ -11,6 +11,11 @@ Per micro-batch (B sequences, A anchors each, DESIGN.md §8)::
     objective     token CE + lambda * exit loss           -> d loss / d hidden
     update        vjp -> drafter grads -> optax (clip, AdamW, warmup + cosine, MultiSteps)
 
+The objective (trees, scoring, exit weights, losses) is `tev_jax.exit_train`'s, set by
+the `tev_jax.exit_train.ExitTrainConfig` inside `StepConfig`; this module wires it to
+the drafter's forward and the optimiser (`train.optimizer`), over the state and
+shardings of `train.state` and `train.placement`.
+
 No [rows, V] logits array is formed: every read of the target's LM head (the drafter's
 log-normalisers, top-K and label / node logits; the exit law's per-node log-normaliser
 and child logits) goes over vocabulary blocks (`tev_jax.models.lm_head`). Only a target
@@ -21,12 +26,10 @@ one function under ``jax.vjp``, and the target's state is a separate, non-differ
 argument. The trees, the target scoring pass and the exit weights are built from
 ``stop_gradient`` logits, so they carry no gradient either.
 
-The step runs over the state of `train.state`, with the optimiser of `train.optimizer`
-and the shardings of `train.placement`: drafter parameters and optimiser state follow
-their logical axes, the batch is split over data and fsdp, and the frozen target's
-parameters are sharded like the drafter's (``target_sharding='fsdp'``) or replicated
-over data / fsdp and split only along tensor ('replicated';
-`tev_jax.sharding.frozen_target_rules`).
+Sharding (`train.placement`): drafter parameters and optimiser state follow their
+logical axes, the batch is split over data and fsdp, and the frozen target's parameters
+are sharded like the drafter's (``target_sharding='fsdp'``) or replicated over data /
+fsdp and split only along tensor ('replicated'; `tev_jax.sharding.frozen_target_rules`).
 
 Precision: the drafter's parameters (and optimiser state) keep their dtype (float32
 master weights); ``StepConfig.compute_dtype`` casts them for the forward. The target
@@ -44,7 +47,6 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
-import math
 from typing import Any
 
 import jax
@@ -55,28 +57,17 @@ from flax import nnx
 from tev_jax import ddtree
 from tev_jax import sharding as shd
 from tev_jax.exit_train import (
-    blocked_law_ok,
-    edge_log_probs_blocked,
-    exit_laws_from_edges,
-    NORMALIZERS,
-    LossParts,
-    check_floor,
-    check_weighting,
-    exit_loss,
-    node_weights,
-    score_parent_hidden,
-    score_tree_hidden,
+    ExitTrainConfig,
+    block_labels,
+    exit_targets,
+    objective,
     target_context,
-    token_loss,
-    tree_exit_weights,
 )
 from tev_jax.models import lm_head
 from tev_jax.models.drafter import anchor_hidden
-from tev_jax.sampling import Sampling
 from train.optimizer import OptimConfig, make_optimizer
 from train.placement import Placement, abstract_state, placement
 from train.state import Batch, Frozen, Graphs, TrainState, merge_drafter, split_models
-
 
 DTYPES = ("float32", "bfloat16")
 REMAT = {
@@ -86,38 +77,15 @@ REMAT = {
 }
 
 
-def check_score_capacities(caps) -> None:
-    """Raises ValueError unless ``caps`` is a tuple of fractions in (0, 1)."""
-    if not isinstance(caps, tuple) or any(not 0 < c < 1 for c in caps):
-        raise ValueError(f"score_capacities must be a tuple of fractions in (0, 1), "
-                         f"got {caps!r}")
-
-
 @dataclasses.dataclass(frozen=True)
 class StepConfig:
     """Static settings of a step (hashable).
 
     Attributes:
-      loss: 'token', or the ExitTrain node weighting: a name of
-        `tev_jax.exit_train.WEIGHTINGS` or a callable ``(tree, law) -> weights [N]``.
-      budget: DDTree budget (N = budget + 1).
-      exit_lambda: weight of the exit loss.
-      exit_normalizer: the exit term is the weighted NLL sum divided by the total
-        weight ('weight') or by the number of tree nodes, root excluded, of the valid
-        anchors ('nodes', the authors' release: the term then shrinks with the weights).
-      exit_floor: edge-probability floor alpha of the reach in the node weights
-        (`tev_jax.exit_train.node_weights`; the authors use 1e-4).
-      sampling: target sampling transform of the exit law.
+      objective: the ExitTrain objective (loss, budget, lambda, sampling, normaliser,
+        floor, scoring capacities, vocabulary block; `tev_jax.exit_train`).
       taps: target layers feeding the drafter.
       horizon: H.
-      decay_gamma: optional DFlash position decay of the token loss.
-      tree_metrics: build and score trees with loss='token' too (logs tau).
-      score_capacities: empty: the scoring pass runs over every tree node. Fractions
-        in (0, 1), e.g. (0.25, 0.5, 0.75): it runs over the nodes the exit law reads
-        (nodes with children, of valid anchors) in the smallest of
-        ``ceil(fraction * A * N)`` query slots per row that holds them, else over every
-        node (`tev_jax.exit_train.score_parent_nodes`); same losses and gradients, a
-        cost that follows the trees, one more compiled scoring pass per fraction.
       compute_dtype: None, or 'float32' / 'bfloat16': the drafter's parameters are cast
         to it for the forward (they and the optimiser state keep their own dtype).
       remat: rematerialisation of each drafter layer in the backward pass (`REMAT`):
@@ -126,33 +94,16 @@ class StepConfig:
       target_sharding: 'fsdp' (the frozen target's parameters sharded over fsdp and
         tensor like the drafter's) or 'replicated' (replicated over data / fsdp, split
         over tensor only: `tev_jax.sharding.frozen_target_rules`).
-      vocab_block: vocabulary entries per block of the LM-head reductions.
     """
 
-    loss: str
-    budget: int
-    exit_lambda: float
-    sampling: Sampling
+    objective: ExitTrainConfig
     taps: tuple[int, ...]
     horizon: int
-    decay_gamma: float | None = None
-    tree_metrics: bool = False
-    score_capacities: tuple[float, ...] = ()
     compute_dtype: str | None = None
     remat: str = "none"
     target_sharding: str = "fsdp"
-    vocab_block: int = lm_head.BLOCK
-    exit_normalizer: str = "weight"
-    exit_floor: float = 0.0
 
     def __post_init__(self):
-        if self.loss != "token":
-            check_weighting(self.loss)
-        check_floor(self.exit_floor)
-        if self.exit_normalizer not in NORMALIZERS:
-            raise ValueError(f"exit_normalizer must be one of {NORMALIZERS}, got "
-                             f"{self.exit_normalizer!r}")
-        check_score_capacities(self.score_capacities)
         if self.compute_dtype not in (None,) + DTYPES:
             raise ValueError(f"compute_dtype must be None or one of {DTYPES}, got "
                              f"{self.compute_dtype!r}")
@@ -161,87 +112,6 @@ class StepConfig:
         if self.target_sharding not in shd.TARGET_SHARDINGS:
             raise ValueError(f"target_sharding must be one of {shd.TARGET_SHARDINGS}, got "
                              f"{self.target_sharding!r}")
-        if not isinstance(self.vocab_block, int) or self.vocab_block < 1:
-            raise ValueError(f"vocab_block must be a positive int, got {self.vocab_block!r}")
-
-    @property
-    def builds_trees(self) -> bool:
-        return self.loss != "token" or self.tree_metrics
-
-    @property
-    def weighting(self):
-        return "exit" if self.loss == "token" else self.loss
-
-
-# ------------------------------------------------------------------ step pieces
-
-
-def block_labels(tokens_BL: jax.Array, anchors_BA: jax.Array, horizon: int) -> jax.Array:
-    """int32 [B, A, H]: ``tokens[anchor + 1 .. anchor + H]`` (clipped at the end)."""
-    seq_len = tokens_BL.shape[1]
-    idx = anchors_BA.astype(jnp.int32)[:, :, None] + 1 + jnp.arange(horizon, dtype=jnp.int32)
-    idx = jnp.clip(idx, 0, seq_len - 1)
-    b, a, h = idx.shape
-    return jnp.take_along_axis(tokens_BL.astype(jnp.int32), idx.reshape(b, a * h),
-                               axis=1).reshape(b, a, h)
-
-
-def exit_targets(target, cache, draft, batch: Batch, cfg: StepConfig, top=None):
-    """Trees, detached node weights and exit-law coverage of every anchor.
-
-    Args:
-      draft: [B, A, H, V] draft logits or their `HeadRows` (detached).
-      top: optional precomputed ``ddtree.draft_top_k(draft, ddtree.tree_k(draft,
-        cfg.budget))``.
-    Returns:
-      (trees [B, A, N], weights float32 [B, A, N] (0 for invalid anchors),
-       coverage float32 [B, A])
-    """
-    roots = jnp.take_along_axis(batch.tokens.astype(jnp.int32),
-                                batch.anchors.astype(jnp.int32), axis=1)
-    trees = ddtree.build_trees(draft, roots, cfg.budget, block=cfg.vocab_block, top=top)
-    if not cfg.score_capacities:
-        hidden = score_tree_hidden(target, cache, trees, batch.anchors)
-    else:
-        slots = batch.anchors.shape[1] * (cfg.budget + 1)
-        capacities = [min(slots, math.ceil(f * slots)) for f in cfg.score_capacities]
-        hidden = score_parent_hidden(target, cache, trees, batch.anchors, capacities,
-                                     batch.valid)
-    if blocked_law_ok(cfg.sampling):
-        log_a = edge_log_probs_blocked(trees, hidden, lm_head.head_of(target), cfg.sampling,
-                                       cfg.vocab_block)
-        law = exit_laws_from_edges(trees, log_a)
-        weights = node_weights(trees, law, cfg.weighting, cfg.exit_floor)
-    else:   # top-k / top-p / greedy transform whole rows: dense [B, A, N, V] logits
-        weights, law = tree_exit_weights(trees, target.unembed(hidden), cfg.sampling,
-                                         cfg.weighting, cfg.exit_floor)
-    weights = jnp.where(batch.valid[:, :, None], weights, 0.0)
-    return trees, weights, law.coverage
-
-
-def objective(draft_logits_BAHV, labels_BAH, valid_BA, trees, weights_BAN, cfg: StepConfig):
-    """total = token + lambda * exit (exit only for the ExitTrain losses).
-
-    ``draft_logits_BAHV`` is [B, A, H, V] logits or their `HeadRows` (the step's).
-    The exit term is normalised by its total weight or by the tree-node count of the
-    valid anchors (``cfg.exit_normalizer``).
-
-    Returns:
-      (total loss [], aux dict of [] arrays)
-    """
-    mask = jnp.broadcast_to(valid_BA[:, :, None], labels_BAH.shape)
-    tok = token_loss(draft_logits_BAHV, labels_BAH, mask, cfg.decay_gamma)
-    aux = {"token_loss": tok.mean}
-    total = tok.mean
-    if cfg.loss != "token":
-        ex = exit_loss(draft_logits_BAHV, trees, weights_BAN)
-        if cfg.exit_normalizer == "nodes":
-            nodes = trees.valid & (trees.depths > 0) & valid_BA[:, :, None]
-            ex = LossParts(total=ex.total, weight=jnp.sum(nodes).astype(jnp.float32))
-        aux["exit_loss"] = ex.mean
-        aux["exit_weight"] = jnp.sum(weights_BAN)
-        total = total + cfg.exit_lambda * ex.mean
-    return total, aux
 
 
 def loss_and_grads(params, graphs: Graphs, frozen: Frozen, batch: Batch, cfg: StepConfig):
@@ -250,6 +120,7 @@ def loss_and_grads(params, graphs: Graphs, frozen: Frozen, batch: Batch, cfg: St
     Returns:
       (grads (like params), metrics dict of float32 [])
     """
+    ocfg = cfg.objective
     target = nnx.merge(graphs.target, frozen.target)
     feats, cache = target_context(target, batch.tokens, cfg.taps)
     head = lm_head.head_of(target)
@@ -262,19 +133,20 @@ def loss_and_grads(params, graphs: Graphs, frozen: Frozen, batch: Batch, cfg: St
                              REMAT[cfg.remat])
 
     hidden, pullback = jax.vjp(drafter_forward, params)
-    rows = lambda h: lm_head.head_rows(h, head, cfg.vocab_block)
+    rows = lambda h: lm_head.head_rows(h, head, ocfg.vocab_block)
     detached = rows(jax.lax.stop_gradient(hidden))
-    k = ddtree.tree_k(detached, cfg.budget) if cfg.builds_trees else 1
-    top = ddtree.draft_top_k(detached, k, block=cfg.vocab_block)
+    k = ddtree.tree_k(detached, ocfg.budget) if ocfg.builds_trees else 1
+    top = ddtree.draft_top_k(detached, k, block=ocfg.vocab_block)
     labels = block_labels(batch.tokens, batch.anchors, cfg.horizon)
     metrics = {}
     trees = weights = None
-    if cfg.builds_trees:
-        trees, weights, coverage = exit_targets(target, cache, detached, batch, cfg, top)
+    if ocfg.builds_trees:
+        trees, weights, coverage = exit_targets(target, cache, detached, batch.tokens,
+                                                batch.anchors, batch.valid, ocfg, top)
         n_valid = jnp.maximum(jnp.sum(batch.valid), 1)
         metrics["tau"] = 1.0 + jnp.sum(jnp.where(batch.valid, coverage, 0.0)) / n_valid
     (total, aux), dhidden = jax.value_and_grad(
-        lambda h: objective(rows(h), labels, batch.valid, trees, weights, cfg),
+        lambda h: objective(rows(h), labels, batch.valid, trees, weights, ocfg),
         has_aux=True)(hidden)
     (grads,) = pullback(dhidden)
     row_mask = batch.valid[:, :, None]
@@ -362,9 +234,6 @@ def step_program(graphs: Graphs, cfg: StepConfig, ocfg: OptimConfig, mesh, param
     return program
 
 
-# ------------------------------------------------------------------------ planning
-
-
 def abstract_models(target_config, drafter_config, *, target_dtype="float32",
                     param_dtype="float32"):
     """(target, drafter) with abstract parameters (``nnx.eval_shape``: no weights).
@@ -416,8 +285,5 @@ def lower(target, drafter, step_config: StepConfig, optim_config: OptimConfig, m
         return step_fn.lower(state, batch, jax.tree.map(shape, frozen))
 
 
-__all__ = [
-    "DTYPES", "REMAT", "StepConfig", "StepProgram", "abstract_models", "block_labels",
-    "check_score_capacities", "exit_targets", "loss_and_grads", "lower", "make_step_fn",
-    "objective", "step_program", "train_step",
-]
+__all__ = ["DTYPES", "REMAT", "StepConfig", "StepProgram", "abstract_models",
+           "loss_and_grads", "lower", "make_step_fn", "step_program", "train_step"]
