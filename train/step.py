@@ -234,34 +234,15 @@ def step_program(graphs: Graphs, cfg: StepConfig, ocfg: OptimConfig, mesh, param
     return program
 
 
-def abstract_models(target_config, drafter_config, *, target_dtype="float32",
-                    param_dtype="float32"):
-    """(target, drafter) with abstract parameters (``nnx.eval_shape``: no weights).
-
-    Args:
-      target_config: the target's `ModelConfig` (e.g. `tev_jax.plan.preset`).
-      drafter_config: a `DrafterConfig` for it.
-      target_dtype, param_dtype: parameter dtypes of the target and the drafter.
-    """
-    from tev_jax.models.drafter import Drafter
-    from tev_jax.models.target import Target
-
-    drafter_config.check_target(target_config)
-    target = nnx.eval_shape(lambda: Target(target_config, dtype=jnp.dtype(target_dtype),
-                                           rngs=nnx.Rngs(0)))
-    drafter = nnx.eval_shape(lambda: Drafter(drafter_config, dtype=jnp.dtype(param_dtype),
-                                             rngs=nnx.Rngs(0)))
-    return target, drafter
-
-
 def lower(target, drafter, step_config: StepConfig, optim_config: OptimConfig, mesh,
           batch_shape: tuple[int, int, int]):
     """The jax ``Lowered`` of one optimiser update (micro-batch) on ``mesh``.
 
-    Works on abstract models (`abstract_models`): nothing is allocated, so
-    ``lower(...).compile().memory_analysis()`` gives the per-device argument and
-    temporary bytes of a step for models that would not fit this machine. The step is
-    the one `step_program` jits (same shardings, state donated).
+    Works on abstract models (`tev_jax.plan.abstract_target`, ``nnx.eval_shape``):
+    nothing is allocated, so ``lower(...).compile().memory_analysis()`` gives the
+    per-device argument and temporary bytes of a step for models that would not fit
+    this machine. The step is the one `step_program` jits (same shardings, state
+    donated).
 
     Args:
       target, drafter: the models (abstract or concrete).
@@ -285,5 +266,5 @@ def lower(target, drafter, step_config: StepConfig, optim_config: OptimConfig, m
         return step_fn.lower(state, batch, jax.tree.map(shape, frozen))
 
 
-__all__ = ["DTYPES", "REMAT", "StepConfig", "StepProgram", "abstract_models",
-           "loss_and_grads", "lower", "make_step_fn", "step_program", "train_step"]
+__all__ = ["DTYPES", "REMAT", "StepConfig", "StepProgram", "loss_and_grads", "lower",
+           "make_step_fn", "step_program", "train_step"]
