@@ -9,7 +9,8 @@ padding. This one, `sqrt_depth_exit`, sits between the named 'exit' (``w``) and
 'exit_depth' (``w * depth``): ``w(v) * sqrt(depth(v))``.
 
 `main` runs a few steps of `train.step` on the bundled target and drafter (a jitted
-step: drafter forward, trees, target scoring pass, exit law, weights, loss, AdamW).
+step: drafter forward, trees, target scoring pass, exit law, weights, loss, AdamW); the
+weighting goes in as the objective's ``loss`` (`tev_jax.exit_train.ExitTrainConfig`).
 
 Run: ``python -m examples.custom_weighting``.
 """
@@ -23,10 +24,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from tev_jax.exit_law import ExitLaw
+from tev_jax.exit_train import ExitTrainConfig
 from tev_jax.models import load_bundled
 from tev_jax.sampling import Sampling
 from tev_jax.tree import DraftTree
-from train import step
+from train.optimizer import OptimConfig, make_optimizer
+from train.placement import init_state, placement
+from train.state import Batch, split_models
+from train.step import StepConfig, make_step_fn
 
 TEXTS = (
     "def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1) + "
@@ -42,7 +47,7 @@ def sqrt_depth_exit(tree: DraftTree, law: ExitLaw) -> jax.Array:
 
 
 def batch_of(tokenizer, seq_len: int, num_anchors: int, horizon: int, seed: int = 0):
-    """A `train.step.Batch` of the `TEXTS`, padded or cut to ``seq_len``, with random anchors."""
+    """A `train.state.Batch` of the `TEXTS`, padded or cut to ``seq_len``, with random anchors."""
     rows = [tokenizer.encode(t).ids[:seq_len] for t in TEXTS]
     tokens = np.zeros((len(rows), seq_len), np.int32)
     for i, r in enumerate(rows):
@@ -51,8 +56,8 @@ def batch_of(tokenizer, seq_len: int, num_anchors: int, horizon: int, seed: int 
     rng = np.random.default_rng(seed)
     anchors = np.stack([np.sort(rng.choice(n - horizon - 1, num_anchors, replace=False)) + 1
                         for n in lengths]).astype(np.int32)
-    return step.Batch(tokens=jnp.asarray(tokens), anchors=jnp.asarray(anchors),
-                      valid=jnp.ones(anchors.shape, bool))
+    return Batch(tokens=jnp.asarray(tokens), anchors=jnp.asarray(anchors),
+                 valid=jnp.ones(anchors.shape, bool))
 
 
 def main(steps: int = 5, budget: int = 16, num_anchors: int = 4, seq_len: int = 64,
@@ -61,14 +66,15 @@ def main(steps: int = 5, budget: int = 16, num_anchors: int = 4, seq_len: int = 
     per-step metrics (loss, exit_loss, coverage, ...)."""
     target, drafter, tokenizer = load_bundled()
     horizon = drafter.config.block_size - 1
-    cfg = step.StepConfig(loss=sqrt_depth_exit, budget=budget, exit_lambda=1.0,
-                          sampling=Sampling(1.0), taps=tuple(drafter.config.target_layer_ids),
-                          horizon=horizon)
-    graphs, frozen, params = step.split_models(target, drafter)
-    optimizer, schedule = step.make_optimizer(step.OptimConfig(lr=lr, steps=steps))
-    place = step.placement(None, graphs, frozen, params, optimizer, (0, 0, 0))
-    state = step.init_state(params, optimizer, place)
-    step_fn = step.make_step_fn(graphs, cfg, optimizer, place, schedule)
+    objective = ExitTrainConfig(loss=sqrt_depth_exit, budget=budget, exit_lambda=1.0,
+                                sampling=Sampling(1.0))
+    cfg = StepConfig(objective=objective, taps=tuple(drafter.config.target_layer_ids),
+                     horizon=horizon)
+    graphs, frozen, params = split_models(target, drafter)
+    optimizer, lr_schedule = make_optimizer(OptimConfig(lr=lr, steps=steps))
+    place = placement(None, graphs, frozen, params, optimizer, (0, 0, 0))
+    state = init_state(params, optimizer, place)
+    step_fn = make_step_fn(graphs, cfg, optimizer, place, lr_schedule)
     batch = batch_of(tokenizer, seq_len, num_anchors, horizon)
     history = []
     for i in range(steps):

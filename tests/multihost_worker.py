@@ -38,8 +38,10 @@ from jax.experimental import multihost_utils  # noqa: E402
 import train_fixtures as tf  # noqa: E402
 from train.local_input import batch_rows, place_local_batch  # noqa: E402
 from train.loop import make_mesh_for, optim_config, train  # noqa: E402
+from train.optimizer import make_optimizer  # noqa: E402
+from train.placement import placement  # noqa: E402
 from train.rollouts import RolloutSet  # noqa: E402
-from train.step import make_optimizer, placement, split_models  # noqa: E402
+from train.state import split_models  # noqa: E402
 
 
 def main() -> None:

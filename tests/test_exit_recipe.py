@@ -15,13 +15,12 @@ import experiment_scripts
 import train_fixtures as tf
 from test_exit_train import random_tree, stack
 from tev_jax.exit_law import exit_law, floored_reach
-from tev_jax.exit_train import exit_loss, node_weights, tree_exit_weights
+from tev_jax.exit_train import exit_loss, node_weights, objective, tree_exit_weights
 from tev_jax.sampling import Sampling
 from tev_jax.testing import reference as ref
 from train.__main__ import build_parser, config_from_args
 from train.config import RECIPES, TrainConfig
 from train.loop import step_config
-from train.step import objective
 
 FLOOR = 0.05  # large enough that some edges of the random trees fall below it
 
@@ -138,7 +137,7 @@ def test_nodes_normaliser_divides_by_the_valid_anchors_tree_nodes():
     valid = jnp.asarray([[True, False, True], [True, True, False]])
     edge = np.asarray(trees.valid & (trees.depths > 0)) & np.asarray(valid)[:, :, None]
     weights = jnp.asarray(np.where(edge, rng.random((b, a, n)) * 0.1, 0.0), jnp.float32)
-    cfg = step_config(tf.config("unused", exit_lambda=0.3), tf.models()[1])
+    cfg = step_config(tf.config("unused", exit_lambda=0.3), tf.models()[1]).objective
     by_weight = objective(logits, labels, valid, trees, weights, cfg)[1]["exit_loss"]
     nodes_cfg = dataclasses.replace(cfg, exit_normalizer="nodes")
     total, aux = objective(logits, labels, valid, trees, weights, nodes_cfg)
@@ -153,7 +152,7 @@ def test_nodes_normaliser_divides_by_the_valid_anchors_tree_nodes():
 
 
 def test_step_config_checks_the_recipe_fields():
-    cfg = step_config(tf.config("unused"), tf.models()[1])
+    cfg = step_config(tf.config("unused"), tf.models()[1]).objective
     for bad in (dict(exit_normalizer="count"), dict(exit_floor=1.5), dict(loss="P_tgt")):
         with pytest.raises(ValueError):
             dataclasses.replace(cfg, **bad)
@@ -183,7 +182,7 @@ def test_train_config_fields_and_the_paper_recipe(tmp_path):
     assert (over.exit_normalizer, over.budget, over.loss) == ("weight", 64, "reach")
     with pytest.raises(SystemExit):
         parse("--recipe", "authors")
-    scfg = step_config(paper, tf.models()[1])
+    scfg = step_config(paper, tf.models()[1]).objective
     assert (scfg.exit_normalizer, scfg.exit_floor, scfg.loss) == ("nodes", 1e-4, "reach")
 
 

@@ -30,6 +30,7 @@ from tev_jax import (
     verify,
     vocab,
 )
+from tev_jax.models import lm_head
 from tev_jax.models.lm_head import Head
 from tev_jax.sampling import Sampling
 from tev_jax.tree import make_tree
@@ -42,6 +43,8 @@ TOPK = Sampling(0.7, top_k=4)
 
 EXCLUDED = {
     "tev_jax.exit_train.check_floor": "host-side validation",
+    "tev_jax.exit_train.check_score_capacities": "host-side validation",
+    "tev_jax.ddtree.tree_k": "host-side static K (from shapes)",
     # Host-side validation, construction and display (ValueErrors, numpy, strings).
     "tev_jax.ddtree.check_draft_logits": "host-side input validation",
     "tev_jax.tree.make_tree": "host-side constructor from Python lists",
@@ -63,6 +66,7 @@ EXCLUDED = {
     "tev_jax.exit_train.score_parent_nodes": "target forward pass (test_exit_train)",
     "tev_jax.exit_train.score_tree_hidden": "target forward pass (test_exit_train)",
     "tev_jax.exit_train.score_parent_hidden": "target forward pass (test_exit_train)",
+    "tev_jax.exit_train.exit_targets": "target forward pass (test_train_step)",
     "tev_jax.exit_train.blocked_law_ok": "host-side predicate of a static Sampling",
 }
 
@@ -101,6 +105,8 @@ UNIFORMS_N = jax.random.uniform(jax.random.key(4), (2, N))
 HIDDEN_ND = _logits((2, N, 4), 5)
 HEAD = Head(_logits((V, 4), 6), True)  # a tied [V, D] head
 LAWS = jax.vmap(lambda t, x: exit_law.exit_law(t, x, T1))(TREES, LOGITS_NV)
+TOKENS_L = jnp.asarray(np.random.default_rng(7).integers(0, V, (2, 12)), jnp.int32)
+ANCHORS_A = jnp.asarray([[1, 4, 10], [0, 6, 8]], jnp.int32)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,6 +127,15 @@ def _topk(x_HV):
 def _exit_loss(x_HV, root):
     t = ddtree.build_tree(x_HV, root, 5)[0]
     return exit_train.exit_loss(x_HV, t, jnp.where(t.depths > 0, 0.5, 0.0))
+
+
+def _objective(x_HV, root):
+    t = ddtree.build_tree(x_HV, root, 5)[0]
+    cfg = exit_train.ExitTrainConfig(loss="exit", budget=5, exit_lambda=0.5, sampling=T1,
+                                     exit_normalizer="nodes", decay_gamma=2.0)
+    labels = jnp.stack([root, root + 1, root + 2]) % V
+    return exit_train.objective(x_HV, labels, jnp.asarray(True), t,
+                                jnp.where(t.depths > 0, 0.5, 0.0), cfg)
 
 
 CASES = {
@@ -191,6 +206,15 @@ CASES = {
                                            jnp.ones(H, bool), decay_gamma=2.0),
         (DRAFT_HV, ROOTS), grad=0),
     "tev_jax.exit_train.exit_loss": Case(_exit_loss, (DRAFT_HV, ROOTS), grad=0),
+    "tev_jax.exit_train.objective": Case(_objective, (DRAFT_HV, ROOTS), grad=0,
+                                         loss=lambda out: out[0]),
+    "tev_jax.exit_train.block_labels": Case(lambda t, a: exit_train.block_labels(t, a, H),
+                                            (TOKENS_L, ANCHORS_A)),
+    "tev_jax.ddtree.draft_top_k": Case(
+        lambda h: ddtree.draft_top_k(lm_head.head_rows(h, HEAD, 3), 3, block=3),
+        (HIDDEN_ND,)),
+    "tev_jax.ddtree.build_trees": Case(lambda x, r: ddtree.build_trees(x, r, 5),
+                                       (DRAFT_BHV, ROOTS_B)),
     "tev_jax.extensions.batched": Case(extensions.batched(extensions.DDTreeBuilder(5)),
                                        (DRAFT_BHV, ROOTS_B)),
     "tev_jax.extensions.chain_builder": Case(extensions.chain_builder, (DRAFT_HV, ROOTS)),

@@ -13,9 +13,9 @@ from flax import nnx
 
 import train_fixtures as tf
 from tev_jax import sharding as shd
+from tev_jax.plan import abstract_target
 from train.__main__ import main
 from train.plan import plan_step, target_config_from
-from train.step import abstract_models
 
 PLAN = dict(drafter_layers=1, num_taps=2, block_size=tf.BLOCK, batch=8, seq_len=tf.SEQ_LEN,
             anchors=2, budget=8, mesh_shape=(1, 8, 1))
@@ -23,11 +23,7 @@ PLAN = dict(drafter_layers=1, num_taps=2, block_size=tf.BLOCK, batch=8, seq_len=
 
 def _embed_sharded_bytes(config) -> int:
     """Bytes of the target's parameters with an ``embed`` axis (split by fsdp)."""
-    from tev_jax.models.drafter_io import drafter_config_for
-
-    dcfg = drafter_config_for(config, num_layers=1, block_size=tf.BLOCK, mask_token_id=0,
-                              target_layer_ids=(0, 1))
-    target, _ = abstract_models(config, dcfg)
+    target = abstract_target(config)
     total = 0
     for _, v in nnx.to_flat_state(nnx.state(target, nnx.Param)):
         if "embed" in (shd.variable_axes(v) or ()):
@@ -48,11 +44,11 @@ def test_fsdp_sharded_target_shrinks_the_step_arguments(tmp_path, capsys):
     fsdp = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert fsdp["target_sharding"] == "fsdp" and fsdp["mesh"] == "1x8x1"
     # Only the target's placement differs: fsdp 8 keeps 1/8 of every parameter with an
-    # embed axis (hidden 32 divides by 8). With `target_rules` (embed unsharded) the two
-    # plans would have equal arguments.
-    saved = replicated.argument - fsdp["argument_bytes"]
+    # embed axis (hidden 32 divides by 8). With `embed_replicated_rules` (embed
+    # unsharded) the two plans would have equal arguments.
+    saved = replicated.report.argument_bytes - fsdp["argument_bytes"]
     np.testing.assert_allclose(saved, 7 / 8 * _embed_sharded_bytes(tf.TARGET), rtol=0.02)
-    assert replicated.temp > 0 and fsdp["temp_bytes"] > 0
-    assert fsdp["output_bytes"] == replicated.output          # the donated train state
+    assert replicated.report.temp_bytes > 0 and fsdp["temp_bytes"] > 0
+    assert fsdp["output_bytes"] == replicated.report.output_bytes   # the donated train state
     assert main(["plan", "--target", "no-such-model"]) == 2
     assert "neither a preset" in capsys.readouterr().err

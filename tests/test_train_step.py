@@ -14,25 +14,15 @@ from flax import nnx
 
 import train_fixtures as tf
 from tev_jax import sharding as shd
-from tev_jax.exit_train import parent_mask, target_context
+from tev_jax.exit_train import block_labels, exit_targets, objective, parent_mask, target_context
 from tev_jax.models.drafter import anchor_logits
 from train.__main__ import build_parser, config_from_args
 from train.anchors import anchor_range, sample_anchors, step_rng
 from train.config import TrainConfig
 from train.loop import optim_config, step_config, train
-from train.step import (
-    Batch,
-    block_labels,
-    exit_targets,
-    init_state,
-    loss_and_grads,
-    merge_drafter,
-    objective,
-    place_batch,
-    place_frozen,
-    split_models,
-    step_program,
-)
+from train.placement import init_state, place_batch, place_frozen
+from train.state import Batch, merge_drafter, split_models
+from train.step import loss_and_grads, step_program
 
 B, A = 8, 2
 
@@ -130,13 +120,14 @@ def test_vjp_route_equals_jax_grad_of_the_whole_objective():
         feats, cache = target_context(tgt, batch.tokens, scfg.taps)
         logits0 = anchor_logits(merge_drafter(graphs, frozen, params), tgt, feats,
                                 batch.tokens, batch.anchors)
-        trees, weights, _ = exit_targets(tgt, cache, logits0, batch, scfg)
+        trees, weights, _ = exit_targets(tgt, cache, logits0, batch.tokens, batch.anchors,
+                                         batch.valid, scfg.objective)
         labels = block_labels(batch.tokens, batch.anchors, scfg.horizon)
 
         def whole(p):
             logits = anchor_logits(merge_drafter(graphs, frozen, p), tgt, feats,
                                    batch.tokens, batch.anchors)
-            return objective(logits, labels, batch.valid, trees, weights, scfg)[0]
+            return objective(logits, labels, batch.valid, trees, weights, scfg.objective)[0]
 
         loss, direct = jax.value_and_grad(whole)(params)
         return grads, metrics["loss"], direct, loss
@@ -181,20 +172,22 @@ def test_leaf_skipping_scoring_gives_the_same_exit_targets():
     gradients (its full fallback: tests/test_exit_train.py)."""
     target, drafter = tf.models()
     scfg = step_config(tf.config("unused"), drafter)
-    n = scfg.budget + 1
+    n = scfg.objective.budget + 1
     graphs, frozen, _ = split_models(target, drafter)
     hb = tf.progressions().batch_at(0, 2, B, A, tf.BLOCK - 1)
     batch = Batch(*(jax.numpy.asarray(x) for x in (hb.tokens, hb.anchors, hb.valid)))
     rng = np.random.default_rng(2)
     draft = jax.numpy.asarray(4 * rng.standard_normal((B, A, scfg.horizon, tf.TARGET.vocab_size)),
                               np.float32)
-    pooled = dataclasses.replace(scfg, score_capacities=((n - 1) / n,))   # always fits
+    full = scfg.objective
+    pooled = dataclasses.replace(full, score_capacities=((n - 1) / n,))   # always fits
 
     @jax.jit
     def targets(batch, draft):
         tgt = nnx.merge(graphs.target, frozen.target)
         _, cache = target_context(tgt, batch.tokens, scfg.taps)
-        return [exit_targets(tgt, cache, draft, batch, c) for c in (scfg, pooled)]
+        return [exit_targets(tgt, cache, draft, batch.tokens, batch.anchors, batch.valid, c)
+                for c in (full, pooled)]
 
     (trees, weights, coverage), other = jax.device_get(targets(batch, draft))
     assert (np.asarray(parent_mask(trees)).sum(-1) > 1).any()      # trees deeper than 1
@@ -204,7 +197,7 @@ def test_leaf_skipping_scoring_gives_the_same_exit_targets():
                                np.where(hb.valid, coverage, 0.0), atol=1e-6)
     for bad in ((0.0,), (0.5, 1.0), [0.5]):
         with pytest.raises(ValueError, match="score_capacities"):
-            dataclasses.replace(scfg, score_capacities=bad)
+            dataclasses.replace(full, score_capacities=bad)
 
 def test_thirty_step_run_lowers_the_loss(tmp_path):
     target, drafter = tf.models()
@@ -293,8 +286,8 @@ def test_cli_flags_build_the_typed_config(tmp_path):
     assert (cfg.target_sharding, cfg.remat, cfg.score_capacities) == (
         "replicated", "dots", (0.25, 0.5))
     scfg = step_config(cfg, tf.models()[1])
-    assert (scfg.compute_dtype, scfg.remat, scfg.target_sharding, scfg.score_capacities) == (
-        "bfloat16", "dots", "replicated", (0.25, 0.5))
+    assert (scfg.compute_dtype, scfg.remat, scfg.target_sharding,
+            scfg.objective.score_capacities) == ("bfloat16", "dots", "replicated", (0.25, 0.5))
     assert TrainConfig.from_dict(cfg.to_dict()) == cfg
     # A config written before the three dtypes: 'dtype' set all of them.
     assert TrainConfig.from_dict({"dtype": "bfloat16"}).dtypes == ("bfloat16",) * 3

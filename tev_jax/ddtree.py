@@ -38,6 +38,10 @@ with ``budget`` static, and vmapped over a batch of logit blocks and root tokens
     build = jax.jit(jax.vmap(build_tree, in_axes=(0, 0, None)), static_argnums=2)
     tree_BN, info_BN = build(draft_logits_BHV, roots_B, 64)
 
+`build_trees` is the batched builder both decoding and ExitTrain use: one top-k over a
+whole batch of rows (per vocabulary shard under a mesh, or over vocabulary blocks of the
+LM head when the rows are hidden states), then `build_tree_from_topk` row by row.
+
 The jitted algorithm keeps, for every depth d, the best ``budget`` candidates of that
 depth in order: they are children of the kept depth-(d-1) list, and because both that
 list and the row's top-K are sorted, the pair (parent position i, token rank r) is
@@ -56,6 +60,8 @@ import numpy as np
 from flax import struct
 
 from tev_jax import vocab
+from tev_jax.models import lm_head
+from tev_jax.models.lm_head import HeadRows
 from tev_jax.tree import DraftTree
 
 
@@ -263,6 +269,70 @@ def build_tree(
         return _root_only(root_token)
     tokens_HK, logq_HK = topk_logq(draft_logits_HV, min(budget, draft_logits_HV.shape[-1]))
     return build_tree_from_topk(tokens_HK, logq_HK, root_token, budget)
+
+
+# ------------------------------------------------------------------ batched trees
+
+
+def tree_k(draft, budget: int) -> int:
+    """K of the builder for ``draft``'s rows: ``min(budget, V)``, at least 1 (static).
+
+    Args:
+      draft: [..., H, V] draft logits or their `tev_jax.models.lm_head.HeadRows`.
+      budget: the node budget.
+    """
+    vocab = draft.head.vocab if isinstance(draft, HeadRows) else draft.shape[-1]
+    return max(1, min(budget, vocab))
+
+
+def draft_top_k(draft, k: int, lead_names=(), block: int = lm_head.BLOCK
+                ) -> tuple[jax.Array, jax.Array]:
+    """Top-k tokens of every (detached) draft row and their draft log-probabilities.
+
+    Args:
+      draft: [..., H, V] draft logits (`topk_logq`), or their `HeadRows`: hidden states
+        and the frozen LM head, read over vocabulary blocks of ``block`` entries
+        (`tev_jax.models.lm_head.top_k`: no [.., V] row is formed).
+      k: static, 1 <= k <= V (and <= ``block`` for `HeadRows`).
+      lead_names: logical axis names of the logits' leading axes (see `topk_logq`).
+    Returns:
+      ``(tokens int32, logq float32)`` [..., H, k], ordered as `topk_logq` orders them.
+    """
+    if isinstance(draft, HeadRows):
+        values, tokens, lse = lm_head.top_k(draft.hidden, draft.head, k, block)
+        return tokens, values - lse[..., None]
+    return topk_logq(jax.lax.stop_gradient(draft), k, lead_names)
+
+
+def build_trees(draft, roots_X: jax.Array, budget: int, *, lead_names=(),
+                block: int = lm_head.BLOCK, top=None) -> DraftTree:
+    """The DDTree of every row of a batch, from one top-k over the whole batch.
+
+    Decoding builds its trees here from the drafter's logits [B, H, V] (through
+    `tev_jax.extensions.DDTreeBuilder`), ExitTrain from the draft rows of every anchor
+    [B, A, H, .] as `HeadRows`; both get the trees of `build_tree` row by row.
+
+    Args:
+      draft: [*X, H, V] draft logits, or their `HeadRows` (see `draft_top_k`).
+      roots_X: int [*X] root tokens.
+      budget: nodes besides the root (static, >= 0); N = budget + 1.
+      lead_names: logical axis names of the logits' leading axes X, kept when the
+        vocabulary is sharded over a mesh (e.g. ``("batch",)``).
+      block: vocabulary entries per block of the `HeadRows` top-k.
+      top: optional precomputed ``draft_top_k(draft, tree_k(draft, budget), ...)``.
+    Returns:
+      A `DraftTree` with fields [*X, N].
+    """
+    budget = _static_budget(budget)
+    if top is None:
+        names = tuple(lead_names) + (None,) if lead_names else ()
+        top = draft_top_k(draft, tree_k(draft, budget), names, block)
+    tokens_XHK, logq_XHK = top
+    lead, (h, k) = tokens_XHK.shape[:-2], tokens_XHK.shape[-2:]
+    build = jax.vmap(lambda t, q, r: build_tree_from_topk(t, q, r, budget)[0])
+    trees = build(tokens_XHK.reshape((-1, h, k)), logq_XHK.reshape((-1, h, k)),
+                  jnp.asarray(roots_X, jnp.int32).reshape(-1))
+    return jax.tree.map(lambda x: x.reshape(lead + x.shape[1:]), trees)
 
 
 def build_chain(draft_logits_HV: jax.Array, root_token: jax.Array) -> tuple[DraftTree, BuildInfo]:

@@ -1,10 +1,22 @@
 """ExitTrain: exit-guided draft-tree training objectives (paper §5, App. C.2; DESIGN.md §8).
 
+The whole objective lives here, over plain arrays and a frozen `ExitTrainConfig`; the
+training step (``train.step``) only wires it to the drafter's forward and the optimiser.
+Per training sequence and anchor a (root ``tokens[a]``, labels ``tokens[a+1 .. a+H]``,
+`block_labels`)::
+
+    target_context   frozen target over the sequences   -> context features, K/V cache
+    (drafter)        the anchors' blocks                 -> draft rows [B, A, H, V]
+    exit_targets     DDTree of the detached rows, scored -> trees, node weights, coverage
+                     by the target under each node's real context
+    objective        token CE + lambda * exit loss      -> total, aux
+
 For a training anchor the drafter proposes one row of logits per block position,
 ``q_d = log_softmax(draft_logits[d - 1])`` for depths d = 1..H. The inference-time
-tree is built from those rows (no gradient), the frozen target scores every node under
-its real tree-parent context, and the canonical exit law of `tev_jax.exit_law` gives
-node weights (detached)::
+tree is built from those rows (no gradient; `tev_jax.ddtree.build_trees`, the builder
+decoding uses), the frozen target scores every node under its real tree-parent
+context, and the canonical exit law of `tev_jax.exit_law` gives node weights
+(detached)::
 
     exit        weight(v) = w(v) = P(v) * rho(v)
     exit_depth  weight(v) = w(v) * depth(v)
@@ -15,15 +27,16 @@ node weights (detached)::
 exit and exit_depth too, as in the authors' release), and the exit loss is
 ``- sum_{v != root} weight(v) * log q_{depth(v)}(tokens[v])`` divided by the total
 weight (normaliser 'weight') or by the number of tree nodes ('nodes', the authors'; see
-`train.step.objective`). Nodes of one anchor at the same depth share one draft row, so
-the loss needs one log-normaliser per (anchor, depth) row and one gathered logit per
-node; no [nodes x V] tensor is formed (`exit_loss`).
+`objective`). Nodes of one anchor at the same depth share one draft row, so the loss
+needs one log-normaliser per (anchor, depth) row and one gathered logit per node; no
+[nodes x V] tensor is formed (`exit_loss`).
 
-The scoring pass (`target_context`, `score_tree_nodes`) reuses the keys/values of the
-target's pass over the whole sequence: the nodes of all A anchors of a row are the
-queries of one forward, node v of anchor a sits at position ``anchor + depth(v)`` and
-sees the sequence positions ``< anchor`` plus its tree ancestors (itself and the root,
-whose token is ``tokens[anchor]``, included)::
+The scoring pass (`target_context`, `score_tree_nodes`) runs the target's own layers
+(`tev_jax.models.target.Target.layer_stack`, with an attention of its own) and reuses
+the keys/values of the target's pass over the whole sequence: the nodes of all A
+anchors of a row are the queries of one forward, node v of anchor a sits at position
+``anchor + depth(v)`` and sees the sequence positions ``< anchor`` plus its tree
+ancestors (itself and the root, whose token is ``tokens[anchor]``, included)::
 
     keys:          sequence 0..L-1      | the tree of anchor a
     query (a, v):  positions < anchor_a | ancestors of v (v included)
@@ -45,20 +58,21 @@ through `score_tree_nodes` + `tree_exit_weights`). Attention is the blocked
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
 from flax import nnx, struct
 
+from tev_jax import ddtree
 from tev_jax.exit_law import ExitLaw, exit_law, exit_law_from_edges, floored_reach
 from tev_jax.models import lm_head
 from tev_jax.models.attention import Mask, attention
 from tev_jax.models.kv_cache import KVCache
-from tev_jax.models.layers import rope_inv_freq
 from tev_jax.models.lm_head import DenseRows, Head, HeadRows
 from tev_jax.sampling import Sampling
-from tev_jax.sharding import constrain
 from tev_jax.tree import DraftTree, ancestor_mask, children_mask
 
 WEIGHTINGS = ("exit", "exit_depth", "prefix", "reach")
@@ -296,40 +310,13 @@ def _after(layer, x):
     return nnx.merge(graphdef, state)
 
 
-def _run_layers(target, tokens_BT, positions_BT, attention, taps=()):
-    """The target's decoder layers (same sub-modules and order as ``DecoderLayer``) with
-    a custom attention ``attention(i, q, k, v) -> [B, T, H, hd]``.
-
-    Returns:
-      (residual after the last layer, {tap: layer output}, keys [layers, B, T, K, hd],
-       values)
-    """
-    inv_freq = rope_inv_freq(target.config)
-    x = target.embed(tokens_BT)
-    tapped, ks, vs = {}, None, None
-    for i, layer in enumerate(target.layers):
-        layer = _after(layer, x)
-        q, k, v = layer.self_attn.qkv(layer.input_layernorm(x), positions_BT, inv_freq)
-        att = attention(i, q, k, v)
-        x = constrain(x + layer.self_attn.out(att), ("batch", "seq", "act_embed"))
-        x = x + layer.mlp(layer.post_attention_layernorm(x))
-        x = constrain(x, ("batch", "seq", "act_embed"))
-        if ks is None:   # written in place layer by layer (a stack would copy them all)
-            ks = jnp.zeros((len(target.layers),) + k.shape, k.dtype)
-            vs = jnp.zeros((len(target.layers),) + v.shape, v.dtype)
-        ks, vs = ks.at[i].set(k), vs.at[i].set(v)
-        if i in taps:
-            tapped[i] = x
-    return x, tapped, ks, vs
-
-
 def target_context(target, tokens_BL: jax.Array, taps: Sequence[int]
                    ) -> tuple[jax.Array, KVCache]:
     """The frozen target's causal pass over whole sequences, without the LM head.
 
-    Equal to the target's own forward (``Target._stack``) up to float rounding. Layers
-    above the last tap feed only the returned cache, so a caller that ignores the cache (the token-only
-    step) does not pay for them.
+    The target's own forward (`Target.layer_stack` with causal attention). Layers above
+    the last tap feed only the returned cache, so a caller that ignores the cache (the
+    token-only step) does not pay for them.
 
     Args:
       target: the `Target`.
@@ -339,19 +326,14 @@ def target_context(target, tokens_BL: jax.Array, taps: Sequence[int]
     Returns:
       (features [B, L, len(taps) * D], `KVCache` of the sequence with L slots), both
       detached.
+    Raises:
+      ValueError: a tap outside the target's layers.
     """
-    taps = tuple(int(t) for t in taps)
-    last = target.config.num_layers - 1
-    for t in taps:
-        if not 0 <= t <= last:
-            raise ValueError(f"tap layer {t} out of range [0, {last + 1})")
     b, length = tokens_BL.shape
     positions = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (b, length))
-    x, tapped, k, v = _run_layers(target, tokens_BL.astype(jnp.int32), positions,
-                                  lambda i, q, k, v: _causal_attention(q, k, v), taps)
-    if last in tapped:
-        tapped[last] = target.norm(x)
-    feats = jnp.concatenate([tapped[t] for t in taps], axis=-1)
+    _, feats, k, v = target.layer_stack(tokens_BL.astype(jnp.int32), positions,
+                                        lambda i, q, k, v: _causal_attention(q, k, v),
+                                        taps, _after)
     return jax.lax.stop_gradient((feats, KVCache(k=k, v=v)))
 
 
@@ -360,7 +342,7 @@ def score_tree_hidden(target, cache: KVCache, trees: DraftTree, anchors_BA: jax.
     """The target's final-normed hidden state of every node of every anchor's tree.
 
     The T = A * N nodes of a row are the queries of one pass through the target's
-    layers with anchor-blocked attention (`_anchor_attention`): node v of anchor a, at
+    layers (`Target.layer_stack`) with anchor-blocked attention: node v of anchor a, at
     position ``anchor_a + depth(v)``, sees the cached sequence positions ``< anchor_a``
     and its tree ancestors (itself included).
 
@@ -384,8 +366,8 @@ def score_tree_hidden(target, cache: KVCache, trees: DraftTree, anchors_BA: jax.
     def attention(i, q, k, v):
         return _anchor_attention(q, k, v, cache.k[i], cache.v[i], anchors, anc_BANN)
 
-    x, _, _, _ = _run_layers(target, tokens, positions, attention)
-    return jax.lax.stop_gradient(target.norm(x).reshape(b, a, n, -1))
+    hidden, _, _, _ = target.layer_stack(tokens, positions, attention, layer_hook=_after)
+    return jax.lax.stop_gradient(hidden.reshape(b, a, n, -1))
 
 
 def score_tree_nodes(target, cache: KVCache, trees: DraftTree, anchors_BA: jax.Array
@@ -441,8 +423,8 @@ def _score_pooled(target, cache: KVCache, trees: DraftTree, anchors_BA, needed_B
     def attention(i, q, k, v):
         return _pooled_attention(q, k, v, cache.k[i], cache.v[i], prefix_end, tree_BMM)
 
-    x, _, _, _ = _run_layers(target, flat(trees.tokens), positions, attention)
-    hidden_BMD = target.norm(x)
+    hidden_BMD, _, _, _ = target.layer_stack(flat(trees.tokens), positions, attention,
+                                             layer_hook=_after)
     # Row of slot t in the compact order (needed slots come first, in slot order), or
     # the appended zero row.
     row_BT = jnp.where(needed_BT, jnp.cumsum(needed_BT, axis=1) - 1, capacity)
@@ -553,11 +535,176 @@ def exit_laws_from_edges(trees: DraftTree, log_a_XN: jax.Array) -> ExitLaw:
     return jax.lax.stop_gradient(jax.tree.map(lambda x: x.reshape(lead + x.shape[1:]), law))
 
 
+# ------------------------------------------------------------------ the objective
+
+
+def check_score_capacities(caps) -> None:
+    """Raises ValueError unless ``caps`` is a tuple of fractions in (0, 1)."""
+    if not isinstance(caps, tuple) or any(not 0 < c < 1 for c in caps):
+        raise ValueError(f"score_capacities must be a tuple of fractions in (0, 1), "
+                         f"got {caps!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class ExitTrainConfig:
+    """Static settings of the ExitTrain objective (hashable: a static jit argument).
+
+    Attributes:
+      loss: 'token' (the DFlash token objective alone), or the exit loss's node
+        weighting: a name of `WEIGHTINGS` or a callable ``(tree, law) -> weights [N]``.
+      budget: DDTree budget of the training trees (N = budget + 1).
+      exit_lambda: total = token + exit_lambda * exit.
+      sampling: the target's sampling transform of the exit law.
+      decay_gamma: optional DFlash position decay of the token loss.
+      exit_normalizer: the exit term is the weighted NLL sum divided by the total
+        weight ('weight') or by the number of tree nodes, root excluded, of the valid
+        anchors ('nodes', the authors' release: the term then shrinks with the weights).
+      exit_floor: edge-probability floor alpha of the reach in the node weights
+        (`node_weights`; the authors use 1e-4).
+      tree_metrics: build and score the trees with loss='token' too (for the coverage).
+      score_capacities: empty: the scoring pass runs over every tree node. Fractions
+        in (0, 1), e.g. (0.25, 0.5, 0.75): it runs over the nodes the exit law reads
+        (nodes with children, of valid anchors) in the smallest of
+        ``ceil(fraction * A * N)`` query slots per row that holds them, else over every
+        node (`score_parent_hidden`); same losses and gradients, a cost that follows
+        the trees, one more compiled scoring pass per fraction.
+      vocab_block: vocabulary entries per block of the LM-head reductions.
+    Raises:
+      ValueError: a field out of its range (named in the message).
+    """
+
+    loss: Weighting
+    budget: int
+    exit_lambda: float
+    sampling: Sampling
+    decay_gamma: float | None = None
+    exit_normalizer: str = "weight"
+    exit_floor: float = 0.0
+    tree_metrics: bool = False
+    score_capacities: tuple[float, ...] = ()
+    vocab_block: int = lm_head.BLOCK
+
+    def __post_init__(self):
+        if self.loss != "token":
+            check_weighting(self.loss)
+        check_floor(self.exit_floor)
+        if self.exit_normalizer not in NORMALIZERS:
+            raise ValueError(f"exit_normalizer must be one of {NORMALIZERS}, got "
+                             f"{self.exit_normalizer!r}")
+        check_score_capacities(self.score_capacities)
+        if not isinstance(self.vocab_block, int) or self.vocab_block < 1:
+            raise ValueError(f"vocab_block must be a positive int, got {self.vocab_block!r}")
+
+    @property
+    def builds_trees(self) -> bool:
+        """Whether the objective builds and scores trees (ExitTrain, or tree metrics)."""
+        return self.loss != "token" or self.tree_metrics
+
+    @property
+    def weighting(self) -> Weighting:
+        """The node weighting of the exit law ('exit' for the token loss's metrics)."""
+        return "exit" if self.loss == "token" else self.loss
+
+
+def block_labels(tokens_XL: jax.Array, anchors_XA: jax.Array, horizon: int) -> jax.Array:
+    """int32 [*X, A, H]: ``tokens[anchor + 1 .. anchor + H]`` (clipped at the end).
+
+    Args:
+      tokens_XL: int [*X, L] sequences.
+      anchors_XA: int [*X, A] anchor positions.
+      horizon: H (static).
+    """
+    seq_len = tokens_XL.shape[-1]
+    idx = (anchors_XA.astype(jnp.int32)[..., None] + 1
+           + jnp.arange(horizon, dtype=jnp.int32))
+    idx = jnp.clip(idx, 0, seq_len - 1)
+    flat = idx.reshape(idx.shape[:-2] + (-1,))
+    return jnp.take_along_axis(tokens_XL.astype(jnp.int32), flat, axis=-1).reshape(idx.shape)
+
+
+def exit_targets(target, cache: KVCache, draft, tokens_BL: jax.Array, anchors_BA: jax.Array,
+                 valid_BA: jax.Array, cfg: ExitTrainConfig, top=None
+                 ) -> tuple[DraftTree, jax.Array, jax.Array]:
+    """Trees, detached node weights and exit-law coverage of every anchor.
+
+    The trees are DDTree's from the (detached) draft rows (`tev_jax.ddtree.build_trees`),
+    scored by the frozen target (`score_tree_hidden`, or `score_parent_hidden` with
+    ``cfg.score_capacities``); the exit law reads the target through vocabulary blocks
+    for a plain temperature, else through dense [B, A, N, V] logits.
+
+    Args:
+      target: the frozen `Target`.
+      cache: the sequences' keys/values (`target_context`).
+      draft: [B, A, H, V] draft logits or their `HeadRows` (detached).
+      tokens_BL: int [B, L] sequences.
+      anchors_BA: int [B, A] anchor positions.
+      valid_BA: bool [B, A] which anchors count.
+      cfg: the objective's settings (budget, sampling, weighting, floor, capacities).
+      top: optional precomputed ``ddtree.draft_top_k(draft, ddtree.tree_k(draft,
+        cfg.budget))``.
+    Returns:
+      (trees [B, A, N], weights float32 [B, A, N] (0 for invalid anchors),
+       coverage float32 [B, A])
+    """
+    roots = jnp.take_along_axis(tokens_BL.astype(jnp.int32), anchors_BA.astype(jnp.int32),
+                                axis=1)
+    trees = ddtree.build_trees(draft, roots, cfg.budget, block=cfg.vocab_block, top=top)
+    if not cfg.score_capacities:
+        hidden = score_tree_hidden(target, cache, trees, anchors_BA)
+    else:
+        slots = anchors_BA.shape[1] * (cfg.budget + 1)
+        capacities = [min(slots, math.ceil(f * slots)) for f in cfg.score_capacities]
+        hidden = score_parent_hidden(target, cache, trees, anchors_BA, capacities, valid_BA)
+    if blocked_law_ok(cfg.sampling):
+        log_a = edge_log_probs_blocked(trees, hidden, lm_head.head_of(target), cfg.sampling,
+                                       cfg.vocab_block)
+        law = exit_laws_from_edges(trees, log_a)
+        weights = node_weights(trees, law, cfg.weighting, cfg.exit_floor)
+    else:   # top-k / top-p / greedy transform whole rows: dense [B, A, N, V] logits
+        weights, law = tree_exit_weights(trees, target.unembed(hidden), cfg.sampling,
+                                         cfg.weighting, cfg.exit_floor)
+    weights = jnp.where(valid_BA[:, :, None], weights, 0.0)
+    return trees, weights, law.coverage
+
+
+def objective(draft_XHV, labels_XH: jax.Array, valid_X: jax.Array, trees: DraftTree,
+              weights_XN: jax.Array, cfg: ExitTrainConfig) -> tuple[jax.Array, dict]:
+    """The training loss: token + lambda * exit (the exit term only for ExitTrain losses).
+
+    The exit term is normalised by its total weight ('weight') or by the tree-node count
+    of the valid anchors ('nodes'), as ``cfg.exit_normalizer`` says.
+
+    Args:
+      draft_XHV: [*X, H, V] draft logits of each anchor, or their `HeadRows`.
+      labels_XH: int [*X, H] (`block_labels`).
+      valid_X: bool [*X] which anchors count.
+      trees: `DraftTree` [*X, N] and weights_XN: float [*X, N] detached node weights,
+        from `exit_targets` (None with loss='token').
+      cfg: the objective's settings.
+    Returns:
+      (total loss [], aux: {'token_loss', and for ExitTrain 'exit_loss', 'exit_weight'}
+       of [] arrays)
+    """
+    mask = jnp.broadcast_to(valid_X[..., None], labels_XH.shape)
+    tok = token_loss(draft_XHV, labels_XH, mask, cfg.decay_gamma)
+    aux = {"token_loss": tok.mean}
+    total = tok.mean
+    if cfg.loss != "token":
+        ex = exit_loss(draft_XHV, trees, weights_XN)
+        if cfg.exit_normalizer == "nodes":
+            nodes = trees.valid & (trees.depths > 0) & valid_X[..., None]
+            ex = LossParts(total=ex.total, weight=jnp.sum(nodes).astype(jnp.float32))
+        aux["exit_loss"] = ex.mean
+        aux["exit_weight"] = jnp.sum(weights_XN)
+        total = total + cfg.exit_lambda * ex.mean
+    return total, aux
+
+
 __all__ = [
-    "LossParts", "NORMALIZERS", "WEIGHTINGS", "Weighting", "blocked_law_ok", "check_floor",
-    "check_weighting", "edge_log_probs_blocked", "exit_laws_from_edges", "exit_loss",
-    "node_weights", "parent_mask", "score_parent_hidden", "score_parent_nodes",
+    "ExitTrainConfig", "LossParts", "NORMALIZERS", "WEIGHTINGS", "Weighting", "block_labels",
+    "blocked_law_ok", "check_floor", "check_score_capacities", "check_weighting",
+    "edge_log_probs_blocked", "exit_laws_from_edges", "exit_loss", "exit_targets",
+    "node_weights", "objective", "parent_mask", "score_parent_hidden", "score_parent_nodes",
     "score_tree_hidden", "score_tree_nodes", "target_context", "token_loss",
     "tree_exit_weights",
 ]
-

@@ -13,9 +13,9 @@ A research extension is one pure function with one of three signatures, each a
   `tev_jax.testing.check_lossless`. The built-in names 'tev', 'predraw', 'sequential'
   and 'greedy' resolve to verifiers of the same form (`resolve_verifier`).
 - `NodeWeighting` ``(tree, law) -> weights_N``, for one tree: ExitTrain's per-node
-  weights of the exit loss, passed as ``train.step.StepConfig(loss=...)`` beside the
-  named weightings of `tev_jax.exit_train`; the library detaches them and zeroes the
-  root and padding.
+  weights of the exit loss, passed as ``tev_jax.exit_train.ExitTrainConfig(loss=...)``
+  beside the named weightings of `tev_jax.exit_train`; the library detaches them and
+  zeroes the root and padding.
 
 All three are called inside ``jax.jit`` with static shapes: no Python branching on
 array values, no host callbacks. A config that holds one is a static jit argument, so
@@ -122,11 +122,8 @@ class DDTreeBuilder:
     def batched(self, draft_logits_BHV: jax.Array, root_B: jax.Array) -> DraftTree:
         """The same trees for a batch [B, H, V], with one top-k over the whole batch, so
         that a vocabulary sharded over a mesh gets the per-shard top-k with the batch
-        axis kept in place (`tev_jax.vocab.vocab_top_k`)."""
-        k = min(self.budget, draft_logits_BHV.shape[-1])
-        tokens_BHK, logq_BHK = ddtree.topk_logq(draft_logits_BHV, k, ("batch", None))
-        row = lambda t, q, r: ddtree.build_tree_from_topk(t, q, r, self.budget)[0]
-        return jax.vmap(row)(tokens_BHK, logq_BHK, root_B)
+        axis kept in place (`tev_jax.ddtree.build_trees`)."""
+        return ddtree.build_trees(draft_logits_BHV, root_B, self.budget, lead_names=("batch",))
 
 
 def chain_builder(draft_logits_HV: jax.Array, root_token: jax.Array) -> DraftTree:

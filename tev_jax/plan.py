@@ -106,24 +106,27 @@ def abstract_target(cfg: ModelConfig, dtype=jnp.float32):
     return nnx.eval_shape(lambda: Target(cfg, dtype=jnp.dtype(dtype), rngs=nnx.Rngs(0)))
 
 
-def drafter_config(target_cfg: ModelConfig, *, num_layers: int = 1, block_size: int = 16):
+def drafter_config(target_cfg: ModelConfig, *, num_layers: int = 1, block_size: int = 16,
+                   target_layer_ids: tuple[int, ...] | None = None):
     """A DFlash `DrafterConfig` for ``target_cfg``: Qwen3 layers of the target's widths.
 
-    The taps follow `default_target_layer_ids`; the mask token is the last vocabulary
-    id (any id gives the same shapes).
+    The taps are ``target_layer_ids``, by default `default_target_layer_ids`; the mask
+    token is the last vocabulary id (any id gives the same shapes).
     """
     model = dataclasses.replace(target_cfg, model_type="qwen3", qk_norm=True,
                                 num_layers=num_layers, rope_scaling=None)
+    taps = (default_target_layer_ids(target_cfg.num_layers, num_layers)
+            if target_layer_ids is None else tuple(target_layer_ids))
     return DrafterConfig(
         model=model, block_size=block_size, num_target_layers=target_cfg.num_layers,
-        mask_token_id=target_cfg.vocab_size - 1,
-        target_layer_ids=default_target_layer_ids(target_cfg.num_layers, num_layers))
+        mask_token_id=target_cfg.vocab_size - 1, target_layer_ids=taps)
 
 
 def abstract_drafter(target_cfg: ModelConfig, dtype=jnp.float32, *, num_layers: int = 1,
-                     block_size: int = 16):
+                     block_size: int = 16, target_layer_ids: tuple[int, ...] | None = None):
     """A DFlash `Drafter` (see `drafter_config`) without weights."""
-    cfg = drafter_config(target_cfg, num_layers=num_layers, block_size=block_size)
+    cfg = drafter_config(target_cfg, num_layers=num_layers, block_size=block_size,
+                         target_layer_ids=target_layer_ids)
     return nnx.eval_shape(lambda: Drafter(cfg, dtype=jnp.dtype(dtype), rngs=nnx.Rngs(0)))
 
 

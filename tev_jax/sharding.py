@@ -83,6 +83,35 @@ def current_rules() -> Rules:
     return _RULES.get()
 
 
+TARGET_SHARDINGS = ("fsdp", "replicated")
+
+
+def embed_replicated_rules(rules: Rules | None = None) -> Rules:
+    """``rules`` (default: the current ones) with ``embed`` unsharded.
+
+    A model placed by them is replicated over the batch-parallel axes and split only by
+    tensor parallelism: the frozen target of a training step whose parameters are read,
+    never updated (sharding them over fsdp would only add all-gathers).
+    """
+    rules = current_rules() if rules is None else rules
+    return tuple((name, None) if name == "embed" else (name, ax) for name, ax in rules)
+
+
+def frozen_target_rules(target_sharding: str) -> Rules:
+    """The logical rules of a training step's frozen target, by its ``target_sharding``.
+
+    'fsdp': the current rules (split over fsdp and tensor like the drafter, gathered
+    layer by layer); 'replicated': `embed_replicated_rules`.
+
+    Raises:
+      ValueError: a name not in `TARGET_SHARDINGS`.
+    """
+    if target_sharding not in TARGET_SHARDINGS:
+        raise ValueError(f"target_sharding must be one of {TARGET_SHARDINGS}, got "
+                         f"{target_sharding!r}")
+    return current_rules() if target_sharding == "fsdp" else embed_replicated_rules()
+
+
 def make_mesh(data: int = 1, fsdp: int | None = None, tensor: int = 1,
               devices: Sequence[jax.Device] | None = None) -> Mesh:
     """A ('data', 'fsdp', 'tensor') mesh over the available devices.
@@ -244,7 +273,8 @@ def device_count_ok(n: int) -> bool:
 
 
 __all__ = [
-    "DEFAULT_RULES", "MESH_AXES", "axis_rules", "constrain", "current_rules",
-    "device_count_ok", "logical_sharding", "logical_to_spec", "make_mesh", "mesh_axis_size",
-    "replicated", "shard_model", "shard_state", "state_shardings", "variable_axes",
+    "DEFAULT_RULES", "MESH_AXES", "TARGET_SHARDINGS", "axis_rules", "constrain",
+    "current_rules", "device_count_ok", "embed_replicated_rules", "frozen_target_rules",
+    "logical_sharding", "logical_to_spec", "make_mesh", "mesh_axis_size", "replicated",
+    "shard_model", "shard_state", "state_shardings", "variable_axes",
 ]

@@ -7,9 +7,10 @@ import json
 from pathlib import Path
 from typing import Any
 
-from tev_jax.exit_train import NORMALIZERS, WEIGHTINGS, check_floor
+from tev_jax.exit_train import NORMALIZERS, WEIGHTINGS, check_floor, check_score_capacities
 from tev_jax.sampling import Sampling
-from train.step import DTYPES, REMAT, TARGET_SHARDINGS, check_score_capacities
+from tev_jax.sharding import TARGET_SHARDINGS
+from train.step import DTYPES, REMAT
 
 LOSSES = ("token",) + WEIGHTINGS
 
@@ -83,8 +84,8 @@ class TrainConfig:
         no weight all-gathers, for targets that fit).
       remat: 'none', 'full' or 'dots': rematerialise each drafter layer in the
         backward pass (`train.step.REMAT`).
-      score_capacities: leaf-skipping scoring pass (`train.step.StepConfig`); empty:
-        score every tree node.
+      score_capacities: leaf-skipping scoring pass
+        (`tev_jax.exit_train.ExitTrainConfig`); empty: score every tree node.
       distributed: call ``jax.distributed.initialize()`` first (multi-host).
 
     Run:

@@ -14,7 +14,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from train.step import Batch, Placement
+from train.placement import Placement
+from train.state import Batch
 
 
 def local_indices(sharding, shape: tuple[int, ...]) -> tuple[np.ndarray, ...]:

@@ -25,22 +25,16 @@ import numpy as np
 from flax import nnx
 
 from tev_jax import sharding as shd
+from tev_jax.exit_train import ExitTrainConfig
 from train.checkpoint import CheckpointError, TrainCheckpointer
 from train.config import TrainConfig
 from train.local_input import batch_rows, place_local_batch
 from train.preemption import PreemptionWatch
 from train.rollouts import RolloutSet
-from train.step import (
-    OptimConfig,
-    StepConfig,
-    abstract_state,
-    init_state,
-    merge_drafter,
-    place_frozen,
-    split_models,
-    step_program,
-    target_rules_for,
-)
+from train.optimizer import OptimConfig
+from train.placement import abstract_state, init_state, place_frozen
+from train.state import merge_drafter, split_models
+from train.step import StepConfig, step_program
 
 
 @dataclasses.dataclass
@@ -82,7 +76,8 @@ def load_models(cfg: TrainConfig, mesh=None):
         raise ValueError("target_path is required (a Hugging Face checkpoint directory)")
     target_dtype, param_dtype, _ = (jnp.dtype(d) for d in cfg.dtypes)
     target = load_target(cfg.target_path, dtype=target_dtype, mesh=mesh,
-                         rules=None if mesh is None else target_rules_for(cfg.target_sharding))
+                         rules=None if mesh is None else
+                         shd.frozen_target_rules(cfg.target_sharding))
     if cfg.drafter_path is not None:
         drafter = load_drafter(cfg.drafter_path, target, dtype=param_dtype, mesh=mesh)
     else:
@@ -109,17 +104,23 @@ def _mask_id(target_path: str) -> int:
     return int(mask)
 
 
+def exit_train_config(cfg: TrainConfig) -> ExitTrainConfig:
+    """The objective's settings of a run."""
+    return ExitTrainConfig(loss=cfg.loss, budget=cfg.budget, exit_lambda=cfg.exit_lambda,
+                           sampling=cfg.sampling, decay_gamma=cfg.token_decay_gamma,
+                           exit_normalizer=cfg.exit_normalizer, exit_floor=cfg.exit_floor,
+                           tree_metrics=cfg.tree_metrics,
+                           score_capacities=cfg.score_capacities)
+
+
 def step_config(cfg: TrainConfig, drafter) -> StepConfig:
+    """The step's settings of a run with ``drafter`` (its taps and horizon)."""
     dc = drafter.config
     _, param_dtype, compute_dtype = cfg.dtypes
-    return StepConfig(loss=cfg.loss, budget=cfg.budget, exit_lambda=cfg.exit_lambda,
-                      sampling=cfg.sampling, taps=tuple(dc.target_layer_ids),
-                      horizon=dc.horizon, decay_gamma=cfg.token_decay_gamma,
-                      tree_metrics=cfg.tree_metrics, grad_accum=cfg.grad_accum,
-                      score_capacities=cfg.score_capacities,
+    return StepConfig(objective=exit_train_config(cfg), taps=tuple(dc.target_layer_ids),
+                      horizon=dc.horizon,
                       compute_dtype=None if compute_dtype == param_dtype else compute_dtype,
-                      remat=cfg.remat, target_sharding=cfg.target_sharding,
-                      exit_normalizer=cfg.exit_normalizer, exit_floor=cfg.exit_floor)
+                      remat=cfg.remat, target_sharding=cfg.target_sharding)
 
 
 def optim_config(cfg: TrainConfig) -> OptimConfig:

@@ -1,10 +1,11 @@
 """Memory plan of a drafter training step on abstract models (DESIGN.md §12).
 
-`plan_step` builds the target and a DFlash drafter with ``nnx.eval_shape`` (no weights),
-lowers one optimiser update with `train.step.lower` on a mesh and compiles it: XLA's
-``memory_analysis`` gives the per-device bytes of the step's arguments (target,
-drafter, optimiser state, batch) and of its temporaries (activations, scratch). This
-is what ``python -m train plan`` prints.
+`plan_step` builds the target and a DFlash drafter without weights
+(`tev_jax.plan.abstract_target`, `tev_jax.plan.abstract_drafter`), lowers one optimiser
+update with `train.step.lower` on a mesh and compiles it: XLA's ``memory_analysis``
+(`tev_jax.plan.MemoryReport`) gives the per-device bytes of the step's arguments
+(target, drafter, optimiser state, batch) and of its temporaries (activations,
+scratch). This is what ``python -m train plan`` prints.
 
 Measure in float32 on CPU: XLA:CPU makes float32 copies of bfloat16 weights, so the
 temporary bytes of a bfloat16 compile there overstate what an accelerator uses; the
@@ -14,12 +15,26 @@ argument bytes are exact in any dtype.
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
-import time
 from pathlib import Path
 
-GIB = 1024 ** 3
+import jax
+
+from tev_jax import sharding as shd
+from tev_jax.exit_train import ExitTrainConfig
+from tev_jax.models.drafter import default_target_layer_ids
+from tev_jax.plan import (
+    PRESETS,
+    GiB,
+    MemoryReport,
+    abstract_drafter,
+    abstract_target,
+    compile_report,
+    model_config,
+)
+from tev_jax.sampling import Sampling
+from train.optimizer import OptimConfig
+from train.step import StepConfig, lower
 
 
 @dataclasses.dataclass(frozen=True)
@@ -27,60 +42,48 @@ class StepPlan:
     """Per-device bytes of one compiled training step.
 
     Attributes:
-      argument, output, alias, temp: ``memory_analysis`` fields (bytes per device);
-        the donated train state is both argument and output (``alias``).
-      compile_seconds: lowering + compile wall time.
+      report: the compiled step's `tev_jax.plan.MemoryReport`; the donated train state
+        is both argument and output (``alias_bytes``).
       info: the configuration, for printing.
     """
 
-    argument: int
-    output: int
-    alias: int
-    temp: int
-    compile_seconds: float
+    report: MemoryReport
     info: dict
 
     @property
     def peak(self) -> int:
         """Arguments + temporaries + outputs not aliased to a donated argument."""
-        return self.argument + self.temp + max(self.output - self.alias, 0)
+        r = self.report
+        return r.argument_bytes + r.temp_bytes + max(r.output_bytes - r.alias_bytes, 0)
 
     def to_dict(self) -> dict:
-        return {**self.info, "argument_bytes": self.argument, "output_bytes": self.output,
-                "alias_bytes": self.alias, "temp_bytes": self.temp, "peak_bytes": self.peak,
-                "compile_seconds": round(self.compile_seconds, 1)}
+        r = self.report
+        return {**self.info, "argument_bytes": r.argument_bytes,
+                "output_bytes": r.output_bytes, "alias_bytes": r.alias_bytes,
+                "temp_bytes": r.temp_bytes, "peak_bytes": self.peak,
+                "compile_seconds": round(r.compile_seconds, 1)}
 
     def format(self) -> str:
-        g = lambda x: f"{x / GIB:.2f} GiB"
+        g = lambda x: f"{x / GiB:.2f} GiB"
+        r = self.report
         head = ", ".join(f"{k} {v}" for k, v in self.info.items())
-        return (f"{head}\n  per device: arguments {g(self.argument)}, temporary "
-                f"{g(self.temp)}, outputs {g(self.output)} ({g(self.alias)} donated), "
-                f"peak {g(self.peak)}; compiled in {self.compile_seconds:.0f} s")
+        return (f"{head}\n  per device: arguments {g(r.argument_bytes)}, temporary "
+                f"{g(r.temp_bytes)}, outputs {g(r.output_bytes)} ({g(r.alias_bytes)} "
+                f"donated), peak {g(self.peak)}; compiled in {r.compile_seconds:.0f} s")
 
 
 def target_config_from(name_or_path: str, num_layers: int | None = None):
-    """A `ModelConfig` from a preset name (`tev_jax.plan.PRESETS`) or an HF config.json
-    (file or directory), optionally cut to ``num_layers`` layers."""
-    from tev_jax.models.config import ModelConfig
-    from tev_jax.plan import PRESETS, preset
-
-    if name_or_path in PRESETS:
-        return preset(name_or_path, num_layers=num_layers)
-    path = Path(name_or_path)
-    if path.is_dir():
-        path = path / "config.json"
-    if not path.is_file():
+    """`tev_jax.plan.model_config` of ``--target``: a preset name (`tev_jax.plan.PRESETS`)
+    or an HF config.json (file or directory), optionally cut to ``num_layers`` layers."""
+    if name_or_path not in PRESETS and not Path(name_or_path).exists():
         raise ValueError(f"{name_or_path!r} is neither a preset ({sorted(PRESETS)}) nor a "
                          "config.json")
-    cfg = ModelConfig.from_hf(json.loads(path.read_text()))
-    return cfg if num_layers is None else dataclasses.replace(cfg, num_layers=int(num_layers))
+    return model_config(name_or_path, num_layers=num_layers)
 
 
 def _taps(num_layers: int, num_taps: int) -> tuple[int, ...]:
     """The DFlash spacing, or layers spread over [0, L) when the target is too shallow
     for it (per-layer planning on a cut preset)."""
-    from tev_jax.models.drafter import default_target_layer_ids
-
     taps = default_target_layer_ids(num_layers, num_taps)
     if all(0 <= t < num_layers for t in taps):
         return taps
@@ -107,35 +110,28 @@ def plan_step(target_config, *, drafter_layers: int = 1, num_taps: int = 5,
       mesh_shape: (data, fsdp, tensor); needs that many devices (on CPU:
         ``XLA_FLAGS=--xla_force_host_platform_device_count=N``).
       target_dtype, param_dtype, compute_dtype, target_sharding, remat,
-        score_capacities: as in `train.config.TrainConfig` / `train.step.StepConfig`.
+        score_capacities: as in `train.config.TrainConfig` (`train.step.StepConfig`,
+        `tev_jax.exit_train.ExitTrainConfig`).
+    Returns:
+      The `StepPlan`; its report's ``compile_seconds`` is the XLA compile time.
     """
-    import jax
-
-    from tev_jax import sharding as shd
-    from tev_jax.models.drafter_io import drafter_config_for
-    from tev_jax.sampling import Sampling
-    from train.step import OptimConfig, StepConfig, abstract_models, lower
-
     data, fsdp, tensor = mesh_shape
     if math.prod(mesh_shape) > jax.device_count():
         raise ValueError(f"mesh {mesh_shape} needs {math.prod(mesh_shape)} devices, "
                          f"{jax.device_count()} available (on CPU set XLA_FLAGS="
                          "--xla_force_host_platform_device_count=N or --host-devices)")
     taps = _taps(target_config.num_layers, num_taps)
-    dcfg = drafter_config_for(target_config, num_layers=drafter_layers, block_size=block_size,
-                              mask_token_id=0, target_layer_ids=taps)
-    target, drafter = abstract_models(target_config, dcfg, target_dtype=target_dtype,
-                                      param_dtype=param_dtype)
-    scfg = StepConfig(loss=loss, budget=budget, exit_lambda=0.1, sampling=Sampling(1.0),
-                      taps=taps, horizon=dcfg.horizon, score_capacities=score_capacities,
+    target = abstract_target(target_config, target_dtype)
+    drafter = abstract_drafter(target_config, param_dtype, num_layers=drafter_layers,
+                               block_size=block_size, target_layer_ids=taps)
+    objective = ExitTrainConfig(loss=loss, budget=budget, exit_lambda=0.1,
+                                sampling=Sampling(1.0), score_capacities=score_capacities)
+    scfg = StepConfig(objective=objective, taps=taps, horizon=drafter.config.horizon,
                       compute_dtype=compute_dtype, remat=remat,
                       target_sharding=target_sharding)
     mesh = None if mesh_shape == (1, 1, 1) else shd.make_mesh(data, fsdp, tensor)
-    t0 = time.perf_counter()
-    compiled = lower(target, drafter, scfg, OptimConfig(lr=1e-4, steps=1000), mesh,
-                     (batch, seq_len, anchors)).compile()
-    seconds = time.perf_counter() - t0
-    mem = compiled.memory_analysis()
+    report = compile_report(lower(target, drafter, scfg, OptimConfig(lr=1e-4, steps=1000),
+                                  mesh, (batch, seq_len, anchors)))
     info = {"target_layers": target_config.num_layers, "hidden": target_config.hidden_size,
             "vocab": target_config.vocab_size, "drafter_layers": drafter_layers,
             "taps": len(taps), "mesh": "x".join(map(str, mesh_shape)),
@@ -143,8 +139,7 @@ def plan_step(target_config, *, drafter_layers: int = 1, num_taps: int = 5,
             "loss": loss, "target_dtype": target_dtype, "param_dtype": param_dtype,
             "compute_dtype": compute_dtype or param_dtype,
             "target_sharding": target_sharding, "remat": remat}
-    return StepPlan(int(mem.argument_size_in_bytes), int(mem.output_size_in_bytes),
-                    int(mem.alias_size_in_bytes), int(mem.temp_size_in_bytes), seconds, info)
+    return StepPlan(report, info)
 
 
-__all__ = ["GIB", "StepPlan", "plan_step", "target_config_from"]
+__all__ = ["StepPlan", "plan_step", "target_config_from"]

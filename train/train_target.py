@@ -29,6 +29,7 @@ from tqdm import tqdm
 from tev_jax import data
 from tev_jax.models import ModelConfig, Target, save_target
 from train import token_corpus
+from train.optimizer import OptimConfig, make_optimizer
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,14 +63,13 @@ class TargetTrainConfig:
         )
 
 
-def optimizer(cfg: TargetTrainConfig) -> optax.GradientTransformation:
-    warmup = min(cfg.warmup_steps, cfg.steps // 10)
-    schedule = optax.warmup_cosine_decay_schedule(
-        0.0, cfg.peak_lr, warmup, cfg.steps, end_value=cfg.peak_lr * 0.05)
-    return optax.chain(
-        optax.clip_by_global_norm(cfg.clip_norm),
-        optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=cfg.weight_decay),
-    )
+def optim_config(cfg: TargetTrainConfig) -> OptimConfig:
+    """The target's AdamW: warmup over at most a tenth of the run, cosine decay to 5 % of
+    the peak, every parameter decayed (norm scales included)."""
+    return OptimConfig(lr=cfg.peak_lr, steps=cfg.steps,
+                       warmup_steps=min(cfg.warmup_steps, cfg.steps // 10),
+                       end_lr_ratio=0.05, weight_decay=cfg.weight_decay,
+                       decay_vectors=True, grad_clip=cfg.clip_norm)
 
 
 def lm_loss(graphdef, params, tokens_BL):
@@ -125,7 +125,7 @@ def main(argv=None):
     model = Target(cfg.model_config(tokenizer.get_vocab_size()),
                    rngs=nnx.Rngs(params=jax.random.key(cfg.seed)))
     graphdef, params = nnx.split(model, nnx.Param)
-    tx = optimizer(cfg)
+    tx, _ = make_optimizer(optim_config(cfg))
     opt_state = tx.init(params)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

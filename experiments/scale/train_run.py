@@ -25,7 +25,8 @@ import json
 import sys
 from pathlib import Path
 
-from train.plan import GIB, plan_step, target_config_from
+from tev_jax.plan import GiB
+from train.plan import plan_step, target_config_from
 
 MESHES = {"fsdp8": (1, 8, 1), "fsdp4_tensor2": (1, 4, 2), "data2_fsdp4": (2, 4, 1)}
 PRESETS = ("qwen3-4b", "qwen3-8b")
@@ -42,7 +43,8 @@ def _plan(name, layers, drafter_layers, mesh, dtype, remat):
 def extrapolated(name, drafter_layers, mesh, dtype, remat) -> dict:
     """Compiles at `DEPTHS` target layers and extends the line to the full depth."""
     full = target_config_from(name).num_layers
-    lo, hi = (_plan(name, d, drafter_layers, mesh, dtype, remat) for d in DEPTHS)
+    plans = [_plan(name, d, drafter_layers, mesh, dtype, remat) for d in DEPTHS]
+    lo, hi = (plan.report for plan in plans)
     span = DEPTHS[1] - DEPTHS[0]
 
     def line(a, b):
@@ -50,13 +52,14 @@ def extrapolated(name, drafter_layers, mesh, dtype, remat) -> dict:
 
     return {"target": name, "target_layers": full, "drafter_layers": drafter_layers,
             "mesh": mesh, "dtype": dtype, "remat": remat,
-            "argument_gib": round(line(lo.argument, hi.argument) / GIB, 2),
-            "temp_gib_measured": [round(lo.temp / GIB, 2), round(hi.temp / GIB, 2)],
-            "temp_gib_linear": round(line(lo.temp, hi.temp) / GIB, 2),
+            "argument_gib": round(line(lo.argument_bytes, hi.argument_bytes) / GiB, 2),
+            "temp_gib_measured": [round(lo.temp_bytes / GiB, 2), round(hi.temp_bytes / GiB, 2)],
+            "temp_gib_linear": round(line(lo.temp_bytes, hi.temp_bytes) / GiB, 2),
             "compile_s_measured": [round(lo.compile_seconds), round(hi.compile_seconds)],
-            "per_layer_argument_gib": round((hi.argument - lo.argument) / span / GIB, 3),
-            "per_layer_temp_gib": round((hi.temp - lo.temp) / span / GIB, 3),
-            "measured": [lo.to_dict(), hi.to_dict()]}
+            "per_layer_argument_gib": round((hi.argument_bytes - lo.argument_bytes) / span / GiB,
+                                            3),
+            "per_layer_temp_gib": round((hi.temp_bytes - lo.temp_bytes) / span / GiB, 3),
+            "measured": [plan.to_dict() for plan in plans]}
 
 
 def main(argv=None) -> int:

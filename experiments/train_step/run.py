@@ -55,7 +55,10 @@ import numpy as np
 from flax import nnx
 
 from tev_jax.data.prompts import prompt_set
+from tev_jax.ddtree import build_trees
 from tev_jax.exit_train import (
+    ExitTrainConfig,
+    block_labels,
     exit_loss,
     score_tree_nodes,
     target_context,
@@ -67,17 +70,10 @@ from tev_jax.models.drafter import anchor_logits, default_target_layer_ids
 from tev_jax.sampling import Sampling
 from train.anchors import sample_anchors
 from train.rollouts import RolloutConfig, generate_responses
-from train.step import (
-    Batch,
-    OptimConfig,
-    StepConfig,
-    block_labels,
-    build_trees,
-    init_state,
-    merge_drafter,
-    split_models,
-    step_program,
-)
+from train.optimizer import OptimConfig
+from train.placement import init_state
+from train.state import Batch, merge_drafter, split_models
+from train.step import StepConfig, step_program
 
 HERE = Path(__file__).resolve().parent
 
@@ -147,11 +143,13 @@ def run_setup(name: str, leaf_skip: bool) -> dict:
     graphs, frozen, params = split_models(target, drafter)
     _, param_state, _ = nnx.split(drafter, nnx.Param, ...)
     ocfg = OptimConfig(lr=1e-4, steps=1000, warmup_steps=10)
-    base = StepConfig(loss="token", budget=budget, exit_lambda=0.1, sampling=Sampling(1.0),
-                      taps=taps, horizon=h)
-    cfgs = {"token": base, "exit": dataclasses.replace(base, loss="exit")}
+    token = ExitTrainConfig(loss="token", budget=budget, exit_lambda=0.1,
+                            sampling=Sampling(1.0))
+    objectives = {"token": token, "exit": dataclasses.replace(token, loss="exit")}
     if leaf_skip:
-        cfgs["exit_skip"] = dataclasses.replace(base, loss="exit", score_capacities=CAPACITIES)
+        objectives["exit_skip"] = dataclasses.replace(token, loss="exit",
+                                                      score_capacities=CAPACITIES)
+    cfgs = {k: StepConfig(objective=o, taps=taps, horizon=h) for k, o in objectives.items()}
     programs = {k: step_program(graphs, c, ocfg, None, param_state, frozen, (b, length, a))
                 for k, c in cfgs.items()}
 

@@ -273,7 +273,7 @@ class DecoderLayer(nnx.Module):
                  mask: Mask | jax.Array,
                  prefix: tuple | None = None
                  ) -> tuple[jax.Array, jax.Array, jax.Array]:
-        """One layer over T new tokens.
+        """One layer over T new tokens, attending to them and an optional prefix.
 
         Args:
           x_BTD: residual stream.
@@ -288,13 +288,27 @@ class DecoderLayer(nnx.Module):
         Returns:
           (new residual [B,T,D], the new tokens' roped keys [B,T,K,hd], values).
         """
+        before = () if prefix is None else (prefix,)
+        return self.forward(x_BTD, positions_BT, inv_freq,
+                            lambda q, k, v: attention(q, before + ((k, v, mask),)))
+
+    def forward(self, x_BTD: jax.Array, positions_BT: jax.Array, inv_freq, attend
+                ) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """One layer over T new tokens with the attention given as a function.
+
+        Args:
+          x_BTD: residual stream.
+          positions_BT: absolute positions of the new tokens.
+          inv_freq: `rope_inv_freq(config)`.
+          attend: ``attend(q [B,T,H,hd], k [B,T,K,hd], v) -> [B,T,H,hd]``, the
+            attention of the new tokens' roped queries over keys/values of its choosing
+            (usually its own ``k, v`` and a cache, through `attention`).
+        Returns:
+          (new residual [B,T,D], the new tokens' roped keys [B,T,K,hd], values).
+        """
         h = self.input_layernorm(x_BTD)
         q, k, v = self.self_attn.qkv(h, positions_BT, inv_freq)
-        segs = ((k, v, mask),)
-        if prefix is not None:
-            segs = (prefix,) + segs
-        a = attention(q, segs)
-        x = x_BTD + self.self_attn.out(a)
+        x = x_BTD + self.self_attn.out(attend(q, k, v))
         x = constrain(x, ("batch", "seq", "act_embed"))
         x = x + self.mlp(self.post_attention_layernorm(x))
         x = constrain(x, ("batch", "seq", "act_embed"))

@@ -16,6 +16,11 @@ mode             positions                  block mask [T, T]
 After a verify pass, `tev_jax.models.kv_cache.commit` moves the accepted path's
 keys/values to contiguous slots.
 
+Every pass runs the layers through one entry, `Target.layer_stack`, which takes the
+attention as a function ``attend(layer, q, k, v)``: the modes above attend to the cache
+and the new tokens; ExitTrain's scoring passes (`tev_jax.exit_train`) to a sequence
+prefix and tree ancestors. A new model family is written once.
+
 Hidden-state taps: ``taps`` is a tuple of layer indices; layer id ``i`` is exactly HF's
 ``hidden_states[i + 1]`` (DFlash's convention): the output of decoder layer ``i``, except
 that for the last layer HF (and so we) return it after the final norm. They are
@@ -37,6 +42,7 @@ Use the model functionally in hot loops: split once, jit a function of
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import jax
@@ -44,7 +50,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from tev_jax.models import kv_cache as kvc
-from tev_jax.models.attention import Mask
+from tev_jax.models.attention import Mask, attention
 from tev_jax.models.config import ModelConfig
 from tev_jax.models.kv_cache import KVCache
 from tev_jax.models.layers import (
@@ -106,35 +112,66 @@ class Target(nnx.Module):
 
     # ------------------------------------------------------------------ the stack
 
-    def _stack(self, tokens_BT, positions_BT, block_mask, prefix_mask=None,
-               cache: KVCache | None = None, taps: Sequence[int] = ()):
-        """Runs all layers; returns (final-normed hidden, taps or None, new k, new v).
+    def layer_stack(self, tokens_BT: jax.Array, positions_BT: jax.Array, attend,
+                    taps: Sequence[int] = (), layer_hook=None):
+        """The decoder layers with the attention given as a function: every pass's forward.
 
-        ``block_mask`` / ``prefix_mask``: `Mask`s (or bool arrays) over the new tokens'
-        keys and over the cache slots.
+        Decoding (`prefill`, `decode`, `verify_tree`, through `extend`) and ExitTrain's
+        scoring passes (`tev_jax.exit_train`) run the same layers; only ``attend``
+        differs (which keys each new token sees).
+
+        Args:
+          tokens_BT: int [B, T] new tokens.
+          positions_BT: int [B, T] their absolute (RoPE) positions.
+          attend: ``attend(i, q [B,T,H,hd], k [B,T,K,hd], v) -> [B,T,H,hd]``: layer
+            i's attention of the new tokens' roped queries over keys/values of its
+            choosing (the new tokens' own ``k, v`` and, e.g., a cache's layer i).
+          taps: layer indices whose outputs to return (see the module docstring).
+          layer_hook: optional ``layer_hook(layer, x_BTD) -> layer`` applied to each
+            layer just before it runs on its input ``x`` (e.g. to order a sharded
+            layer's weight gathers after that input).
+        Returns:
+          (final-normed hidden [B, T, D], taps [B, T, len(taps) * D] or None, the new
+           tokens' keys [layers, B, T, K, hd] (roped), values [layers, B, T, K, hd]).
+        Raises:
+          ValueError: a tap outside ``[0, num_layers)``.
         """
         taps = tuple(int(t) for t in taps)
+        num_layers = self.config.num_layers
         for t in taps:
-            if not 0 <= t < self.config.num_layers:
-                raise ValueError(f"tap layer {t} out of range [0, {self.config.num_layers})")
+            if not 0 <= t < num_layers:
+                raise ValueError(f"tap layer {t} out of range [0, {num_layers})")
         inv_freq = rope_inv_freq(self.config)
         x = self.embed(tokens_BT)
-        tapped, ks, vs = {}, [], []
+        tapped, ks, vs = {}, None, None
         for i, layer in enumerate(self.layers):
-            prefix = None
-            if cache is not None:
-                prefix = (cache.k, cache.v, prefix_mask, i)  # layer i, read in place
-            x, k, v = layer(x, positions_BT, inv_freq, block_mask, prefix)
-            ks.append(k)
-            vs.append(v)
+            if layer_hook is not None:
+                layer = layer_hook(layer, x)
+            x, k, v = layer.forward(x, positions_BT, inv_freq, functools.partial(attend, i))
+            if ks is None:   # written in place layer by layer (a stack would copy them all)
+                ks = jnp.zeros((num_layers,) + k.shape, k.dtype)
+                vs = jnp.zeros((num_layers,) + v.shape, v.dtype)
+            ks, vs = ks.at[i].set(k), vs.at[i].set(v)
             if i in taps:
                 tapped[i] = x
         h = self.norm(x)
-        last = self.config.num_layers - 1
-        if last in tapped:
-            tapped[last] = h  # HF's hidden_states[-1] is the final-normed output
+        if num_layers - 1 in tapped:
+            tapped[num_layers - 1] = h  # HF's hidden_states[-1] is the final-normed output
         feats = (jnp.concatenate([tapped[t] for t in taps], axis=-1) if taps else None)
-        ks, vs = jnp.stack(ks), jnp.stack(vs)
+        return h, feats, ks, vs
+
+    def _stack(self, tokens_BT, positions_BT, block_mask, prefix_mask=None,
+               cache: KVCache | None = None, taps: Sequence[int] = ()):
+        """`layer_stack` attending to the new tokens (``block_mask``, a `Mask` or bool
+        array over their keys) and, with a ``cache``, to its slots (``prefix_mask``)."""
+
+        def attend(i, q, k, v):
+            segments = ((k, v, block_mask),)
+            if cache is not None:   # layer i of the stacked cache, read in place
+                segments = ((cache.k, cache.v, prefix_mask, i),) + segments
+            return attention(q, segments)
+
+        h, feats, ks, vs = self.layer_stack(tokens_BT, positions_BT, attend, taps)
         if cache is not None:
             # Makes the new keys/values depend on h, i.e. on every layer's read of the
             # cache, so that XLA schedules `kvc.write` after those reads and updates the
