@@ -3,7 +3,7 @@
 `plan_step` builds the target and a DFlash drafter without weights
 (`tev_jax.plan.abstract_target`, `tev_jax.plan.abstract_drafter`), lowers one optimiser
 update with `train.step.lower` on a mesh and compiles it: XLA's ``memory_analysis``
-(`tev_jax.plan.MemoryReport`) gives the per-device bytes of the step's arguments
+(`tev_jax.plan.ProgramReport`) gives the per-device bytes of the step's arguments
 (target, drafter, optimiser state, batch) and of its temporaries (activations,
 scratch). This is what ``python -m train plan`` prints.
 
@@ -26,7 +26,7 @@ from tev_jax.models.drafter import default_target_layer_ids
 from tev_jax.plan import (
     PRESETS,
     GiB,
-    MemoryReport,
+    ProgramReport,
     abstract_drafter,
     abstract_target,
     compile_report,
@@ -42,12 +42,12 @@ class StepPlan:
     """Per-device bytes of one compiled training step.
 
     Attributes:
-      report: the compiled step's `tev_jax.plan.MemoryReport`; the donated train state
+      report: the compiled step's `tev_jax.plan.ProgramReport`; the donated train state
         is both argument and output (``alias_bytes``).
       info: the configuration, for printing.
     """
 
-    report: MemoryReport
+    report: ProgramReport
     info: dict
 
     @property
