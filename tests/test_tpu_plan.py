@@ -156,3 +156,24 @@ def test_plan_command_json_for_a_topology(tmp_path, capsys):
     assert record["estimate"]["tau"] == 2.5
     assert record["break_even_tau"] == pytest.approx(
         programs["round"]["roofline_seconds"] / programs["ar_step"]["roofline_seconds"])
+
+
+@needs_libtpu
+def test_exittrain_step_compiles_for_a_tpu_slice():
+    """One ExitTrain update of a bundled-size bf16 target and a 1-layer float32 drafter,
+    fsdp 8 on v5e:2x4: per chip under twice an even share of the parameters, the Adam
+    moments and the batch's caches plus slack, with a roofline and an MFU estimate."""
+    from train.plan import plan_step
+
+    B, L, A = 8, 256, 8
+    step = plan_step(CFG, drafter_layers=1, num_taps=2, block_size=8, batch=B, seq_len=L,
+                     anchors=A, budget=8, mesh_shape=(1, 8, 1), target_dtype="bfloat16",
+                     topology="v5e:2x4")
+    target, drafter = plan.abstract_models(CFG, CONFIG, dtype=jnp.bfloat16)
+    count = lambda tree: sum(math.prod(x.shape) * x.dtype.itemsize
+                             for x in jax.tree.leaves(tree)
+                             if isinstance(x, jax.ShapeDtypeStruct))
+    kv = 2 * CFG.num_layers * B * L * CFG.num_kv_heads * CFG.head_dim * 2
+    shapes = count(target) + 3 * 2 * count(drafter) + kv   # f32 drafter: params + 2 moments
+    assert step.peak <= 2 * shapes // 8 + SLACK, (step.peak, shapes)
+    assert step.roofline_seconds > 0 and 0 < step.mfu <= 1

@@ -10,9 +10,9 @@ bandwidth and HBM capacity (from Google Cloud's TPU documentation), for roofline
 memory checks. Multi-host slices work the same way (``v5e:4x4``: 16 chips on 4 hosts).
 
 Needs the ``tpu`` extra (``pip install -e ".[tpu]"``, libtpu matching jax). libtpu takes
-a lock per process: a second process on the same machine needs
-``ALLOW_MULTIPLE_LIBTPU_LOAD=1``, and a killed one leaves ``libtpu_lockfile`` in the
-temp directory (remove it). On a machine without TPUs set ``JAX_PLATFORMS=cpu`` so that
+a lock per process: `slice_devices` sets ``ALLOW_MULTIPLE_LIBTPU_LOAD=1`` (unless set)
+so that several planning processes can run; a process killed without it leaves
+``libtpu_lockfile`` in the temp directory (remove it). On a machine without TPUs set ``JAX_PLATFORMS=cpu`` so that
 jax does not try to start the TPU backend for the local devices.
 """
 
@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import math
+import os
 import re
 
 import jax
@@ -111,12 +112,19 @@ def slice_devices(name: str) -> Slice:
     if importlib.util.find_spec("libtpu") is None:
         raise ValueError(f"planning for the TPU slice {name!r} needs libtpu: pip install "
                          "-e \".[tpu]\" (the libtpu that matches the installed jax)")
+    # Planning compiles only; several planning processes may share libtpu (its lock is
+    # for processes that own chips).
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
     from jax.experimental import topologies
 
     try:
         desc = topologies.get_topology_desc(platform="tpu", topology_name=name)
     except Exception as e:  # libtpu says what is wrong in its own words
         reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        if "lockfile" in reason:
+            raise ValueError(f"libtpu is locked by another process ({reason}); set "
+                             "ALLOW_MULTIPLE_LIBTPU_LOAD=1 before jax starts, or remove "
+                             "the stale lock file") from e
         raise ValueError(f"unknown TPU topology {name!r}: {reason}") from e
     devices = tuple(desc.devices)
     return Slice(name=name, devices=devices, chip=chip_of(devices[0].device_kind),

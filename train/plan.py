@@ -2,10 +2,14 @@
 
 `plan_step` builds the target and a DFlash drafter without weights
 (`tev_jax.plan.abstract_target`, `tev_jax.plan.abstract_drafter`), lowers one optimiser
-update with `train.step.lower` on a mesh and compiles it: XLA's ``memory_analysis``
-(`tev_jax.plan.ProgramReport`) gives the per-device bytes of the step's arguments
+update with `train.step.lower` on a mesh and compiles it: the compiler's
+`tev_jax.plan.ProgramReport` gives the per-device bytes of the step's arguments
 (target, drafter, optimiser state, batch) and of its temporaries (activations,
-scratch). This is what ``python -m train plan`` prints.
+scratch), its FLOPs and bytes accessed. With ``topology`` (a TPU slice name such as
+'v5p:2x2x2', `tev_jax.topology`) the mesh lies over that slice's chips and the real TPU
+compiler plans it from this machine; then the step's roofline time and an MFU estimate
+(`step_model_flops` over chips x peak x roofline time) come with it. This is what
+``python -m train plan`` prints.
 
 Measure in float32 on CPU: XLA:CPU makes float32 copies of bfloat16 weights, so the
 temporary bytes of a bfloat16 compile there overstate what an accelerator uses; the
@@ -33,6 +37,7 @@ from tev_jax.plan import (
     model_config,
 )
 from tev_jax.sampling import Sampling
+from tev_jax.topology import Chip, local_chip, slice_devices
 from train.optimizer import OptimConfig
 from train.step import StepConfig, lower
 
@@ -45,10 +50,32 @@ class StepPlan:
       report: the compiled step's `tev_jax.plan.ProgramReport`; the donated train state
         is both argument and output (``alias_bytes``).
       info: the configuration, for printing.
+      chip, devices_per_chip: the TPU chip of the plan and its devices per chip (None:
+        no roofline).
+      devices: devices of the mesh.
+      model_flops: `step_model_flops` of the whole (global) step.
     """
 
     report: ProgramReport
     info: dict
+    chip: Chip | None = None
+    devices_per_chip: int = 1
+    devices: int = 1
+    model_flops: float | None = None
+
+    @property
+    def roofline_seconds(self) -> float | None:
+        """The step's roofline time on ``chip`` (None off a known TPU)."""
+        return self.report.roofline_seconds(self.chip, self.devices_per_chip)
+
+    @property
+    def mfu(self) -> float | None:
+        """Model FLOPs / (chips x peak x roofline time): the best MFU the step could reach."""
+        t = self.roofline_seconds
+        if t is None or self.model_flops is None:
+            return None
+        chips = self.devices / self.devices_per_chip
+        return self.model_flops / (chips * self.chip.peak_flops * t)
 
     @property
     def peak(self) -> int:
@@ -61,15 +88,26 @@ class StepPlan:
         return {**self.info, "argument_bytes": r.argument_bytes,
                 "output_bytes": r.output_bytes, "alias_bytes": r.alias_bytes,
                 "temp_bytes": r.temp_bytes, "peak_bytes": self.peak,
-                "compile_seconds": round(r.compile_seconds, 1)}
+                "compile_seconds": round(r.compile_seconds, 1), "flops": r.flops,
+                "bytes_accessed": r.bytes_accessed, "model_flops": self.model_flops,
+                "roofline_seconds": self.roofline_seconds, "mfu": self.mfu,
+                "chip": None if self.chip is None else self.chip.name}
 
     def format(self) -> str:
         g = lambda x: f"{x / GiB:.2f} GiB"
         r = self.report
         head = ", ".join(f"{k} {v}" for k, v in self.info.items())
-        return (f"{head}\n  per device: arguments {g(r.argument_bytes)}, temporary "
+        text = (f"{head}\n  per device: arguments {g(r.argument_bytes)}, temporary "
                 f"{g(r.temp_bytes)}, outputs {g(r.output_bytes)} ({g(r.alias_bytes)} "
                 f"donated), peak {g(self.peak)}; compiled in {r.compile_seconds:.0f} s")
+        if self.roofline_seconds is not None:
+            fits = self.peak <= self.chip.hbm_bytes / self.devices_per_chip
+            text += (f"\n  on {self.chip.name}: {r.flops / 1e12:.2f} TFLOP and "
+                     f"{r.bytes_accessed / 1e9:.2f} GB per device, roofline "
+                     f"{self.roofline_seconds * 1e3:.1f} ms per update, MFU at most "
+                     f"{self.mfu:.1%}; {'fits' if fits else 'does NOT fit'} in "
+                     f"{self.chip.hbm_bytes / self.devices_per_chip / GiB:.1f} GiB of HBM")
+        return text
 
 
 def target_config_from(name_or_path: str, num_layers: int | None = None):
@@ -90,13 +128,37 @@ def _taps(num_layers: int, num_taps: int) -> tuple[int, ...]:
     return tuple(round(i * (num_layers - 1) / max(num_taps - 1, 1)) for i in range(num_taps))
 
 
+def step_model_flops(target_config, drafter, *, batch: int, seq_len: int, anchors: int,
+                     budget: int) -> float:
+    """The useful FLOPs of one global ExitTrain update (matmuls; attention scores left out).
+
+    The target's layers read the B x L sequence once (its context pass) and the B x A x N
+    tree nodes once (the scoring pass, N = budget + 1), with the LM head over the nodes;
+    the drafter's layers and fc run forward and backward (x 3) over the B x A blocks of
+    H + 1 positions, with the frozen head forward and backward (to its input) over the
+    B x A x H draft rows. ``2 * parameters`` FLOPs per token for a forward.
+    """
+    d, v = target_config.hidden_size, target_config.vocab_size
+    head = d * v
+    count = lambda tree: sum(math.prod(x.shape) for x in jax.tree.leaves(tree)
+                             if isinstance(x, jax.ShapeDtypeStruct))
+    layer_params = count(abstract_target(target_config, "float32").layers)
+    draft_params = count(drafter)
+    h = drafter.config.horizon
+    blocks = batch * anchors
+    nodes = blocks * (budget + 1)
+    return float(2 * layer_params * (batch * seq_len + nodes) + 2 * head * nodes
+                 + 6 * draft_params * blocks * (h + 1) + 4 * head * blocks * h)
+
+
 def plan_step(target_config, *, drafter_layers: int = 1, num_taps: int = 5,
               block_size: int = 16, batch: int = 8, seq_len: int = 2048,
               anchors: int = 32, budget: int = 32, loss: str = "exit",
               mesh_shape: tuple[int, int, int] = (1, 8, 1), target_dtype: str = "float32",
               param_dtype: str = "float32", compute_dtype: str | None = None,
               target_sharding: str = "fsdp", remat: str = "none",
-              score_capacities: tuple[float, ...] = ()) -> StepPlan:
+              score_capacities: tuple[float, ...] = (),
+              topology: str | None = None) -> StepPlan:
     """Compiles one training step on abstract models and reads its memory.
 
     Args:
@@ -112,14 +174,19 @@ def plan_step(target_config, *, drafter_layers: int = 1, num_taps: int = 5,
       target_dtype, param_dtype, compute_dtype, target_sharding, remat,
         score_capacities: as in `train.config.TrainConfig` (`train.step.StepConfig`,
         `tev_jax.exit_train.ExitTrainConfig`).
+      topology: a TPU slice name ('v5p:2x2x2', `tev_jax.topology.slice_devices`): the
+        mesh lies over its chips (needs the tpu extra); None: the local devices.
     Returns:
       The `StepPlan`; its report's ``compile_seconds`` is the XLA compile time.
     """
     data, fsdp, tensor = mesh_shape
-    if math.prod(mesh_shape) > jax.device_count():
+    tpu = None if topology is None else slice_devices(topology)
+    devices = jax.devices() if tpu is None else tpu.devices
+    if math.prod(mesh_shape) > len(devices):
+        where = (f"the slice {topology}" if tpu else "this machine (on CPU set XLA_FLAGS="
+                 "--xla_force_host_platform_device_count=N or --host-devices)")
         raise ValueError(f"mesh {mesh_shape} needs {math.prod(mesh_shape)} devices, "
-                         f"{jax.device_count()} available (on CPU set XLA_FLAGS="
-                         "--xla_force_host_platform_device_count=N or --host-devices)")
+                         f"{len(devices)} available on {where}")
     taps = _taps(target_config.num_layers, num_taps)
     target = abstract_target(target_config, target_dtype)
     drafter = abstract_drafter(target_config, param_dtype, num_layers=drafter_layers,
@@ -129,7 +196,8 @@ def plan_step(target_config, *, drafter_layers: int = 1, num_taps: int = 5,
     scfg = StepConfig(objective=objective, taps=taps, horizon=drafter.config.horizon,
                       compute_dtype=compute_dtype, remat=remat,
                       target_sharding=target_sharding)
-    mesh = None if mesh_shape == (1, 1, 1) else shd.make_mesh(data, fsdp, tensor)
+    mesh = (None if mesh_shape == (1, 1, 1) and tpu is None
+            else shd.make_mesh(data, fsdp, tensor, devices=devices))
     report = compile_report(lower(target, drafter, scfg, OptimConfig(lr=1e-4, steps=1000),
                                   mesh, (batch, seq_len, anchors)))
     info = {"target_layers": target_config.num_layers, "hidden": target_config.hidden_size,
@@ -139,7 +207,14 @@ def plan_step(target_config, *, drafter_layers: int = 1, num_taps: int = 5,
             "loss": loss, "target_dtype": target_dtype, "param_dtype": param_dtype,
             "compute_dtype": compute_dtype or param_dtype,
             "target_sharding": target_sharding, "remat": remat}
-    return StepPlan(report, info)
+    if tpu is not None:
+        info["topology"] = topology
+    return StepPlan(report, info, chip=local_chip() if tpu is None else tpu.chip,
+                    devices_per_chip=1 if tpu is None else tpu.devices_per_chip,
+                    devices=math.prod(mesh_shape),
+                    model_flops=step_model_flops(target_config, drafter, batch=batch,
+                                                 seq_len=seq_len, anchors=anchors,
+                                                 budget=budget))
 
 
-__all__ = ["StepPlan", "plan_step", "target_config_from"]
+__all__ = ["StepPlan", "plan_step", "step_model_flops", "target_config_from"]
