@@ -49,11 +49,20 @@ PROMPT_LEN, CACHE_LEN, MAX_NEW = 1024, 2048, 256
 # smaller one elsewhere (a round costs two TPU compiles, about 80 s on this 2-core machine).
 DECODE_GRID = {
     ("qwen3-8b", "v5e", "tensor8"): ((1, 8, 32, 64), (16, 32, 64, 128, 256)),
-    ("qwen3-8b", "v6e", "tensor8"): ((8, 64), (16, 64, 256)),
-    ("qwen3-8b", "v5e", "data2_tensor4"): ((8, 64), (64,)),
-    ("qwen3-4b", "v5e", "tensor8"): ((8, 64), (32, 64, 128)),
-    ("llama3-8b", "v5e", "tensor8"): ((8, 64), (32, 64, 128)),
+    ("qwen3-8b", "v6e", "tensor8"): ((8, 64), (64,)),
+    ("qwen3-8b", "v5e", "data2_tensor4"): ((8,), (64,)),
+    ("qwen3-4b", "v5e", "tensor8"): ((8, 64), (64,)),
+    ("llama3-8b", "v5e", "tensor8"): ((8, 64), (64,)),
 }
+# (target, drafter layers, slice, fsdp = chips, global batch): one sequence per chip,
+# 2048 tokens, 32 anchors, budget 32; bf16 frozen target, float32 drafter.
+TRAIN_GRID = (
+    ("qwen3-4b", 1, "v5p:2x2x2", 8), ("qwen3-4b", 5, "v5p:2x2x2", 8),
+    ("qwen3-8b", 1, "v5p:2x2x2", 8), ("qwen3-8b", 5, "v5p:2x2x2", 8),
+    ("qwen3-4b", 1, "v5e:4x4", 16), ("qwen3-8b", 1, "v5e:4x4", 16),
+    ("qwen3-8b", 1, "v5p:4x4x4", 64),
+)
+SEQ_LEN, ANCHORS, TRAIN_BUDGET = 2048, 32, 32
 QUICK_GRID = {("qwen3-8b", "v5e", "tensor8"): ((8,), (64,))}
 
 
@@ -107,6 +116,39 @@ def run_decode(results: dict, grid: dict, out: Path) -> None:
                 print(f"{key}: {time.perf_counter() - t0:.0f} s", flush=True)
 
 
+def train_step(model: str, drafter_layers: int, slice_name: str, chips: int,
+               layers: int) -> dict:
+    from train.plan import plan_step
+
+    step = plan_step(plan.preset(model, num_layers=layers), drafter_layers=drafter_layers,
+                     batch=chips, seq_len=SEQ_LEN, anchors=ANCHORS, budget=TRAIN_BUDGET,
+                     mesh_shape=(1, chips, 1), target_dtype="bfloat16", topology=slice_name)
+    return _report_dict(step.report)
+
+
+def run_train(results: dict, out: Path) -> None:
+    from tev_jax.plan import abstract_drafter
+    from train.plan import step_model_flops
+
+    for model, drafter_layers, slice_name, chips in TRAIN_GRID:
+        key = f"train/{model}/d{drafter_layers}/{slice_name}"
+        if key in results:
+            continue
+        t0 = time.perf_counter()
+        one, two = (train_step(model, drafter_layers, slice_name, chips, n) for n in (1, 2))
+        cfg = plan.PRESETS[model]
+        drafter = abstract_drafter(cfg, "float32", num_layers=drafter_layers)
+        results[key] = {"model": model, "drafter_layers": drafter_layers,
+                        "slice": slice_name, "chips": chips, "batch": chips,
+                        "layers": cfg.num_layers, "one": one, "two": two,
+                        "full": extrapolate(one, two, cfg.num_layers),
+                        "model_flops": step_model_flops(cfg, drafter, batch=chips,
+                                                        seq_len=SEQ_LEN, anchors=ANCHORS,
+                                                        budget=TRAIN_BUDGET)}
+        out.write_text(json.dumps(results, indent=1) + "\n")
+        print(f"{key}: {time.perf_counter() - t0:.0f} s", flush=True)
+
+
 def validate(results: dict, out: Path) -> None:
     """One configuration at full depth against its extrapolation."""
     key = "validate/qwen3-8b/v5e/tensor8/B8/b64"
@@ -155,25 +197,46 @@ def decode_table(results: dict) -> str:
     return "\n".join(rows)
 
 
+def train_table(results: dict) -> str:
+    rows = ["| target | drafter layers | slice | chips | GiB / chip | TFLOP / chip | "
+            "GB / chip | step ms (roofline) | MFU estimate | compile s (1 + 2 layers) |",
+            "|---|---|---|---|---|---|---|---|---|---|"]
+    for key, e in results.items():
+        if not key.startswith("train/"):
+            continue
+        chip = topology.CHIPS[e["slice"].split(":")[0]]
+        f = e["full"]
+        t = max(f["flops"] / chip.peak_flops, f["bytes_accessed"] / chip.hbm_bandwidth)
+        mfu = e["model_flops"] / (e["chips"] * chip.peak_flops * t)
+        rows.append(f"| {e['model']} | {e['drafter_layers']} | {e['slice']} | {e['chips']} | "
+                    f"{f['peak_bytes'] / 2**30:.2f} | {f['flops'] / 1e12:.2f} | "
+                    f"{f['bytes_accessed'] / 1e9:.1f} | {t * 1e3:.0f} | {mfu:.1%} | "
+                    f"{f['compile_seconds']:.0f} |")
+    return "\n".join(rows)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="one configuration")
     ap.add_argument("--validate", action="store_true",
                     help="also compile Qwen3-8B B 8 budget 64 at full depth")
+    ap.add_argument("--train", action="store_true", help="also the training steps")
     ap.add_argument("--out", default=None)
     ap.add_argument("--report", default=None, metavar="JSON", help="print the tables")
     args = ap.parse_args(argv)
     if args.report:
         results = json.loads(Path(args.report).read_text())
-        print(decode_table(results))
+        print(decode_table(results) + "\n\n" + train_table(results))
         return 0
     out = Path(args.out) if args.out else HERE / ("results_quick.json" if args.quick
                                                   else "results.json")
     results = json.loads(out.read_text()) if out.exists() else {}
     run_decode(results, QUICK_GRID if args.quick else DECODE_GRID, out)
+    if args.train:
+        run_train(results, out)
     if args.validate:
         validate(results, out)
-    print(decode_table(results))
+    print(decode_table(results) + "\n\n" + train_table(results))
     return 0
 
 
