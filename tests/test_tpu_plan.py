@@ -55,8 +55,7 @@ def _bound(n_devices: int) -> int:
                                        ("v5e:2x4", dict(data=2, tensor=4, fsdp=1)),
                                        ("v5e:4x4", dict(data=2, tensor=8, fsdp=1))])
 def test_decode_programs_compile_for_a_tpu_slice(name, axes):
-    tpu = topology.slice_devices(name)
-    mesh = shd.make_mesh(**axes, devices=tpu.devices)
+    mesh, tpu = topology.slice_mesh(name, **axes)
     programs = ("generation", "round", "ar_step")
     result = plan.plan_decode_programs(CFG, CONFIG, B, dtype=jnp.bfloat16, mesh=mesh,
                                        programs=programs, chip=tpu.chip,

@@ -351,14 +351,8 @@ def _mesh_for_plan(args):
             raise ValueError(f"{e} (on CPU simulate devices with XLA_FLAGS="
                              "--xla_force_host_platform_device_count=8)") from e
         return mesh, topology.local_chip(), 1, "local devices"
-    from tev_jax import sharding as shd
-
-    tpu = topology.slice_devices(args.topology)
-    try:
-        mesh = shd.make_mesh(args.mesh_data, args.mesh_fsdp, args.mesh_tensor,
-                             devices=tpu.devices)
-    except ValueError as e:
-        raise ValueError(f"{e}: the mesh does not fit the slice {tpu.name}") from e
+    mesh, tpu = topology.slice_mesh(args.topology, args.mesh_data, args.mesh_fsdp,
+                                    args.mesh_tensor)
     hosts = f", {tpu.hosts} hosts" if tpu.hosts > 1 else ""
     return mesh, tpu.chip, tpu.devices_per_chip, f"{tpu.name} ({len(tpu.devices)} devices{hosts})"
 

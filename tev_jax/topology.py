@@ -132,9 +132,27 @@ def slice_devices(name: str) -> Slice:
                  hosts=len({d.process_index for d in devices}))
 
 
+def slice_mesh(name: str, data: int = 1, fsdp: int | None = 1, tensor: int = 1):
+    """A ('data', 'fsdp', 'tensor') mesh over the chips of the TPU slice ``name``;
+    -> (mesh, `Slice`). ``fsdp`` None takes every remaining chip.
+
+    Raises:
+      ValueError: as `slice_devices`, or a mesh larger than the slice (named).
+    """
+    from tev_jax import sharding as shd
+
+    tpu = slice_devices(name)
+    try:
+        mesh = shd.make_mesh(data, fsdp, tensor, devices=tpu.devices)
+    except ValueError as e:
+        raise ValueError(f"{e}: the mesh does not fit the slice {name}") from e
+    return mesh, tpu
+
+
 def local_chip() -> Chip | None:
     """The `Chip` of this machine's first device, if it is a TPU in `CHIPS`."""
     return chip_of(jax.devices()[0].device_kind)
 
 
-__all__ = ["CHIPS", "Chip", "GB", "GiB", "Slice", "chip_of", "local_chip", "slice_devices"]
+__all__ = ["CHIPS", "Chip", "GB", "GiB", "Slice", "chip_of", "local_chip", "slice_devices",
+           "slice_mesh"]

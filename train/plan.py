@@ -37,7 +37,7 @@ from tev_jax.plan import (
     model_config,
 )
 from tev_jax.sampling import Sampling
-from tev_jax.topology import Chip, local_chip, slice_devices
+from tev_jax.topology import Chip, local_chip, slice_mesh
 from train.optimizer import OptimConfig
 from train.step import StepConfig, lower
 
@@ -180,13 +180,15 @@ def plan_step(target_config, *, drafter_layers: int = 1, num_taps: int = 5,
       The `StepPlan`; its report's ``compile_seconds`` is the XLA compile time.
     """
     data, fsdp, tensor = mesh_shape
-    tpu = None if topology is None else slice_devices(topology)
-    devices = jax.devices() if tpu is None else tpu.devices
-    if math.prod(mesh_shape) > len(devices):
-        where = (f"the slice {topology}" if tpu else "this machine (on CPU set XLA_FLAGS="
-                 "--xla_force_host_platform_device_count=N or --host-devices)")
+    if topology is not None:
+        mesh, tpu = slice_mesh(topology, data, fsdp, tensor)
+    elif math.prod(mesh_shape) > jax.device_count():
         raise ValueError(f"mesh {mesh_shape} needs {math.prod(mesh_shape)} devices, "
-                         f"{len(devices)} available on {where}")
+                         f"{jax.device_count()} available (on CPU set XLA_FLAGS="
+                         "--xla_force_host_platform_device_count=N or --host-devices)")
+    else:
+        tpu = None
+        mesh = None if mesh_shape == (1, 1, 1) else shd.make_mesh(data, fsdp, tensor)
     taps = _taps(target_config.num_layers, num_taps)
     target = abstract_target(target_config, target_dtype)
     drafter = abstract_drafter(target_config, param_dtype, num_layers=drafter_layers,
@@ -196,8 +198,6 @@ def plan_step(target_config, *, drafter_layers: int = 1, num_taps: int = 5,
     scfg = StepConfig(objective=objective, taps=taps, horizon=drafter.config.horizon,
                       compute_dtype=compute_dtype, remat=remat,
                       target_sharding=target_sharding)
-    mesh = (None if mesh_shape == (1, 1, 1) and tpu is None
-            else shd.make_mesh(data, fsdp, tensor, devices=devices))
     report = compile_report(lower(target, drafter, scfg, OptimConfig(lr=1e-4, steps=1000),
                                   mesh, (batch, seq_len, anchors)))
     info = {"target_layers": target_config.num_layers, "hidden": target_config.hidden_size,
