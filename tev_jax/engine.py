@@ -237,6 +237,31 @@ def _spec_of(target, drafter, config: DecodeConfig, batch_size: int, prompt_len:
                                max_len=max_len, has_drafter=drafter is not None, mesh=mesh)
 
 
+def _width(config: DecodeConfig, prompt_len: int | None) -> int:
+    width = getattr(config, "prompt_len", None) if prompt_len is None else prompt_len
+    if width is None:
+        raise ValueError("Engine.create needs a prompt buffer: set prompt_len (or "
+                         "DecodeConfig.prompt_len); it decides the cache length")
+    if (isinstance(config, DecodeConfig) and config.prompt_len is not None
+            and width != config.prompt_len):
+        raise ValueError(f"prompt_len {width} differs from DecodeConfig.prompt_len "
+                         f"({config.prompt_len}); give one of them")
+    return width
+
+
+def decode_spec(target, drafter, config: DecodeConfig, batch_size: int, *,
+                prompt_len: int | None = None, mesh=None) -> DecodeSpec:
+    """The `DecodeSpec` that `Engine.create` would fix for these arguments, with the
+    same checks, from shapes alone: nothing is split, placed, traced in proportion to
+    the budget, or compiled (the pre-flight check of `tev_jax.plan` sizes buffers
+    from it in milliseconds, for any budget, batch or length).
+
+    Raises:
+      ValueError: as `Engine.create`.
+    """
+    return _spec_of(target, drafter, config, batch_size, _width(config, prompt_len), mesh)[1]
+
+
 # ---------------------------------------------------------------------- the programs
 #
 # Jitted once here; the spec (hashable) and the graphdef are static, so every engine
@@ -369,15 +394,8 @@ class Engine:
             P + M + N; a missing or malformed drafter, builder or verifier; a mesh that
             does not divide a dimension (named in the message).
         """
-        width = config.prompt_len if prompt_len is None else prompt_len
-        if width is None:
-            raise ValueError("Engine.create needs a prompt buffer: set prompt_len (or "
-                             "DecodeConfig.prompt_len); it decides the cache length")
-        if (isinstance(config, DecodeConfig) and config.prompt_len is not None
-                and width != config.prompt_len):
-            raise ValueError(f"prompt_len {width} differs from DecodeConfig.prompt_len "
-                             f"({config.prompt_len}); give one of them")
-        drafter, spec = _spec_of(target, drafter, config, batch_size, width, mesh)
+        drafter, spec = _spec_of(target, drafter, config, batch_size,
+                                 _width(config, prompt_len), mesh)
         graphdef, params = nnx.split((target,) if drafter is None else (target, drafter))
         if mesh is not None:
             params = _place(params, shd.state_shardings(params, mesh, strict=True))
@@ -650,4 +668,4 @@ def generate_ar(target, prompt_ids: Sequence[Sequence[int]], config: DecodeConfi
 
 
 __all__ = ["PROGRAMS", "DecodeStats", "Engine", "Generation", "Prompts", "check_prompt",
-           "check_prompts", "engine_for", "generate", "generate_ar"]
+           "check_prompts", "decode_spec", "engine_for", "generate", "generate_ar"]
