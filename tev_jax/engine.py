@@ -151,6 +151,19 @@ def check_prompt(ids, vocab_size: int, prompt_len: int | None = None, *,
     return arr.astype(np.int32)
 
 
+def check_context(prompt_tokens: int, max_new_tokens: int, max_positions: int, *,
+                  what: str = "prompt") -> None:
+    """A ValueError starting with ``what`` unless the prompt and ``max_new_tokens`` fit in
+    the target's context (``max_position_embeddings``: beyond it a model trained on
+    shorter texts writes garbage), as vLLM checks its ``max_model_len``."""
+    if prompt_tokens + max_new_tokens > max_positions:
+        raise ValueError(
+            f"{what}: the prompt ({prompt_tokens} tokens) + --max-new-tokens "
+            f"({max_new_tokens}) = {prompt_tokens + max_new_tokens} tokens exceed the "
+            f"target's context length (max_position_embeddings = {max_positions}); "
+            "shorten the prompt or lower --max-new-tokens")
+
+
 def check_prompts(prompt_ids, vocab_size: int, prompt_len: int | None = None
                   ) -> list[np.ndarray]:
     """`check_prompt` of every prompt of a non-empty batch; -> int32 arrays."""
@@ -667,5 +680,5 @@ def generate_ar(target, prompt_ids: Sequence[Sequence[int]], config: DecodeConfi
                     mesh=mesh)
 
 
-__all__ = ["PROGRAMS", "DecodeStats", "Engine", "Generation", "Prompts", "check_prompt",
-           "check_prompts", "decode_spec", "engine_for", "generate", "generate_ar"]
+__all__ = ["PROGRAMS", "DecodeStats", "Engine", "Generation", "Prompts", "check_context",
+           "check_prompt", "check_prompts", "decode_spec", "engine_for", "generate", "generate_ar"]
