@@ -387,8 +387,8 @@ def decode_floor(target, drafter, config, batch_size: int) -> dict[str, int]:
     A lower bound of the program's new allocations, cheap to compute: nothing is
     compiled, and no array that grows with the budget, the batch or the length is
     built (`tev_jax.engine.decode_spec` reads N and L from the settings; the caches
-    are ``jax.eval_shape`` d), so absurd settings are sized in milliseconds. The
-    buffers: the target's and the drafter's KV caches (held in the loop state), the
+    are shapes from ``jax.eval_shape``), so absurd settings are sized in milliseconds.
+    The buffers: the target's and the drafter's KV caches (held in the loop state), the
     verify pass's float32 logits [B, N, V] and its ancestor mask [B, N, N].
 
     Args:
