@@ -173,6 +173,8 @@ def test_generate_edges_of_a_single_prompt(tmp_path, target_dir, capsys):
     assert "--output only apply to batch generation" in _refused(
         single + [PROMPT, "--output", str(tmp_path / "x.jsonl")], capsys)
     assert not (tmp_path / "x.jsonl").exists()
+    assert "--batch-size only apply to batch generation" in _refused(
+        single + [PROMPT, "--batch-size", "3"], capsys)
     assert "--top-p has no effect at --temperature 0" in _refused(
         single + [PROMPT, "--top-p", "0.9"], capsys)
     assert "--repeats must be >= 1, got 0" in _refused(single + [PROMPT, "--repeats", "0"],

@@ -207,7 +207,9 @@ def generate_command(args) -> int:
         ("--force", args.force), ("--truncate", args.truncate != "none"),
         ("--prompt-len", args.prompt_len is not None),
         ("--process-index", args.process_index is not None),
-        ("--process-count", args.process_count is not None)) if given]
+        ("--process-count", args.process_count is not None),
+        ("--batch-size", args.batch_size != 8), ("--sync-rounds", args.sync_rounds != 16))
+        if given]
     if batch_only:
         raise ValueError(f"{', '.join(batch_only)} only apply to batch generation "
                          "(--prompts FILE); a single PROMPT's text goes to stdout")
@@ -236,17 +238,13 @@ def generate_command(args) -> int:
                                  prompt_len=max(len(prompt), 1))
     stream = (sys.stdout.isatty() and not args.no_stream and not args.compare_ar
               and args.repeats == 1)
-    try:
-        if stream:
-            plan.check_decode_floor(target, drafter, config, 1, mesh=mesh)
-        else:
-            if sys.stderr.isatty():
-                print("compiling the decode program (once per setting) ...", file=sys.stderr,
-                      flush=True)
-            planned = plan.check_decode_fits(target, drafter, config, 1, mesh=mesh)
-    except plan.NotEnoughMemory as e:
-        print(f"tev-jax generate: {e}", file=sys.stderr)
-        return 2
+    if stream:
+        plan.check_decode_floor(target, drafter, config, 1, mesh=mesh)
+    else:
+        if sys.stderr.isatty():
+            print("compiling the decode program (once per setting) ...", file=sys.stderr,
+                  flush=True)
+        planned = plan.check_decode_fits(target, drafter, config, 1, mesh=mesh)
     if stream:
         print("compiling the decode programs (once per setting) ...", file=sys.stderr,
               flush=True)
@@ -685,15 +683,18 @@ def flag_names(parser: argparse.ArgumentParser) -> dict[str, str]:
 
 def name_flags(message: str, flags: dict[str, str]) -> str:
     """``message`` with the Python names of settings written as their flags: a name
-    followed by ``must`` / ``is required`` / ``=value`` or after "another" becomes
-    ``--flag`` (a boolean ``=False`` becomes `` false``), so errors raised by the
-    library's configs name what the user typed."""
+    followed by ``must`` / ``is required`` / ``=value`` or after "another" (and a name
+    with an underscore before `` (value)``) becomes ``--flag`` (a boolean ``=False``
+    becomes `` false``), so errors raised by the library's configs name what the user
+    typed."""
     for name in sorted(flags, key=len, reverse=True):
         flag = flags[name]
         message = re.sub(rf"(?<![\w-]){re.escape(name)}=(True|False)\b",
                          lambda m: f"{flag} {m.group(1).lower()}", message)
         message = re.sub(rf"(?<![\w-]){re.escape(name)}(?=\s+must\b|\s+is required\b|=)",
                          flag, message)
+        if "_" in name:  # "max_new_tokens (256)"; plain words stay words
+            message = re.sub(rf"(?<![\w-]){re.escape(name)}(?= \()", flag, message)
         message = re.sub(rf"(?<=another ){re.escape(name)}\b", flag, message)
     return message
 
@@ -723,7 +724,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"tev-jax {args.command}: {what}", file=sys.stderr)
         return code
     except ValueError as e:
-        parser.error(name_flags(str(e), flag_names(parser)))
+        from tev_jax.plan import NotEnoughMemory
+
+        message = name_flags(str(e), flag_names(parser))
+        if isinstance(e, NotEnoughMemory):  # a refusal of the settings, not a usage error
+            print(f"tev-jax {args.command}: {message}", file=sys.stderr)
+            return EXIT_USAGE
+        parser.error(message)
     except OSError as e:
         where = f"{e.filename}: " if e.filename else ""
         parser.error(f"{where}{e.strerror or e}")
