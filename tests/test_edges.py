@@ -238,15 +238,26 @@ def test_interrupts_end_with_one_line_and_a_documented_code(tmp_path, target_dir
             os.kill(os.getpid(), signal.SIGTERM)
 
     monkeypatch.setattr(batching, "generate_continuous", one_then_stop)
-    handler = signal.getsignal(signal.SIGTERM)
-    for kind, what in (("int", "interrupted (SIGINT)"), ("term", "terminated (SIGTERM)")):
-        stop["signal"] = kind
-        capsys.readouterr()
-        assert cli.main(_batch(target_dir, tmp_path)) == cli.EXIT_RESUMABLE == 75
-        err = capsys.readouterr().err.strip().splitlines()
-        assert err[-1].startswith(f"tev-jax generate: {what}; ")
-        assert "results are in" in err[-1] and "Traceback" not in "".join(err)
-    assert signal.getsignal(signal.SIGTERM) is handler
+
+    def unhandled(*_):  # a command that left SIGTERM alone fails here, not pytest
+        raise AssertionError("SIGTERM reached the test's handler")
+
+    previous = signal.signal(signal.SIGTERM, unhandled)
+    try:
+        for kind, what in (("int", "interrupted (SIGINT)"), ("term", "terminated (SIGTERM)")):
+            stop["signal"] = kind
+            capsys.readouterr()
+            try:
+                code = cli.main(_batch(target_dir, tmp_path))
+            except KeyboardInterrupt:
+                pytest.fail("the interrupt escaped tev-jax generate")
+            assert code == cli.EXIT_RESUMABLE == 75
+            err = capsys.readouterr().err.strip().splitlines()
+            assert err[-1].startswith(f"tev-jax generate: {what}; ")
+            assert "results are in" in err[-1] and "Traceback" not in "".join(err)
+        assert signal.getsignal(signal.SIGTERM) is unhandled
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     monkeypatch.setattr(batching, "generate_continuous", real)
     assert cli.main(_batch(target_dir, tmp_path)) == 0
     rows = [json.loads(x) for x in (tmp_path / "out.jsonl").read_text().splitlines()]
@@ -258,7 +269,11 @@ def test_interrupts_end_with_one_line_and_a_documented_code(tmp_path, target_dir
 
     monkeypatch.setattr(profile, "timed_generate", interrupted)
     capsys.readouterr()
-    assert cli.main(["generate", PROMPT, "--target", str(target_dir), *AR]) == 130
+    try:
+        code = cli.main(["generate", PROMPT, "--target", str(target_dir), *AR])
+    except KeyboardInterrupt:
+        pytest.fail("the interrupt escaped tev-jax generate")
+    assert code == 130
     assert capsys.readouterr().err.strip() == "tev-jax generate: interrupted (SIGINT)"
 
 
