@@ -27,12 +27,14 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
 import fcntl
 import hashlib
 import json
 import os
 import re
 import socket
+import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -389,6 +391,12 @@ def lock_output(out: str | Path, *, command: str = "tev-jax generate") -> Iterat
                 raise ValueError(f"{out} is being written by another process ({holder}; "
                                  f"lock {path}); wait for it to finish or use another "
                                  "--output") from None
+            except OSError as e:
+                if e.errno not in _NO_LOCKS:
+                    raise
+                print(f"warning: {out.parent} cannot be locked ({e.strerror}): a second "
+                      "writer of this output would not be noticed", file=sys.stderr)
+                break
             try:
                 same = os.stat(path).st_ino == os.fstat(fd).st_ino
             except FileNotFoundError:
@@ -408,6 +416,10 @@ def lock_output(out: str | Path, *, command: str = "tev-jax generate") -> Iterat
         path.unlink(missing_ok=True)
         os.close(fd)
         _remove_empty(made)
+
+
+# flock errors of filesystems without locks (some FUSE and network mounts): write unlocked
+_NO_LOCKS = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL)
 
 
 def _remove_empty(folders: Sequence[Path]) -> None:

@@ -682,11 +682,12 @@ def flag_names(parser: argparse.ArgumentParser) -> dict[str, str]:
 
 
 def name_flags(message: str, flags: dict[str, str]) -> str:
-    """``message`` with the Python names of settings written as their flags: a name
-    followed by ``must`` / ``is required`` / ``=value`` or after "another" (and a name
-    with an underscore before `` (value)``) becomes ``--flag`` (a boolean ``=False``
-    becomes `` false``), so errors raised by the library's configs name what the user
-    typed."""
+    """``message`` with the Python names of settings written as their flags.
+
+    A name followed by "must", "is required" or ``=value``, or after "another", becomes
+    its ``--flag`` (``name=False`` becomes ``--flag false``), and so does a name with an
+    underscore followed by a value in parentheses (``max_new_tokens (256)``), so errors
+    raised by the library's configs name what the user typed."""
     for name in sorted(flags, key=len, reverse=True):
         flag = flags[name]
         message = re.sub(rf"(?<![\w-]){re.escape(name)}=(True|False)\b",
