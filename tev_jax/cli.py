@@ -548,7 +548,9 @@ def _add_batch_options(p) -> None:
         "batch generation", "--prompts FILE --output OUT.jsonl decodes every prompt of FILE "
         "with continuous batching (JSONL with id + prompt / messages / prompt_ids, or "
         "plain text, one prompt per line); a rerun resumes OUT")
-    g.add_argument("--prompts", default=None, metavar="FILE", help="the prompts file")
+    g.add_argument("--prompts", default=None, metavar="FILE",
+                   help="the prompts file, or bundled:NAME for a bundled evaluation set "
+                        "(mt_bench, humaneval, gsm, math)")
     g.add_argument("--output", default=None, metavar="OUT.jsonl",
                    help="results, one JSON line per prompt; settings in OUT.settings.json")
     g.add_argument("--batch-size", type=int, default=8, help="row slots (default %(default)s)")
