@@ -122,7 +122,9 @@ def test_output_resume_and_settings(tmp_path):
     f.close()
     assert done == {'"a"', "2"}
     assert out.read_text().endswith('"y"}\n')  # the partial line is cut, its id reruns
-    assert json.loads(batch_io.settings_path(out).read_text()) == settings
+    side = json.loads(batch_io.settings_path(out).read_text())
+    fingerprint = batch_io.settings_fingerprint(settings)
+    assert side == dict(settings, run={"batch_size": 32, "fingerprint": fingerprint})
 
     with pytest.raises(ValueError, match=r"other settings \(seed differ.*--force"):
         batch_io.open_output(out, dict(settings, seed=1))
@@ -130,6 +132,9 @@ def test_output_resume_and_settings(tmp_path):
     f.close()
     assert done == {'"a"', "2"}
     assert json.loads(batch_io.settings_path(out).read_text())["seed"] == 1
+    # issue 26, finding 13: the rows made before keep their settings on disk
+    kept = tmp_path / f"out.settings.{fingerprint}.json"
+    assert json.loads(kept.read_text())["seed"] == 0
 
     stray = _write(tmp_path / "other.jsonl", ['{"id": 1}'])
     with pytest.raises(ValueError, match="has no settings file"):

@@ -34,6 +34,7 @@ def test_named_builders_are_builders(name, budget, slots):
         reference = (ddtree.build_tree(_logits(), 2, budget) if name == "ddtree"
                      else ddtree.build_chain(_logits(), 2))[0]
         jax.tree.map(np.testing.assert_array_equal, tree, reference)
+        assert tree.tokens.shape == (slots,)  # DDTree's untraced num_slots is its shape
 
 
 def test_ddtree_batched_form_builds_the_rows_trees():

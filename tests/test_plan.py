@@ -151,3 +151,26 @@ def test_generate_refuses_in_one_line(monkeypatch, capsys):
     err = capsys.readouterr().err.strip()
     assert err.startswith("tev-jax generate: not enough memory") and "\n" not in err
     assert "lower the budget (100000)" in err
+
+
+def test_preflight_builds_nothing_in_proportion_to_the_budget(tiny_models, monkeypatch):
+    """Issue 26, finding 1: a huge budget is refused from shapes alone, in milliseconds,
+    without the (budget x K) pair table of the DDTree builder (which OOM-killed the host
+    at --budget 1000000000)."""
+    import time
+    import tracemalloc
+
+    target, drafter = tiny_models
+    monkeypatch.setattr(plan, "available_bytes", lambda devices=None: (2**30, "test memory"))
+    monkeypatch.setattr(plan, "compile_report", _refuse_compiling)
+    for budget in (200_000, 10**9):
+        config = dataclasses.replace(CONFIG, budget=budget, max_cache_len=None)
+        tracemalloc.start()
+        t0 = time.perf_counter()
+        with pytest.raises(plan.NotEnoughMemory, match=rf"lower the budget \({budget}\)"):
+            plan.check_decode_fits(target, drafter, config, 1)
+        seconds = time.perf_counter() - t0
+        peak = tracemalloc.get_traced_memory()[1]
+        tracemalloc.stop()
+        assert peak < 4 * 2**20 and seconds < 2.0, (budget, peak, seconds)
+        assert plan.decode_floor(target, drafter, config, 1)["tree mask"] == (budget + 1) ** 2

@@ -20,6 +20,7 @@ from train.rollouts import (
     make_rollouts,
     write_manifest,
     write_rollouts,
+    write_shard,
 )
 
 PROMPTS = [[1, 5, 9, 11], [1, 7], [1, 20, 21, 22, 23, 24], [1, 8, 9]]
@@ -85,10 +86,17 @@ def test_two_processes_write_the_same_set_and_the_last_writes_the_manifest(tmp_p
     assert calls == []
     other = dataclasses.replace(RC, seed=4)
     make_rollouts(target, PROMPTS, tmp_path / "mixed", RC, process_index=0, process_count=2)
-    make_rollouts(target, PROMPTS, tmp_path / "mixed", other, process_index=1, process_count=2)
+    with pytest.raises(ValueError, match=r"holds the rollouts of another run \(seed differ\)"):
+        make_rollouts(target, PROMPTS, tmp_path / "mixed", other, process_index=1,
+                      process_count=2)
+    write_shard(tmp_path / "mixed", 1, 2, np.zeros((2, 16), np.int32),
+                np.zeros((2, 2), np.int32), key="another run")   # a shard written by hand
     assert not (tmp_path / "mixed" / "manifest.json").exists()
     with pytest.raises(ValueError, match="shards disagree on key"):
         write_manifest(tmp_path / "mixed")
+    make_rollouts(target, PROMPTS, tmp_path / "mixed", other, process_index=1,
+                  process_count=2, replace=True)                  # --force: replaced
+    assert not (tmp_path / "mixed" / "shard-00000-of-00002.json").exists()
     (tmp_path / "two" / "manifest.json").unlink()
     assert main(["rollouts", "--merge", "--out", str(tmp_path / "two")]) == 0
     assert RolloutSet.load(tmp_path / "two").fingerprint() == one.fingerprint()

@@ -5,28 +5,47 @@ of ``prompt`` (text), ``messages`` (a chat: ``[{"role", "content"}, ...]``) or
 ``prompt_ids`` (token ids); or any other file as plain text, one prompt per line, whose
 id is its line number (from 1). Blank JSONL lines are skipped.
 
+The bundled evaluation sets (`tev_jax.data.prompts`) are prompts files too: give
+``bundled:NAME`` or their path (``tev_jax/data/prompts/gsm.jsonl``); chat sets become
+one-turn ``messages``, HumanEval its ``prompt``.
+
 Output: ``OUT`` gets one JSON object per finished prompt, appended and flushed line by
-line; the run's settings go once to the sidecar ``<OUT stem>.settings.json``. A rerun
-with the same settings skips the ids already in ``OUT``; with other settings it is
-refused unless forced. With ``count`` processes, process ``index`` takes the prompts at
-positions ``i % count == index`` of the file and writes ``<OUT stem>.<index>-of-<count>
-<OUT suffix>``; `merge_outputs` joins the shards into ``OUT``.
+line (``index``: its position in the prompts file; ``settings``: the fingerprint of the
+settings that made it); the run's settings go to the sidecar ``<OUT stem>.settings.json``
+with the number of prompts the file will hold. One process writes ``OUT`` at a time
+(`lock_output`: an exclusive lock on ``OUT.lock``; a second writer is refused with a
+line naming the holder). A rerun with the same settings skips the ids already in
+``OUT``; with other settings it is refused unless forced (the old sidecar is then kept
+as ``<OUT stem>.settings.<fingerprint>.json``, so every row's settings stay on disk).
+A finished ``OUT`` is put in input order (`sort_output`). With ``count`` processes,
+process ``index`` takes the prompts at positions ``i % count == index`` of the file and
+writes ``<OUT stem>.<index>-of-<count><OUT suffix>``; `merge_outputs` joins complete
+shards into ``OUT``, in input order.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import errno
+import fcntl
+import hashlib
 import json
+import os
 import re
+import socket
+import sys
+import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, TextIO
 
 from tev_jax.batching import Request
-from tev_jax.engine import check_prompt
+from tev_jax.engine import check_context, check_prompt
 
 PROMPT_FIELDS = ("prompt", "messages", "prompt_ids")
 RUN_KEY = "run"  # settings entries that may differ between a run and its resumption
+BUNDLED_PREFIX = "bundled:"  # a bundled prompt set as a prompts file: bundled:gsm
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,20 +65,33 @@ class PromptRecord:
     value: Any
 
 
-def read_prompts(path: str | Path) -> list[PromptRecord]:
+def read_prompts(path: str | Path, *, line_ids: bool = False) -> list[PromptRecord]:
     """Reads and checks a prompts file (format by suffix: ``.jsonl``/``.json`` or text).
+
+    ``bundled:NAME`` (or the path of a bundled set's file) reads a bundled evaluation
+    set (`tev_jax.data.prompts.PROMPT_SETS`) as such a file. The one prompt reader of
+    ``tev-jax generate --prompts`` and ``tev-train rollouts --prompts-file``.
+
+    Args:
+      path: the file, or ``bundled:NAME``.
+      line_ids: a JSONL record without an id gets its line number (training prompt
+        files need no ids); by default a missing id is an error (results are resumed
+        by id).
 
     Raises:
       ValueError: naming the file and line: malformed JSON, not an object, a missing or
         duplicate id, not exactly one prompt field, an empty prompt, malformed messages
-        or token ids.
+        or token ids, text that is not UTF-8; or a file that cannot be read.
     """
+    bundled = bundled_set(path)
+    if bundled is not None:
+        return _bundled_records(bundled)
     path = Path(path)
     if not path.is_file():
         raise ValueError(f"{path}: no such prompts file")
-    lines = path.read_text(encoding="utf-8").splitlines()
+    lines = read_text(path).splitlines()
     if path.suffix in (".jsonl", ".json"):
-        records = [_json_record(path, n, line) for n, line in enumerate(lines, 1)
+        records = [_json_record(path, n, line, line_ids) for n, line in enumerate(lines, 1)
                    if line.strip()]
     else:
         while lines and not lines[-1].strip():
@@ -80,12 +112,56 @@ def read_prompts(path: str | Path) -> list[PromptRecord]:
     return records
 
 
+def read_text(path: str | Path) -> str:
+    """A UTF-8 text file's text; a ValueError naming the file, line and column of the
+    first byte that is not UTF-8, or why the file cannot be read."""
+    path = Path(path)
+    try:
+        data = path.read_bytes()
+    except OSError as e:
+        raise ValueError(f"{path}: cannot read it ({e.strerror or e})") from None
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = data.count(b"\n", 0, e.start) + 1
+        column = e.start - (data.rfind(b"\n", 0, e.start) + 1) + 1
+        raise ValueError(f"{path}:{line}: not UTF-8 text (byte 0x{data[e.start]:02x} at "
+                         f"column {column}); save the file as UTF-8") from None
+
+
+def bundled_set(path: str | Path) -> str | None:
+    """The bundled prompt set that ``path`` names (``bundled:NAME`` or the set's own
+    file), else None."""
+    from tev_jax.data import prompts
+
+    text = os.fspath(path)
+    if text.startswith(BUNDLED_PREFIX):
+        name = text[len(BUNDLED_PREFIX):]
+        if name not in prompts.PROMPT_SETS:
+            raise ValueError(f"{text}: no such bundled prompt set; choose one of "
+                             f"{', '.join(BUNDLED_PREFIX + n for n in prompts.PROMPT_SETS)}")
+        return name
+    p = Path(path)
+    if p.suffix != ".jsonl" or p.stem not in prompts.PROMPT_SETS or not p.is_file():
+        return None
+    bundled = prompts.prompts_dir() / p.name
+    return p.stem if bundled.is_file() and os.path.samefile(p, bundled) else None
+
+
+def _bundled_records(name: str) -> list[PromptRecord]:
+    from tev_jax.data import prompts
+
+    return [PromptRecord(id=r["id"], line=n, kind=kind, value=r[kind])
+            for n, r in enumerate(prompts.prompt_file_records(name), 1)
+            for kind in PROMPT_FIELDS if kind in r]
+
+
 def id_key(rid) -> str:
     """How ids are compared (JSON text, so that the id 1 and the id "1" differ)."""
     return json.dumps(rid)
 
 
-def _json_record(path: Path, n: int, line: str) -> PromptRecord:
+def _json_record(path: Path, n: int, line: str, line_ids: bool = False) -> PromptRecord:
     where = f"{path}:{n}"
     try:
         obj = json.loads(line)
@@ -93,7 +169,7 @@ def _json_record(path: Path, n: int, line: str) -> PromptRecord:
         raise ValueError(f"{where}: malformed JSON ({e.msg})") from None
     if not isinstance(obj, dict):
         raise ValueError(f"{where}: expected a JSON object, got {type(obj).__name__}")
-    rid = obj.get("id")
+    rid = obj.get("id", n if line_ids else None)
     if rid is None or isinstance(rid, bool) or not isinstance(rid, (str, int)) or rid == "":
         raise ValueError(f"{where}: missing id (a non-empty string or an integer)")
     kinds = [k for k in PROMPT_FIELDS if k in obj]
@@ -155,7 +231,8 @@ def chat_formatter(tokenizer_config: dict | None) -> Callable[[list[dict]], str]
 
 
 def encode_records(records: Sequence[PromptRecord], tokenizer, chat, *, vocab_size: int,
-                   prompt_len: int | None, truncate: bool, where: str = "prompts"
+                   prompt_len: int | None, truncate: bool, where: str = "prompts",
+                   max_positions: int | None = None, max_new_tokens: int = 0
                    ) -> list[Request]:
     """Token ids for every record, checked against the vocabulary and the prompt buffer.
 
@@ -170,10 +247,14 @@ def encode_records(records: Sequence[PromptRecord], tokenizer, chat, *, vocab_si
       prompt_len: the prompt buffer P, or None (no limit).
       truncate: keep the last P tokens of a longer prompt instead of refusing it.
       where: the prompts file's name, for messages.
+      max_positions: the target's context length (``max_position_embeddings``), or
+        None: every prompt + ``max_new_tokens`` must fit in it.
+      max_new_tokens: M, for that check.
 
     Raises:
-      ValueError: a token id outside the vocabulary, or a prompt longer than P without
-        ``truncate`` (its id, line and length named).
+      ValueError: a token id outside the vocabulary, a prompt longer than P without
+        ``truncate``, or one that leaves no room for M new tokens in the context (its
+        id, line and length named).
     """
     bos = _bos_string(tokenizer)
     requests = []
@@ -191,6 +272,9 @@ def encode_records(records: Sequence[PromptRecord], tokenizer, chat, *, vocab_si
                                  f"tokens, more than the prompt buffer ({prompt_len}); raise "
                                  "--prompt-len or pass --truncate left")
             ids = ids[-prompt_len:]
+        if max_positions is not None:
+            check_context(len(ids), max_new_tokens, max_positions,
+                          what=f"{where}:{r.line}: id {r.id!r}")
         requests.append(Request(id=r.id, prompt_ids=ids))
     return requests
 
@@ -227,52 +311,130 @@ def _comparable(settings: dict) -> dict:
     return {k: v for k, v in settings.items() if k != RUN_KEY}
 
 
-def read_done_ids(out: Path) -> set[str]:
-    """JSON-encoded ids of the complete lines of ``out`` (an unfinished last line is cut).
+def settings_fingerprint(settings: dict) -> str:
+    """12 hex digits naming the settings that decide the results (``"run"`` entries
+    excluded); every result line records the fingerprint of the settings that made it."""
+    text = json.dumps(_comparable(settings), sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(text.encode()).hexdigest()[:12]
+
+
+def _unwritable(out: Path, e: OSError) -> ValueError:
+    return ValueError(f"{out}: cannot write there ({e.strerror or e}); choose another "
+                      "--output")
+
+
+def read_results(out: Path) -> list[dict]:
+    """The complete result lines of ``out`` (an unfinished last line is cut from the file).
 
     Raises:
-      ValueError: a complete line that is not a result object (the file is not ours).
+      ValueError: a complete line that is not a result object (the file is not ours),
+        text that is not UTF-8, or an id on two lines (two runs wrote the file at once).
     """
     if not out.exists():
-        return set()
+        return []
     data = out.read_bytes()
     cut = data.rfind(b"\n") + 1
     if cut < len(data):  # an interrupted write: drop the partial line, rerun its prompt
         with out.open("r+b") as f:
             f.truncate(cut)
-    done = set()
-    for n, line in enumerate(data[:cut].decode("utf-8").splitlines(), 1):
+    rows, seen = [], {}
+    for n, line in enumerate(read_text(out).splitlines(), 1):
         try:
             obj = json.loads(line)
         except json.JSONDecodeError:
             raise ValueError(f"{out}:{n}: not a JSON line; is this an output file?") from None
         if not isinstance(obj, dict) or "id" not in obj:
             raise ValueError(f"{out}:{n}: a line without an id; is this an output file?")
-        done.add(id_key(obj["id"]))
-    return done
+        key = id_key(obj["id"])
+        if key in seen:
+            raise ValueError(f"{out}:{n}: id {obj['id']!r} is also on line {seen[key]} (two "
+                             "runs wrote this file at once?); keep one line per id")
+        seen[key] = n
+        rows.append(obj)
+    return rows
 
 
-def open_output(out: str | Path, settings: dict, *, force: bool = False
-                ) -> tuple[set[str], TextIO]:
-    """Checks ``out`` against the run's settings and opens it for appending.
+def read_done_ids(out: Path) -> set[str]:
+    """JSON-encoded ids of the complete lines of ``out`` (see `read_results`)."""
+    return {id_key(r["id"]) for r in read_results(Path(out))}
 
-    Args:
-      out: the output path (a shard's, from `shard_path`).
-      settings: JSON-able run settings; entries under ``"run"`` may change on resumption.
-      force: append even if ``out`` was written with other settings (the sidecar is
-        rewritten).
 
-    Returns:
-      (JSON-encoded ids already in ``out``, the file opened for appending).
+def lock_path(out: str | Path) -> Path:
+    """The lock file of an output: ``OUT.lock``."""
+    out = Path(out)
+    return out.with_name(out.name + ".lock")
+
+
+@contextlib.contextmanager
+def lock_output(out: str | Path, *, command: str = "tev-jax generate") -> Iterator[None]:
+    """Holds an exclusive lock on ``out`` (``flock`` of ``OUT.lock``, removed on exit).
+
+    The lock file names its holder (process id, host, start time, command), so a second
+    writer is refused with one line saying who writes the file. Folders made for it are
+    removed again if the run leaves them empty.
 
     Raises:
-      ValueError: the sidecar records other settings (without ``force``), or ``out``
-        exists without a sidecar, or holds lines that are not results.
+      ValueError: another process holds the lock, or ``out``'s folder is not writable.
     """
+    out = Path(out)
+    path = lock_path(out)
+    made = [p for p in (out.parent, *out.parent.parents) if not p.exists()]
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        while True:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = os.read(fd, 4096).decode("utf-8", "replace").strip() or "unknown"
+                os.close(fd)
+                raise ValueError(f"{out} is being written by another process ({holder}; "
+                                 f"lock {path}); wait for it to finish or use another "
+                                 "--output") from None
+            except OSError as e:
+                if e.errno not in _NO_LOCKS:
+                    raise
+                print(f"warning: {out.parent} cannot be locked ({e.strerror}): a second "
+                      "writer of this output would not be noticed", file=sys.stderr)
+                break
+            try:
+                same = os.stat(path).st_ino == os.fstat(fd).st_ino
+            except FileNotFoundError:
+                same = False  # its holder removed it as we locked: lock the new one
+            if same:
+                break
+            os.close(fd)
+    except OSError as e:
+        _remove_empty(made)
+        raise _unwritable(out, e) from None
+    try:
+        os.ftruncate(fd, 0)
+        os.write(fd, f"pid {os.getpid()} on {socket.gethostname()} since "
+                     f"{time.strftime('%Y-%m-%d %H:%M:%S')}: {command}\n".encode())
+        yield
+    finally:
+        path.unlink(missing_ok=True)
+        os.close(fd)
+        _remove_empty(made)
+
+
+# flock errors of filesystems without locks (some FUSE and network mounts): write unlocked
+_NO_LOCKS = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL)
+
+
+def _remove_empty(folders: Sequence[Path]) -> None:
+    for p in folders:  # deepest first
+        with contextlib.suppress(OSError):
+            p.rmdir()
+
+
+def check_output_settings(out: str | Path, settings: dict, *, force: bool = False) -> None:
+    """Refuses ``out`` if it was written with other settings (without ``force``), has
+    results but no sidecar, or holds lines that are not results; writes nothing."""
     out = Path(out)
     side = settings_path(out)
     if side.exists():
-        old = json.loads(side.read_text(encoding="utf-8"))
+        old = json.loads(read_text(side))
         if _comparable(old) != _comparable(settings) and not force:
             diff = sorted(k for k in set(old) | set(settings) if k != RUN_KEY
                           and old.get(k) != settings.get(k))
@@ -281,11 +443,60 @@ def open_output(out: str | Path, settings: dict, *, force: bool = False
     elif out.exists() and out.stat().st_size and not force:
         raise ValueError(f"{out} exists but has no settings file {side}; use another "
                          "--output or --force")
+    read_results(out)
+
+
+def open_output(out: str | Path, settings: dict, *, force: bool = False,
+                expected: int | None = None) -> tuple[set[str], TextIO]:
+    """Checks ``out`` against the run's settings and opens it for appending.
+
+    Hold `lock_output` around it and the writing.
+
+    Args:
+      out: the output path (a shard's, from `shard_path`).
+      settings: JSON-able run settings; entries under ``"run"`` may change on resumption.
+      force: append even if ``out`` was written with other settings; the old sidecar
+        is kept as ``<stem>.settings.<its fingerprint>.json`` (the rows written before
+        name that fingerprint).
+      expected: how many results ``out`` holds when complete (recorded in the sidecar
+        for `merge_outputs`).
+
+    Returns:
+      (JSON-encoded ids already in ``out``, the file opened for appending).
+
+    Raises:
+      ValueError: the sidecar records other settings (without ``force``), or ``out``
+        exists without a sidecar, or holds lines that are not results, or cannot be
+        written.
+    """
+    out = Path(out)
+    side = settings_path(out)
+    check_output_settings(out, settings, force=force)
     done = read_done_ids(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    if force or not side.exists():
-        side.write_text(json.dumps(settings, indent=1) + "\n", encoding="utf-8")
-    return done, out.open("a", encoding="utf-8")
+    run = dict(settings.get(RUN_KEY, {}), fingerprint=settings_fingerprint(settings))
+    if expected is not None:
+        run["expected"] = int(expected)
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        if side.exists():
+            old = json.loads(read_text(side))
+            if _comparable(old) != _comparable(settings):  # forced: keep the old settings
+                kept = side.with_name(f"{out.stem}.settings.{settings_fingerprint(old)}.json")
+                if not kept.exists():
+                    os.replace(side, kept)
+        _write_atomic(side, json.dumps(dict(settings, **{RUN_KEY: run}), indent=1) + "\n")
+        return done, out.open("a", encoding="utf-8")
+    except OSError as e:
+        raise _unwritable(out, e) from None
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        tmp.write_text(text, encoding="utf-8")
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def write_line(f: TextIO, record: dict) -> None:
@@ -294,15 +505,34 @@ def write_line(f: TextIO, record: dict) -> None:
     f.flush()
 
 
+def _in_order(rows: list[dict]) -> list[dict]:
+    """Rows by their ``index`` (position in the prompts file); rows without one (from an
+    older tev-jax) keep their place after those."""
+    return sorted(rows, key=lambda r: (r.get("index") is None, r.get("index") or 0))
+
+
+def sort_output(out: str | Path) -> None:
+    """Rewrites ``out`` in input order (`_in_order`), atomically; a no-op when it is."""
+    out = Path(out)
+    rows = read_results(out)
+    ordered = _in_order(rows)
+    if ordered != rows:
+        _write_atomic(out, "".join(json.dumps(r, ensure_ascii=False) + "\n"
+                                   for r in ordered))
+
+
 def merge_outputs(out: str | Path, *, force: bool = False) -> int:
-    """Joins the shards ``<stem>.<i>-of-<n><suffix>`` of ``out`` into ``out``.
+    """Joins the complete shards ``<stem>.<i>-of-<n><suffix>`` of ``out`` into ``out``,
+    in input order.
 
     Returns:
       The number of results written.
 
     Raises:
-      ValueError: no shards, a missing shard, shards of different settings, or an id in
-        two shards; ``out`` already exists (without ``force``).
+      ValueError: no shards, a missing shard, a shard still being written (its lock is
+        held) or incomplete (fewer results than its sidecar expects), shards of
+        different settings, or an id in two shards; ``out`` already exists (without
+        ``force``).
     """
     out = Path(out)
     pattern = re.compile(rf"{re.escape(out.stem)}\.(\d+)-of-(\d+){re.escape(out.suffix)}$")
@@ -321,32 +551,44 @@ def merge_outputs(out: str | Path, *, force: bool = False) -> int:
         raise ValueError(f"{out}: shards {missing} of {count} are missing")
     if out.exists() and not force:
         raise ValueError(f"{out} exists; remove it or use --force")
-    settings = []
-    for i in range(count):
-        side = settings_path(shards[i])
-        if not side.exists():
-            raise ValueError(f"{shards[i]}: no settings file {side}")
-        settings.append(json.loads(side.read_text(encoding="utf-8")))
-    if any(_comparable(s) != _comparable(settings[0]) for s in settings):
-        raise ValueError(f"the shards of {out} were written with different settings")
-    seen: dict[str, int] = {}
-    lines = []
-    for i in range(count):
-        for line in _complete_lines(shards[i]):
-            rid = id_key(json.loads(line)["id"])
-            if rid in seen:
-                raise ValueError(f"id {rid} is in shards {seen[rid]} and {i}")
-            seen[rid] = i
-            lines.append(line)
-    merged = dict(settings[0], **{RUN_KEY: {**settings[0].get(RUN_KEY, {}),
-                                            "merged_from": [str(shards[i]) for i in range(count)]}})
-    tmp = out.with_name(out.name + ".tmp")
-    tmp.write_text("".join(line + "\n" for line in lines), encoding="utf-8")
-    settings_path(out).write_text(json.dumps(merged, indent=1) + "\n", encoding="utf-8")
-    tmp.replace(out)
-    return len(lines)
-
-
-def _complete_lines(path: Path) -> Iterator[str]:
-    text = path.read_text(encoding="utf-8")
-    yield from text[: text.rfind("\n") + 1].splitlines()
+    with contextlib.ExitStack() as locks:
+        for i in range(count):
+            locks.enter_context(lock_output(shards[i], command="tev-jax merge-outputs"))
+        locks.enter_context(lock_output(out, command="tev-jax merge-outputs"))
+        settings = []
+        for i in range(count):
+            side = settings_path(shards[i])
+            if not side.exists():
+                raise ValueError(f"{shards[i]}: no settings file {side}")
+            settings.append(json.loads(read_text(side)))
+        if any(_comparable(s) != _comparable(settings[0]) for s in settings):
+            raise ValueError(f"the shards of {out} were written with different settings")
+        seen: dict[str, int] = {}
+        rows = []
+        for i in range(count):
+            got = read_results(shards[i])
+            expected = settings[i].get(RUN_KEY, {}).get("expected")
+            if expected is not None and len(got) < expected:
+                raise ValueError(
+                    f"{shards[i]} is incomplete: {len(got)} of its {expected} results "
+                    f"({expected - len(got)} missing); rerun process {i} of {count} (the "
+                    "same generate command with --process-index "
+                    f"{i}) to finish it, then merge")
+            for r in got:
+                rid = id_key(r["id"])
+                if rid in seen:
+                    raise ValueError(f"id {rid} is in shards {seen[rid]} and {i}")
+                seen[rid] = i
+            rows += got
+        run = {**settings[0].get(RUN_KEY, {}),
+               "merged_from": [str(shards[i]) for i in range(count)]}
+        run.pop("process_index", None)
+        run["expected"] = len(rows)
+        try:
+            _write_atomic(settings_path(out), json.dumps(dict(settings[0], **{RUN_KEY: run}),
+                                                         indent=1) + "\n")
+            _write_atomic(out, "".join(json.dumps(r, ensure_ascii=False) + "\n"
+                                       for r in _in_order(rows)))
+        except OSError as e:
+            raise _unwritable(out, e) from None
+    return len(rows)

@@ -11,10 +11,14 @@ registers its arguments and sets ``func``, and listing it in ``SUBCOMMANDS``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import functools
 import json
+import re
+import signal
 import sys
+import threading
 from pathlib import Path
 
 import jax
@@ -58,11 +62,27 @@ def _add_sampling_flags(p, *, temperature: float) -> None:
 
 
 def _sampling_from(args) -> Sampling:
+    if args.temperature == 0:
+        given = [f for f, v in (("--top-k", args.top_k), ("--top-p", args.top_p)) if v is not None]
+        if given:
+            raise ValueError(f"{' and '.join(given)} has no effect at --temperature 0 "
+                             "(greedy decoding); drop it or set a temperature > 0")
     return Sampling(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
+
+
+def _at_least_one(args, *flags: str) -> None:
+    """Refuses a count flag below 1 (one line naming the flag)."""
+    for flag in flags:
+        v = getattr(args, flag.lstrip("-").replace("-", "_"))
+        if v < 1:
+            raise ValueError(f"{flag} must be >= 1, got {v}")
 
 
 def exit_law_demo(args) -> int:
     """``tev-jax exit-law --demo``: an example tree, its exit law and some TEV draws."""
+    _at_least_one(args, "--draws")
+    if args.show < 0:
+        raise ValueError(f"--show must be >= 0, got {args.show}")
     sampling = _sampling_from(args)
     tree = make_tree(_DEMO_TOKENS, _DEMO_PARENTS)
     horizon = int(np.asarray(tree.depths).max())
@@ -98,7 +118,8 @@ def _add_exit_law(sub) -> None:
     _add_sampling_flags(p, temperature=1.0)
     p.add_argument("--draws", type=int, default=10_000, help="TEV draws for the mean length")
     p.add_argument("--show", type=int, default=5, help="how many draws to print")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0,
+                   help="seed of the synthetic logits and the draws (default %(default)s)")
     p.set_defaults(func=exit_law_demo)
 
 
@@ -119,7 +140,7 @@ def _checkpoint_dirs(args) -> tuple[str, str | None, str]:
         name = DEFAULT_DRAFTER if args.drafter is None else args.drafter[len(BUNDLED_PREFIX):]
         check_drafter_name(name)
     if args.target is None:
-        paths = bundled_paths()
+        paths = bundled_paths(drafters=(name,) if needs_drafter and name else ())
         drafter = paths.drafters[name] if name is not None else args.drafter
         where = "bundled target" + (
             "" if not needs_drafter else
@@ -171,14 +192,33 @@ def generate_command(args) -> int:
     compile time, and with ``--compare-ar`` the AR speed and the speed-up) to stderr.
     First the pre-flight check (`tev_jax.plan.check_decode_fits`): a program that would
     not fit the device's free memory is refused with one line naming the setting to
-    lower, exit code 2.
+    lower, exit code 2. On a terminal a "compiling ..." line comes first and the text is
+    streamed round by round (`tev_jax.profile.streamed_generate`; the pre-flight check
+    is then the shapes-only `tev_jax.plan.check_decode_floor`); piped, or with
+    ``--no-stream``, ``--compare-ar`` or ``--repeats``, it is printed at the end of the
+    timed fused program.
     """
     if args.prompts is not None:
         return batch_generate_command(args)
     if args.prompt is None:
         raise ValueError("give a PROMPT, or --prompts FILE --output OUT.jsonl")
+    batch_only = [flag for flag, given in (
+        ("--output", args.output is not None), ("--summary-json", args.summary_json),
+        ("--force", args.force), ("--truncate", args.truncate != "none"),
+        ("--prompt-len", args.prompt_len is not None),
+        ("--process-index", args.process_index is not None),
+        ("--process-count", args.process_count is not None),
+        ("--batch-size", args.batch_size != 8), ("--sync-rounds", args.sync_rounds != 16))
+        if given]
+    if batch_only:
+        raise ValueError(f"{', '.join(batch_only)} only apply to batch generation "
+                         "(--prompts FILE); a single PROMPT's text goes to stdout")
+    if not args.prompt:
+        raise ValueError("the PROMPT is empty: give some text to continue")
+    _at_least_one(args, "--repeats")
     from tev_jax import plan, profile
     from tev_jax.data.tokenizer import format_chat
+    from tev_jax.engine import check_context
     from tev_jax.models import load_drafter, load_target, load_tokenizer
     from tev_jax.serve import stop_token_ids
 
@@ -192,25 +232,47 @@ def generate_command(args) -> int:
                else load_drafter(drafter_dir, target, dtype=dtype, mesh=mesh))
     text = format_chat(args.prompt) if args.chat else args.prompt
     prompt = tokenizer.encode(text).ids
+    check_context(len(prompt), config.max_new_tokens, target.config.max_position_embeddings,
+                  what="PROMPT")
     config = dataclasses.replace(config, stop_token_ids=stop_token_ids(target, tokenizer),
                                  prompt_len=max(len(prompt), 1))
-    try:  # compiles once; the run below reuses the compilation
+    stream = (sys.stdout.isatty() and not args.no_stream and not args.compare_ar
+              and args.repeats == 1)
+    if stream:
+        plan.check_decode_floor(target, drafter, config, 1, mesh=mesh)
+    else:
+        if sys.stderr.isatty():
+            print("compiling the decode program (once per setting) ...", file=sys.stderr,
+                  flush=True)
         planned = plan.check_decode_fits(target, drafter, config, 1, mesh=mesh)
-    except plan.NotEnoughMemory as e:
-        print(f"tev-jax generate: {e}", file=sys.stderr)
-        return 2
-    timed = functools.partial(profile.timed_generate, prompt_ids=[prompt], key=args.seed,
-                              repeats=args.repeats, mesh=mesh)
-    gen = timed(target, drafter, config=config)
-    compile_s = gen.stats.compile_seconds + planned.compile_seconds
+    if stream:
+        print("compiling the decode programs (once per setting) ...", file=sys.stderr,
+              flush=True)
+        shown = _Shown(tokenizer, prompt)
+        gen = profile.streamed_generate(target, drafter, [prompt], config, args.seed,
+                                        mesh=mesh, on_round=lambda rows: shown(rows[0]))
+        shown(gen.rows()[0], final=True)
+        compile_s = gen.stats.compile_seconds
+        timing = "streamed: one host round trip per round"
+    else:
+        timed = functools.partial(profile.timed_generate, prompt_ids=[prompt], key=args.seed,
+                                  repeats=args.repeats, mesh=mesh)
+        gen = timed(target, drafter, config=config)
+        compile_s = gen.stats.compile_seconds + planned.compile_seconds
+        print(tokenizer.decode(prompt + gen.rows()[0]), flush=True)
+        timing = "fused program" + (f", median of {args.repeats}" if args.repeats > 1 else "")
     n = int(gen.lengths[0])
-    print(tokenizer.decode(prompt + gen.rows()[0]), flush=True)
-
+    lines = [f"[{where}; {_method(config)}; T={config.sampling.temperature:g}]"]
+    if gen.stats.rounds == 0:
+        lines.append(f"{n} new token{'s' if n != 1 else ''}: the target ended the text at "
+                     "its first token, so no decode round ran (no tau, speed or speed-up "
+                     "to report)")
+        print("\n".join(lines), file=sys.stderr)
+        return 0
     speed = n / gen.stats.seconds
-    lines = [f"[{where}; {_method(config)}; T={config.sampling.temperature:g}]",
-             f"{n} new tokens in {gen.stats.rounds} rounds: tau = {gen.stats.tau:.2f} "
-             f"tokens/round, {speed:.1f} tokens/s "
-             f"({gen.stats.seconds:.3f} s; compile {compile_s:.1f} s, not counted)"]
+    lines.append(f"{n} new tokens in {gen.stats.rounds} rounds: tau = {gen.stats.tau:.2f} "
+                 f"tokens/round, {speed:.1f} tokens/s ({gen.stats.seconds:.3f} s, {timing}; "
+                 f"compile {compile_s:.1f} s, not counted)")
     if args.compare_ar:
         if args.builder == "none":
             lines.append("--compare-ar: this run is already autoregressive")
@@ -221,6 +283,27 @@ def generate_command(args) -> int:
                          "(same target, same run)")
     print("\n".join(lines), file=sys.stderr)
     return 0
+
+
+class _Shown:
+    """Streams ``decode(prompt + tokens)`` to stdout as the tokens grow; at the end stdout
+    holds exactly what the unstreamed run prints."""
+
+    def __init__(self, tokenizer, prompt: list[int]):
+        self.tokenizer, self.prompt, self.text = tokenizer, list(prompt), ""
+
+    def __call__(self, tokens: list[int], *, final: bool = False) -> None:
+        text = self.tokenizer.decode(self.prompt + list(tokens))
+        if not final:  # hold back a character whose UTF-8 bytes are not all there yet
+            text = text.rstrip("\ufffd")
+        if text.startswith(self.text):
+            sys.stdout.write(text[len(self.text):])
+            self.text = text
+        elif final:  # a tokenizer that revised earlier text: print the whole of it
+            sys.stdout.write("\n" + text)
+        if final:
+            sys.stdout.write("\n")
+        sys.stdout.flush()
 
 
 def _add_generate(sub) -> None:
@@ -241,9 +324,13 @@ def _add_generate(sub) -> None:
                    help="wrap the prompt in the chat template (one user turn)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed (default %(default)s)")
     p.add_argument("--repeats", type=int, default=1,
-                   help="timed runs after the compile run (the median is reported)")
+                   help="timed runs after the compile run (the median is reported; "
+                        "default %(default)s)")
     p.add_argument("--compare-ar", action="store_true",
                    help="also time plain autoregressive decoding and report the speed-up")
+    p.add_argument("--no-stream", action="store_true",
+                   help="on a terminal, print the text at the end of the timed fused program "
+                        "instead of streaming it round by round")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
                    help="parameter and KV-cache dtype (logits, exit law and verifier stay "
                         "float32; default %(default)s)")
@@ -294,6 +381,9 @@ def compare_command(args) -> int:
     from tev_jax.models.bundled import bundled_paths
     from tev_jax.serve import stop_token_ids
 
+    _at_least_one(args, "--repeats")
+    if any(not t for t in args.prompts):
+        raise ValueError("an empty PROMPT: give some text to continue")
     sampling = _sampling_from(args)
     paths = bundled_paths()
     target = load_target(paths.target)
@@ -331,11 +421,13 @@ def _add_compare(sub) -> None:
     p.add_argument("--budget", type=int, default=64,
                    help="DDTree node budget (default %(default)s)")
     _add_sampling_flags(p, temperature=0.0)
-    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--max-new-tokens", type=int, default=128,
+                   help="at most this many per prompt (default %(default)s)")
     p.add_argument("--chat", action="store_true", help="wrap each prompt in the chat template")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="sampling seed (default %(default)s)")
     p.add_argument("--repeats", type=int, default=1,
-                   help="timed runs per prompt after the compile run (the median counts)")
+                   help="timed runs per prompt after the compile run (the median counts; "
+                        "default %(default)s)")
     p.set_defaults(func=compare_command)
 
 
@@ -450,7 +542,9 @@ def _add_batch_options(p) -> None:
         "batch generation", "--prompts FILE --output OUT.jsonl decodes every prompt of FILE "
         "with continuous batching (JSONL with id + prompt / messages / prompt_ids, or "
         "plain text, one prompt per line); a rerun resumes OUT")
-    g.add_argument("--prompts", default=None, metavar="FILE", help="the prompts file")
+    g.add_argument("--prompts", default=None, metavar="FILE",
+                   help="the prompts file, or bundled:NAME for a bundled evaluation set "
+                        "(mt_bench, humaneval, gsm, math)")
     g.add_argument("--output", default=None, metavar="OUT.jsonl",
                    help="results, one JSON line per prompt; settings in OUT.settings.json")
     g.add_argument("--batch-size", type=int, default=8, help="row slots (default %(default)s)")
@@ -502,7 +596,12 @@ def batch_generate_command(args) -> int:
         sync_rounds=args.sync_rounds, method=where)
     summary = serve.generate_file(job, mesh=_mesh_from(args))
     if args.summary_json:
-        Path(args.summary_json).write_text(json.dumps(summary, indent=1) + "\n")
+        try:
+            Path(args.summary_json).write_text(json.dumps(summary, indent=1) + "\n")
+        except OSError as e:
+            raise ValueError(f"--summary-json {args.summary_json}: cannot write it "
+                             f"({e.strerror or e}); the results are in {summary['output']}"
+                             ) from None
     return 0
 
 
@@ -526,17 +625,112 @@ def _add_merge_outputs(sub) -> None:
 
 SUBCOMMANDS = [_add_exit_law, _add_generate, _add_compare, _add_plan, _add_merge_outputs]
 
+# Exit codes of both command lines (tev-jax, tev-train), documented in README.md.
+EXIT_USAGE = 2          # bad input or a refused run: one line on stderr, nothing written
+EXIT_RESUMABLE = 75     # interrupted or preempted with its work on disk (sysexits'
+                        # EX_TEMPFAIL): run the same command again to resume
+EXIT_SIGNAL = 128       # + the signal number: interrupted with nothing to resume
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised like Ctrl-C's KeyboardInterrupt (`signals_as_interrupts`)."""
+
+
+@contextlib.contextmanager
+def signals_as_interrupts():
+    """Turns SIGTERM into `Terminated` (a KeyboardInterrupt) while the block runs, so a
+    terminated command ends like an interrupted one: its work so far on disk, one line
+    on stderr. A no-op off the main thread."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def terminate(signum, frame):
+        raise Terminated()
+
+    previous = signal.signal(signal.SIGTERM, terminate)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def interrupt_exit(e: BaseException | None) -> tuple[str, int]:
+    """(what stopped the command, its exit code when nothing resumable was left)."""
+    if isinstance(e, Terminated):
+        return "terminated (SIGTERM)", EXIT_SIGNAL + signal.SIGTERM
+    return "interrupted (SIGINT)", EXIT_SIGNAL + signal.SIGINT
+
+
+def flag_names(parser: argparse.ArgumentParser) -> dict[str, str]:
+    """Python names (argparse dests) -> their ``--flags``, over every subcommand."""
+    names = {}
+    parsers = [parser]
+    while parsers:
+        p = parsers.pop()
+        for action in p._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                parsers += list(action.choices.values())
+            long = [o for o in action.option_strings if o.startswith("--")]
+            if long and action.dest not in (argparse.SUPPRESS, "help", "version"):
+                names.setdefault(action.dest, long[0])
+    return names
+
+
+def name_flags(message: str, flags: dict[str, str]) -> str:
+    """``message`` with the Python names of settings written as their flags.
+
+    A name followed by "must", "is required" or ``=value``, or after "another", becomes
+    its ``--flag`` (``name=False`` becomes ``--flag false``), and so does a name with an
+    underscore followed by a value in parentheses (``max_new_tokens (256)``), so errors
+    raised by the library's configs name what the user typed."""
+    for name in sorted(flags, key=len, reverse=True):
+        flag = flags[name]
+        message = re.sub(rf"(?<![\w-]){re.escape(name)}=(True|False)\b",
+                         lambda m: f"{flag} {m.group(1).lower()}", message)
+        message = re.sub(rf"(?<![\w-]){re.escape(name)}(?=\s+must\b|\s+is required\b|=)",
+                         flag, message)
+        if "_" in name:  # "max_new_tokens (256)"; plain words stay words
+            message = re.sub(rf"(?<![\w-]){re.escape(name)}(?= \()", flag, message)
+        message = re.sub(rf"(?<=another ){re.escape(name)}\b", flag, message)
+    return message
+
 
 def main(argv: list[str] | None = None) -> int:
+    """The ``tev-jax`` command. Exit codes: 0 done; 2 bad input or a refused run (one
+    line on stderr); 75 a batch job interrupted (SIGINT / SIGTERM) with its results so far
+    on disk: rerun to resume; 130 / 143 a single generation interrupted / terminated."""
+    from tev_jax import __version__
+
     parser = argparse.ArgumentParser(prog="tev-jax", description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action="version", version=f"tev-jax {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     for add in SUBCOMMANDS:
         add(sub)
     args = parser.parse_args(argv)
     try:
-        return args.func(args)
+        with signals_as_interrupts():
+            return args.func(args)
+    except KeyboardInterrupt as e:
+        from tev_jax.serve import Interrupted
+
+        what, code = interrupt_exit(e.__cause__ if isinstance(e, Interrupted) else e)
+        if isinstance(e, Interrupted):
+            print(f"tev-jax {args.command}: {what}; {e}", file=sys.stderr)
+            return EXIT_RESUMABLE
+        print(f"tev-jax {args.command}: {what}", file=sys.stderr)
+        return code
     except ValueError as e:
-        parser.error(str(e))
+        from tev_jax.plan import NotEnoughMemory
+
+        message = name_flags(str(e), flag_names(parser))
+        if isinstance(e, NotEnoughMemory):  # a refusal of the settings, not a usage error
+            print(f"tev-jax {args.command}: {message}", file=sys.stderr)
+            return EXIT_USAGE
+        parser.error(message)
+    except OSError as e:
+        where = f"{e.filename}: " if e.filename else ""
+        parser.error(f"{where}{e.strerror or e}")
 
 
 if __name__ == "__main__":

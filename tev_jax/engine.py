@@ -151,6 +151,19 @@ def check_prompt(ids, vocab_size: int, prompt_len: int | None = None, *,
     return arr.astype(np.int32)
 
 
+def check_context(prompt_tokens: int, max_new_tokens: int, max_positions: int, *,
+                  what: str = "prompt") -> None:
+    """A ValueError starting with ``what`` unless the prompt and ``max_new_tokens`` fit in
+    the target's context (``max_position_embeddings``: beyond it a model trained on
+    shorter texts writes garbage), as vLLM checks its ``max_model_len``."""
+    if prompt_tokens + max_new_tokens > max_positions:
+        raise ValueError(
+            f"{what}: the prompt ({prompt_tokens} tokens) + --max-new-tokens "
+            f"({max_new_tokens}) = {prompt_tokens + max_new_tokens} tokens exceed the "
+            f"target's context length (max_position_embeddings = {max_positions}); "
+            "shorten the prompt or lower --max-new-tokens")
+
+
 def check_prompts(prompt_ids, vocab_size: int, prompt_len: int | None = None
                   ) -> list[np.ndarray]:
     """`check_prompt` of every prompt of a non-empty batch; -> int32 arrays."""
@@ -235,6 +248,31 @@ def _spec_of(target, drafter, config: DecodeConfig, batch_size: int, prompt_len:
     return drafter, DecodeSpec(config=config, batch_size=batch_size, prompt_len=prompt_len,
                                horizon=horizon, num_slots=num_slots, taps=taps,
                                max_len=max_len, has_drafter=drafter is not None, mesh=mesh)
+
+
+def _width(config: DecodeConfig, prompt_len: int | None) -> int:
+    width = getattr(config, "prompt_len", None) if prompt_len is None else prompt_len
+    if width is None:
+        raise ValueError("Engine.create needs a prompt buffer: set prompt_len (or "
+                         "DecodeConfig.prompt_len); it decides the cache length")
+    if (isinstance(config, DecodeConfig) and config.prompt_len is not None
+            and width != config.prompt_len):
+        raise ValueError(f"prompt_len {width} differs from DecodeConfig.prompt_len "
+                         f"({config.prompt_len}); give one of them")
+    return width
+
+
+def decode_spec(target, drafter, config: DecodeConfig, batch_size: int, *,
+                prompt_len: int | None = None, mesh=None) -> DecodeSpec:
+    """The `DecodeSpec` that `Engine.create` would fix for these arguments, with the
+    same checks, from shapes alone: nothing is split, placed, traced in proportion to
+    the budget, or compiled (the pre-flight check of `tev_jax.plan` sizes buffers
+    from it in milliseconds, for any budget, batch or length).
+
+    Raises:
+      ValueError: as `Engine.create`.
+    """
+    return _spec_of(target, drafter, config, batch_size, _width(config, prompt_len), mesh)[1]
 
 
 # ---------------------------------------------------------------------- the programs
@@ -369,15 +407,8 @@ class Engine:
             P + M + N; a missing or malformed drafter, builder or verifier; a mesh that
             does not divide a dimension (named in the message).
         """
-        width = config.prompt_len if prompt_len is None else prompt_len
-        if width is None:
-            raise ValueError("Engine.create needs a prompt buffer: set prompt_len (or "
-                             "DecodeConfig.prompt_len); it decides the cache length")
-        if (isinstance(config, DecodeConfig) and config.prompt_len is not None
-                and width != config.prompt_len):
-            raise ValueError(f"prompt_len {width} differs from DecodeConfig.prompt_len "
-                             f"({config.prompt_len}); give one of them")
-        drafter, spec = _spec_of(target, drafter, config, batch_size, width, mesh)
+        drafter, spec = _spec_of(target, drafter, config, batch_size,
+                                 _width(config, prompt_len), mesh)
         graphdef, params = nnx.split((target,) if drafter is None else (target, drafter))
         if mesh is not None:
             params = _place(params, shd.state_shardings(params, mesh, strict=True))
@@ -649,5 +680,5 @@ def generate_ar(target, prompt_ids: Sequence[Sequence[int]], config: DecodeConfi
                     mesh=mesh)
 
 
-__all__ = ["PROGRAMS", "DecodeStats", "Engine", "Generation", "Prompts", "check_prompt",
-           "check_prompts", "engine_for", "generate", "generate_ar"]
+__all__ = ["PROGRAMS", "DecodeStats", "Engine", "Generation", "Prompts", "check_context",
+           "check_prompt", "check_prompts", "decode_spec", "engine_for", "generate", "generate_ar"]

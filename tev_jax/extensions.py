@@ -61,7 +61,9 @@ class TreeBuilder(Protocol):
         A builder may also define ``batched(draft_logits_BHV, root_B) -> DraftTree
         [B, N]`` returning the same trees for a whole batch (`DDTreeBuilder` does, for
         its top-k over a sharded vocabulary); the engine then calls it instead of
-        ``jax.vmap(builder)``.
+        ``jax.vmap(builder)``. A builder that knows N from its settings may define
+        ``num_slots(horizon, vocab) -> N``; `builder_num_slots` then reads N without
+        tracing it (DDTree's N = budget + 1, whatever the budget).
         """
 
 
@@ -124,6 +126,11 @@ class DDTreeBuilder:
         that a vocabulary sharded over a mesh gets the per-shard top-k with the batch
         axis kept in place (`tev_jax.ddtree.build_trees`)."""
         return ddtree.build_trees(draft_logits_BHV, root_B, self.budget, lead_names=("batch",))
+
+    def num_slots(self, horizon: int, vocab: int) -> int:
+        """N = budget + 1, known without tracing the builder (whose tables grow with
+        the budget)."""
+        return self.budget + 1
 
 
 def chain_builder(draft_logits_HV: jax.Array, root_token: jax.Array) -> DraftTree:
@@ -236,8 +243,12 @@ def check_tree_struct(tree, field: str = "builder") -> int:
 
 
 def builder_num_slots(builder: TreeBuilder, horizon: int, vocab: int) -> int:
-    """N of ``builder``'s trees for [H, V] draft logits, from its output shape (traced
+    """N of ``builder``'s trees for [H, V] draft logits: its ``num_slots(horizon,
+    vocab)`` when it has one (nothing traced), else its output shape (traced
     abstractly, nothing runs); raises ValueError if its output is not a [N] DraftTree."""
+    known = getattr(builder, "num_slots", None)
+    if callable(known):
+        return int(known(horizon, vocab))
     logits = jax.ShapeDtypeStruct((horizon, vocab), jnp.float32) if horizon else None
     root = jax.ShapeDtypeStruct((), jnp.int32)
     return check_tree_struct(jax.eval_shape(builder, logits, root), "builder")

@@ -28,7 +28,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from tev_jax.decode import STAGES
-from tev_jax.engine import Engine
+from tev_jax.drafters import as_drafter
+from tev_jax.engine import Engine, decode_spec
 from tev_jax.topology import Chip, chip_of
 from tev_jax.models.checkpoint_io import read_config
 from tev_jax.models.config import ModelConfig, RopeScaling
@@ -383,8 +384,11 @@ def _bytes(shape, dtype) -> int:
 def decode_floor(target, drafter, config, batch_size: int) -> dict[str, int]:
     """Buffers the fused generation must hold at once, from shapes alone (bytes).
 
-    A lower bound of the program's new allocations, cheap to compute (nothing is
-    compiled): the target's and the drafter's KV caches (held in the loop state), the
+    A lower bound of the program's new allocations, cheap to compute: nothing is
+    compiled, and no array that grows with the budget, the batch or the length is
+    built (`tev_jax.engine.decode_spec` reads N and L from the settings; the caches
+    are shapes from ``jax.eval_shape``), so absurd settings are sized in milliseconds.
+    The buffers: the target's and the drafter's KV caches (held in the loop state), the
     verify pass's float32 logits [B, N, V] and its ancestor mask [B, N, N].
 
     Args:
@@ -394,11 +398,12 @@ def decode_floor(target, drafter, config, batch_size: int) -> dict[str, int]:
     Returns:
       {'kv cache': ..., 'tree logits': ..., 'tree mask': ...}: bytes per buffer.
     """
-    engine = Engine.create(target, drafter, config, batch_size)
-    b, n, l = batch_size, engine.spec.num_slots, engine.spec.max_len
+    spec = decode_spec(target, drafter, config, batch_size)
+    b, n, l = batch_size, spec.num_slots, spec.max_len
     caches = [jax.eval_shape(lambda: target.init_cache(b, l))]
-    if engine.drafter is not None:
-        caches.append(jax.eval_shape(lambda: engine.drafter.init_context(target, b, l)))
+    if spec.has_drafter:
+        context = as_drafter(drafter).init_context
+        caches.append(jax.eval_shape(lambda: context(target, b, l)))
     return {"kv cache": sum(_bytes(x.shape, x.dtype) for x in jax.tree.leaves(caches)),
             "tree logits": _bytes((b, n, target.config.vocab_size), jnp.float32),
             "tree mask": _bytes((b, n, n), jnp.bool_)}
@@ -474,7 +479,8 @@ def check_decode_fits(target, drafter, config, batch_size: int, *, mesh=None
     """The pre-flight check before a generation: raises unless it fits the device.
 
     Per device: first `decode_floor` (its share on one of the mesh's devices) against
-    `available_bytes` (no compilation, so absurd settings are refused at once); then
+    `available_bytes` (`check_decode_floor`: from shapes alone, so absurd settings are
+    refused at once, in milliseconds); then
     the compiled program's new allocations (outputs and scratch; the parameters are
     already resident). The compilation lands in jax's cache, so running the same
     generation next does not compile again.
@@ -487,6 +493,27 @@ def check_decode_fits(target, drafter, config, batch_size: int, *, mesh=None
     Raises:
       NotEnoughMemory: the one-line message of `shortfall`.
     """
+    floor, have, where = check_decode_floor(target, drafter, config, batch_size, mesh=mesh)
+    report = compile_report(
+        Engine.create(target, drafter, config, batch_size, mesh=mesh).lower())
+    need = report.output_bytes + report.temp_bytes - report.alias_bytes + report.code_bytes
+    msg = shortfall(need, floor, have, where, config)
+    if msg is not None:
+        raise NotEnoughMemory(msg)
+    return report
+
+
+def check_decode_floor(target, drafter, config, batch_size: int, *, mesh=None
+                       ) -> tuple[dict[str, int], int, str]:
+    """The first half of `check_decode_fits`, from shapes alone (milliseconds, nothing
+    compiled or built in proportion to the settings): `decode_floor`'s share on the
+    most loaded device of ``mesh`` against `available_bytes`.
+
+    Returns:
+      (the floor per device, bytes available, what they measure).
+    Raises:
+      NotEnoughMemory: the one-line message of `shortfall`.
+    """
     if config.prompt_len is None:
         raise ValueError("the pre-flight check needs DecodeConfig.prompt_len")
     devices = None if mesh is None else mesh.devices.flat
@@ -495,19 +522,13 @@ def check_decode_fits(target, drafter, config, batch_size: int, *, mesh=None
     floor = {k: -(-v // n) for k, v in decode_floor(target, drafter, config, batch_size).items()}
     have, where = available_bytes(devices)
     msg = shortfall(sum(floor.values()), floor, have, where, config)
-    if msg is None:
-        report = compile_report(
-            Engine.create(target, drafter, config, batch_size, mesh=mesh).lower())
-        need = (report.output_bytes + report.temp_bytes - report.alias_bytes
-                + report.code_bytes)
-        msg = shortfall(need, floor, have, where, config)
     if msg is not None:
         raise NotEnoughMemory(msg)
-    return report
+    return floor, have, where
 
 
 __all__ = ["DECODE_PROGRAMS", "DecodePlan", "GiB", "NotEnoughMemory", "PRESETS",
            "ProgramReport", "abstract_drafter", "abstract_models", "abstract_target",
-           "available_bytes", "check_decode_fits", "compile_report", "decode_floor",
-           "drafter_config", "hbm_shortfall", "model_config", "plan_decode",
+           "available_bytes", "check_decode_fits", "check_decode_floor", "compile_report",
+           "decode_floor", "drafter_config", "hbm_shortfall", "model_config", "plan_decode",
            "plan_decode_programs", "preset", "shortfall", "with_layers"]

@@ -5,6 +5,9 @@ Two paths, both over an `tev_jax.engine.Engine`:
 - **fused** (`compiled_generate`, `timed_generate`): the whole generation is one
   program; ``stats.seconds`` is the wall time of the jitted call up to
   ``block_until_ready``. End-to-end tokens/s come from here.
+- **streamed** (`streamed_generate`): the prefill and the rounds called one by one
+  from the host, which reads every row's tokens after each (what ``tev-jax generate``
+  streams to a terminal); the same tokens as the fused path for the same key.
 - **un-fused** (`profile_generate`): the same stage functions, each jitted on its own
   (`Engine.stage`) and timed from a Python loop over rounds. Its per-stage seconds are
   the only stage timings; each includes one dispatch, so their sum exceeds the fused
@@ -65,6 +68,35 @@ def timed_generate(target, drafter, prompt_ids, config: DecodeConfig, key=0, *,
     seconds = float(np.median([g.stats.seconds for g in gens]))
     return dataclasses.replace(gens[-1], stats=dataclasses.replace(gens[-1].stats,
                                                                    seconds=seconds))
+
+
+def streamed_generate(target, drafter, prompt_ids, config: DecodeConfig, key=0, *,
+                      on_round: Callable[[list[list[int]]], None], mesh=None) -> Generation:
+    """The generation round by round from the host, for streaming its tokens.
+
+    First a prefill and one round on the same prompts compile the two programs (their
+    result is dropped); then the prefill and the rounds run again, and after the prefill
+    and after every round ``on_round`` gets every row's tokens so far (lists of ints).
+    The rounds are the fused loop's, so the tokens equal `timed_generate`'s for the same
+    key. ``stats.compile_seconds`` = the compiling pass, ``stats.seconds`` = the
+    streamed pass (one host round trip per round included, the callbacks too).
+    """
+    engine, prompts = engine_for(target, drafter, prompt_ids, config, mesh=mesh)
+    key = _key(key)
+    t0 = time.perf_counter()
+    jax.block_until_ready(engine.round(engine.prefill(prompts, key)))
+    compile_seconds = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    st = engine.prefill(prompts, key)
+    while True:
+        num_B, done_B, out_BM, rounds = jax.device_get(
+            (st.num_out_B, st.done_B, st.out_BM, st.round))
+        on_round([row[:n].tolist() for row, n in zip(out_BM, num_B)])
+        if done_B.all() or rounds >= config.max_new_tokens:
+            break
+        st = engine.round(st)
+    return engine.finish(st, seconds=time.perf_counter() - t0,
+                         compile_seconds=compile_seconds)
 
 
 def profile_generate(target, drafter, prompt_ids, config: DecodeConfig, key=0, *,
@@ -185,4 +217,4 @@ def compare_methods(target, methods: Sequence[tuple[str, object, DecodeConfig]],
 
 
 __all__ = ["MethodResult", "compare_methods", "compiled_generate", "profile_generate",
-           "timed_generate"]
+           "streamed_generate", "timed_generate"]

@@ -94,65 +94,121 @@ class FileJob:
         }
 
 
+class Interrupted(KeyboardInterrupt):
+    """A batch job stopped by SIGINT / SIGTERM; its message says what is on disk (the
+    job resumes when rerun)."""
+
+
 def generate_file(job: FileJob, *, mesh=None, progress: bool = True) -> dict:
     """Runs ``job``; -> its summary (also printed to stderr).
 
+    The output is locked for the whole run (`tev_jax.batch_io.lock_output`), and nothing
+    is written before every check has passed: the prompts (file and line named), the
+    checkpoints, the output's settings, the batch on the mesh and the pre-flight memory
+    check from shapes (`tev_jax.plan.check_decode_floor`). A finished output is put in
+    input order.
+
     Raises:
-      ValueError: a bad setting, prompts file, prompt (file and line named), checkpoint,
-        or an output written with other settings (without ``force``).
+      ValueError: a bad setting, prompts file, prompt, checkpoint, an output written
+        with other settings (without ``force``) or by another process right now, or
+        an output that cannot be written.
+      tev_jax.plan.NotEnoughMemory: the decode state would not fit the device.
+      Interrupted: SIGINT (or SIGTERM turned into it by the caller); the results so
+        far are on disk and a rerun resumes.
     """
-    from tqdm import tqdm
-
-    from tev_jax.models import load_drafter, load_target, load_tokenizer
-
     if job.batch_size < 1:
         raise ValueError(f"--batch-size must be >= 1, got {job.batch_size}")
+    if job.sync_rounds < 1:
+        raise ValueError(f"--sync-rounds must be >= 1, got {job.sync_rounds}")
     if job.truncate and job.config.prompt_len is None:
         raise ValueError("--truncate left needs --prompt-len")
+    out = batch_io.shard_path(job.output, job.process_index, job.process_count)
+    with batch_io.lock_output(out):
+        return _run(job, out, mesh, progress)
+
+
+def _run(job: FileJob, out: Path, mesh, progress: bool) -> dict:
+    from tqdm import tqdm
+
+    from tev_jax import engine, plan
+    from tev_jax.models import load_drafter, load_target, load_tokenizer
+
     records = batch_io.read_prompts(job.prompts)
     tokenizer = load_tokenizer(job.target)
     config_file = Path(job.target) / "tokenizer_config.json"
     chat = batch_io.chat_formatter(
-        json.loads(config_file.read_text()) if config_file.is_file() else None)
+        json.loads(batch_io.read_text(config_file)) if config_file.is_file() else None)
     dtype = jnp.dtype(job.dtype)
     target = load_target(job.target, dtype=dtype, mesh=mesh)
     # Every process encodes the whole file, so all agree on the default prompt buffer.
     requests = batch_io.encode_records(
         records, tokenizer, chat, vocab_size=target.config.vocab_size,
-        prompt_len=job.config.prompt_len, truncate=job.truncate, where=job.prompts)
+        prompt_len=job.config.prompt_len, truncate=job.truncate, where=str(job.prompts),
+        max_positions=target.config.max_position_embeddings,
+        max_new_tokens=job.config.max_new_tokens)
     config = job.config
     if config.prompt_len is None:
         config = dataclasses.replace(
             config, prompt_len=-(-max(len(r.prompt_ids) for r in requests) // 8) * 8)
     if not config.stop_token_ids:
         config = dataclasses.replace(config, stop_token_ids=stop_token_ids(target, tokenizer))
-    out = batch_io.shard_path(job.output, job.process_index, job.process_count)
-    done, f = batch_io.open_output(out, job.settings(config, mesh), force=job.force)
-    todo = [r for r in batch_io.shard_of(requests, job.process_index, job.process_count)
-            if batch_io.id_key(r.id) not in done]
+    settings = job.settings(config, mesh)
+    batch_io.check_output_settings(out, settings, force=job.force)
     drafter = (None if job.drafter is None
                else load_drafter(job.drafter, target, dtype=dtype, mesh=mesh))
+    engine.decode_spec(target, drafter, config, job.batch_size, mesh=mesh)
+    plan.check_decode_floor(target, drafter, config, job.batch_size, mesh=mesh)
+
+    mine = batch_io.shard_of(list(enumerate(requests)), job.process_index,
+                             job.process_count)
+    done, f = batch_io.open_output(out, settings, force=job.force, expected=len(mine))
+    todo = [(i, r) for i, r in mine if batch_io.id_key(r.id) not in done]
+    index = {batch_io.id_key(r.id): i for i, r in todo}
+    fingerprint = batch_io.settings_fingerprint(settings)
     key = jax.random.fold_in(jax.random.key(job.seed), job.process_index)
-    tokens = rounds = block_tokens = 0
+    tokens = rounds = block_tokens = written = 0
     reasons = {"stop": 0, "length": 0}
+    bar = None
+    if progress and todo:
+        print(f"compiling and prefilling the first {min(job.batch_size, len(todo))} "
+              "prompt(s) ...", file=sys.stderr)
     t0 = time.perf_counter()
-    with f, tqdm(total=len(todo), unit="prompt", file=sys.stderr, disable=not progress) as bar:
-        for r in batching.generate_continuous(target, drafter, todo, config,
-                                              batch_size=job.batch_size, key=key,
-                                              max_rounds=job.sync_rounds, mesh=mesh):
-            batch_io.write_line(f, {
-                "id": r.id, "text": tokenizer.decode(r.token_ids), "token_ids": r.token_ids,
-                "rounds": r.rounds, "tau": None if r.rounds == 0 else round(r.tau, 4),
-                "stop_reason": r.stop_reason, "prompt_tokens": r.prompt_tokens})
-            tokens += len(r.token_ids)
-            reasons[r.stop_reason] += 1
-            if r.rounds:
-                rounds += r.rounds
-                block_tokens += r.tau * r.rounds
-            bar.set_postfix({"tok/s": f"{tokens / (time.perf_counter() - t0):.1f}",
-                             "tau": f"{block_tokens / max(rounds, 1):.2f}"}, refresh=False)
-            bar.update(1)
+    try:
+        with f:
+            for r in batching.generate_continuous(target, drafter, [r for _, r in todo],
+                                                  config, batch_size=job.batch_size,
+                                                  key=key, max_rounds=job.sync_rounds,
+                                                  mesh=mesh):
+                batch_io.write_line(f, {
+                    "id": r.id, "index": index[batch_io.id_key(r.id)],
+                    "text": tokenizer.decode(r.token_ids), "token_ids": r.token_ids,
+                    "rounds": r.rounds, "tau": None if r.rounds == 0 else round(r.tau, 4),
+                    "stop_reason": r.stop_reason, "prompt_tokens": r.prompt_tokens,
+                    "settings": fingerprint})
+                written += 1
+                tokens += len(r.token_ids)
+                reasons[r.stop_reason] += 1
+                if r.rounds:
+                    rounds += r.rounds
+                    block_tokens += r.tau * r.rounds
+                if bar is None:  # the rate and ETA leave out compiling the first batch
+                    bar = tqdm(total=len(todo), initial=written, unit="prompt",
+                               file=sys.stderr, smoothing=0, disable=not progress)
+                    t_first, tokens_first = time.perf_counter(), tokens
+                else:
+                    bar.update(1)
+                speed = (tokens - tokens_first) / max(time.perf_counter() - t_first, 1e-9)
+                bar.set_postfix({"tok/s": f"{speed:.1f}",
+                                 "tau": f"{block_tokens / max(rounds, 1):.2f}"})
+    except KeyboardInterrupt as e:
+        raise Interrupted(f"{len(done) + written} of the {len(mine)} results are in {out}; "
+                          "run the same command again to resume") from e
+    finally:
+        if bar is not None:
+            bar.close()
     seconds = time.perf_counter() - t0
+    if len(done) + written == len(mine):
+        batch_io.sort_output(out)
     summary = {"output": str(out), "prompts": len(todo), "skipped": len(done),
                "new_tokens": tokens, "seconds": round(seconds, 3),
                "prompts_per_s": round(len(todo) / seconds, 3),
@@ -160,11 +216,12 @@ def generate_file(job: FileJob, *, mesh=None, progress: bool = True) -> dict:
                "tau": round(block_tokens / rounds, 4) if rounds else None,
                "stop_reasons": reasons, "batch_size": job.batch_size,
                "method": job.method}
+    tau = (f"tau = {summary['tau']}" if rounds else
+           "tau n/a (every prompt ended at its first token: no decode round ran)")
     print(f"[{job.method}] {len(todo)} prompts ({len(done)} already in {out}), {tokens} new "
           f"tokens in {seconds:.1f} s (compilation included): {summary['tokens_per_s']} "
-          f"tokens/s, {summary['prompts_per_s']} prompts/s, tau = {summary['tau']}",
-          file=sys.stderr)
+          f"tokens/s, {summary['prompts_per_s']} prompts/s, {tau}", file=sys.stderr)
     return summary
 
 
-__all__ = ["FileJob", "generate_file", "stop_token_ids"]
+__all__ = ["FileJob", "Interrupted", "generate_file", "stop_token_ids"]

@@ -10,6 +10,12 @@
 Every `TrainConfig` field is a ``--flag`` (underscores become dashes); ``--recipe
 paper`` starts from a named preset (`train.config.RECIPES`, the authors' ExitTrain
 settings), ``--config`` reads a JSON file over it and flags override both.
+
+Exit codes (as ``tev-jax``'s, `tev_jax.cli`): 0 done (or stopped where asked, with
+``--until-update`` / ``--max-minutes``); 2 bad input or a refused run (one line on
+stderr, nothing written); 75 ``run`` preempted (SIGTERM: checkpoint saved) or ``run`` /
+``rollouts`` interrupted: run the same command again to resume; 130 / 143 ``plan``
+interrupted / terminated.
 """
 
 from __future__ import annotations
@@ -22,7 +28,10 @@ import types
 import typing
 from pathlib import Path
 
-from train.config import RECIPES, TrainConfig
+from train.config import RECIPES, TrainConfig, field_help
+
+DESCRIPTION = ("Drafter training for tree speculative decoding: target rollouts, DFlash / "
+               "ExitTrain training runs (resumable), memory plans.")
 
 
 def _field_parser(tp):
@@ -40,48 +49,71 @@ def _field_parser(tp):
 
 def _add_config_flags(p: argparse.ArgumentParser) -> None:
     hints = typing.get_type_hints(TrainConfig)
+    helps = field_help()
     for f in dataclasses.fields(TrainConfig):
+        text = helps[f.name].replace("%", "%%")
         p.add_argument("--" + f.name.replace("_", "-"), dest=f.name, default=None,
                        type=_field_parser(hints[f.name]),
-                       help=f"(default {f.default!r})")
+                       help=f"{text} (default {f.default!r})")
 
 
 def config_from_args(ns: argparse.Namespace) -> TrainConfig:
+    from tev_jax.batch_io import read_text
+
     base = dict(RECIPES[ns.recipe]) if ns.recipe else {}
     if ns.config is not None:
-        base.update(json.loads(Path(ns.config).read_text()))
+        try:
+            base.update(json.loads(read_text(ns.config)))
+        except json.JSONDecodeError as e:
+            raise ValueError(f"--config {ns.config}:{e.lineno}: malformed JSON ({e.msg})"
+                             ) from None
     for f in dataclasses.fields(TrainConfig):
         v = getattr(ns, f.name)
         if v is not None:
             base[f.name] = v
+    default_warmup = TrainConfig.warmup_steps
+    steps = base.get("steps", TrainConfig.steps)
+    if "warmup_steps" not in base and isinstance(steps, int) and 0 < steps < default_warmup:
+        base["warmup_steps"] = steps  # the default warmup, cut to a shorter run
     return TrainConfig.from_dict(base)
 
 
-def _read_prompts(ns, tokenizer) -> list[list[int]]:
-    texts = []
-    if ns.prompts_file:
-        for line in Path(ns.prompts_file).read_text().splitlines():
-            if line.strip():
-                rec = json.loads(line)
-                text = rec.get("prompt", rec.get("text"))
-                if text is None:
-                    raise ValueError(f"{ns.prompts_file}: a record has neither 'prompt' nor 'text'")
-                texts.append(text)
-    for name in ns.prompt_set or ():
-        from tev_jax.data import prompt_set
+def _read_prompts(ns, tokenizer, target) -> list[list[int]]:
+    """Token ids of --prompts-file and --prompt-set, read by the prompt reader of
+    ``tev-jax generate --prompts`` (`tev_jax.batch_io`): JSONL of prompt / messages /
+    prompt_ids records (ids optional here) or plain text, bundled sets included; cut to
+    their last --max-prompt-len tokens, and checked against the vocabulary and the
+    target's context length."""
+    from tev_jax import batch_io
 
-        print(f"warning: prompt set {name!r} is an evaluation set; training on its rollouts "
-              "leaks it into the drafter", file=sys.stderr)
-        texts.extend(prompt_set(name))
-    if not texts:
+    sources = ([ns.prompts_file] if ns.prompts_file else []) + [
+        batch_io.BUNDLED_PREFIX + name for name in ns.prompt_set or ()]
+    if not sources:
         raise ValueError("no prompts: give --prompts-file and/or --prompt-set")
+    folder = Path(ns.tokenizer or ns.target)
+    folder = folder if folder.is_dir() else folder.parent
+    config_file = folder / "tokenizer_config.json"
+    chat = batch_io.chat_formatter(
+        json.loads(batch_io.read_text(config_file)) if config_file.is_file() else None)
+    requests = []
+    for source in sources:
+        records = batch_io.read_prompts(source, line_ids=True)
+        if batch_io.bundled_set(source) is not None:
+            print(f"warning: {source} is an evaluation set; training on its rollouts leaks "
+                  "it into the drafter", file=sys.stderr)
+        requests += batch_io.encode_records(
+            records, tokenizer, chat, vocab_size=target.config.vocab_size,
+            prompt_len=ns.max_prompt_len, truncate=True, where=source,
+            max_positions=target.config.max_position_embeddings,
+            max_new_tokens=ns.max_new_tokens)
     if ns.limit:
-        texts = texts[: ns.limit]
-    return [tokenizer.encode(t).ids for t in texts]
+        requests = requests[: ns.limit]
+    return [list(r.prompt_ids) for r in requests]
 
 
 def _rollouts(ns) -> None:
     from tev_jax.models import load_target, load_tokenizer
+    from tev_jax.models.checkpoint_io import weights_fingerprint
     from tev_jax.sampling import Sampling
     from train.rollouts import RolloutConfig, make_rollouts, write_manifest
 
@@ -100,7 +132,7 @@ def _rollouts(ns) -> None:
         index, count = jax.process_index(), jax.process_count()
     target = load_target(ns.target)
     tokenizer = load_tokenizer(ns.tokenizer or ns.target)
-    prompts = _read_prompts(ns, tokenizer)
+    prompts = _read_prompts(ns, tokenizer, target)
     stop = tuple(target.config.eos_token_ids) if ns.stop_ids is None else tuple(
         int(s) for s in ns.stop_ids.split(",") if s)
     rc = RolloutConfig(max_prompt_len=ns.max_prompt_len, max_new_tokens=ns.max_new_tokens,
@@ -113,8 +145,9 @@ def _rollouts(ns) -> None:
         done.append(n)
         print(f"{sum(done)} sequences", end="\r")
 
-    manifest = make_rollouts(target, prompts, ns.out, rc, info={"target": str(ns.target)},
-                             progress=progress, process_index=index, process_count=count)
+    info = {"target": str(ns.target), "target_fingerprint": weights_fingerprint(ns.target)}
+    manifest = make_rollouts(target, prompts, ns.out, rc, info=info, progress=progress,
+                             process_index=index, process_count=count, replace=ns.force)
     if manifest is None:
         print(f"\nprocess {index}/{count}: wrote its shards to {ns.out}; the last process "
               "to finish writes the manifest (or run with --merge)")
@@ -123,21 +156,42 @@ def _rollouts(ns) -> None:
               f"{manifest['seq_len']} to {ns.out}")
 
 
-def _run(ns) -> None:
+def _run(ns) -> int:
+    from tev_jax.cli import EXIT_RESUMABLE
     from train.loop import train
 
     cfg = config_from_args(ns)
-    out = Path(cfg.out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
     result = train(cfg, until_update=ns.until_update, max_minutes=ns.max_minutes,
                    progress=not ns.no_progress)
-    if result.history:
-        last = result.history[-1]
-        print(json.dumps({k: last[k] for k in sorted(last)}))
+    ran = result.update - result.start_update
+    where = cfg.checkpoint_dir or str(Path(cfg.out_dir) / "checkpoints")
+    lines = []
+    if result.drafter_path:
+        lines.append(f"drafter written to {result.drafter_path} (DFlash layout: tev-jax "
+                     f"generate --target {cfg.target_path} --drafter {result.drafter_path})")
+    if ran:
+        last = result.history[-1] if result.history else {}
+        speed = (f", {last['seq_tokens_per_s']:.0f} sequence tokens/s at the last update"
+                 if last else "")
+        lines.append(f"updates {result.start_update + 1}..{result.update} of {cfg.steps} in "
+                     f"{result.seconds:.1f} s (compilation included): "
+                     f"{ran / result.seconds:.2f} updates/s{speed}")
+        if last:
+            keys = [k for k in ("loss", "token_loss", "exit_loss", "tau", "token_acc")
+                    if k in last]
+            lines.append(f"final (update {int(last['update'])}): " + ", ".join(
+                f"{k} {last[k]:.4g}" for k in keys) + f"; log in {cfg.out_dir}/train_log.jsonl")
+    else:
+        lines.append(f"nothing to do: the checkpoint in {where} is at update "
+                     f"{result.update} of {cfg.steps}")
     if result.preempted:
-        print("preempted (SIGTERM): saved a checkpoint after the last update; run the same "
-              "command again to resume", file=sys.stderr)
+        lines.append(f"preempted (SIGTERM) at update {result.update}: checkpoint saved in "
+                     f"{where}; run the same command again to resume")
+    elif result.update < cfg.steps:
+        lines.append(f"stopped at update {result.update} of {cfg.steps} as asked: checkpoint "
+                     f"in {where}; run the same command to continue")
+    print("\n".join(lines))
+    return EXIT_RESUMABLE if result.preempted else 0
 
 
 def _plan(ns) -> None:
@@ -161,36 +215,60 @@ def _plan(ns) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m train", description=__doc__.split("\n")[0])
+    from tev_jax import __version__
+
+    prog = "tev-train" if Path(sys.argv[0]).name == "tev-train" else "python -m train"
+    p = argparse.ArgumentParser(prog=prog, description=DESCRIPTION)
+    p.add_argument("--version", action="version", version=f"tev-train {__version__}")
     sub = p.add_subparsers(dest="command", required=True)
 
-    r = sub.add_parser("rollouts", help="generate target responses to prompts")
+    r = sub.add_parser("rollouts", help="generate target responses to prompts",
+                       description="The target answers every prompt (autoregressive "
+                                   "decoding); the [prompt ; answer] token rows go to .npy "
+                                   "shards in --out, the drafter's training data.")
     r.add_argument("--target", help="Hugging Face target directory")
     r.add_argument("--tokenizer", help="tokenizer.json or its directory (default: --target)")
-    r.add_argument("--prompts-file", help="JSONL with a 'prompt' (or 'text') field")
-    r.add_argument("--prompt-set", action="append", help="a bundled prompt set (eval data!)")
-    r.add_argument("--limit", type=int, default=0, help="use only the first N prompts")
-    r.add_argument("--out", required=True)
-    r.add_argument("--max-prompt-len", type=int, default=256)
-    r.add_argument("--max-new-tokens", type=int, default=256)
-    r.add_argument("--temperature", type=float, default=1.0)
-    r.add_argument("--top-k", type=int)
-    r.add_argument("--top-p", type=float)
+    r.add_argument("--prompts-file",
+                   help="a prompts file as for tev-jax generate --prompts: JSONL records "
+                        "with prompt / messages / prompt_ids (ids optional here) or plain "
+                        "text, one prompt per line")
+    r.add_argument("--prompt-set", action="append",
+                   help="a bundled prompt set (evaluation data: its rollouts leak it into "
+                        "the drafter); repeatable")
+    r.add_argument("--limit", type=int, default=0,
+                   help="use only the first N prompts (default: all)")
+    r.add_argument("--out", required=True, help="the rollout folder to write")
+    r.add_argument("--force", action="store_true",
+                   help="replace rollouts of other settings in --out (default: refuse them)")
+    r.add_argument("--max-prompt-len", type=int, default=256,
+                   help="keep the last this many tokens of a prompt (default %(default)s)")
+    r.add_argument("--max-new-tokens", type=int, default=256,
+                   help="answer length cap (default %(default)s)")
+    r.add_argument("--temperature", type=float, default=1.0,
+                   help="the target's sampling temperature (default %(default)s)")
+    r.add_argument("--top-k", type=int, help="sampling: keep the k best tokens")
+    r.add_argument("--top-p", type=float, help="sampling: nucleus mass")
     r.add_argument("--stop-ids", help="comma-separated (default: the target's eos ids)")
-    r.add_argument("--batch-size", type=int, default=16)
-    r.add_argument("--shard-size", type=int, default=4096)
-    r.add_argument("--pad-id", type=int, default=0)
-    r.add_argument("--seed", type=int, default=0)
+    r.add_argument("--batch-size", type=int, default=16,
+                   help="prompts decoded together (default %(default)s)")
+    r.add_argument("--shard-size", type=int, default=4096,
+                   help="sequences per shard (default %(default)s)")
+    r.add_argument("--pad-id", type=int, default=0, help="padding token id (default 0)")
+    r.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
     r.add_argument("--process-index", type=int, default=0,
                    help="this process writes the shards i with i %% count == index")
-    r.add_argument("--process-count", type=int, default=1)
+    r.add_argument("--process-count", type=int, default=1,
+                   help="processes writing the set (default 1)")
     r.add_argument("--distributed", action="store_true",
                    help="index and count from jax.distributed.initialize()")
     r.add_argument("--merge", action="store_true",
                    help="only write the manifest of the shards in --out")
     r.set_defaults(fn=_rollouts)
 
-    t = sub.add_parser("run", help="train a drafter (resumes from --out-dir)")
+    t = sub.add_parser("run", help="train a drafter (resumes from --out-dir)",
+                       description="Trains a DFlash drafter on rollouts with the token "
+                                   "objective or ExitTrain; resumes from the newest good "
+                                   "checkpoint of --out-dir (or --checkpoint-dir).")
     t.add_argument("--recipe", choices=sorted(RECIPES),
                    help="start from a named preset of TrainConfig fields (paper: the "
                         "authors' ExitTrain recipe)")
@@ -198,29 +276,37 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_flags(t)
     t.add_argument("--until-update", type=int, help="stop (with a checkpoint) after this update")
     t.add_argument("--max-minutes", type=float, help="stop (with a checkpoint) after this time")
-    t.add_argument("--no-progress", action="store_true")
+    t.add_argument("--no-progress", action="store_true", help="no progress bar")
     t.set_defaults(fn=_run)
 
     pl = sub.add_parser("plan", help="per-device memory of a training step (no weights)")
     pl.add_argument("--target", required=True,
                     help="a preset (tev_jax.plan.PRESETS) or an HF config.json / directory")
     pl.add_argument("--target-layers", type=int, help="cut the target to this many layers")
-    pl.add_argument("--drafter-layers", type=int, default=1)
+    pl.add_argument("--drafter-layers", type=int, default=1,
+                    help="the drafter's layers (default %(default)s)")
     pl.add_argument("--num-taps", type=int, default=5, help="target layers the drafter reads")
-    pl.add_argument("--block-size", type=int, default=16)
+    pl.add_argument("--block-size", type=int, default=16,
+                    help="the drafter's block size (default %(default)s)")
     pl.add_argument("--batch", type=int, default=8, help="B sequences (global)")
-    pl.add_argument("--seq-len", type=int, default=2048)
-    pl.add_argument("--anchors", type=int, default=32)
-    pl.add_argument("--budget", type=int, default=32)
-    pl.add_argument("--loss", default="exit")
-    pl.add_argument("--mesh-data", type=int, default=1)
-    pl.add_argument("--mesh-fsdp", type=int, default=8)
-    pl.add_argument("--mesh-tensor", type=int, default=1)
-    pl.add_argument("--target-dtype", default="float32")
-    pl.add_argument("--param-dtype", default="float32")
+    pl.add_argument("--seq-len", type=int, default=2048,
+                    help="L tokens per sequence (default %(default)s)")
+    pl.add_argument("--anchors", type=int, default=32,
+                    help="A anchors per sequence (default %(default)s)")
+    pl.add_argument("--budget", type=int, default=32,
+                    help="DDTree budget of the training trees (default %(default)s)")
+    pl.add_argument("--loss", default="exit", help="as tev-train run --loss (default exit)")
+    pl.add_argument("--mesh-data", type=int, default=1, help="devices on the data axis")
+    pl.add_argument("--mesh-fsdp", type=int, default=8, help="devices on the fsdp axis")
+    pl.add_argument("--mesh-tensor", type=int, default=1, help="devices on the tensor axis")
+    pl.add_argument("--target-dtype", default="float32",
+                    help="the frozen target's dtype (default %(default)s)")
+    pl.add_argument("--param-dtype", default="float32",
+                    help="the drafter's master weights (default %(default)s)")
     pl.add_argument("--compute-dtype", help="default: param dtype")
-    pl.add_argument("--target-sharding", default="fsdp")
-    pl.add_argument("--remat", default="none")
+    pl.add_argument("--target-sharding", default="fsdp",
+                    help="fsdp or replicated (default %(default)s)")
+    pl.add_argument("--remat", default="none", help="none, full or dots (default none)")
     pl.add_argument("--score-capacities", default="", help="comma-separated fractions")
     pl.add_argument("--topology", default=None, metavar="NAME",
                     help="plan for a TPU slice (e.g. v5p:2x2x2, v5e:4x4; needs the tpu "
@@ -233,13 +319,45 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
-    ns = build_parser().parse_args(argv)
+    """The ``tev-train`` command; the exit codes are in the module docstring."""
+    import contextlib
+
+    from tev_jax.cli import (
+        EXIT_RESUMABLE,
+        EXIT_USAGE,
+        flag_names,
+        interrupt_exit,
+        name_flags,
+        signals_as_interrupts,
+    )
+    from train.checkpoint import CheckpointError
+
+    parser = build_parser()
+    ns = parser.parse_args(argv)
+    # with jax.distributed, jax's own SIGTERM handler must stay (preemption sync)
+    distributed = getattr(ns, "distributed", False) in (True, "true")
+    guard = contextlib.nullcontext() if distributed else signals_as_interrupts()
     try:
-        ns.fn(ns)
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    return 0
+        with guard:
+            return ns.fn(ns) or 0
+    except KeyboardInterrupt as e:
+        what, code = interrupt_exit(e)
+        if ns.command in ("run", "rollouts"):
+            done = ("the checkpoints (a save in flight was completed)" if ns.command == "run"
+                    else "the complete shards")
+            print(f"{parser.prog} {ns.command}: {what}; {done} are kept: run the same "
+                  "command again to resume", file=sys.stderr)
+            return EXIT_RESUMABLE
+        print(f"{parser.prog} {ns.command}: {what}", file=sys.stderr)
+        return code
+    except (ValueError, CheckpointError) as e:
+        print(f"{parser.prog} {ns.command}: error: {name_flags(str(e), flag_names(parser))}",
+              file=sys.stderr)
+        return EXIT_USAGE
+    except OSError as e:
+        where = f"{e.filename}: " if e.filename else ""
+        print(f"{parser.prog} {ns.command}: error: {where}{e.strerror or e}", file=sys.stderr)
+        return EXIT_USAGE
 
 
 if __name__ == "__main__":

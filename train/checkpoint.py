@@ -26,6 +26,8 @@ step, the path and the steps that are available; it never deletes anything.
 from __future__ import annotations
 
 import os
+import sys
+import time
 from typing import Any
 
 import jax
@@ -62,8 +64,9 @@ class TrainCheckpointer:
         self._manager = ocp.CheckpointManager(self.directory, options=options)
 
     def all_steps(self) -> list[int]:
-        """Committed checkpoint steps, ascending."""
-        return sorted(self._manager.all_steps(read=True))
+        """Committed checkpoint steps, ascending (read from disk)."""
+        self._manager.reload()
+        return sorted(self._manager.all_steps())
 
     def latest_step(self) -> int | None:
         steps = self.all_steps()
@@ -127,6 +130,7 @@ class TrainCheckpointer:
         try:
             out = self._manager.restore(int(step), args=args)
         except Exception as e:  # orbax / tensorstore / json raise many types
+            _quiet_closed_loop_reports()
             raise CheckpointError(
                 f"checkpoint step {step} at {path} cannot be restored "
                 f"({type(e).__name__}: {str(e)[:300]}); other steps: "
@@ -143,6 +147,58 @@ class TrainCheckpointer:
 
     def __exit__(self, *exc):
         self.close()
+
+
+def _quiet_closed_loop_reports() -> None:
+    """After a failed restore, tensorstore's pending reads call back into orbax's closed
+    event loop, and Python reports each ``RuntimeError('Event loop is closed')`` through
+    ``sys.unraisablehook`` (a traceback per array): drop those reports, pass the others
+    on. Installed once."""
+    previous = sys.unraisablehook
+    if getattr(previous, "drops_closed_loop", False):
+        return
+
+    def hook(unraisable):
+        e = unraisable.exc_value
+        if isinstance(e, RuntimeError) and str(e) == "Event loop is closed":
+            return
+        previous(unraisable)
+
+    hook.drops_closed_loop = True
+    sys.unraisablehook = hook
+
+
+def steps_in(directory: str | os.PathLike) -> list[int]:
+    """The step folders in a checkpoint directory (committed or not), ascending; none if
+    it does not exist. Reads the folder only (no orbax manager is made)."""
+    path = checkpoint_path(directory)
+    if not path.exists():
+        return []
+    return sorted(int(p.name) for p in path.iterdir() if p.name.isdigit() and p.is_dir())
+
+
+def set_aside(directory: str | os.PathLike) -> tuple[list[int], epath.Path] | None:
+    """Moves an earlier run's checkpoints out of the way of a run that starts over.
+
+    Renames ``directory`` to ``<directory>.replaced-<YYYYmmdd-HHMMSS>`` (nothing is
+    deleted) when it holds step folders.
+
+    Returns:
+      (the steps moved, where they are now), or None when there was nothing to move.
+    Raises:
+      CheckpointError: a remote directory (``gs://``; folders are not renamed there).
+    """
+    path = checkpoint_path(directory)
+    steps = steps_in(path)
+    if not steps:
+        return None
+    if "://" in os.fspath(directory):
+        raise CheckpointError(f"{path} holds the checkpoints of an earlier run (steps "
+                              f"{steps}); starting over would mix them with the new run's: "
+                              "remove them or use another --checkpoint-dir")
+    moved = epath.Path(f"{path}.replaced-{time.strftime('%Y%m%d-%H%M%S')}")
+    path.rename(moved)
+    return steps, moved
 
 
 def checkpoint_path(directory: str | os.PathLike) -> epath.Path:
@@ -171,4 +227,5 @@ def abstract_like(state: Any) -> Any:
         state)
 
 
-__all__ = ["CheckpointError", "TrainCheckpointer", "abstract_like", "checkpoint_path"]
+__all__ = ["CheckpointError", "TrainCheckpointer", "abstract_like", "checkpoint_path",
+           "set_aside", "steps_in"]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -35,9 +36,13 @@ class TrainConfig:
     Models:
       target_path: Hugging Face directory of the frozen target.
       drafter_path: DFlash drafter directory to fine-tune; None initialises a new one
-        with ``drafter_layers``, ``block_size``, ``mask_token_id`` (default: the id of
-        ``<|mask|>`` in the target's tokenizer) and ``target_layer_ids`` (default: the
-        DFlash spacing).
+        with the next four fields.
+      drafter_layers: a new drafter's Qwen3 layers.
+      block_size: a new drafter's block (its draft horizon H = block_size - 1).
+      mask_token_id: a new drafter's mask token (default: the id of ``<|mask|>`` in the
+        target's tokenizer).
+      target_layer_ids: the target layers a new drafter reads (comma-separated;
+        default: the DFlash spacing).
       target_dtype: parameter and activation dtype of the frozen target: 'float32',
         'bfloat16' or 'auto' (bfloat16 on accelerators, float32 on CPU, where XLA
         computes bfloat16 slowly through float32 copies). bfloat16 halves the target's
@@ -68,10 +73,16 @@ class TrainConfig:
         drafter's expected block length (the exit branch then costs the same as for
         ExitTrain but carries no gradient).
 
-    Optimiser (optax AdamW; steps count optimiser updates):
-      steps, lr, warmup_steps, end_lr_ratio (cosine decays to lr * end_lr_ratio),
-      weight_decay, b1, b2, grad_clip (global norm), grad_accum (micro-batches per update,
-      ``optax.MultiSteps``).
+    Optimiser (optax AdamW with linear warmup and cosine decay):
+      steps: optimiser updates of the run (they shape the learning-rate schedule).
+      lr: the peak learning rate.
+      warmup_steps: linear warmup from 0 over this many updates (the command line's
+        default is 10, or the whole run when it is shorter).
+      end_lr_ratio: the cosine decays to lr * end_lr_ratio.
+      weight_decay: AdamW decay of the matrices.
+      b1, b2: Adam's decay rates of the first and second moments.
+      grad_clip: the gradient's global norm is clipped to this.
+      grad_accum: micro-batches per update (``optax.MultiSteps``).
 
     Devices:
       mesh_data, mesh_fsdp, mesh_tensor: mesh axis sizes (product <= devices). The
@@ -96,7 +107,9 @@ class TrainConfig:
       checkpoint_every, keep_checkpoints: orbax save interval (updates) and retention.
       log_every: metrics are fetched and logged every this many updates.
       seed: the batch at update k is a pure function of (seed, k).
-      resume: continue from the latest checkpoint in ``out_dir`` if there is one.
+      resume: continue from the newest checkpoint that restores (an unreadable newer
+        one is moved aside); false starts over, moving an earlier run's checkpoints
+        aside to ``<checkpoints>.replaced-<time>``.
     """
 
     target_path: str | None = None
@@ -252,4 +265,31 @@ class TrainConfig:
         return {k: v for k, v in self.to_dict().items() if k not in skip}
 
 
-__all__ = ["LOSSES", "RECIPES", "TrainConfig"]
+def field_help() -> dict[str, str]:
+    """Each `TrainConfig` field's line of its docstring (``name: text`` entries, a
+    shared entry ``a, b: text`` for each name), as plain text: the ``tev-train run``
+    help."""
+    helps: dict[str, str] = {}
+    names, text = None, []
+
+    def flush():
+        if names:
+            plain = re.sub(r"`+([^`]+)`+", r"\1", " ".join(text))
+            helps.update({n: plain for n in names})
+
+    for line in (TrainConfig.__doc__ or "").splitlines():
+        entry = re.fullmatch(r" {6}([a-z_0-9]+(?:, [a-z_0-9]+)*): (.*)", line)
+        if entry:
+            flush()
+            names, text = entry.group(1).split(", "), [entry.group(2).strip()]
+        elif names and re.fullmatch(r" {8}\S.*", line):
+            text.append(line.strip())
+        else:
+            flush()
+            names, text = None, []
+    flush()
+    fields = {f.name for f in dataclasses.fields(TrainConfig)}
+    return {k: v for k, v in helps.items() if k in fields}
+
+
+__all__ = ["LOSSES", "RECIPES", "TrainConfig", "field_help"]

@@ -271,18 +271,25 @@ def write_rollouts(out_dir: str | os.PathLike, prompts: Sequence[Sequence[int]],
 
 def make_rollouts(target, prompts: Sequence[Sequence[int]], out_dir: str | os.PathLike,
                   config: RolloutConfig, info: dict | None = None, progress=None, *,
-                  process_index: int = 0, process_count: int = 1) -> dict | None:
+                  process_index: int = 0, process_count: int = 1,
+                  replace: bool = False) -> dict | None:
     """Generates this process's shards with the target (see module docstring).
 
     Every process gets the same ``prompts``. Complete shards of the same run (settings
     and prompts) already in ``out_dir`` are kept, so a restarted process continues.
+    Rollouts of another run (other settings, prompts or target) in ``out_dir`` are
+    refused, or with ``replace`` deleted first.
 
     Args:
       progress: called with the number of sequences each decoded batch adds.
       process_index, process_count: this process writes shards ``i % count == index``.
+      replace: delete another run's shards and manifest instead of refusing.
     Returns:
       The manifest if this process completed the set, else None (other processes'
       shards are missing; the last one to finish writes it, or call `write_manifest`).
+    Raises:
+      ValueError: ``out_dir`` holds another run's rollouts (without ``replace``); the
+        message names the settings that differ.
     """
     if not 0 <= process_index < process_count:
         raise ValueError(f"process index {process_index} is not in [0, {process_count})")
@@ -296,10 +303,8 @@ def make_rollouts(target, prompts: Sequence[Sequence[int]], out_dir: str | os.Pa
                 "shard_size": config.shard_size, "seed": config.seed, **(info or {})}
     run_key = hashlib.sha256(json.dumps([settings, config.pad_id, prompts]).encode()).hexdigest()
     out_dir = Path(out_dir)
+    _other_runs(out_dir, run_key, settings, replace)
     out_dir.mkdir(parents=True, exist_ok=True)
-    manifest_path = out_dir / "manifest.json"
-    if manifest_path.is_file() and json.loads(manifest_path.read_text()).get("key") != run_key:
-        manifest_path.unlink(missing_ok=True)       # describes another run's shards
     n = -(-len(prompts) // config.shard_size)
     root = jax.random.key(config.seed)
     for i in range(process_index, n, process_count):
@@ -316,6 +321,35 @@ def make_rollouts(target, prompts: Sequence[Sequence[int]], out_dir: str | os.Pa
     if any(r is None or r.get("key") != run_key for r in records):
         return None
     return write_manifest(out_dir, n)
+
+
+def _other_runs(out_dir: Path, run_key: str, settings: dict, replace: bool) -> None:
+    """Refuses (or, with ``replace``, deletes) the rollouts of another run in ``out_dir``."""
+    if not out_dir.is_dir():
+        return
+    records = [out_dir / "manifest.json"] if (out_dir / "manifest.json").is_file() else []
+    records += sorted(out_dir.glob("shard-*-of-*.json"))
+    other = []
+    for path in records:
+        try:
+            record = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError):
+            record = {}
+        if record.get("key") != run_key:
+            other.append((path, record))
+    if not other:
+        return
+    if not replace:
+        old = other[0][1].get("info") or {}
+        diff = sorted(k for k in set(old) | set(settings) if old.get(k) != settings.get(k))
+        what = (f"{', '.join(diff)} differ" if diff else
+                "the prompts differ" if old else "unreadable records")
+        raise ValueError(f"{out_dir} holds the rollouts of another run ({what}); use another "
+                         "--out, or --force to replace them")
+    for path, _ in other:
+        stem = path.name[: -len(".json")]
+        for name in (path.name, f"{stem}.tokens.npy", f"{stem}.spans.npy"):
+            (out_dir / name).unlink(missing_ok=True)
 
 
 # ----------------------------------------------------------------------- reading

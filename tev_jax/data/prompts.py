@@ -69,3 +69,18 @@ def prompt_set(name: str) -> list[str]:
     """
     texts = [record[_TEXT_FIELD[name]] for record in prompt_records(name)]
     return [format_chat(text) for text in texts] if _CHAT[name] else texts
+
+
+def prompt_file_records(name: str) -> list[dict]:
+    """One set in the prompts-file format of ``tev-jax generate --prompts`` and
+    ``tev-train rollouts --prompts-file`` (`tev_jax.batch_io.read_prompts`): its id
+    and, for the chat sets, a one-turn ``messages`` (rendered with the target's chat
+    template, which for the bundled target is `format_chat`), else the ``prompt`` text.
+    """
+    out = []
+    for record in prompt_records(name):
+        text = record[_TEXT_FIELD[name]]
+        body = ({"messages": [{"role": "user", "content": text}]} if _CHAT[name]
+                else {"prompt": text})
+        out.append({"id": record["id"], **body})
+    return out

@@ -104,11 +104,14 @@ def _missing(root: Path, what: str) -> ValueError:
         "reinstall, or pass your own checkpoints with --target and --drafter")
 
 
-def verify_bundle(root: str | os.PathLike) -> dict[str, Any]:
+def verify_bundle(root: str | os.PathLike, *, drafters: tuple[str, ...] | None = None
+                  ) -> dict[str, Any]:
     """Checks a bundle directory against its manifest.
 
     Args:
       root: the bundle directory (``manifest.json``, ``target/``, ``drafter/``).
+      drafters: check only these drafters' files besides the target's (default: every
+        file), so that damage to one drafter does not block the other.
     Returns:
       The manifest dict.
     Raises:
@@ -131,9 +134,14 @@ def verify_bundle(root: str | os.PathLike) -> dict[str, Any]:
     if fmt != MANIFEST_FORMAT:
         raise ValueError(f"{f}: bundle manifest format {fmt!r}, this tev-jax reads "
                          f"{MANIFEST_FORMAT}")
-    for sub in (TARGET_DIR, *(f"{DRAFTERS_DIR}/{d}" for d in DRAFTERS)):
+    subs = (TARGET_DIR, *(f"{DRAFTERS_DIR}/{d}" for d in
+                          (DRAFTERS if drafters is None else drafters)))
+    for sub in subs:
         if not (root / sub).is_dir():
             raise _missing(root, f"no {sub}/ directory")
+    if drafters is not None:
+        files = {rel: w for rel, w in files.items()
+                 if any(rel.startswith(sub + "/") for sub in subs)}
     for rel, want in files.items():
         p = root / rel
         if not p.is_file():
@@ -152,14 +160,15 @@ def verify_bundle(root: str | os.PathLike) -> dict[str, Any]:
     return manifest
 
 
-def bundled_paths(root: str | os.PathLike | None = None, *, verify: bool = True
-                  ) -> BundledPaths:
+def bundled_paths(root: str | os.PathLike | None = None, *, verify: bool = True,
+                  drafters: tuple[str, ...] | None = None) -> BundledPaths:
     """The bundled target and drafter directories.
 
     Args:
       root: the bundle directory (default: `bundle_root`, inside the installed package).
       verify: check every pinned file's size and SHA-256 against the manifest first
         (about 10 ms per 8 MB).
+      drafters: verify only the target and these drafters (default: all of them).
     Returns:
       `BundledPaths` (target, drafters by name).
     Raises:
@@ -168,10 +177,11 @@ def bundled_paths(root: str | os.PathLike | None = None, *, verify: bool = True
     """
     root = bundle_root() if root is None else Path(root)
     if verify:
-        verify_bundle(root)
+        verify_bundle(root, drafters=drafters)
     paths = BundledPaths(root / TARGET_DIR,
                          {d: root / DRAFTERS_DIR / d for d in DRAFTERS})
-    for p in (paths.target, *paths.drafters.values()):
+    needed = DRAFTERS if drafters is None else drafters
+    for p in (paths.target, *(paths.drafters[d] for d in needed)):
         if not (p / "config.json").is_file():
             raise _missing(root, f"no {p.relative_to(root).as_posix()}/config.json")
     return paths
@@ -203,7 +213,7 @@ def load_bundled(*, drafter: str = DEFAULT_DRAFTER, dtype=jnp.float32,
     from tev_jax.models.drafter_io import load_drafter
 
     check_drafter_name(drafter)
-    paths = bundled_paths(root)
+    paths = bundled_paths(root, drafters=(drafter,))
     target = load_target(paths.target, dtype=dtype)
     return (target, load_drafter(paths.drafters[drafter], target),
             load_tokenizer(paths.target))

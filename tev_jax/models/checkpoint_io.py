@@ -28,6 +28,7 @@ module only supplies ``name_of``, its parameter path -> (tensor name, n_in) map.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
@@ -283,6 +284,33 @@ def read_headers(path: str | os.PathLike) -> dict[str, TensorInfo]:
                 raise ValueError(f"tensor {name}: listed in {INDEX_FILE} for {fname} "
                                  "but absent from that file")
     return where
+
+
+def weights_fingerprint(path: str | os.PathLike, sample_bytes: int = 1 << 16) -> str:
+    """16 hex digits identifying a checkpoint directory's model, in milliseconds for
+    any size: the SHA-256 of its config.json, every weight file's name, size and
+    header, and the first and last ``sample_bytes`` of each file's data (so two
+    trainings of one architecture differ). Training refuses rollouts made by another
+    target with it.
+
+    Raises:
+      ValueError: the directory has no weights (see `read_headers`).
+    """
+    path = Path(path)
+    digest = hashlib.sha256()
+    config = path / "config.json"
+    digest.update(config.read_bytes() if config.is_file() else b"")
+    for fname in sorted(_weight_files(path)):
+        fp = path / fname
+        size = fp.stat().st_size
+        digest.update(f"{fname}:{size}".encode())
+        with open(fp, "rb") as fh:
+            (n,) = struct.unpack("<Q", fh.read(8))
+            digest.update(fh.read(min(n, size)))
+            digest.update(fh.read(sample_bytes))
+            fh.seek(max(8 + n, size - sample_bytes))
+            digest.update(fh.read(sample_bytes))
+    return digest.hexdigest()[:16]
 
 
 def tensor_view(path: str | os.PathLike, info: TensorInfo) -> np.ndarray:
