@@ -513,12 +513,13 @@ def _add_plan(sub) -> None:
     p.add_argument("--config", default=None, help="a Hugging Face config.json (or its directory)")
     p.add_argument("--layers", type=int, default=None,
                    help="plan with this many target layers (e.g. 2 for per-layer figures)")
-    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--batch", type=int, default=1, help="B, rows decoded together (default 1)")
     p.add_argument("--prompt-len", type=int, default=1024, help="prompt buffer P")
     p.add_argument("--cache-len", type=int, default=None,
                    help="cache slots L (default: P + max-new-tokens + tree slots)")
     add_decode_flags(p)
-    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                   help="parameter and cache dtype (bfloat16 is honest with --topology only)")
     p.add_argument("--drafter-layers", type=int, default=1, help="DFlash drafter depth")
     _add_mesh_flags(p)
     p.add_argument("--topology", default=None, metavar="NAME",
