@@ -291,7 +291,7 @@ def test_streams_to_a_terminal_exactly(target_dir, capsys, monkeypatch):
     assert cli.main(argv) == 0
     out, err = capsys.readouterr()
     assert out == piped and len([w for w in writes if w.strip()]) > 1
-    assert err.startswith("compiling the decode programs") and "streamed" in err
+    assert err.startswith("compiling the decode program") and "streamed" in err
 
 
 def test_one_bundled_drafter_damaged_leaves_the_other_usable(tmp_path):

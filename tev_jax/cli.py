@@ -238,16 +238,11 @@ def generate_command(args) -> int:
                                  prompt_len=max(len(prompt), 1))
     stream = (sys.stdout.isatty() and not args.no_stream and not args.compare_ar
               and args.repeats == 1)
+    if stream or sys.stderr.isatty():
+        print("compiling the decode program (once per setting) ...", file=sys.stderr,
+              flush=True)
     if stream:
         plan.check_decode_floor(target, drafter, config, 1, mesh=mesh)
-    else:
-        if sys.stderr.isatty():
-            print("compiling the decode program (once per setting) ...", file=sys.stderr,
-                  flush=True)
-        planned = plan.check_decode_fits(target, drafter, config, 1, mesh=mesh)
-    if stream:
-        print("compiling the decode programs (once per setting) ...", file=sys.stderr,
-              flush=True)
         shown = _Shown(tokenizer, prompt)
         gen = profile.streamed_generate(target, drafter, [prompt], config, args.seed,
                                         mesh=mesh, on_round=lambda rows: shown(rows[0]))
@@ -255,6 +250,7 @@ def generate_command(args) -> int:
         compile_s = gen.stats.compile_seconds
         timing = "streamed: one host round trip per round"
     else:
+        planned = plan.check_decode_fits(target, drafter, config, 1, mesh=mesh)
         timed = functools.partial(profile.timed_generate, prompt_ids=[prompt], key=args.seed,
                                   repeats=args.repeats, mesh=mesh)
         gen = timed(target, drafter, config=config)

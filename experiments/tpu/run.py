@@ -184,9 +184,11 @@ def decode_table(results: dict) -> str:
     rows = ["| model | chip | mesh | B | budget | GiB / chip | round ms | AR ms | "
             "break-even τ | speed-up at τ " + " / ".join(f"{v}" for v in DDTREE_TAU.values())
             + " |", "|---|---|---|---|---|---|---|---|---|---|"]
-    for key, e in results.items():
-        if not key.startswith("decode/") or e["budget"] is None:
-            continue
+    order = lambda item: (item[1]["model"], item[1]["chip"], item[1]["mesh"],
+                          item[1]["batch"], item[1]["budget"])
+    decode = sorted(((k, e) for k, e in results.items()
+                     if k.startswith("decode/") and e["budget"] is not None), key=order)
+    for key, e in decode:
         ar = results[key.rsplit("/", 1)[0] + "/ar"]
         t_round, t_ar = _seconds(e, e["chip"]), _seconds(ar, e["chip"])
         speedups = " / ".join(f"{tau * t_ar / t_round:.2f}" for tau in DDTREE_TAU.values())
