@@ -22,7 +22,7 @@ import pytest
 
 import train_fixtures as tf
 from decode_fixtures import greedy_reference
-from tev_jax import batch_io, batching, cli, profile
+from tev_jax import batch_io, batching, cli, exits, profile
 from tev_jax.data import prompts as prompt_sets
 from tev_jax.models import ModelConfig, init_target, save_target
 from tev_jax.models import bundled
@@ -251,7 +251,7 @@ def test_interrupts_end_with_one_line_and_a_documented_code(tmp_path, target_dir
                 code = cli.main(_batch(target_dir, tmp_path))
             except KeyboardInterrupt:
                 pytest.fail("the interrupt escaped tev-jax generate")
-            assert code == cli.EXIT_RESUMABLE == 75
+            assert code == exits.EXIT_RESUMABLE == 75
             err = capsys.readouterr().err.strip().splitlines()
             assert err[-1].startswith(f"tev-jax generate: {what}; ")
             assert "results are in" in err[-1] and "Traceback" not in "".join(err)

@@ -11,14 +11,10 @@ registers its arguments and sets ``func``, and listing it in ``SUBCOMMANDS``.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import functools
 import json
-import re
-import signal
 import sys
-import threading
 from pathlib import Path
 
 import jax
@@ -27,6 +23,8 @@ import numpy as np
 
 from tev_jax import extensions
 from tev_jax.decode import DecodeConfig
+from tev_jax.exits import (EXIT_RESUMABLE, EXIT_USAGE, flag_names, interrupt_exit,
+                           name_flags, signals_as_interrupts)
 from tev_jax.exit_law import exit_law
 from tev_jax.plan import DECODE_PROGRAMS as PROGRAMS_TO_PLAN
 from tev_jax.plan import PRESETS
@@ -621,77 +619,6 @@ def _add_merge_outputs(sub) -> None:
 
 
 SUBCOMMANDS = [_add_exit_law, _add_generate, _add_compare, _add_plan, _add_merge_outputs]
-
-# Exit codes of both command lines (tev-jax, tev-train), documented in README.md.
-EXIT_USAGE = 2          # bad input or a refused run: one line on stderr, nothing written
-EXIT_RESUMABLE = 75     # interrupted or preempted with its work on disk (sysexits'
-                        # EX_TEMPFAIL): run the same command again to resume
-EXIT_SIGNAL = 128       # + the signal number: interrupted with nothing to resume
-
-
-class Terminated(KeyboardInterrupt):
-    """SIGTERM, raised like Ctrl-C's KeyboardInterrupt (`signals_as_interrupts`)."""
-
-
-@contextlib.contextmanager
-def signals_as_interrupts():
-    """Turns SIGTERM into `Terminated` (a KeyboardInterrupt) while the block runs, so a
-    terminated command ends like an interrupted one: its work so far on disk, one line
-    on stderr. A no-op off the main thread."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-
-    def terminate(signum, frame):
-        raise Terminated()
-
-    previous = signal.signal(signal.SIGTERM, terminate)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-
-
-def interrupt_exit(e: BaseException | None) -> tuple[str, int]:
-    """(what stopped the command, its exit code when nothing resumable was left)."""
-    if isinstance(e, Terminated):
-        return "terminated (SIGTERM)", EXIT_SIGNAL + signal.SIGTERM
-    return "interrupted (SIGINT)", EXIT_SIGNAL + signal.SIGINT
-
-
-def flag_names(parser: argparse.ArgumentParser) -> dict[str, str]:
-    """Python names (argparse dests) -> their ``--flags``, over every subcommand."""
-    names = {}
-    parsers = [parser]
-    while parsers:
-        p = parsers.pop()
-        for action in p._actions:
-            if isinstance(action, argparse._SubParsersAction):
-                parsers += list(action.choices.values())
-            long = [o for o in action.option_strings if o.startswith("--")]
-            if long and action.dest not in (argparse.SUPPRESS, "help", "version"):
-                names.setdefault(action.dest, long[0])
-    return names
-
-
-def name_flags(message: str, flags: dict[str, str]) -> str:
-    """``message`` with the Python names of settings written as their flags.
-
-    A name followed by "must", "is required" or ``=value``, or after "another", becomes
-    its ``--flag`` (``name=False`` becomes ``--flag false``), and so does a name with an
-    underscore followed by a value in parentheses (``max_new_tokens (256)``), so errors
-    raised by the library's configs name what the user typed."""
-    for name in sorted(flags, key=len, reverse=True):
-        flag = flags[name]
-        message = re.sub(rf"(?<![\w-]){re.escape(name)}=(True|False)\b",
-                         lambda m: f"{flag} {m.group(1).lower()}", message)
-        message = re.sub(rf"(?<![\w-]){re.escape(name)}(?=\s+must\b|\s+is required\b|=)",
-                         flag, message)
-        if "_" in name:  # "max_new_tokens (256)"; plain words stay words
-            message = re.sub(rf"(?<![\w-]){re.escape(name)}(?= \()", flag, message)
-        message = re.sub(rf"(?<=another ){re.escape(name)}\b", flag, message)
-    return message
-
 
 def main(argv: list[str] | None = None) -> int:
     """The ``tev-jax`` command. Exit codes: 0 done; 2 bad input or a refused run (one

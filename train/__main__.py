@@ -11,7 +11,7 @@ Every `TrainConfig` field is a ``--flag`` (underscores become dashes); ``--recip
 paper`` starts from a named preset (`train.config.RECIPES`, the authors' ExitTrain
 settings), ``--config`` reads a JSON file over it and flags override both.
 
-Exit codes (as ``tev-jax``'s, `tev_jax.cli`): 0 done (or stopped where asked, with
+Exit codes (as ``tev-jax``'s, `tev_jax.exits`): 0 done (or stopped where asked, with
 ``--until-update`` / ``--max-minutes``); 2 bad input or a refused run (one line on
 stderr, nothing written); 75 ``run`` preempted (SIGTERM: checkpoint saved) or ``run`` /
 ``rollouts`` interrupted: run the same command again to resume; 130 / 143 ``plan``
@@ -157,7 +157,7 @@ def _rollouts(ns) -> None:
 
 
 def _run(ns) -> int:
-    from tev_jax.cli import EXIT_RESUMABLE
+    from tev_jax.exits import EXIT_RESUMABLE
     from train.loop import train
 
     cfg = config_from_args(ns)
@@ -322,7 +322,7 @@ def main(argv=None) -> int:
     """The ``tev-train`` command; the exit codes are in the module docstring."""
     import contextlib
 
-    from tev_jax.cli import (
+    from tev_jax.exits import (
         EXIT_RESUMABLE,
         EXIT_USAGE,
         flag_names,
