@@ -305,12 +305,17 @@ def prefill(graphdef, params, tokens_BT, lengths_B, key, *, spec: DecodeSpec) ->
 
 
 def draft_stage(graphdef, params, st: DecodeState, *, spec: DecodeSpec):
-    """Drafter: consume the last committed path, then draft the block. -> (logits, ctx)."""
+    """Drafter: consume the last committed path, then draft the block. -> (logits, ctx);
+    the logits are None when the builder does not read them
+    (`tev_jax.extensions.reads_draft_logits`)."""
     target, drafter = merge_models(graphdef, params)
     if drafter is None:
         return None, st.ctx
     ctx = drafter.extend_context(target, st.ctx, st.new_tokens_BP, st.new_feats_BPF,
                                  st.start_B - st.new_count_B, st.new_count_B)
+    if not extensions.reads_draft_logits(
+            extensions.resolve_builder(spec.config.builder, spec.config.budget)):
+        return None, ctx  # AR rounds that keep the drafter's context (root-only trees)
     logits_BHV, ctx = drafter.draft(target, ctx, st.root_B, st.start_B)
     want = (st.root_B.shape[0], spec.horizon, target.config.vocab_size)
     if logits_BHV.shape != want:  # raised while tracing, i.e. on the host

@@ -299,6 +299,9 @@ _MODEL_STAGES = ("draft", "verify")
 
 def _stage_spec(spec: DecodeSpec, stage: str) -> DecodeSpec:
     keep = {f: getattr(spec.config, f) for f in _STAGE_FIELDS[stage]}
+    if stage == "draft":  # draft only asks whether the builder reads the block
+        builder = extensions.resolve_builder(spec.config.builder, spec.config.budget)
+        keep["builder"] = "ddtree" if extensions.reads_draft_logits(builder) else "none"
     if stage == "decide" and keep["builder"] != "none":
         keep["builder"] = "chain"  # decide only asks whether there is a tree
     if stage == "commit" and not keep["track_exit_law"]:
