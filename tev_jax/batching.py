@@ -25,8 +25,9 @@ from typing import Any
 import jax
 import numpy as np
 
-from tev_jax import decode
-from tev_jax.engine import Engine, check_prompt
+from tev_jax import decode, extensions
+from tev_jax import sharding as shd
+from tev_jax.engine import Engine, check_prompt, check_tuned_for
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,6 +81,48 @@ def _bucket(n: int, sizes: Sequence[int]) -> int:
     return next(s for s in sizes if s >= n)
 
 
+def slot_configs(config: decode.DecodeConfig, batch_size: int, *, mesh=None
+                 ) -> dict[int, decode.DecodeConfig]:
+    """The round program of each slot count continuous batching may run: slots -> config.
+
+    A fixed budget runs one program of ``batch_size`` slots. An automatic budget
+    (`tev_jax.decode.AutoBudget`) also runs the smaller slot counts of `row_buckets`
+    (those the mesh divides): once no request is left, the last running rows move onto
+    the smallest program that holds them, and each slot count decodes with the budget
+    its tuning picks for that batch. All programs share one state layout: one cache
+    length (the largest tree's), and where the tuning mixes AR with trees, the AR
+    counts keep the drafter's context (`tev_jax.extensions.root_only_builder`) so that
+    tree rounds can resume; where it says AR throughout, plain AR without a drafter.
+    """
+    auto = config.budget if isinstance(config.budget, decode.AutoBudget) else None
+    if auto is None:
+        return {batch_size: config}
+    if config.builder != "ddtree":  # the budget is not read
+        return {batch_size: dataclasses.replace(config, budget=64, tuning=None)}
+    sizes = [s for s in row_buckets(batch_size) if s == batch_size or _divides(mesh, s)]
+    budgets = {s: auto.pick(s) for s in sizes}
+    widest = max(budgets.values())
+    max_len = config.max_cache_len or -(-(config.prompt_len + config.max_new_tokens + widest
+                                          + 1) // decode.LEN_ALIGN) * decode.LEN_ALIGN
+    fixed = dataclasses.replace(config, max_cache_len=max_len, tuning=None)
+    if widest == 0:
+        ar = dataclasses.replace(fixed, builder="none", budget=64)
+        return {s: ar for s in sizes}
+    return {s: dataclasses.replace(fixed, budget=b) if b else
+            dataclasses.replace(fixed, builder=extensions.root_only_builder, budget=64)
+            for s, b in budgets.items()}
+
+
+def _divides(mesh, rows: int) -> bool:
+    if mesh is None:
+        return True
+    try:
+        shd.logical_to_spec(("batch",), (rows,), mesh, strict=True)
+    except ValueError:
+        return False
+    return True
+
+
 def generate_continuous(target, drafter, requests: Iterable[Request],
                         config: decode.DecodeConfig, *, batch_size: int,
                         key: jax.Array | int = 0, widths: Sequence[int] | None = None,
@@ -87,7 +130,9 @@ def generate_continuous(target, drafter, requests: Iterable[Request],
     """Decodes every request with continuous batching; yields results as rows finish.
 
     Requests are read lazily, in order, as slots free up; results come in finishing
-    order.
+    order. With an automatic budget (``config.budget`` an `AutoBudget`) each slot count
+    decodes with the budget its tuning picks, and once the requests run out the last
+    running rows move onto smaller slot programs (`slot_configs`).
 
     Args:
       target: a `tev_jax.models.Target`.
@@ -115,7 +160,19 @@ def generate_continuous(target, drafter, requests: Iterable[Request],
     if config.track_exit_law:
         raise ValueError("track_exit_law records per round of the whole batch; it is not "
                          "supported with continuous batching")
-    engine = Engine.create(target, drafter, config, batch_size, mesh=mesh)
+    if isinstance(config.budget, decode.AutoBudget) and config.builder == "ddtree":
+        check_tuned_for(config.budget, target, drafter)
+    configs = slot_configs(config, batch_size, mesh=mesh)
+    engines: dict[int, Engine] = {}
+
+    def engine_of(slots: int) -> Engine:
+        if slots not in engines:
+            c = configs[slots]
+            engines[slots] = Engine.create(target, None if c.builder == "none" else drafter,
+                                           c, slots, mesh=mesh)
+        return engines[slots]
+
+    engine = engine_of(batch_size)
     axes = engine.slot_axes()
     widths = tuple(sorted(widths or width_buckets(config.prompt_len)))
     if widths[-1] < config.prompt_len:
@@ -155,7 +212,16 @@ def generate_continuous(target, drafter, requests: Iterable[Request],
         busy = sum(r is not None for r in in_slot)
         if busy == 0:
             return
-        st = engine.run_rounds(st, batch_size - busy + 1, max_rounds or 2**30)
+        slots = len(in_slot)
+        smaller = [s for s in configs if busy <= s < slots]
+        if exhausted and smaller:  # the tail: the running rows onto a smaller program
+            slots = min(smaller)
+            keep = ([i for i, r in enumerate(in_slot) if r is not None]
+                    + [i for i, r in enumerate(in_slot) if r is None])[:slots]
+            engine = engine_of(slots)
+            st = engine.take_slots(st, keep, axes=axes)
+            in_slot = [in_slot[i] for i in keep]
+        st = engine.run_rounds(st, slots - busy + 1, max_rounds or 2**30)
         done_B, num_out_B, rounds_B, start_B, out_BM, bad_target, bad_draft = jax.device_get(
             (st.done_B, st.num_out_B, st.rounds_B, st.start_B, st.out_BM, st.bad_target,
              st.bad_draft))

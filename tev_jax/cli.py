@@ -22,7 +22,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from tev_jax import extensions
-from tev_jax.decode import DecodeConfig
+from tev_jax.decode import AutoBudget, DecodeConfig
+from tev_jax.engine import resolve_budget
 from tev_jax.exits import (EXIT_RESUMABLE, EXIT_USAGE, flag_names, interrupt_exit,
                            name_flags, signals_as_interrupts)
 from tev_jax.exit_law import exit_law
@@ -152,12 +153,26 @@ def _checkpoint_dirs(args) -> tuple[str, str | None, str]:
     return args.target, args.drafter if needs_drafter else None, where
 
 
+def _budget(text: str) -> int | str:
+    """``--budget``: a positive int, or 'auto' (with ``--tuning``)."""
+    if text == "auto":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an int or 'auto', got {text!r}") from None
+
+
 def add_decode_flags(p, *, max_new_tokens: int = 256) -> None:
     """The flags of a `DecodeConfig` (the builder and verifier choices are the
     registries' names)."""
     p.add_argument("--builder", choices=tuple(extensions.BUILDERS), default="ddtree",
                    help="ddtree (default), chain (plain DFlash) or none (autoregressive)")
-    p.add_argument("--budget", type=int, default=64, help="DDTree node budget (default %(default)s)")
+    p.add_argument("--budget", type=_budget, default=64,
+                   help="DDTree node budget (default %(default)s), or auto: the best budget "
+                        "for the batch size from --tuning (plain AR where that is faster)")
+    p.add_argument("--tuning", default=None, metavar="FILE",
+                   help="with --budget auto: a tuning file of `tev-jax tune --json FILE`")
     p.add_argument("--verifier", choices=tuple(extensions.VERIFIERS), default="tev",
                    help="exact tree verifier (default %(default)s; greedy: T = 0 only)")
     _add_sampling_flags(p, temperature=0.0)
@@ -170,16 +185,20 @@ def add_decode_flags(p, *, max_new_tokens: int = 256) -> None:
 
 def decode_config(args, **fields) -> DecodeConfig:
     """The `DecodeConfig` of `add_decode_flags`'s flags; ``fields`` override or add."""
+    tuning = getattr(args, "tuning", None)
+    if tuning is not None and args.budget != "auto":
+        raise ValueError("--tuning is read with --budget auto")
     return DecodeConfig(**{
         "max_new_tokens": args.max_new_tokens, "builder": args.builder,
         "budget": args.budget, "verifier": args.verifier, "sampling": _sampling_from(args),
-        "prefill_chunk": args.prefill_chunk} | fields)
+        "prefill_chunk": args.prefill_chunk, "tuning": tuning} | fields)
 
 
-def _method(config: DecodeConfig) -> str:
+def _method(config: DecodeConfig, auto: str | None = None) -> str:
+    how = "" if auto is None else f", auto from {auto}"
     if config.builder == "none":
-        return "autoregressive"
-    budget = f" (budget {config.budget})" if config.builder == "ddtree" else ""
+        return f"autoregressive{how}"
+    budget = f" (budget {config.budget}{how})" if config.builder == "ddtree" else ""
     return f"{config.builder}{budget} + {config.verifier}"
 
 
@@ -234,6 +253,8 @@ def generate_command(args) -> int:
                   what="PROMPT")
     config = dataclasses.replace(config, stop_token_ids=stop_token_ids(target, tokenizer),
                                  prompt_len=max(len(prompt), 1))
+    auto = config.budget.source if isinstance(config.budget, AutoBudget) else None
+    config = resolve_budget(config, 1, target, drafter)
     stream = (sys.stdout.isatty() and not args.no_stream and not args.compare_ar
               and args.repeats == 1)
     if stream or sys.stderr.isatty():
@@ -256,7 +277,7 @@ def generate_command(args) -> int:
         print(tokenizer.decode(prompt + gen.rows()[0]), flush=True)
         timing = "fused program" + (f", median of {args.repeats}" if args.repeats > 1 else "")
     n = int(gen.lengths[0])
-    lines = [f"[{where}; {_method(config)}; T={config.sampling.temperature:g}]"]
+    lines = [f"[{where}; {_method(config, auto)}; T={config.sampling.temperature:g}]"]
     if gen.stats.rounds == 0:
         lines.append(f"{n} new token{'s' if n != 1 else ''}: the target ended the text at "
                      "its first token, so no decode round ran (no tau, speed or speed-up "
@@ -529,6 +550,100 @@ def _add_plan(sub) -> None:
     p.set_defaults(func=plan_command)
 
 
+# ---------------------------------------------------------------------------- tune
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"need comma-separated ints, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"need positive ints, got {text!r}")
+    return values
+
+
+def tune_command(args) -> int:
+    """``tev-jax tune --prompts FILE``: τ(b) from the exit law, round costs and the best
+    budget per batch size (`tev_jax.tune.tune`); ``--json FILE`` is the tuning file of
+    ``--budget auto --tuning FILE``."""
+    from tev_jax import batch_io, tune
+    from tev_jax.models import load_drafter, load_target, load_tokenizer
+    from tev_jax.serve import stop_token_ids
+
+    target_dir, drafter_dir, where = _checkpoint_dirs(args)
+    dtype = jnp.dtype(args.dtype)
+    target = load_target(target_dir, dtype=dtype)
+    tokenizer = load_tokenizer(target_dir)
+    drafter = load_drafter(drafter_dir, target, dtype=dtype)
+    config_file = Path(target_dir) / "tokenizer_config.json"
+    chat = batch_io.chat_formatter(
+        json.loads(config_file.read_text()) if config_file.is_file() else None)
+    requests = batch_io.encode_records(
+        batch_io.read_prompts(args.prompts), tokenizer, chat,
+        vocab_size=target.config.vocab_size, prompt_len=args.prompt_len,
+        truncate=args.truncate == "left", where=args.prompts)
+    config = DecodeConfig(max_new_tokens=args.max_new_tokens, verifier=args.verifier,
+                          sampling=_sampling_from(args), prompt_len=args.prompt_len,
+                          stop_token_ids=stop_token_ids(target, tokenizer),
+                          prefill_chunk=args.prefill_chunk)
+    mesh_axes = (args.mesh_data, args.mesh_fsdp, args.mesh_tensor)
+    result = tune.tune(target, drafter, [r.prompt_ids for r in requests], config,
+                       budgets=args.budgets, batch_sizes=args.batch, repeats=args.repeats,
+                       key=args.seed, topology=args.topology,
+                       mesh_axes=None if mesh_axes == (1, 1, 1) else mesh_axes,
+                       dtype=jnp.bfloat16 if args.topology else None)
+    result = dataclasses.replace(result, settings=result.settings | {
+        "prompts_file": args.prompts, "models": where})
+    if args.json:
+        result.write(args.json)
+    if args.figure:
+        tune.plot(result, args.figure)
+    print(f"[{where}; {len(requests)} prompts, {result.settings['contexts']} contexts; "
+          f"T={config.sampling.temperature:g}; costs: {result.settings['device']}]")
+    print(result.format())
+    return 0
+
+
+def _add_tune(sub) -> None:
+    p = sub.add_parser(
+        "tune", help="the best tree budget per batch size, from the exit law",
+        description="Continues each prompt with the target's own text, runs one decode "
+                    "round at the largest budget at every position, and reads τ(b) for "
+                    "every smaller budget from the exit law (DDTree trees are nested); "
+                    "times one round per budget and batch size (or the TPU roofline "
+                    "with --topology); prints, per batch size, the budget with the most "
+                    "tokens/s, or AR where nothing beats it. --json FILE feeds "
+                    "`generate --budget auto --tuning FILE`.")
+    p.add_argument("--prompts", required=True, metavar="FILE",
+                   help="prompts file (as generate --prompts: JSONL or plain text)")
+    p.add_argument("--target", default=None, help="target checkpoint (default: bundled)")
+    p.add_argument("--drafter", default=None,
+                   help="drafter checkpoint, or bundled:exittrain / bundled:dflash")
+    p.add_argument("--budgets", type=_ints, default=(16, 32, 64, 128),
+                   help="comma-separated DDTree budgets (default 16,32,64,128)")
+    p.add_argument("--batch", type=_ints, default=(1, 8),
+                   help="comma-separated batch sizes (default 1,8)")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--verifier", choices=tuple(extensions.VERIFIERS), default="tev")
+    _add_sampling_flags(p, temperature=0.0)
+    p.add_argument("--prompt-len", type=int, default=None,
+                   help="prompt buffer (default: the longest prompt)")
+    p.add_argument("--truncate", choices=("none", "left"), default="none")
+    p.add_argument("--prefill-chunk", type=int, default=512)
+    p.add_argument("--repeats", type=int, default=10, help="timed passes (median)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    p.add_argument("--topology", default=None, metavar="NAME",
+                   help="costs from the TPU compiler's roofline for this slice (e.g. "
+                        "v5e:2x4; tpu extra) instead of timing the local devices")
+    _add_mesh_flags(p)
+    p.add_argument("--json", default=None, metavar="FILE", help="write the tuning file")
+    p.add_argument("--figure", default=None, metavar="PNG",
+                   help="τ(b) and tokens/s(b) per batch size (plots extra)")
+    p.set_defaults(func=tune_command, builder="ddtree")
+
+
 # ----------------------------------------------------------------- batch generation
 
 
@@ -618,7 +733,8 @@ def _add_merge_outputs(sub) -> None:
     p.set_defaults(func=merge_outputs_command)
 
 
-SUBCOMMANDS = [_add_exit_law, _add_generate, _add_compare, _add_plan, _add_merge_outputs]
+SUBCOMMANDS = [_add_exit_law, _add_generate, _add_compare, _add_plan, _add_tune,
+               _add_merge_outputs]
 
 def main(argv: list[str] | None = None) -> int:
     """The ``tev-jax`` command. Exit codes: 0 done; 2 bad input or a refused run (one

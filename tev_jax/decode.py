@@ -35,6 +35,9 @@ jits these functions; use it rather than calling them directly.
 from __future__ import annotations
 
 import dataclasses
+import json
+import math
+from pathlib import Path
 from typing import Any
 
 import jax
@@ -57,6 +60,86 @@ STAGES = ("draft", "build", "verify", "decide", "commit")
 
 
 @dataclasses.dataclass(frozen=True)
+class AutoBudget:
+    """The DDTree budget per batch size, from a tuning (`tev_jax.tune`).
+
+    ``DecodeConfig(budget=AutoBudget(...))`` (or ``budget='auto', tuning=FILE``) decodes
+    each batch with the budget its tuning found best for that batch size, or with plain
+    AR where nothing beat it (budget 0). It is resolved to an int before an engine is
+    built (`tev_jax.engine.resolve_budget`), which also checks that the models are the
+    ones it was tuned for. Hashable, like the config that holds it.
+
+    Attributes:
+      table: ``((B, budget), ...)`` sorted by B; budget 0 means plain AR.
+      models: the fingerprint of the models it was tuned for, as sorted ``(key, value)``
+        pairs (`tev_jax.engine.model_fingerprint`); empty: not checked.
+      source: where it came from (the tuning file), for messages.
+    """
+
+    table: tuple[tuple[int, int], ...]
+    models: tuple[tuple[str, Any], ...] = ()
+    source: str = ""
+
+    def __post_init__(self):
+        table = tuple(sorted((int(b), int(n)) for b, n in self.table))
+        if not table:
+            raise ValueError(f"the automatic budget of {self.source or 'a tuning'} has no "
+                             "batch sizes")
+        if any(b < 1 or n < 0 for b, n in table) or len({b for b, _ in table}) < len(table):
+            raise ValueError(f"the automatic budget of {self.source or 'a tuning'} must map "
+                             f"distinct batch sizes >= 1 to budgets >= 0, got {table}")
+        object.__setattr__(self, "table", table)
+        object.__setattr__(self, "models", tuple(sorted(dict(self.models).items())))
+
+    @property
+    def budgets(self) -> tuple[int, ...]:
+        """The DDTree budgets of the table (AR, 0, left out), smallest first."""
+        return tuple(sorted({n for _, n in self.table if n > 0}))
+
+    def pick(self, batch_size: int) -> int:
+        """The budget for ``batch_size`` rows (0: plain AR): that of the tabulated batch
+        size nearest on a log scale (the smaller one on a tie)."""
+        if not isinstance(batch_size, int) or batch_size < 1:
+            raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
+        dist = lambda entry: (abs(math.log2(entry[0] / batch_size)), entry[0])
+        return min(self.table, key=dist)[1]
+
+    @classmethod
+    def from_tuning(cls, tuning: dict, source: str = "") -> AutoBudget:
+        """The table of a tuning file's JSON (its ``best`` and ``model`` entries)."""
+        where = source or "the tuning"
+        try:
+            table = tuple((int(b), int(v["budget"])) for b, v in tuning["best"].items())
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
+            raise ValueError(f"{where} is not a tuning file (`tev-jax tune --json`): its "
+                             f"'best' entry must map batch sizes to {{'budget': int, ...}} "
+                             f"({type(e).__name__}: {e})") from None
+        models = tuning.get("model") or {}
+        if not isinstance(models, dict):
+            raise ValueError(f"{where}: 'model' must be an object, got {type(models).__name__}")
+        return cls(table=table, models=tuple(models.items()), source=source)
+
+    @classmethod
+    def load(cls, path) -> AutoBudget:
+        """`from_tuning` of a tuning file (``tev-jax tune --json FILE``)."""
+        try:
+            text = Path(path).read_text()
+        except OSError as e:
+            raise ValueError(f"cannot read the tuning file {path}: {e.strerror or e}") from None
+        try:
+            tuning = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"the tuning file {path} is not JSON: {e}") from None
+        if not isinstance(tuning, dict):
+            raise ValueError(f"the tuning file {path} must hold a JSON object")
+        return cls.from_tuning(tuning, source=str(path))
+
+    def as_dict(self) -> dict:
+        """JSON form: ``{"auto": {"<B>": budget}, "source": path}``."""
+        return {"auto": {str(b): n for b, n in self.table}, "source": self.source}
+
+
+@dataclasses.dataclass(frozen=True)
 class DecodeConfig:
     """How to decode (static and hashable: it decides shapes).
 
@@ -67,7 +150,10 @@ class DecodeConfig:
         decoding from the target, N = 1; no drafter), or a hashable callable
         ``(draft_logits_HV, root_token) -> DraftTree`` for one row (a
         `tev_jax.extensions.TreeBuilder`; N is read from its output shape).
-      budget: DDTree node budget (non-root nodes); ignored by the other builders.
+      budget: DDTree node budget (non-root nodes); ignored by the other builders. An
+        `AutoBudget` (or ``'auto'`` with ``tuning``) picks it per batch size from a
+        tuning (`tev_jax.tune`); `tev_jax.engine.resolve_budget` turns it into an int
+        (or into plain AR, where the tuning says so) before an engine is built.
       verifier: 'tev', 'predraw', 'sequential', 'greedy' (T = 0 only), or a callable
         ``(key, tree, target_logits_NV, sampling, *, horizon) -> Verdict`` (for
         experiments and tests). Ignored when ``builder='none'``.
@@ -83,11 +169,13 @@ class DecodeConfig:
       prefill_chunk: run the prompt through the target in chunks of this many tokens
         (default 512), so that prefill memory does not grow with the prompt buffer;
         None: one pass. A prompt buffer of at most this many tokens is one pass anyway.
+      tuning: with ``budget='auto'``, the tuning file (``tev-jax tune --json FILE``) whose
+        table becomes the `AutoBudget`; ignored otherwise.
     """
 
     max_new_tokens: int = 256
     builder: str | extensions.TreeBuilder = "ddtree"
-    budget: int = 64
+    budget: int | AutoBudget = 64
     verifier: str | extensions.Verifier = "tev"
     sampling: Sampling = Sampling(temperature=0.0)
     stop_token_ids: tuple[int, ...] = ()
@@ -95,17 +183,24 @@ class DecodeConfig:
     max_cache_len: int | None = None
     track_exit_law: bool = False
     prefill_chunk: int | None = 512
+    tuning: str | None = None
 
     def __post_init__(self):
         if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be a positive int, got {self.max_new_tokens!r}")
+        if self.budget == "auto":
+            if self.tuning is None:
+                raise ValueError("budget='auto' needs a tuning file: DecodeConfig(budget='auto', "
+                                 "tuning='tune.json'), written by `tev-jax tune --json FILE`")
+            object.__setattr__(self, "budget", AutoBudget.load(self.tuning))
         if not isinstance(self.builder, str):
             extensions.check_hashable(self.builder, "builder")
         else:
             extensions.resolve_builder(self.builder, self.budget)
-        if self.builder == "ddtree" and (not isinstance(self.budget, int) or self.budget < 1):
-            raise ValueError(
-                f"budget must be a positive int for builder='ddtree', got {self.budget!r}")
+        if self.builder == "ddtree" and not isinstance(self.budget, AutoBudget) and (
+                not isinstance(self.budget, int) or self.budget < 1):
+            raise ValueError(f"budget must be a positive int or 'auto' for builder='ddtree', "
+                             f"got {self.budget!r}")
         if isinstance(self.verifier, str):
             extensions.resolve_verifier(self.verifier)
         else:
@@ -305,12 +400,17 @@ def prefill(graphdef, params, tokens_BT, lengths_B, key, *, spec: DecodeSpec) ->
 
 
 def draft_stage(graphdef, params, st: DecodeState, *, spec: DecodeSpec):
-    """Drafter: consume the last committed path, then draft the block. -> (logits, ctx)."""
+    """Drafter: consume the last committed path, then draft the block. -> (logits, ctx);
+    the logits are None when the builder does not read them
+    (`tev_jax.extensions.reads_draft_logits`)."""
     target, drafter = merge_models(graphdef, params)
     if drafter is None:
         return None, st.ctx
     ctx = drafter.extend_context(target, st.ctx, st.new_tokens_BP, st.new_feats_BPF,
                                  st.start_B - st.new_count_B, st.new_count_B)
+    if not extensions.reads_draft_logits(
+            extensions.resolve_builder(spec.config.builder, spec.config.budget)):
+        return None, ctx  # AR rounds that keep the drafter's context (root-only trees)
     logits_BHV, ctx = drafter.draft(target, ctx, st.root_B, st.start_B)
     want = (st.root_B.shape[0], spec.horizon, target.config.vocab_size)
     if logits_BHV.shape != want:  # raised while tracing, i.e. on the host
@@ -530,6 +630,16 @@ def refill(graphdef, params, st: DecodeState, tokens_KT, lengths_K, slots_K, key
     return constrain_state(st, merge_models(graphdef, params)[1], spec)
 
 
+def take_rows(graphdef, params, st: DecodeState, rows_K, *, spec: DecodeSpec,
+              axes: tuple[int | None, ...]) -> DecodeState:
+    """The state of the K rows ``rows_K`` of ``st``, in that order (per-batch scalars
+    kept): the rows still running, moved onto a program of ``spec.batch_size`` = K
+    slots. ``axes`` is `row_axes` (the same for every batch size)."""
+    leaves, treedef = jax.tree.flatten(st)
+    taken = [x if a is None else jnp.take(x, rows_K, axis=a) for a, x in zip(axes, leaves)]
+    return constrain_state(treedef.unflatten(taken), merge_models(graphdef, params)[1], spec)
+
+
 def rounds_until(graphdef, params, st: DecodeState, until_done, max_rounds, *,
                  spec: DecodeSpec) -> DecodeState:
     """Runs rounds until ``until_done`` rows are done, all are, or ``max_rounds`` ran
@@ -548,8 +658,8 @@ def rounds_until(graphdef, params, st: DecodeState, until_done, max_rounds, *,
     return st
 
 
-__all__ = ["LEN_ALIGN", "PAD_TOKEN", "STAGES", "DecodeConfig", "DecodeSpec", "DecodeState",
+__all__ = ["LEN_ALIGN", "PAD_TOKEN", "STAGES", "AutoBudget", "DecodeConfig", "DecodeSpec", "DecodeState",
            "build_stage", "commit_stage", "constrain_state", "decide_stage", "decode_round",
            "draft_stage", "empty_state", "generation", "merge_models", "prefill", "refill",
            "row_axes", "rounds_until", "running", "state_axes", "state_shapes",
-           "verify_stage"]
+           "take_rows", "verify_stage"]

@@ -19,8 +19,10 @@ The programs are compiled once per spec and shape and shared by every engine wit
 same spec (two engines with equal configs reuse one compilation). The engine is frozen;
 `with_models` swaps in other weights of the same architecture without recompiling.
 `generate` and `generate_ar` are the one-call forms; `tev_jax.batching` drives the slot
-programs (`empty_slots`, `refill`, `run_rounds`), `tev_jax.profile` times the fused
-program and the stage programs (`stage`), and `tev_jax.plan` compiles the `lower` of each.
+programs (`empty_slots`, `refill`, `run_rounds`, `take_slots`), `tev_jax.profile` times
+the fused program and the stage programs (`stage`), and `tev_jax.plan` compiles the
+`lower` of each. An automatic budget (`tev_jax.decode.AutoBudget`, from `tev_jax.tune`)
+is resolved to a fixed one before an engine is built (`resolve_budget`).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import hashlib
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -38,7 +41,7 @@ from flax import nnx
 
 from tev_jax import decode, extensions
 from tev_jax import sharding as shd
-from tev_jax.decode import DecodeConfig, DecodeSpec, DecodeState
+from tev_jax.decode import AutoBudget, DecodeConfig, DecodeSpec, DecodeState
 from tev_jax.drafters import DrafterProtocol, as_drafter
 
 PROGRAMS = ("generate", "prefill", "round", "run_rounds", *decode.STAGES)
@@ -209,6 +212,9 @@ def _spec_of(target, drafter, config: DecodeConfig, batch_size: int, prompt_len:
     """Validates models, config and mesh; -> (drafter as a protocol or None, spec)."""
     if not isinstance(config, DecodeConfig):
         raise ValueError(f"config must be a DecodeConfig, got {type(config).__name__}")
+    if isinstance(config.budget, AutoBudget):
+        raise ValueError("an engine needs a fixed budget: resolve budget='auto' for the "
+                         "batch first (tev_jax.engine.resolve_budget)")
     if not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
     if not isinstance(prompt_len, int) or prompt_len < 1:
@@ -275,6 +281,95 @@ def decode_spec(target, drafter, config: DecodeConfig, batch_size: int, *,
     return _spec_of(target, drafter, config, batch_size, _width(config, prompt_len), mesh)[1]
 
 
+# ------------------------------------------------------------ the automatic budget
+
+
+def model_fingerprint(target, drafter=None) -> dict:
+    """What identifies a (target, drafter) pair to a tuning: ``{"vocab_size": V,
+    "target": digest, "drafter": digest or None, "weights": digest or None}``.
+
+    The architecture digests hash each model's type and its parameters' paths, shapes
+    and dtypes; the weights digest hashes the first few values of every parameter (None
+    for abstract models). Cheap: a few values per array leave the devices.
+    """
+    def leaves(model):
+        state = nnx.state(model, nnx.Param)
+        return jax.tree_util.tree_flatten_with_path(state)[0]
+
+    def arch(model):
+        if model is None:
+            return None
+        h = hashlib.sha256(type(model).__name__.encode())
+        for path, x in leaves(model):
+            h.update(f"{jax.tree_util.keystr(path)}:{tuple(x.shape)}:{x.dtype};".encode())
+        return h.hexdigest()[:16]
+
+    drafter = as_drafter(drafter)
+    models = [m for m in (target, drafter) if m is not None]
+    arrays = [x for m in models for _, x in leaves(m)]
+    weights = None
+    if arrays and not any(isinstance(x, jax.ShapeDtypeStruct) for x in arrays):
+        h = hashlib.sha256()
+        heads = [x.reshape(-1)[:8] if x.ndim < 2 else x[(0,) * (x.ndim - 1)][:8]
+                 for x in arrays]
+        for head in jax.device_get(heads):
+            h.update(np.asarray(head, np.float32).tobytes())
+        weights = h.hexdigest()[:16]
+    return {"vocab_size": int(target.config.vocab_size), "target": arch(target),
+            "drafter": arch(drafter), "weights": weights}
+
+
+def check_tuned_for(auto: AutoBudget, target, drafter=None) -> None:
+    """Raises ValueError (naming the tuning file and what differs) unless ``auto`` was
+    tuned for these models: the vocabulary, the target's and the drafter's architecture
+    and, where both sides have one, the weights digest (`model_fingerprint`)."""
+    want = dict(auto.models)
+    if not want:
+        return
+    have = model_fingerprint(target, drafter)
+    where = auto.source or "the automatic budget"
+    if want.get("vocab_size") != have["vocab_size"]:
+        raise ValueError(f"{where} was tuned for a vocabulary of {want.get('vocab_size')} "
+                         f"tokens, but this target has {have['vocab_size']}: rerun "
+                         "`tev-jax tune` for this model")
+    for key, what in (("target", "the target's architecture differs"),
+                      ("drafter", "the drafter's architecture differs"),
+                      ("weights", "the weights differ")):
+        if key == "weights" and (want.get(key) is None or have[key] is None):
+            continue
+        if want.get(key) != have[key]:
+            raise ValueError(f"{where} was tuned for other models ({what}: "
+                             f"{want.get(key)} there, {have[key]} here): rerun "
+                             "`tev-jax tune` for these models")
+
+
+def resolve_budget(config: DecodeConfig, batch_size: int, target=None, drafter=None
+                   ) -> DecodeConfig:
+    """``config`` with an automatic budget (`tev_jax.decode.AutoBudget`) resolved for a
+    batch of ``batch_size`` rows: a fixed DDTree budget, or ``builder='none'`` (plain
+    AR) where the tuning found nothing faster. Other configs come back unchanged.
+
+    Args:
+      config: a `DecodeConfig`.
+      batch_size: B, the rows decoded together.
+      target, drafter: the models; when given, the tuning must have been made for them
+        (`check_tuned_for`).
+    Raises:
+      ValueError: the tuning was made for other models or another vocabulary.
+    """
+    if not isinstance(config, DecodeConfig) or not isinstance(config.budget, AutoBudget):
+        return config
+    auto = config.budget
+    if config.builder != "ddtree":  # the budget is not read
+        return dataclasses.replace(config, budget=64, tuning=None)
+    if target is not None:
+        check_tuned_for(auto, target, drafter)
+    budget = auto.pick(batch_size)
+    if budget == 0:
+        return dataclasses.replace(config, builder="none", budget=64, tuning=None)
+    return dataclasses.replace(config, budget=budget, tuning=None)
+
+
 # ---------------------------------------------------------------------- the programs
 #
 # Jitted once here; the spec (hashable) and the graphdef are static, so every engine
@@ -314,6 +409,11 @@ def _refill_jit(graphdef, params, st, tokens_KT, lengths_K, slots_K, key, *, spe
                          axes=axes)
 
 
+@functools.partial(jax.jit, static_argnames=("graphdef", "spec", "axes"))
+def _take_jit(graphdef, params, st, rows_K, *, spec, axes):
+    return decode.take_rows(graphdef, params, st, rows_K, spec=spec, axes=axes)
+
+
 @functools.partial(jax.jit, static_argnames=("graphdef", "spec"), donate_argnames=("st",))
 def _run_rounds_jit(graphdef, params, st, until_done, max_rounds, *, spec):
     return decode.rounds_until(graphdef, params, st, until_done, max_rounds, spec=spec)
@@ -337,6 +437,9 @@ _MODEL_STAGES = ("draft", "verify")
 
 def _stage_spec(spec: DecodeSpec, stage: str) -> DecodeSpec:
     keep = {f: getattr(spec.config, f) for f in _STAGE_FIELDS[stage]}
+    if stage == "draft":  # draft only asks whether the builder reads the block
+        builder = extensions.resolve_builder(spec.config.builder, spec.config.budget)
+        keep["builder"] = "ddtree" if extensions.reads_draft_logits(builder) else "none"
     if stage == "decide" and keep["builder"] != "none":
         keep["builder"] = "chain"  # decide only asks whether there is a tree
     if stage == "commit" and not keep["track_exit_law"]:
@@ -545,6 +648,18 @@ class Engine:
         `tev_jax.decode.refill`. ``axes`` is `slot_axes`."""
         return self._call(_refill_jit, st, tokens_KT, lengths_K, slots_K, key, axes=axes)
 
+    def take_slots(self, st: DecodeState, rows, *, axes: tuple[int | None, ...]
+                   ) -> DecodeState:
+        """This engine's B slots filled with the rows ``rows`` (B indices) of a state of
+        another engine with the same shapes but more slots (an engine of the same
+        models and cache length): continuous batching moves its last running rows onto
+        a smaller program. ``axes`` is `slot_axes`."""
+        rows = np.asarray(rows, np.int32)
+        if rows.shape != (self.spec.batch_size,):
+            raise ValueError(f"take_slots needs {self.spec.batch_size} row indices, got "
+                             f"shape {rows.shape}")
+        return self._call(_take_jit, st, jnp.asarray(rows), axes=axes)
+
     def run_rounds(self, st: DecodeState, until_done: int, max_rounds: int) -> DecodeState:
         """Runs rounds until ``until_done`` rows are done, all are, or ``max_rounds``
         ran. Both bounds are traced, so every call reuses one compilation; ``st`` is
@@ -635,10 +750,12 @@ def _key(key) -> jax.Array:
 def engine_for(target, drafter, prompt_ids, config: DecodeConfig, *, mesh=None
                ) -> tuple[Engine, Prompts]:
     """The engine for one batch of prompts (its buffer: ``config.prompt_len`` or the
-    longest prompt) and the placed prompts."""
+    longest prompt) and the placed prompts; an automatic budget is resolved for the
+    batch (`resolve_budget`)."""
     if not isinstance(config, DecodeConfig):
         raise ValueError(f"config must be a DecodeConfig, got {type(config).__name__}")
     checked = check_prompts(prompt_ids, target.config.vocab_size, config.prompt_len)
+    config = resolve_budget(config, len(checked), target, drafter)
     width = config.prompt_len or max(len(p) for p in checked)
     engine = Engine.create(target, drafter, config, len(checked), prompt_len=width, mesh=mesh)
     return engine, engine.prompts(prompt_ids)
@@ -681,4 +798,5 @@ def generate_ar(target, prompt_ids: Sequence[Sequence[int]], config: DecodeConfi
 
 
 __all__ = ["PROGRAMS", "DecodeStats", "Engine", "Generation", "Prompts", "check_context",
-           "check_prompt", "check_prompts", "decode_spec", "engine_for", "generate", "generate_ar"]
+           "check_prompt", "check_prompts", "check_tuned_for", "decode_spec", "engine_for",
+           "generate", "generate_ar", "model_fingerprint", "resolve_budget"]

@@ -63,7 +63,9 @@ class TreeBuilder(Protocol):
         its top-k over a sharded vocabulary); the engine then calls it instead of
         ``jax.vmap(builder)``. A builder that knows N from its settings may define
         ``num_slots(horizon, vocab) -> N``; `builder_num_slots` then reads N without
-        tracing it (DDTree's N = budget + 1, whatever the budget).
+        tracing it (DDTree's N = budget + 1, whatever the budget). A builder whose
+        ``reads_draft_logits`` attribute is false receives None, and the engine skips
+        drafting (`reads_draft_logits`).
         """
 
 
@@ -140,8 +142,21 @@ def chain_builder(draft_logits_HV: jax.Array, root_token: jax.Array) -> DraftTre
 
 def root_only_builder(draft_logits_HV: jax.Array | None, root_token: jax.Array) -> DraftTree:
     """The root alone (N = 1): one autoregressive step of the target per round; the
-    draft logits are not read (None without a drafter)."""
+    draft logits are not read (None without a drafter). With a drafter (passed as
+    ``DecodeConfig(builder=root_only_builder)``) the rounds are AR steps that still give
+    the drafter the committed context, so speculative rounds can resume on the same
+    state (continuous batching's AR fallback)."""
     return ddtree.build_tree(draft_logits_HV, root_token, 0)[0]
+
+
+root_only_builder.reads_draft_logits = False
+
+
+def reads_draft_logits(builder: TreeBuilder) -> bool:
+    """Whether ``builder`` reads the draft logits. A builder with a false
+    ``reads_draft_logits`` attribute gets None: the engine skips drafting the block (the
+    drafter's context is still extended with what each round commits)."""
+    return bool(getattr(builder, "reads_draft_logits", True))
 
 
 BUILDERS: dict[str, Callable[[int], TreeBuilder]] = {
@@ -287,6 +302,6 @@ def check_verifier(verifier: Verifier, num_slots: int, horizon: int, vocab: int,
 __all__ = [
     "BUILDERS", "DDTreeBuilder", "NodeWeighting", "TreeBuilder", "Verifier", "batched",
     "builder_num_slots", "chain_builder", "check_hashable", "check_tree_struct",
-    "check_verdict", "check_verifier", "greedy_verifier", "resolve_builder",
-    "resolve_verifier", "root_only_builder", "VERIFIERS",
+    "check_verdict", "check_verifier", "greedy_verifier", "reads_draft_logits",
+    "resolve_builder", "resolve_verifier", "root_only_builder", "VERIFIERS",
 ]

@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 
 from tev_jax import batch_io, batching
-from tev_jax.decode import DecodeConfig
+from tev_jax.decode import AutoBudget, DecodeConfig
 from tev_jax.sharding import MESH_AXES
 
 
@@ -80,7 +80,8 @@ class FileJob:
         mesh_shape = [1 if mesh is None else int(mesh.shape.get(a, 1)) for a in MESH_AXES]
         return {
             "target": self.target, "drafter": self.drafter, "builder": config.builder,
-            "budget": config.budget if config.builder == "ddtree" else None,
+            "budget": (None if config.builder != "ddtree" else config.budget.as_dict()
+                       if isinstance(config.budget, AutoBudget) else config.budget),
             "verifier": config.verifier if config.builder != "none" else None,
             "temperature": s.temperature, "top_k": s.top_k, "top_p": s.top_p,
             "max_new_tokens": config.max_new_tokens,
