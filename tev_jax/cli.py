@@ -624,16 +624,21 @@ def _add_tune(sub) -> None:
                    help="comma-separated DDTree budgets (default 16,32,64,128)")
     p.add_argument("--batch", type=_ints, default=(1, 8),
                    help="comma-separated batch sizes (default 1,8)")
-    p.add_argument("--max-new-tokens", type=int, default=64)
-    p.add_argument("--verifier", choices=tuple(extensions.VERIFIERS), default="tev")
+    p.add_argument("--max-new-tokens", type=int, default=64,
+                   help="tokens of the target's own continuation per prompt (default 64)")
+    p.add_argument("--verifier", choices=tuple(extensions.VERIFIERS), default="tev",
+                   help="the verifier whose rounds are timed (default tev)")
     _add_sampling_flags(p, temperature=0.0)
     p.add_argument("--prompt-len", type=int, default=None,
                    help="prompt buffer (default: the longest prompt)")
-    p.add_argument("--truncate", choices=("none", "left"), default="none")
-    p.add_argument("--prefill-chunk", type=int, default=512)
+    p.add_argument("--truncate", choices=("none", "left"), default="none",
+                   help="left: keep the last --prompt-len tokens of a longer prompt")
+    p.add_argument("--prefill-chunk", type=int, default=512,
+                   help="prefill in chunks of this many tokens (default 512)")
     p.add_argument("--repeats", type=int, default=10, help="timed passes (median)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                   help="parameter and cache dtype (default float32)")
     p.add_argument("--topology", default=None, metavar="NAME",
                    help="costs from the TPU compiler's roofline for this slice (e.g. "
                         "v5e:2x4; tpu extra) instead of timing the local devices")
