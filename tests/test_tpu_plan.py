@@ -51,12 +51,12 @@ def _bound(n_devices: int) -> int:
 
 
 @needs_libtpu
-@pytest.mark.parametrize("name,axes", [("v5e:2x4", dict(tensor=8, fsdp=1)),
-                                       ("v5e:2x4", dict(data=2, tensor=4, fsdp=1)),
-                                       ("v5e:4x4", dict(data=2, tensor=8, fsdp=1))])
-def test_decode_programs_compile_for_a_tpu_slice(name, axes):
+@pytest.mark.parametrize("name,axes,programs", [
+    ("v5e:2x4", dict(tensor=8, fsdp=1), ("generation", "round", "ar_step")),
+    ("v5e:2x4", dict(data=2, tensor=4, fsdp=1), ("generation",)),
+    ("v5e:4x4", dict(data=2, tensor=8, fsdp=1), ("generation",))])
+def test_decode_programs_compile_for_a_tpu_slice(name, axes, programs):
     mesh, tpu = topology.slice_mesh(name, **axes)
-    programs = ("generation", "round", "ar_step")
     result = plan.plan_decode_programs(CFG, CONFIG, B, dtype=jnp.bfloat16, mesh=mesh,
                                        programs=programs, chip=tpu.chip,
                                        devices_per_chip=tpu.devices_per_chip)
@@ -65,10 +65,9 @@ def test_decode_programs_compile_for_a_tpu_slice(name, axes):
         report = result.programs[p]
         assert report.peak_bytes <= bound, (p, report.peak_bytes, bound)
         assert report.flops > 0 and report.bytes_accessed > 0
-    # a round verifies B x (budget + 1) tokens; an AR step B: more FLOPs, and a
-    # break-even tau above 1
-    assert result.programs["round"].flops > 4 * result.programs["ar_step"].flops
-    assert result.break_even_tau > 1
+    if "round" in programs:  # a round verifies B x (budget + 1) tokens, an AR step B
+        assert result.programs["round"].flops > 4 * result.programs["ar_step"].flops
+        assert result.break_even_tau > 1
 
 
 @needs_libtpu
