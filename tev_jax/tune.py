@@ -581,7 +581,7 @@ def tune(target, drafter, prompt_ids: Sequence[Sequence[int]], config: DecodeCon
     if topology is None:
         cost, ar = round_costs(target, drafter, prompts, config, budgets, batch_sizes,
                                repeats=repeats, key=key, mesh=mesh)
-        device = jax.devices()[0].device_kind
+        device = f"local {jax.devices()[0].device_kind}"
     else:
         cost, ar = roofline_costs(target.config, config, budgets, batch_sizes,
                                   topology=topology, mesh_axes=mesh_axes,
