@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import importlib.util
 import json
 
 import jax
@@ -282,6 +283,23 @@ def test_continuous_batching_switches_budgets_on_smaller_slots(models):
         ends = [j for j, t in enumerate(want) if t in stop]
         assert got[i].token_ids == (want[: ends[0] + 1] if ends else want), i
     assert any(r.rounds and r.tau > 1.0 for r in got.values())  # trees ran at the tail
+
+
+@pytest.mark.skipif(importlib.util.find_spec("libtpu") is None,
+                    reason="libtpu is not installed (pip install -e '.[tpu]')")
+def test_roofline_costs_for_a_tpu_slice():
+    """--topology: the round and AR step compiled for v5e:2x4 (tensor 8), roofline
+    seconds from the compiler's FLOPs and bytes; a tree round costs more than a step."""
+    cfg = ModelConfig("qwen3", vocab_size=4096, hidden_size=256, intermediate_size=768,
+                      num_layers=1, num_heads=16, num_kv_heads=8, head_dim=64, qk_norm=True,
+                      tie_word_embeddings=True)
+    cost, ar = tune.roofline_costs(cfg, decode.DecodeConfig(max_new_tokens=8, prompt_len=16),
+                                   [16], [2], topology="v5e:2x4")
+    assert set(cost) == {2} and set(cost[2]) == {16} and set(ar) == {2}
+    assert cost[2][16] > ar[2] > 0
+    with pytest.raises(ValueError, match="not a TPU slice name"):
+        tune.roofline_costs(cfg, decode.DecodeConfig(prompt_len=16), [16], [2],
+                            topology="nonsense")
 
 
 # ----------------------------------------------------------------------------- cli

@@ -605,16 +605,18 @@ def tune_command(args) -> int:
     return 0
 
 
+_TUNE_ABOUT = (
+    "Continues each prompt with the target's own text, runs one decode round at the "
+    "largest budget at every position, and reads τ(b) for every smaller budget from the "
+    "exit law (DDTree trees are nested); times one round per budget and batch size (or "
+    "the TPU roofline with --topology); prints, per batch size, the budget with the most "
+    "tokens/s, or AR where nothing beats it. --json FILE feeds `generate --budget auto "
+    "--tuning FILE`.")
+
+
 def _add_tune(sub) -> None:
-    p = sub.add_parser(
-        "tune", help="the best tree budget per batch size, from the exit law",
-        description="Continues each prompt with the target's own text, runs one decode "
-                    "round at the largest budget at every position, and reads τ(b) for "
-                    "every smaller budget from the exit law (DDTree trees are nested); "
-                    "times one round per budget and batch size (or the TPU roofline "
-                    "with --topology); prints, per batch size, the budget with the most "
-                    "tokens/s, or AR where nothing beats it. --json FILE feeds "
-                    "`generate --budget auto --tuning FILE`.")
+    p = sub.add_parser("tune", description=_TUNE_ABOUT,
+                       help="the best tree budget per batch size, from the exit law")
     p.add_argument("--prompts", required=True, metavar="FILE",
                    help="prompts file (as generate --prompts: JSONL or plain text)")
     p.add_argument("--target", default=None, help="target checkpoint (default: bundled)")

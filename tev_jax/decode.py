@@ -59,6 +59,18 @@ LEN_ALIGN = 8  # prompt and cache lengths are rounded up to this, to share compi
 STAGES = ("draft", "build", "verify", "decide", "commit")
 
 
+def read_tuning(path) -> dict:
+    """The JSON object of a tuning file; a ValueError naming the file otherwise."""
+    try:
+        tuning = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as e:
+        why = e.strerror if isinstance(e, OSError) and e.strerror else e
+        raise ValueError(f"cannot read the tuning file {path}: {why}") from None
+    if isinstance(tuning, dict):
+        return tuning
+    raise ValueError(f"the tuning file {path} must hold a JSON object")
+
+
 @dataclasses.dataclass(frozen=True)
 class AutoBudget:
     """The DDTree budget per batch size, from a tuning (`tev_jax.tune`).
@@ -122,17 +134,7 @@ class AutoBudget:
     @classmethod
     def load(cls, path) -> AutoBudget:
         """`from_tuning` of a tuning file (``tev-jax tune --json FILE``)."""
-        try:
-            text = Path(path).read_text()
-        except OSError as e:
-            raise ValueError(f"cannot read the tuning file {path}: {e.strerror or e}") from None
-        try:
-            tuning = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"the tuning file {path} is not JSON: {e}") from None
-        if not isinstance(tuning, dict):
-            raise ValueError(f"the tuning file {path} must hold a JSON object")
-        return cls.from_tuning(tuning, source=str(path))
+        return cls.from_tuning(read_tuning(path), source=str(path))
 
     def as_dict(self) -> dict:
         """JSON form: ``{"auto": {"<B>": budget}, "source": path}``."""
@@ -658,7 +660,7 @@ def rounds_until(graphdef, params, st: DecodeState, until_done, max_rounds, *,
     return st
 
 
-__all__ = ["LEN_ALIGN", "PAD_TOKEN", "STAGES", "AutoBudget", "DecodeConfig", "DecodeSpec", "DecodeState",
+__all__ = ["LEN_ALIGN", "PAD_TOKEN", "STAGES", "AutoBudget", "DecodeConfig", "read_tuning", "DecodeSpec", "DecodeState",
            "build_stage", "commit_stage", "constrain_state", "decide_stage", "decode_round",
            "draft_stage", "empty_state", "generation", "merge_models", "prefill", "refill",
            "row_axes", "rounds_until", "running", "state_axes", "state_shapes",

@@ -292,31 +292,35 @@ def model_fingerprint(target, drafter=None) -> dict:
     and dtypes; the weights digest hashes the first few values of every parameter (None
     for abstract models). Cheap: a few values per array leave the devices.
     """
-    def leaves(model):
-        state = nnx.state(model, nnx.Param)
-        return jax.tree_util.tree_flatten_with_path(state)[0]
+    drafter = as_drafter(drafter)
+    flat = {name: None if m is None else
+            jax.tree_util.tree_flatten_with_path(nnx.state(m, nnx.Param))[0]
+            for name, m in (("target", target), ("drafter", drafter))}
 
-    def arch(model):
+    def arch(name, model):
         if model is None:
             return None
         h = hashlib.sha256(type(model).__name__.encode())
-        for path, x in leaves(model):
+        for path, x in flat[name]:
             h.update(f"{jax.tree_util.keystr(path)}:{tuple(x.shape)}:{x.dtype};".encode())
         return h.hexdigest()[:16]
 
-    drafter = as_drafter(drafter)
-    models = [m for m in (target, drafter) if m is not None]
-    arrays = [x for m in models for _, x in leaves(m)]
+    arrays = [x for leaves in flat.values() if leaves for _, x in leaves]
     weights = None
     if arrays and not any(isinstance(x, jax.ShapeDtypeStruct) for x in arrays):
-        h = hashlib.sha256()
-        heads = [x.reshape(-1)[:8] if x.ndim < 2 else x[(0,) * (x.ndim - 1)][:8]
-                 for x in arrays]
-        for head in jax.device_get(heads):
-            h.update(np.asarray(head, np.float32).tobytes())
-        weights = h.hexdigest()[:16]
-    return {"vocab_size": int(target.config.vocab_size), "target": arch(target),
-            "drafter": arch(drafter), "weights": weights}
+        heads = np.asarray(jax.device_get(_weight_heads(arrays)), np.float32)
+        weights = hashlib.sha256(heads.tobytes()).hexdigest()[:16]
+    return {"vocab_size": int(target.config.vocab_size), "target": arch("target", target),
+            "drafter": arch("drafter", drafter), "weights": weights}
+
+
+@jax.jit
+def _weight_heads(arrays):
+    """The first (up to) 8 values of the first row of every array, as one float32
+    vector: one program and one transfer, whatever the number of arrays."""
+    heads = [x.reshape(-1)[:8] if x.ndim < 2 else x[(0,) * (x.ndim - 1)][:8]
+             for x in arrays]
+    return jnp.concatenate([h.astype(jnp.float32) for h in heads])
 
 
 def check_tuned_for(auto: AutoBudget, target, drafter=None) -> None:

@@ -51,7 +51,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from tev_jax import decode
-from tev_jax.decode import AutoBudget, DecodeConfig
+from tev_jax.decode import AutoBudget, DecodeConfig, read_tuning
 from tev_jax.drafters import DFlashDrafter, as_drafter
 from tev_jax.engine import Engine, check_prompts, model_fingerprint
 from tev_jax.exit_law import exit_law
@@ -227,7 +227,6 @@ def block_length_survival(tr: TreeReach) -> np.ndarray:
     """float64 [C, N, H + 1]: ``Pr(L > d)`` for the budget-b tree (axis 1 = b) and
     d = 0 .. H, L the output-block length. Target flow reaches depth d at one node at
     most, so ``Pr(L > d)`` is the reach summed over the first b slots at depth d."""
-    c, n = tr.reach.shape
     at = tr.depth[:, :, None] == np.arange(tr.horizon + 1)[None, None, :]
     at[:, 0, :] = False  # the root
     surv = np.cumsum(tr.reach[:, :, None] * at, axis=1)
@@ -310,6 +309,12 @@ def _copy(st):
     return jax.tree.map(jnp.copy, st)
 
 
+@functools.partial(jax.jit, donate_argnames=("st",))
+def _noop(params, st):
+    """A program with a round's arguments that does nothing: the cost of a call."""
+    return st
+
+
 def round_costs(target, drafter, prompt_ids: Sequence[Sequence[int]], config: DecodeConfig,
                 budgets: Sequence[int], batch_sizes: Sequence[int], *, repeats: int = 10,
                 key: jax.Array | int = 0, seed: int = 0, mesh=None
@@ -321,8 +326,11 @@ def round_costs(target, drafter, prompt_ids: Sequence[Sequence[int]], config: De
     ``builder='none'``) is compiled and run once first; then ``repeats`` passes time one
     round of each from a copy of its prefilled state (the round donates its state), the
     programs in a fresh random order every pass so that load drift hits them alike. The
-    median counts. Each program has the cache length `tev_jax.engine.generate` gives it
-    (P + M + N, unless ``config.max_cache_len`` fixes one for all).
+    median counts, less the median of a no-op program called with the same arguments:
+    the dispatch of a call, which the fused loop of `tev_jax.engine.generate` does not
+    pay every round (a fifth of a small AR step on a CPU). Each program has the cache
+    length `tev_jax.engine.generate` gives it (P + M + N, unless
+    ``config.max_cache_len`` fixes one for all).
 
     Args:
       target, drafter: the models.
@@ -345,20 +353,24 @@ def round_costs(target, drafter, prompt_ids: Sequence[Sequence[int]], config: De
             cfg = (dataclasses.replace(base, builder="none", budget=64) if b == 0
                    else dataclasses.replace(base, builder="ddtree", budget=b))
             engine = Engine.create(target, None if b == 0 else drafter, cfg, bs, mesh=mesh)
-            st = engine.prefill(engine.prompts(rows), _key(key))
-            jax.block_until_ready(engine.round(_copy(st)))  # compile
-            engines[bs, b], states[bs, b] = engine, st
-    times: dict[tuple[int, int], list[float]] = {k: [] for k in engines}
+            engines[bs, b] = engine
+            states[bs, b] = engine.prefill(engine.prompts(rows), _key(key))
+    calls = {(k, "round"): engines[k].round for k in engines}
+    calls |= {(k, "noop"): functools.partial(_noop, engines[k].params) for k in engines}
+    for (k, _), call in calls.items():
+        jax.block_until_ready(call(_copy(states[k])))
+    times: dict[Any, list[float]] = {k: [] for k in calls}
     rng = np.random.default_rng(seed)
-    names = list(engines)
+    names = list(calls)
     for _ in range(max(repeats, 1)):
         for i in rng.permutation(len(names)):
             name = names[i]
-            st = jax.block_until_ready(_copy(states[name]))
+            st = jax.block_until_ready(_copy(states[name[0]]))
             t0 = time.perf_counter()
-            jax.block_until_ready(engines[name].round(st))
+            jax.block_until_ready(calls[name](st))
             times[name].append(time.perf_counter() - t0)
-    med = {k: float(np.median(v)) for k, v in times.items()}
+    med = {k: max(float(np.median(times[k, "round"]) - np.median(times[k, "noop"])), 1e-9)
+           for k in engines}
     cost = {bs: {b: med[bs, b] for b in budgets} for bs in batch_sizes}
     return cost, {bs: med[bs, 0] for bs in batch_sizes}
 
@@ -496,15 +508,7 @@ class Tuning:
 
     @classmethod
     def read(cls, path) -> Tuning:
-        try:
-            d = json.loads(Path(path).read_text())
-        except OSError as e:
-            raise ValueError(f"cannot read the tuning file {path}: {e.strerror or e}") from None
-        except json.JSONDecodeError as e:
-            raise ValueError(f"the tuning file {path} is not JSON: {e}") from None
-        if not isinstance(d, dict):
-            raise ValueError(f"the tuning file {path} must hold a JSON object")
-        return cls.from_dict(d, source=str(path))
+        return cls.from_dict(read_tuning(path), source=str(path))
 
     def auto_budget(self, source: str = "") -> AutoBudget:
         """The `tev_jax.decode.AutoBudget` of ``DecodeConfig(budget=...)``."""
@@ -577,7 +581,7 @@ def tune(target, drafter, prompt_ids: Sequence[Sequence[int]], config: DecodeCon
     if topology is None:
         cost, ar = round_costs(target, drafter, prompts, config, budgets, batch_sizes,
                                repeats=repeats, key=key, mesh=mesh)
-        device = jax.devices()[0].device_kind
+        device = f"local {jax.devices()[0].device_kind}"
     else:
         cost, ar = roofline_costs(target.config, config, budgets, batch_sizes,
                                   topology=topology, mesh_axes=mesh_axes,
