@@ -56,6 +56,7 @@ EXCLUDED = {
     "tev_jax.extensions.check_verifier": "host-side shape check (jax.eval_shape)",
     "tev_jax.extensions.resolve_builder": "host-side name lookup",
     "tev_jax.extensions.resolve_verifier": "host-side name lookup",
+    "tev_jax.extensions.reads_draft_logits": "host-side attribute lookup of a builder",
     # Model forward passes: functions of a Target module and its caches, compared with
     # dense references (and jitted, as the train step runs them) in test_exit_train.
     "tev_jax.exit_train.target_context": "target forward pass (test_exit_train)",
