@@ -17,7 +17,6 @@ import shutil
 import signal
 import sys
 
-import numpy as np
 import pytest
 
 import train_fixtures as tf

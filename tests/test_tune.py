@@ -29,6 +29,7 @@ from hypothesis import strategies as st
 
 from decode_fixtures import TableDrafter, greedy_reference, oracle_table, tiny_target
 from tev_jax import batching, cli, ddtree, decode, engine, extensions, tune
+from tev_jax.budget import AutoBudget, model_fingerprint, resolve_budget
 from tev_jax.data import load_default_tokenizer
 from tev_jax.exit_law import exit_law
 from tev_jax.models import ModelConfig, init_target, save_target
@@ -196,11 +197,11 @@ def test_tuning_file_round_trips_and_feeds_auto(tmp_path, tuned, models):
     assert again == tuned
     config = decode.DecodeConfig(budget="auto", tuning=str(path))
     auto = config.budget
-    assert isinstance(auto, decode.AutoBudget) and auto.source == str(path)
+    assert isinstance(auto, AutoBudget) and auto.source == str(path)
     assert auto.table == ((1, tuned.best[1]["budget"]),)
     hash(config)  # a static jit argument
     target, drafter = models
-    resolved = engine.resolve_budget(config, 1, target, drafter)
+    resolved = resolve_budget(config, 1, target, drafter)
     want = tuned.best[1]["budget"]
     assert (resolved.builder, resolved.budget) == (("none", 64) if want == 0
                                                    else ("ddtree", want))
@@ -213,15 +214,15 @@ def test_tuning_refuses_other_models_and_bad_files(tmp_path, tuned, models):
     config = decode.DecodeConfig(budget="auto", tuning=str(path))
     cfg = target.config
     with pytest.raises(ValueError, match="vocabulary of 64 tokens, but this target has 96"):
-        engine.resolve_budget(config, 1, init_target(dataclasses.replace(cfg, vocab_size=96)),
+        resolve_budget(config, 1, init_target(dataclasses.replace(cfg, vocab_size=96)),
                               drafter)
     with pytest.raises(ValueError, match="target's architecture differs"):
-        engine.resolve_budget(config, 1, init_target(dataclasses.replace(cfg, num_layers=3)),
+        resolve_budget(config, 1, init_target(dataclasses.replace(cfg, num_layers=3)),
                               drafter)
     with pytest.raises(ValueError, match="the weights differ"):
-        engine.resolve_budget(config, 1, tiny_target(seed=4), drafter)
+        resolve_budget(config, 1, tiny_target(seed=4), drafter)
     with pytest.raises(ValueError, match="drafter's architecture differs"):
-        engine.resolve_budget(config, 1, target, init_drafter(target, num_layers=1,
+        resolve_budget(config, 1, target, init_drafter(target, num_layers=1,
                                                               block_size=H + 1,
                                                               mask_token_id=V - 1))
     with pytest.raises(ValueError, match="needs a tuning file"):
@@ -242,7 +243,7 @@ def test_tuning_refuses_other_models_and_bad_files(tmp_path, tuned, models):
 
 def test_auto_picks_per_batch_size(models, prompts):
     target, drafter = models
-    auto = decode.AutoBudget(((3, N_MAX), (8, 0), (1, 2)))
+    auto = AutoBudget(((3, N_MAX), (8, 0), (1, 2)))
     assert auto.table == ((1, 2), (3, N_MAX), (8, 0))
     assert [auto.pick(b) for b in (1, 2, 3, 4, 5, 6, 64)] == [2, N_MAX, N_MAX, N_MAX, 0, 0, 0]
     config = decode.DecodeConfig(max_new_tokens=M, budget=auto, prompt_len=16)
@@ -266,7 +267,7 @@ def test_continuous_batching_switches_budgets_on_smaller_slots(models):
     firsts = {t: {row.index(t) for row in reference if t in row} for t in range(V)}
     stop = (max(range(V), key=lambda t: (len(firsts[t]) if
                                          sum(t in row for row in reference) < 4 else 0)),)
-    auto = decode.AutoBudget(((1, N_MAX), (2, 0)))
+    auto = AutoBudget(((1, N_MAX), (2, 0)))
     config = decode.DecodeConfig(max_new_tokens=M, budget=auto, prompt_len=16,
                                  stop_token_ids=stop)
     plan = batching.slot_configs(config, 2)
@@ -317,7 +318,7 @@ def test_cli_tune_then_generate_auto(tmp_path, capsys, monkeypatch, tuned):
             tuned, tau={2: 1.5, 4: 1.6}, tau_se={2: 0.1, 4: 0.1},
             cost_seconds={1: {2: 1.0, 4: 1.0}}, ar_seconds={1: 1.0},
             best={1: {"budget": 4, "tau": 1.6, "tokens_per_second": 1.6, "speedup": 1.6}},
-            model=engine.model_fingerprint(target, drafter))
+            model=model_fingerprint(target, drafter))
 
     monkeypatch.setattr(tune, "tune", stand_in)
     tokenizer = load_default_tokenizer()

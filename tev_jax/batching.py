@@ -26,8 +26,9 @@ import jax
 import numpy as np
 
 from tev_jax import decode, extensions
+from tev_jax.budget import AutoBudget, check_tuned_for
 from tev_jax import sharding as shd
-from tev_jax.engine import Engine, check_prompt, check_tuned_for
+from tev_jax.engine import Engine, check_prompt
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,7 +87,7 @@ def slot_configs(config: decode.DecodeConfig, batch_size: int, *, mesh=None
     """The round program of each slot count continuous batching may run: slots -> config.
 
     A fixed budget runs one program of ``batch_size`` slots. An automatic budget
-    (`tev_jax.decode.AutoBudget`) also runs the smaller slot counts of `row_buckets`
+    (`tev_jax.budget.AutoBudget`) also runs the smaller slot counts of `row_buckets`
     (those the mesh divides): once no request is left, the last running rows move onto
     the smallest program that holds them, and each slot count decodes with the budget
     its tuning picks for that batch. All programs share one state layout: one cache
@@ -94,7 +95,7 @@ def slot_configs(config: decode.DecodeConfig, batch_size: int, *, mesh=None
     counts keep the drafter's context (`tev_jax.extensions.root_only_builder`) so that
     tree rounds can resume; where it says AR throughout, plain AR without a drafter.
     """
-    auto = config.budget if isinstance(config.budget, decode.AutoBudget) else None
+    auto = config.budget if isinstance(config.budget, AutoBudget) else None
     if auto is None:
         return {batch_size: config}
     if config.builder != "ddtree":  # the budget is not read
@@ -160,7 +161,7 @@ def generate_continuous(target, drafter, requests: Iterable[Request],
     if config.track_exit_law:
         raise ValueError("track_exit_law records per round of the whole batch; it is not "
                          "supported with continuous batching")
-    if isinstance(config.budget, decode.AutoBudget) and config.builder == "ddtree":
+    if isinstance(config.budget, AutoBudget) and config.builder == "ddtree":
         check_tuned_for(config.budget, target, drafter)
     configs = slot_configs(config, batch_size, mesh=mesh)
     engines: dict[int, Engine] = {}

@@ -22,8 +22,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from tev_jax import extensions
-from tev_jax.decode import AutoBudget, DecodeConfig
-from tev_jax.engine import resolve_budget
+from tev_jax.budget import AutoBudget, resolve_budget
+from tev_jax.decode import DecodeConfig
 from tev_jax.exits import (EXIT_RESUMABLE, EXIT_USAGE, flag_names, interrupt_exit,
                            name_flags, signals_as_interrupts)
 from tev_jax.exit_law import exit_law
@@ -163,16 +163,11 @@ def _budget(text: str) -> int | str:
         raise argparse.ArgumentTypeError(f"must be an int or 'auto', got {text!r}") from None
 
 
-def add_decode_flags(p, *, max_new_tokens: int = 256) -> None:
+def add_decode_flags(p, *, max_new_tokens: int = 256, tree: bool = True) -> None:
     """The flags of a `DecodeConfig` (the builder and verifier choices are the
-    registries' names)."""
-    p.add_argument("--builder", choices=tuple(extensions.BUILDERS), default="ddtree",
-                   help="ddtree (default), chain (plain DFlash) or none (autoregressive)")
-    p.add_argument("--budget", type=_budget, default=64,
-                   help="DDTree node budget (default %(default)s), or auto: the best budget "
-                        "for the batch size from --tuning (plain AR where that is faster)")
-    p.add_argument("--tuning", default=None, metavar="FILE",
-                   help="with --budget auto: a tuning file of `tev-jax tune --json FILE`")
+    registries' names); ``tree=False`` leaves out the tree's (builder, budget, tuning)."""
+    if tree:
+        _add_tree_flags(p)
     p.add_argument("--verifier", choices=tuple(extensions.VERIFIERS), default="tev",
                    help="exact tree verifier (default %(default)s; greedy: T = 0 only)")
     _add_sampling_flags(p, temperature=0.0)
@@ -183,15 +178,25 @@ def add_decode_flags(p, *, max_new_tokens: int = 256) -> None:
                         "default %(default)s)")
 
 
+def _add_tree_flags(p) -> None:
+    p.add_argument("--builder", choices=tuple(extensions.BUILDERS), default="ddtree",
+                   help="ddtree (default), chain (plain DFlash) or none (autoregressive)")
+    p.add_argument("--budget", type=_budget, default=64,
+                   help="DDTree node budget (default %(default)s), or auto: the best budget "
+                        "for the batch size from --tuning (plain AR where that is faster)")
+    p.add_argument("--tuning", default=None, metavar="FILE",
+                   help="with --budget auto: a tuning file of `tev-jax tune --json FILE`")
+
+
 def decode_config(args, **fields) -> DecodeConfig:
-    """The `DecodeConfig` of `add_decode_flags`'s flags; ``fields`` override or add."""
-    tuning = getattr(args, "tuning", None)
-    if tuning is not None and args.budget != "auto":
+    """The `DecodeConfig` of `add_decode_flags`'s flags (the tree's at their defaults
+    where the command has none); ``fields`` override or add."""
+    tree = {k: getattr(args, k) for k in ("builder", "budget", "tuning") if hasattr(args, k)}
+    if tree.get("tuning") is not None and tree["budget"] != "auto":
         raise ValueError("--tuning is read with --budget auto")
-    return DecodeConfig(**{
-        "max_new_tokens": args.max_new_tokens, "builder": args.builder,
-        "budget": args.budget, "verifier": args.verifier, "sampling": _sampling_from(args),
-        "prefill_chunk": args.prefill_chunk, "tuning": tuning} | fields)
+    return DecodeConfig(**tree | {
+        "max_new_tokens": args.max_new_tokens, "verifier": args.verifier,
+        "sampling": _sampling_from(args), "prefill_chunk": args.prefill_chunk} | fields)
 
 
 def _method(config: DecodeConfig, auto: str | None = None) -> str:
@@ -583,10 +588,8 @@ def tune_command(args) -> int:
         batch_io.read_prompts(args.prompts), tokenizer, chat,
         vocab_size=target.config.vocab_size, prompt_len=args.prompt_len,
         truncate=args.truncate == "left", where=args.prompts)
-    config = DecodeConfig(max_new_tokens=args.max_new_tokens, verifier=args.verifier,
-                          sampling=_sampling_from(args), prompt_len=args.prompt_len,
-                          stop_token_ids=stop_token_ids(target, tokenizer),
-                          prefill_chunk=args.prefill_chunk)
+    config = decode_config(args, prompt_len=args.prompt_len,
+                           stop_token_ids=stop_token_ids(target, tokenizer))
     mesh_axes = (args.mesh_data, args.mesh_fsdp, args.mesh_tensor)
     result = tune.tune(target, drafter, [r.prompt_ids for r in requests], config,
                        budgets=args.budgets, batch_sizes=args.batch, repeats=args.repeats,
@@ -626,17 +629,11 @@ def _add_tune(sub) -> None:
                    help="comma-separated DDTree budgets (default 16,32,64,128)")
     p.add_argument("--batch", type=_ints, default=(1, 8),
                    help="comma-separated batch sizes (default 1,8)")
-    p.add_argument("--max-new-tokens", type=int, default=64,
-                   help="tokens of the target's own continuation per prompt (default 64)")
-    p.add_argument("--verifier", choices=tuple(extensions.VERIFIERS), default="tev",
-                   help="the verifier whose rounds are timed (default tev)")
-    _add_sampling_flags(p, temperature=0.0)
+    add_decode_flags(p, max_new_tokens=64, tree=False)
     p.add_argument("--prompt-len", type=int, default=None,
                    help="prompt buffer (default: the longest prompt)")
     p.add_argument("--truncate", choices=("none", "left"), default="none",
                    help="left: keep the last --prompt-len tokens of a longer prompt")
-    p.add_argument("--prefill-chunk", type=int, default=512,
-                   help="prefill in chunks of this many tokens (default 512)")
     p.add_argument("--repeats", type=int, default=10, help="timed passes (median)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",

@@ -35,9 +35,6 @@ jits these functions; use it rather than calling them directly.
 from __future__ import annotations
 
 import dataclasses
-import json
-import math
-from pathlib import Path
 from typing import Any
 
 import jax
@@ -46,6 +43,7 @@ from flax import nnx, struct
 from jax.sharding import NamedSharding
 
 from tev_jax import extensions
+from tev_jax.budget import AutoBudget
 from tev_jax import sharding as shd
 from tev_jax import verify as verify_lib
 from tev_jax.exit_law import exit_law
@@ -57,88 +55,6 @@ from tev_jax.vocab import sample_token
 PAD_TOKEN = -1
 LEN_ALIGN = 8  # prompt and cache lengths are rounded up to this, to share compilations
 STAGES = ("draft", "build", "verify", "decide", "commit")
-
-
-def read_tuning(path) -> dict:
-    """The JSON object of a tuning file; a ValueError naming the file otherwise."""
-    try:
-        tuning = json.loads(Path(path).read_text())
-    except (OSError, ValueError) as e:
-        why = e.strerror if isinstance(e, OSError) and e.strerror else e
-        raise ValueError(f"cannot read the tuning file {path}: {why}") from None
-    if isinstance(tuning, dict):
-        return tuning
-    raise ValueError(f"the tuning file {path} must hold a JSON object")
-
-
-@dataclasses.dataclass(frozen=True)
-class AutoBudget:
-    """The DDTree budget per batch size, from a tuning (`tev_jax.tune`).
-
-    ``DecodeConfig(budget=AutoBudget(...))`` (or ``budget='auto', tuning=FILE``) decodes
-    each batch with the budget its tuning found best for that batch size, or with plain
-    AR where nothing beat it (budget 0). It is resolved to an int before an engine is
-    built (`tev_jax.engine.resolve_budget`), which also checks that the models are the
-    ones it was tuned for. Hashable, like the config that holds it.
-
-    Attributes:
-      table: ``((B, budget), ...)`` sorted by B; budget 0 means plain AR.
-      models: the fingerprint of the models it was tuned for, as sorted ``(key, value)``
-        pairs (`tev_jax.engine.model_fingerprint`); empty: not checked.
-      source: where it came from (the tuning file), for messages.
-    """
-
-    table: tuple[tuple[int, int], ...]
-    models: tuple[tuple[str, Any], ...] = ()
-    source: str = ""
-
-    def __post_init__(self):
-        table = tuple(sorted((int(b), int(n)) for b, n in self.table))
-        if not table:
-            raise ValueError(f"the automatic budget of {self.source or 'a tuning'} has no "
-                             "batch sizes")
-        if any(b < 1 or n < 0 for b, n in table) or len({b for b, _ in table}) < len(table):
-            raise ValueError(f"the automatic budget of {self.source or 'a tuning'} must map "
-                             f"distinct batch sizes >= 1 to budgets >= 0, got {table}")
-        object.__setattr__(self, "table", table)
-        object.__setattr__(self, "models", tuple(sorted(dict(self.models).items())))
-
-    @property
-    def budgets(self) -> tuple[int, ...]:
-        """The DDTree budgets of the table (AR, 0, left out), smallest first."""
-        return tuple(sorted({n for _, n in self.table if n > 0}))
-
-    def pick(self, batch_size: int) -> int:
-        """The budget for ``batch_size`` rows (0: plain AR): that of the tabulated batch
-        size nearest on a log scale (the smaller one on a tie)."""
-        if not isinstance(batch_size, int) or batch_size < 1:
-            raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
-        dist = lambda entry: (abs(math.log2(entry[0] / batch_size)), entry[0])
-        return min(self.table, key=dist)[1]
-
-    @classmethod
-    def from_tuning(cls, tuning: dict, source: str = "") -> AutoBudget:
-        """The table of a tuning file's JSON (its ``best`` and ``model`` entries)."""
-        where = source or "the tuning"
-        try:
-            table = tuple((int(b), int(v["budget"])) for b, v in tuning["best"].items())
-        except (KeyError, TypeError, ValueError, AttributeError) as e:
-            raise ValueError(f"{where} is not a tuning file (`tev-jax tune --json`): its "
-                             f"'best' entry must map batch sizes to {{'budget': int, ...}} "
-                             f"({type(e).__name__}: {e})") from None
-        models = tuning.get("model") or {}
-        if not isinstance(models, dict):
-            raise ValueError(f"{where}: 'model' must be an object, got {type(models).__name__}")
-        return cls(table=table, models=tuple(models.items()), source=source)
-
-    @classmethod
-    def load(cls, path) -> AutoBudget:
-        """`from_tuning` of a tuning file (``tev-jax tune --json FILE``)."""
-        return cls.from_tuning(read_tuning(path), source=str(path))
-
-    def as_dict(self) -> dict:
-        """JSON form: ``{"auto": {"<B>": budget}, "source": path}``."""
-        return {"auto": {str(b): n for b, n in self.table}, "source": self.source}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -154,7 +70,7 @@ class DecodeConfig:
         `tev_jax.extensions.TreeBuilder`; N is read from its output shape).
       budget: DDTree node budget (non-root nodes); ignored by the other builders. An
         `AutoBudget` (or ``'auto'`` with ``tuning``) picks it per batch size from a
-        tuning (`tev_jax.tune`); `tev_jax.engine.resolve_budget` turns it into an int
+        tuning (`tev_jax.tune`); `tev_jax.budget.resolve_budget` turns it into an int
         (or into plain AR, where the tuning says so) before an engine is built.
       verifier: 'tev', 'predraw', 'sequential', 'greedy' (T = 0 only), or a callable
         ``(key, tree, target_logits_NV, sampling, *, horizon) -> Verdict`` (for
@@ -660,7 +576,7 @@ def rounds_until(graphdef, params, st: DecodeState, until_done, max_rounds, *,
     return st
 
 
-__all__ = ["LEN_ALIGN", "PAD_TOKEN", "STAGES", "AutoBudget", "DecodeConfig", "read_tuning", "DecodeSpec", "DecodeState",
+__all__ = ["LEN_ALIGN", "PAD_TOKEN", "STAGES", "DecodeConfig", "DecodeSpec", "DecodeState",
            "build_stage", "commit_stage", "constrain_state", "decide_stage", "decode_round",
            "draft_stage", "empty_state", "generation", "merge_models", "prefill", "refill",
            "row_axes", "rounds_until", "running", "state_axes", "state_shapes",

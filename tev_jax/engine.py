@@ -21,8 +21,8 @@ same spec (two engines with equal configs reuse one compilation). The engine is 
 `generate` and `generate_ar` are the one-call forms; `tev_jax.batching` drives the slot
 programs (`empty_slots`, `refill`, `run_rounds`, `take_slots`), `tev_jax.profile` times
 the fused program and the stage programs (`stage`), and `tev_jax.plan` compiles the
-`lower` of each. An automatic budget (`tev_jax.decode.AutoBudget`, from `tev_jax.tune`)
-is resolved to a fixed one before an engine is built (`resolve_budget`).
+`lower` of each. An automatic budget (`tev_jax.budget.AutoBudget`, from `tev_jax.tune`)
+is resolved to a fixed one before an engine is built (`tev_jax.budget.resolve_budget`).
 """
 
 from __future__ import annotations
@@ -30,7 +30,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import hashlib
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -41,7 +40,8 @@ from flax import nnx
 
 from tev_jax import decode, extensions
 from tev_jax import sharding as shd
-from tev_jax.decode import AutoBudget, DecodeConfig, DecodeSpec, DecodeState
+from tev_jax.budget import AutoBudget, resolve_budget
+from tev_jax.decode import DecodeConfig, DecodeSpec, DecodeState
 from tev_jax.drafters import DrafterProtocol, as_drafter
 
 PROGRAMS = ("generate", "prefill", "round", "run_rounds", *decode.STAGES)
@@ -214,7 +214,7 @@ def _spec_of(target, drafter, config: DecodeConfig, batch_size: int, prompt_len:
         raise ValueError(f"config must be a DecodeConfig, got {type(config).__name__}")
     if isinstance(config.budget, AutoBudget):
         raise ValueError("an engine needs a fixed budget: resolve budget='auto' for the "
-                         "batch first (tev_jax.engine.resolve_budget)")
+                         "batch first (tev_jax.budget.resolve_budget)")
     if not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
     if not isinstance(prompt_len, int) or prompt_len < 1:
@@ -279,99 +279,6 @@ def decode_spec(target, drafter, config: DecodeConfig, batch_size: int, *,
       ValueError: as `Engine.create`.
     """
     return _spec_of(target, drafter, config, batch_size, _width(config, prompt_len), mesh)[1]
-
-
-# ------------------------------------------------------------ the automatic budget
-
-
-def model_fingerprint(target, drafter=None) -> dict:
-    """What identifies a (target, drafter) pair to a tuning: ``{"vocab_size": V,
-    "target": digest, "drafter": digest or None, "weights": digest or None}``.
-
-    The architecture digests hash each model's type and its parameters' paths, shapes
-    and dtypes; the weights digest hashes the first few values of every parameter (None
-    for abstract models). Cheap: a few values per array leave the devices.
-    """
-    drafter = as_drafter(drafter)
-    flat = {name: None if m is None else
-            jax.tree_util.tree_flatten_with_path(nnx.state(m, nnx.Param))[0]
-            for name, m in (("target", target), ("drafter", drafter))}
-
-    def arch(name, model):
-        if model is None:
-            return None
-        h = hashlib.sha256(type(model).__name__.encode())
-        for path, x in flat[name]:
-            h.update(f"{jax.tree_util.keystr(path)}:{tuple(x.shape)}:{x.dtype};".encode())
-        return h.hexdigest()[:16]
-
-    arrays = [x for leaves in flat.values() if leaves for _, x in leaves]
-    weights = None
-    if arrays and not any(isinstance(x, jax.ShapeDtypeStruct) for x in arrays):
-        heads = np.asarray(jax.device_get(_weight_heads(arrays)), np.float32)
-        weights = hashlib.sha256(heads.tobytes()).hexdigest()[:16]
-    return {"vocab_size": int(target.config.vocab_size), "target": arch("target", target),
-            "drafter": arch("drafter", drafter), "weights": weights}
-
-
-@jax.jit
-def _weight_heads(arrays):
-    """The first (up to) 8 values of the first row of every array, as one float32
-    vector: one program and one transfer, whatever the number of arrays."""
-    heads = [x.reshape(-1)[:8] if x.ndim < 2 else x[(0,) * (x.ndim - 1)][:8]
-             for x in arrays]
-    return jnp.concatenate([h.astype(jnp.float32) for h in heads])
-
-
-def check_tuned_for(auto: AutoBudget, target, drafter=None) -> None:
-    """Raises ValueError (naming the tuning file and what differs) unless ``auto`` was
-    tuned for these models: the vocabulary, the target's and the drafter's architecture
-    and, where both sides have one, the weights digest (`model_fingerprint`)."""
-    want = dict(auto.models)
-    if not want:
-        return
-    have = model_fingerprint(target, drafter)
-    where = auto.source or "the automatic budget"
-    if want.get("vocab_size") != have["vocab_size"]:
-        raise ValueError(f"{where} was tuned for a vocabulary of {want.get('vocab_size')} "
-                         f"tokens, but this target has {have['vocab_size']}: rerun "
-                         "`tev-jax tune` for this model")
-    for key, what in (("target", "the target's architecture differs"),
-                      ("drafter", "the drafter's architecture differs"),
-                      ("weights", "the weights differ")):
-        if key == "weights" and (want.get(key) is None or have[key] is None):
-            continue
-        if want.get(key) != have[key]:
-            raise ValueError(f"{where} was tuned for other models ({what}: "
-                             f"{want.get(key)} there, {have[key]} here): rerun "
-                             "`tev-jax tune` for these models")
-
-
-def resolve_budget(config: DecodeConfig, batch_size: int, target=None, drafter=None
-                   ) -> DecodeConfig:
-    """``config`` with an automatic budget (`tev_jax.decode.AutoBudget`) resolved for a
-    batch of ``batch_size`` rows: a fixed DDTree budget, or ``builder='none'`` (plain
-    AR) where the tuning found nothing faster. Other configs come back unchanged.
-
-    Args:
-      config: a `DecodeConfig`.
-      batch_size: B, the rows decoded together.
-      target, drafter: the models; when given, the tuning must have been made for them
-        (`check_tuned_for`).
-    Raises:
-      ValueError: the tuning was made for other models or another vocabulary.
-    """
-    if not isinstance(config, DecodeConfig) or not isinstance(config.budget, AutoBudget):
-        return config
-    auto = config.budget
-    if config.builder != "ddtree":  # the budget is not read
-        return dataclasses.replace(config, budget=64, tuning=None)
-    if target is not None:
-        check_tuned_for(auto, target, drafter)
-    budget = auto.pick(batch_size)
-    if budget == 0:
-        return dataclasses.replace(config, builder="none", budget=64, tuning=None)
-    return dataclasses.replace(config, budget=budget, tuning=None)
 
 
 # ---------------------------------------------------------------------- the programs
@@ -755,7 +662,7 @@ def engine_for(target, drafter, prompt_ids, config: DecodeConfig, *, mesh=None
                ) -> tuple[Engine, Prompts]:
     """The engine for one batch of prompts (its buffer: ``config.prompt_len`` or the
     longest prompt) and the placed prompts; an automatic budget is resolved for the
-    batch (`resolve_budget`)."""
+    batch (`tev_jax.budget.resolve_budget`)."""
     if not isinstance(config, DecodeConfig):
         raise ValueError(f"config must be a DecodeConfig, got {type(config).__name__}")
     checked = check_prompts(prompt_ids, target.config.vocab_size, config.prompt_len)
@@ -802,5 +709,5 @@ def generate_ar(target, prompt_ids: Sequence[Sequence[int]], config: DecodeConfi
 
 
 __all__ = ["PROGRAMS", "DecodeStats", "Engine", "Generation", "Prompts", "check_context",
-           "check_prompt", "check_prompts", "check_tuned_for", "decode_spec", "engine_for",
-           "generate", "generate_ar", "model_fingerprint", "resolve_budget"]
+           "check_prompt", "check_prompts", "decode_spec", "engine_for", "generate",
+           "generate_ar"]

@@ -20,7 +20,8 @@ import jax
 import jax.numpy as jnp
 
 from tev_jax import batch_io, batching
-from tev_jax.decode import AutoBudget, DecodeConfig
+from tev_jax.budget import AutoBudget
+from tev_jax.decode import DecodeConfig
 from tev_jax.sharding import MESH_AXES
 
 

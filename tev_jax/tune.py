@@ -51,9 +51,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from tev_jax import decode
-from tev_jax.decode import AutoBudget, DecodeConfig, read_tuning
+from tev_jax.budget import AutoBudget, model_fingerprint, read_tuning
+from tev_jax.decode import DecodeConfig
 from tev_jax.drafters import DFlashDrafter, as_drafter
-from tev_jax.engine import Engine, check_prompts, model_fingerprint
+from tev_jax.engine import Engine, check_prompts
 from tev_jax.exit_law import exit_law
 from tev_jax.sampling import Sampling
 
@@ -459,7 +460,7 @@ class Tuning:
       tau_se: budget -> its standard error.
       cost_seconds: ``[B][b]`` seconds per round; ar_seconds: ``[B]`` per AR step.
       best: `best_budgets`.
-      model: the models' fingerprint (`tev_jax.engine.model_fingerprint`).
+      model: the models' fingerprint (`tev_jax.budget.model_fingerprint`).
       settings: how it was made (sampling, M, prompt buffer, prompts, device, ...).
       curve: optional extras (the whole τ curve, harmonic means, ...).
     """
@@ -511,7 +512,7 @@ class Tuning:
         return cls.from_dict(read_tuning(path), source=str(path))
 
     def auto_budget(self, source: str = "") -> AutoBudget:
-        """The `tev_jax.decode.AutoBudget` of ``DecodeConfig(budget=...)``."""
+        """The `tev_jax.budget.AutoBudget` of ``DecodeConfig(budget=...)``."""
         return AutoBudget.from_tuning(self.as_dict(), source=source)
 
     def format(self) -> str:

@@ -25,7 +25,6 @@ prints the tables.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import math
 import platform

@@ -38,6 +38,7 @@ sys.path.insert(0, str(HERE.parent))
 
 import paper_common as pc  # noqa: E402
 from tev_jax import engine, profile, tune  # noqa: E402
+from tev_jax.budget import resolve_budget  # noqa: E402
 from tev_jax.decode import DecodeConfig  # noqa: E402
 from tev_jax.models import load_bundled  # noqa: E402
 from tev_jax.sampling import Sampling  # noqa: E402
@@ -97,7 +98,7 @@ def speed(target, drafter, prompts, config, tuning_path, batch_sizes, repeats, s
         for name, cfg in methods.items():
             for j, g in enumerate(groups):
                 calls[name, j] = profile.compiled_generate(target, drafter, g, cfg, key=seed)
-        resolved = engine.resolve_budget(methods["auto"], bs, target, drafter)
+        resolved = resolve_budget(methods["auto"], bs, target, drafter)
         seconds = {k: [] for k in calls}
         tokens = {}
         rng = np.random.default_rng(seed)
