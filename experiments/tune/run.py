@@ -125,12 +125,27 @@ def speed(target, drafter, prompts, config, tuning_path, batch_sizes, repeats, s
                              "auto_over_best_choice": auto / best,
                              "auto_over_ar": auto / out[bs]["AR"]["tokens_per_second"],
                              "auto_over_ar_min": (out[bs]["AR"]["min_seconds"]
-                                                  / out[bs]["auto"]["min_seconds"])}
+                                                  / out[bs]["auto"]["min_seconds"]),
+                             "auto_over_ar_paired": paired_ratio(seconds, len(groups))}
+        out[bs]["auto"]["same_program_as_ar"] = resolved == methods["AR"]
         print(f"B={bs}: " + ", ".join(f"{k} {v['tokens_per_second']:.1f}"
                                       for k, v in out[bs].items() if "tokens_per_second" in v)
               + f" tokens/s; auto = {out[bs]['auto']['resolved']}; {out[bs]['ratios']}",
               flush=True)
     return out
+
+
+def paired_ratio(seconds: dict, groups: int) -> dict:
+    """AR time / auto time within each interleaved repeat (both summed over the groups):
+    the geometric mean and its 95 % confidence interval (t on the log ratios)."""
+    import scipy.stats
+
+    ar = np.sum([seconds["AR", j] for j in range(groups)], axis=0)
+    auto = np.sum([seconds["auto", j] for j in range(groups)], axis=0)
+    logs = np.log(ar / auto)
+    half = scipy.stats.t.ppf(0.975, len(logs) - 1) * logs.std(ddof=1) / np.sqrt(len(logs))
+    return {"mean": float(np.exp(logs.mean())), "ci95": [float(np.exp(logs.mean() - half)),
+                                                         float(np.exp(logs.mean() + half))]}
 
 
 def figure(curves, measured, tuning, speeds, path) -> None:
@@ -178,6 +193,14 @@ def figure(curves, measured, tuning, speeds, path) -> None:
     plt.close(fig)
 
 
+def paired_cell(row) -> str:
+    paired = row["ratios"].get("auto_over_ar_paired")
+    if paired is None:
+        return "–"
+    same = " (one program)" if row["auto"].get("same_program_as_ar") else ""
+    return f"{paired['mean']:.3f} [{paired['ci95'][0]:.3f}, {paired['ci95'][1]:.3f}]{same}"
+
+
 def tables(curves, measured, tuning, speeds) -> str:
     rows = []
     for temp, curve in curves.items():
@@ -196,7 +219,8 @@ def tables(curves, measured, tuning, speeds) -> str:
              "**tokens/s of the fused generation, AR / each fixed budget / auto "
              "(interleaved, one run)**\n"]
     head = ["B", "AR", *(f"b {b}" for b in BUDGETS), "auto (resolved)",
-            "auto / best fixed budget", "auto / AR", "auto / AR (fastest repeats)"]
+            "auto / best fixed budget", "auto / AR", "auto / AR (fastest repeats)",
+            "auto / AR per repeat (95 % CI)"]
     rows = []
     for bs, row in speeds.items():
         rows.append([bs, f"{row['AR']['tokens_per_second']:.1f}",
@@ -204,7 +228,8 @@ def tables(curves, measured, tuning, speeds) -> str:
                      f"{row['auto']['tokens_per_second']:.1f} ({row['auto']['resolved']})",
                      f"{row['ratios']['auto_over_best_fixed']:.3f}",
                      f"{row['ratios']['auto_over_ar']:.3f}",
-                     f"{row['ratios']['auto_over_ar_min']:.3f}"])
+                     f"{row['ratios']['auto_over_ar_min']:.3f}",
+                     paired_cell(row)])
     parts += [pc.markdown(head, rows)]
     return "\n".join(parts)
 
@@ -300,7 +325,7 @@ def outputs(args, setup, curves, measured, tuning, speeds, n_prompts, n_speed, s
              f"{args.cont_seeds} continuation samples per prompt for the prediction, "
              f"{args.gen_seeds} generate seeds; speed: {n_speed} prompts, "
              f"{args.repeats} interleaved repeats; {jax.devices()[0].platform} x"
-             f"{os.cpu_count()}, jax {jax.__version__}, shared with other jobs\n\n"
+             f"{os.cpu_count()}, jax {jax.__version__}\n\n"
              + tables(curves, measured, tuning, speeds))
     args.random_models = False
     pc.write_outputs(HERE, args, setup, None,
