@@ -14,10 +14,13 @@ program is compiled with 1 and with 2 target layers and its FLOPs, bytes accesse
 argument and output bytes are extended linearly to the full depth
 (``v(L) = v(1) + (L - 1) * (v(2) - v(1))``); temporaries are reused across layers, so
 the larger of the two compiles is taken. ``--validate N`` compiles one configuration with
-N layers and prints the extrapolation's error. Results are cached in the output JSON
-(reruns skip what is there); ``--report`` prints the README tables.
+N layers to check that. Every budget is compiled for Qwen3-8B on tensor 8; elsewhere
+budgets 16 / 64 / 256, with 32 and 128 interpolated in the tree slots (and, where B 32 is
+not compiled, B 32 between B 8 and 64); `interpolation_checks` measures both on the full
+grids. Results are cached in the output JSON (reruns skip what is there); ``--claim DIR``
+lets several workers share the grid; ``--report`` prints the README tables.
 
-    JAX_PLATFORMS=cpu python experiments/tpu/run.py [--quick] [--validate 6] [--train]
+    JAX_PLATFORMS=cpu python experiments/tpu/run.py [--quick] [--validate 4] [--train]
     python experiments/tpu/run.py --report experiments/tpu/results.json
 """
 
@@ -45,22 +48,24 @@ MESHES = {"tensor8": dict(tensor=8, fsdp=1), "data2_tensor4": dict(data=2, tenso
 SLICES = {"v5e": "v5e:2x4", "v6e": "v6e:2x4"}
 PROMPT_LEN, CACHE_LEN, MAX_NEW = 1024, 2048, 256
 
-# (model, chip, mesh) -> (batches, budgets): the full grid where it matters most, a
-# smaller one elsewhere (a round costs two TPU compiles, about 80 s on this 2-core machine).
-DECODE_GRID = {
-    ("qwen3-8b", "v5e", "tensor8"): ((1, 8, 32, 64), (16, 32, 64, 128, 256)),
-    ("qwen3-8b", "v6e", "tensor8"): ((8, 64), (64,)),
-    ("qwen3-8b", "v5e", "data2_tensor4"): ((8,), (64,)),
-    ("qwen3-4b", "v5e", "tensor8"): ((8, 64), (64,)),
-    ("llama3-8b", "v5e", "tensor8"): ((8, 64), (64,)),
-}
-# (target, drafter layers, slice, fsdp = chips, global batch): one sequence per chip,
-# 2048 tokens, 32 anchors, budget 32; bf16 frozen target, float32 drafter.
-TRAIN_GRID = (
-    ("qwen3-4b", 1, "v5p:2x2x2", 8), ("qwen3-8b", 1, "v5p:2x2x2", 8),
-    ("qwen3-8b", 5, "v5p:2x2x2", 8), ("qwen3-8b", 1, "v5e:4x4", 16),
-    ("qwen3-8b", 1, "v5p:4x4x4", 64),
-)
+BATCHES, BUDGETS = (1, 8, 32, 64), (16, 32, 64, 128, 256)
+BRACKET = (16, 64, 256)  # compiled everywhere; 32 and 128 interpolated where not compiled
+MODELS = ("qwen3-8b", "qwen3-4b", "llama3-8b")
+# (model, chip, mesh) -> (batches, compiled budgets), in the order they are compiled (a
+# round costs two TPU compiles, about a minute on this 2-core machine): Qwen3-8B tensor 8
+# on both chips every budget; the other models and data 2 x tensor 4 the bracketing
+# budgets (`decode_table` interpolates 32 and 128 in the tree slots between them).
+DECODE_GRID = {("qwen3-8b", chip, "tensor8"): (BATCHES, BUDGETS) for chip in SLICES}
+DECODE_GRID |= {(model, chip, "tensor8"): (BATCHES, BRACKET)
+                for model in MODELS[1:] for chip in SLICES}
+DECODE_GRID |= {(model, chip, "data2_tensor4"): ((8, 64, 32), BRACKET)
+                for model in MODELS for chip in SLICES}
+# (target, drafter layers, slice, fsdp = chips): one sequence of 2048 tokens per chip,
+# 32 anchors, budget 32; bf16 frozen target, float32 drafter.
+TRAIN_GRID = tuple((model, drafter_layers, slice_name, chips)
+                   for slice_name, chips in (("v5p:2x2x2", 8), ("v5e:4x4", 16),
+                                             ("v5p:4x4x4", 64))
+                   for model in ("qwen3-4b", "qwen3-8b") for drafter_layers in (1, 5))
 SEQ_LEN, ANCHORS, TRAIN_BUDGET = 2048, 32, 32
 QUICK_GRID = {("qwen3-8b", "v5e", "tensor8"): ((8,), (64,))}
 
@@ -94,7 +99,9 @@ def decode_programs(model: str, chip: str, mesh_name: str, batch: int, budget: i
     return _report_dict(result.programs["round"]) | {"program": name}
 
 
-def run_decode(results: dict, grid: dict, out: Path) -> None:
+def decode_items(grid: dict) -> list[tuple[str, callable]]:
+    """(results key, thunk) per program of the grid: the AR step and each budget."""
+    items = []
     for (model, chip, mesh_name), (batches, budgets) in grid.items():
         full = plan.PRESETS[model].num_layers
         for batch in batches:
@@ -103,16 +110,20 @@ def run_decode(results: dict, grid: dict, out: Path) -> None:
             for budget in (None, *budgets):
                 key = f"decode/{model}/{chip}/{mesh_name}/B{batch}/" + (
                     f"b{budget}" if budget else "ar")
-                if key in results:
-                    continue
-                t0 = time.perf_counter()
-                one, two = (decode_programs(model, chip, mesh_name, batch, budget, n)
-                            for n in (1, 2))
-                results[key] = {"model": model, "chip": chip, "mesh": mesh_name,
-                                "batch": batch, "budget": budget, "layers": full,
-                                "one": one, "two": two, "full": extrapolate(one, two, full)}
-                out.write_text(json.dumps(results, indent=1) + "\n")
-                print(f"{key}: {time.perf_counter() - t0:.0f} s", flush=True)
+
+                def thunk(model=model, chip=chip, mesh_name=mesh_name, batch=batch,
+                          budget=budget, full=full):
+                    entry = {"model": model, "chip": chip, "mesh": mesh_name,
+                             "batch": batch, "budget": budget, "layers": full}
+                    try:
+                        one, two = (decode_programs(model, chip, mesh_name, batch, budget, n)
+                                    for n in (1, 2))
+                    except Exception as e:  # the compiler's own words (out of HBM)
+                        return entry | {"error": str(e).strip().splitlines()[0][:300]}
+                    return entry | {"one": one, "two": two,
+                                    "full": extrapolate(one, two, full)}
+                items.append((key, thunk))
+    return items
 
 
 def train_step(model: str, drafter_layers: int, slice_name: str, chips: int,
@@ -125,53 +136,94 @@ def train_step(model: str, drafter_layers: int, slice_name: str, chips: int,
     return _report_dict(step.report)
 
 
-def run_train(results: dict, out: Path) -> None:
+def train_items() -> list[tuple[str, callable]]:
     from tev_jax.plan import abstract_drafter
     from train.plan import step_model_flops
 
+    items = []
     for model, drafter_layers, slice_name, chips in TRAIN_GRID:
-        key = f"train/{model}/d{drafter_layers}/{slice_name}"
-        if key in results:
+        def thunk(model=model, drafter_layers=drafter_layers, slice_name=slice_name,
+                  chips=chips):
+            one, two = (train_step(model, drafter_layers, slice_name, chips, n)
+                        for n in (1, 2))
+            cfg = plan.PRESETS[model]
+            drafter = abstract_drafter(cfg, "float32", num_layers=drafter_layers)
+            return {"model": model, "drafter_layers": drafter_layers, "slice": slice_name,
+                    "chips": chips, "batch": chips, "layers": cfg.num_layers,
+                    "one": one, "two": two, "full": extrapolate(one, two, cfg.num_layers),
+                    "model_flops": step_model_flops(cfg, drafter, batch=chips,
+                                                    seq_len=SEQ_LEN, anchors=ANCHORS,
+                                                    budget=TRAIN_BUDGET)}
+        items.append((f"train/{model}/d{drafter_layers}/{slice_name}", thunk))
+    return items
+
+
+def work_order() -> list[tuple[str, callable]]:
+    """Every program, the ones the tables lean on first: the training steps, the
+    extrapolation check, then the decode programs by layout (tensor 8 first), batch size
+    (B 32, which can be interpolated, last) and chip (v5e first)."""
+    decode = decode_items(DECODE_GRID)
+    rank = lambda key: ("data2" in key, "/B32/" in key, "/v6e/" in key)
+    return (train_items() + [validate_item(4)]
+            + [decode[i] for i in sorted(range(len(decode)),
+                                         key=lambda i: (rank(decode[i][0]), i))])
+
+
+def claim(folder: Path, key: str) -> bool:
+    """True for the one worker that claims ``key`` first (an exclusive create)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    try:
+        os.close(os.open(folder / key.replace("/", "_").replace(":", "-"),
+                         os.O_CREAT | os.O_EXCL))
+    except FileExistsError:
+        return False
+    return True
+
+
+def validate_item(layers: int) -> tuple[str, callable]:
+    """Qwen3-8B, v5e tensor 8, B 8, budget 64 compiled at ``layers`` layers, to hold
+    against the extrapolation from its 1- and 2-layer compiles (``validation_table``)."""
+    def thunk():
+        t0 = time.perf_counter()
+        report = decode_programs("qwen3-8b", "v5e", "tensor8", 8, 64, layers)
+        return report | {"layers": layers, "wall_seconds": time.perf_counter() - t0}
+    return f"validate/qwen3-8b/v5e/tensor8/B8/b64/L{layers}", thunk
+
+
+def validation_table(results: dict) -> str:
+    rows = ["| compiled at | field | compiled | extrapolated from 1 and 2 layers | error |",
+            "|---|---|---|---|---|"]
+    base = results.get("decode/qwen3-8b/v5e/tensor8/B8/b64")
+    for key, real in results.items():
+        if not key.startswith("validate/") or base is None:
             continue
-        t0 = time.perf_counter()
-        one, two = (train_step(model, drafter_layers, slice_name, chips, n) for n in (1, 2))
-        cfg = plan.PRESETS[model]
-        drafter = abstract_drafter(cfg, "float32", num_layers=drafter_layers)
-        results[key] = {"model": model, "drafter_layers": drafter_layers,
-                        "slice": slice_name, "chips": chips, "batch": chips,
-                        "layers": cfg.num_layers, "one": one, "two": two,
-                        "full": extrapolate(one, two, cfg.num_layers),
-                        "model_flops": step_model_flops(cfg, drafter, batch=chips,
-                                                        seq_len=SEQ_LEN, anchors=ANCHORS,
-                                                        budget=TRAIN_BUDGET)}
-        out.write_text(json.dumps(results, indent=1) + "\n")
-        print(f"{key}: {time.perf_counter() - t0:.0f} s", flush=True)
-
-
-def validate(results: dict, out: Path, layers: int) -> None:
-    """Qwen3-8B, v5e tensor 8, B 8, budget 64 compiled at ``layers`` layers against the
-    extrapolation from its 1- and 2-layer compiles."""
-    key = f"validate/qwen3-8b/v5e/tensor8/B8/b64/L{layers}"
-    if key not in results:
-        t0 = time.perf_counter()
-        results[key] = decode_programs("qwen3-8b", "v5e", "tensor8", 8, 64, layers)
-        results[key]["wall_seconds"] = time.perf_counter() - t0
-        out.write_text(json.dumps(results, indent=1) + "\n")
-    real = results[key]
-    base = results["decode/qwen3-8b/v5e/tensor8/B8/b64"]
-    ext = extrapolate(base["one"], base["two"], layers)
-    for k in ("flops", "bytes_accessed", "argument_bytes", "temp_bytes", "output_bytes"):
-        print(f"{k:15s} {layers} layers {real[k]:.4g}  extrapolated {ext[k]:.4g}  "
-              f"({(ext[k] - real[k]) / max(real[k], 1) * 100:+.1f} %)")
+        ext = extrapolate(base["one"], base["two"], real["layers"])
+        for k in ("flops", "bytes_accessed", "argument_bytes", "output_bytes", "temp_bytes"):
+            rows.append(f"| {real['layers']} layers | {k} | {real[k]:.4g} | {ext[k]:.4g} | "
+                        f"{(ext[k] - real[k]) / max(real[k], 1) * 100:+.1f} % |")
+    return "\n".join(rows) if len(rows) > 2 else ""
 
 
 # --------------------------------------------------------------------------- report
 
-# τ that DDTree reports for its models at T = 0 (best budget per dataset), from the
-# benchmark listing of arXiv 2604.12989 (DDTree: "Accelerating Speculative Decoding with
-# Block Diffusion Draft Trees"): MT-Bench 6.06, GSM8K 9.27, HumanEval 9.65. The paper's
-# per-model table could not be read offline; these span its reported range.
-DDTREE_TAU = {"MT-Bench": 6.06, "GSM8K": 9.27, "HumanEval": 9.65}
+# DDTree's published acceptance lengths τ at T = 0 (arXiv 2604.12989, "Accelerating
+# Speculative Decoding with Block Diffusion Draft Trees"; liranringel/ddtree, branch site):
+# - per node budget, Qwen3-8B on MATH-500: the project page's node-budget figure
+#   (public/assets/project/math500-budget-tradeoff.pdf, read from its vector paths);
+# - at the best budget per dataset and model: Table 1 (src/data/results.tex).
+DDTREE_MATH500 = {16: 8.61, 32: 9.27, 64: 9.75, 128: 10.20, 256: 10.43, 512: 10.73,
+                  1024: 10.97}
+DDTREE_TABLE1 = {"qwen3-4b": {"MATH-500": 10.71, "GSM8K": 9.33, "MT-Bench": 6.70},
+                 "qwen3-8b": {"MATH-500": 10.73, "GSM8K": 9.54, "MT-Bench": 6.58}}
+
+
+def ddtree_tau(model: str, budget: int) -> tuple[float, dict[str, float]]:
+    """τ(b) from the MATH-500 curve, scaled to ``model``'s MATH-500 entry of Table 1, and
+    Table 1's best-budget τ per dataset. DDTree reports nothing for Llama-3-8B: Qwen3-8B's
+    figures stand in for it."""
+    table = DDTREE_TABLE1.get(model, DDTREE_TABLE1["qwen3-8b"])
+    curve = DDTREE_MATH500[budget] * table["MATH-500"] / DDTREE_TABLE1["qwen3-8b"]["MATH-500"]
+    return curve, table
 
 
 def _seconds(entry: dict, chip: str) -> float:
@@ -180,32 +232,142 @@ def _seconds(entry: dict, chip: str) -> float:
     return max(f["flops"] / c.peak_flops, f["bytes_accessed"] / c.hbm_bandwidth)
 
 
-def decode_table(results: dict) -> str:
+def _decode_groups(results: dict) -> dict:
+    """(model, chip, mesh, B) -> {budget or None for AR: entry}."""
+    groups: dict = {}
+    for key, e in results.items():
+        if key.startswith("decode/"):
+            if "full" in e:  # else: the compiler refused it ("error")
+                groups.setdefault((e["model"], e["chip"], e["mesh"], e["batch"]), {})[
+                    e["budget"]] = e
+    return groups
+
+
+def decode_programs_table(results: dict) -> str:
+    """Every compiled round: memory, roofline times, break-even τ, speed-ups."""
     rows = ["| model | chip | mesh | B | budget | GiB / chip | round ms | AR ms | "
-            "break-even τ | speed-up at τ " + " / ".join(f"{v}" for v in DDTREE_TAU.values())
-            + " |", "|---|---|---|---|---|---|---|---|---|---|"]
-    order = lambda item: (item[1]["model"], item[1]["chip"], item[1]["mesh"],
-                          item[1]["batch"], item[1]["budget"])
-    decode = sorted(((k, e) for k, e in results.items()
-                     if k.startswith("decode/") and e["budget"] is not None), key=order)
-    for key, e in decode:
-        ar = results[key.rsplit("/", 1)[0] + "/ar"]
-        t_round, t_ar = _seconds(e, e["chip"]), _seconds(ar, e["chip"])
-        speedups = " / ".join(f"{tau * t_ar / t_round:.2f}" for tau in DDTREE_TAU.values())
-        rows.append(f"| {e['model']} | {e['chip']} | {e['mesh']} | {e['batch']} | "
-                    f"{e['budget']} | {e['full']['peak_bytes'] / 2**30:.2f} | "
-                    f"{t_round * 1e3:.2f} | {t_ar * 1e3:.2f} | {t_round / t_ar:.2f} | "
-                    f"{speedups} |")
+            "break-even τ | τ(b) MATH-500 | speed-up at τ(b) | at MT-Bench / GSM8K τ |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for (model, chip, mesh, batch), entries in sorted(_decode_groups(results).items()):
+        if None not in entries:
+            continue
+        t_ar = _seconds(entries[None], chip)
+        for budget in sorted(b for b in entries if b is not None):
+            e = entries[budget]
+            t = _seconds(e, chip)
+            curve, table = ddtree_tau(model, budget)
+            rows.append(f"| {model} | {chip} | {mesh} | {batch} | {budget} | "
+                        f"{e['full']['peak_bytes'] / 2**30:.2f} | {t * 1e3:.2f} | "
+                        f"{t_ar * 1e3:.2f} | {t / t_ar:.2f} | {curve:.2f} | "
+                        f"{curve * t_ar / t:.2f} | {table['MT-Bench'] * t_ar / t:.2f} / "
+                        f"{table['GSM8K'] * t_ar / t:.2f} |")
     return "\n".join(rows)
+
+
+LINEAR = ("flops", "bytes_accessed", "peak_bytes")
+
+
+def _between(x: float, lo: float, hi: float, a: dict, b: dict, mark: str) -> dict:
+    w = (x - lo) / (hi - lo)
+    return {"full": {k: a["full"][k] + w * (b["full"][k] - a["full"][k]) for k in LINEAR},
+            "mark": mark}
+
+
+def interpolated(entries: dict, budget: int) -> dict | None:
+    """Full-depth figures of ``budget`` interpolated linearly in the tree slots N = b + 1
+    between the nearest compiled budgets of ``entries`` (None if it is not bracketed)."""
+    lo = [b for b in entries if b is not None and b < budget]
+    hi = [b for b in entries if b is not None and b > budget]
+    if not lo or not hi:
+        return None
+    lo, hi = max(lo), min(hi)
+    return _between(budget, lo, hi, entries[lo], entries[hi], "~")
+
+
+def with_batch_interpolation(groups: dict) -> dict:
+    """``groups`` plus, where B 32 was not compiled but B 8 and 64 were, its programs
+    interpolated linearly in B (marked ≈)."""
+    out = dict(groups)
+    for (model, chip, mesh, batch), low in groups.items():
+        high = groups.get((model, chip, mesh, 64))
+        if batch != 8 or high is None or (model, chip, mesh, 32) in groups:
+            continue
+        out[model, chip, mesh, 32] = {b: _between(32, 8, 64, low[b], high[b], "≈")
+                                      for b in low if b in high}
+    return out
+
+
+def decode_table(results: dict) -> str:
+    """One row per (model, chip, mesh, B): each budget's round time and break-even τ
+    (~: interpolated between compiled budgets, ≈: between compiled batch sizes), the
+    largest per-chip memory, and the budget that maximises the speed-up on the MATH-500
+    curve."""
+    head = ["| model | chip | mesh | B | AR ms | "
+            + " | ".join(f"b {b}" for b in BUDGETS)
+            + " | GiB / chip (max) | best b (τ MATH-500) | est. speed-up | at MT-Bench / GSM8K τ |",
+            "|---|---|---|---|---|" + "---|" * len(BUDGETS) + "---|---|---|---|"]
+    rows = []
+    groups = with_batch_interpolation(_decode_groups(results))
+    for (model, chip, mesh, batch), entries in sorted(groups.items()):
+        if None not in entries:
+            continue
+        t_ar = _seconds(entries[None], chip)
+        cells, best = [], None
+        for budget in BUDGETS:
+            entry = entries.get(budget) or interpolated(entries, budget)
+            if entry is None:
+                cells.append("–")
+                continue
+            t, mark = _seconds(entry, chip), entry.get("mark", "")
+            if entry["full"]["peak_bytes"] > topology.CHIPS[chip].hbm_bytes:
+                cells.append(f"{mark}{t * 1e3:.1f} (> HBM)")
+                continue
+            cells.append(f"{mark}{t * 1e3:.1f} ({t / t_ar:.2f})")
+            speedup = ddtree_tau(model, budget)[0] * t_ar / t
+            if best is None or speedup > best[1]:
+                best = (budget, speedup, t)
+        gib = max(e["full"]["peak_bytes"] for e in entries.values()) / 2**30
+        table = ddtree_tau(model, BUDGETS[0])[1]
+        rows.append(f"| {model} | {chip} | {mesh} | {batch} | "
+                    f"{entries[None].get('mark', '')}{t_ar * 1e3:.1f} | "
+                    + " | ".join(cells) + f" | {gib:.2f} | "
+                    + (f"{best[0]} | {best[1]:.2f} | {table['MT-Bench'] * t_ar / best[2]:.2f}"
+                       f" / {table['GSM8K'] * t_ar / best[2]:.2f} |" if best else "– | – | – |"))
+    return "\n".join(head + rows)
+
+
+def interpolation_checks(results: dict) -> str:
+    """Where every budget and B 8 / 32 / 64 are compiled: budgets 32 and 128 interpolated
+    from the bracketing ones, and B 32 from B 8 and 64, against their own compiles
+    (roofline time, interpolated / compiled)."""
+    rows = ["| model | chip | mesh | B | b 32 from b 16, 64 | b 128 from b 64, 256 | "
+            "B 32 from B 8, 64 (AR / b 16 / 64 / 256) |", "|---|---|---|---|---|---|---|"]
+    groups = _decode_groups(results)
+    for (model, chip, mesh, batch), entries in sorted(groups.items()):
+        if not set(BUDGETS) <= set(entries):
+            continue
+        cells = []
+        for budget in (32, 128):
+            bracket = {b: entries[b] for b in BRACKET}
+            guess = _seconds(interpolated(bracket, budget), chip)
+            cells.append(f"{guess / _seconds(entries[budget], chip):.3f}")
+        low, high = groups.get((model, chip, mesh, 8)), groups.get((model, chip, mesh, 64))
+        if batch == 32 and low and high:
+            cells.append(" / ".join(
+                f"{_seconds(_between(32, 8, 64, low[b], high[b], ''), chip) / _seconds(entries[b], chip):.3f}"
+                if b in low and b in high else "–" for b in (None, *BRACKET)))
+        else:
+            cells.append("")
+        rows.append(f"| {model} | {chip} | {mesh} | {batch} | " + " | ".join(cells) + " |")
+    return "\n".join(rows) if len(rows) > 2 else ""
 
 
 def train_table(results: dict) -> str:
     rows = ["| target | drafter layers | slice | chips | GiB / chip | TFLOP / chip | "
             "GB / chip | step ms (roofline) | MFU estimate | compile s (1 + 2 layers) |",
             "|---|---|---|---|---|---|---|---|---|---|"]
-    for key, e in results.items():
-        if not key.startswith("train/"):
-            continue
+    train = [e for key, e in results.items() if key.startswith("train/")]
+    for e in sorted(train, key=lambda e: (e["chips"], e["model"], e["drafter_layers"])):
         chip = topology.CHIPS[e["slice"].split(":")[0]]
         f = e["full"]
         t = max(f["flops"] / chip.peak_flops, f["bytes_accessed"] / chip.hbm_bandwidth)
@@ -217,6 +379,11 @@ def train_table(results: dict) -> str:
     return "\n".join(rows)
 
 
+def tables(results: dict) -> str:
+    return "\n\n".join(t for t in (decode_table(results), interpolation_checks(results),
+                                     train_table(results), validation_table(results)) if t)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="one configuration")
@@ -224,22 +391,45 @@ def main(argv=None) -> int:
                     help="also compile Qwen3-8B B 8 budget 64 at this many layers and "
                          "compare with the extrapolation")
     ap.add_argument("--train", action="store_true", help="also the training steps")
+    ap.add_argument("--claim", default=None, metavar="DIR",
+                    help="parallel workers: each takes the next program no other worker "
+                         "has claimed in DIR and writes only its own --out (join them "
+                         "with --merge); the cache is results.json")
     ap.add_argument("--out", default=None)
-    ap.add_argument("--report", default=None, metavar="JSON", help="print the tables")
+    ap.add_argument("--merge", nargs="+", default=None, metavar="JSON",
+                    help="merge these result files into --out and stop")
+    ap.add_argument("--report", default=None, metavar="JSON",
+                    help="print the tables; the per-program table goes to decode.md")
     args = ap.parse_args(argv)
     if args.report:
         results = json.loads(Path(args.report).read_text())
-        print(decode_table(results) + "\n\n" + train_table(results))
+        (HERE / "decode.md").write_text(
+            "# Every compiled decode program (generated by `run.py --report`)\n\n"
+            + decode_programs_table(results) + "\n")
+        print(tables(results))
         return 0
     out = Path(args.out) if args.out else HERE / ("results_quick.json" if args.quick
                                                   else "results.json")
     results = json.loads(out.read_text()) if out.exists() else {}
-    run_decode(results, QUICK_GRID if args.quick else DECODE_GRID, out)
-    if args.train:
-        run_train(results, out)
-    if args.validate:
-        validate(results, out, args.validate)
-    print(decode_table(results) + "\n\n" + train_table(results))
+    if args.merge:
+        for name in args.merge:
+            results.update(json.loads(Path(name).read_text()))
+        out.write_text(json.dumps(results, indent=1) + "\n")
+        return 0
+    cache = results if args.claim is None else (
+        json.loads((HERE / "results.json").read_text()) | results)
+    items = (decode_items(QUICK_GRID) if args.quick else work_order())
+    items += [validate_item(args.validate)] if args.validate else []
+    if not args.train:
+        items = [(k, f) for k, f in items if not k.startswith("train/")]
+    for key, thunk in items:
+        if key in cache or (args.claim and not claim(Path(args.claim), key)):
+            continue
+        t0 = time.perf_counter()
+        results[key] = thunk()
+        out.write_text(json.dumps(results, indent=1) + "\n")
+        print(f"{key}: {time.perf_counter() - t0:.0f} s", flush=True)
+    print(tables(cache | results))
     return 0
 
 

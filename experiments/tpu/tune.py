@@ -39,7 +39,7 @@ import jax.numpy as jnp  # noqa: E402
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from run import extrapolate  # noqa: E402
+from run import DDTREE_MATH500 as DDTREE_TAU, extrapolate  # noqa: E402
 from tev_jax import plan, topology  # noqa: E402
 from tev_jax import sharding as shd  # noqa: E402
 from tev_jax.decode import DecodeConfig  # noqa: E402
@@ -55,9 +55,7 @@ CHECKS = [("v5e", 8, 0), ("v5e", 8, 64)]  # compiled, to check the interpolation
 FILL_IN = (16, 32)  # compiled where B 64 does not compile
 LINEAR = ("flops", "bytes_accessed", "argument_bytes", "output_bytes", "temp_bytes",
           "alias_bytes", "code_bytes", "peak_bytes")
-# DDTree, Qwen3-8B, MATH-500, T = 0: acceptance length per node budget (project page
-# figure, liranringel/ddtree, branch site, public/assets/project/math500-budget-tradeoff.pdf)
-DDTREE_TAU = {16: 8.61, 32: 9.27, 64: 9.75, 128: 10.20, 256: 10.43, 512: 10.73, 1024: 10.97}
+# DDTree, Qwen3-8B, MATH-500, T = 0: τ per node budget is run.DDTREE_MATH500; its speed-up:
 DDTREE_SPEEDUP = {16: 6.09, 32: 6.60, 64: 6.97, 128: 7.33, 256: 7.43, 512: 7.52, 1024: 6.82}
 DFLASH_TAU = 7.79  # the same figure's DFlash line (a 16-token chain)
 
