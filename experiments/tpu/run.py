@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import os
 import time
 from pathlib import Path
@@ -232,14 +233,32 @@ def _seconds(entry: dict, chip: str) -> float:
     return max(f["flops"] / c.peak_flops, f["bytes_accessed"] / c.hbm_bandwidth)
 
 
+def layer_floor_bytes(entry: dict) -> float:
+    """What one more target layer must read per chip: its bfloat16 weights and its KV
+    cache (CACHE_LEN positions of B rows), split over the mesh."""
+    cfg = plan.PRESETS[entry["model"]]
+    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    weights = cfg.hidden_size * (2 * q + 2 * kv) + 3 * cfg.hidden_size * cfg.intermediate_size
+    cache = entry["batch"] * CACHE_LEN * 2 * kv
+    chips = math.prod(MESHES[entry["mesh"]].values())
+    return 2 * (weights + cache) / chips
+
+
+def usable(entry: dict) -> bool:
+    """Compiled, and its 1- to 2-layer step in bytes accessed is at least one layer's
+    floor: the two compiles can lay out the rest of the program differently, and where
+    that swamps the layer the linear extrapolation is meaningless (rare: see README)."""
+    return "full" in entry and (entry["two"]["bytes_accessed"] - entry["one"]["bytes_accessed"]
+                                >= layer_floor_bytes(entry))
+
+
 def _decode_groups(results: dict) -> dict:
-    """(model, chip, mesh, B) -> {budget or None for AR: entry}."""
+    """(model, chip, mesh, B) -> {budget or None for AR: entry}, usable entries only."""
     groups: dict = {}
     for key, e in results.items():
-        if key.startswith("decode/"):
-            if "full" in e:  # else: the compiler refused it ("error")
-                groups.setdefault((e["model"], e["chip"], e["mesh"], e["batch"]), {})[
-                    e["budget"]] = e
+        if key.startswith("decode/") and usable(e):
+            groups.setdefault((e["model"], e["chip"], e["mesh"], e["batch"]), {})[
+                e["budget"]] = e
     return groups
 
 
