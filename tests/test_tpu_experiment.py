@@ -49,8 +49,10 @@ def test_interpolation_in_tree_slots_and_in_batch(run):
     filled = run.with_batch_interpolation(groups)
     assert filled["m", "v5e", "tensor8", 32][64]["full"] == pytest.approx(cost(32, 64)["full"])
     assert filled["m", "v5e", "tensor8", 32][64]["mark"] == "≈"
-    groups["m", "v5e", "tensor8", 32] = groups["m", "v5e", "tensor8", 8]
-    assert run.with_batch_interpolation(groups) == groups  # compiled B 32 is kept
+    groups["m", "v5e", "tensor8", 32] = {64: cost(32, 64)}  # compiled B 32 is kept,
+    filled = run.with_batch_interpolation(groups)            # its gaps filled
+    assert filled["m", "v5e", "tensor8", 32][64] == cost(32, 64)
+    assert filled["m", "v5e", "tensor8", 32][None]["mark"] == "≈"
 
 
 def test_tables_of_the_committed_results(run):

@@ -304,15 +304,16 @@ def interpolated(entries: dict, budget: int) -> dict | None:
 
 
 def with_batch_interpolation(groups: dict) -> dict:
-    """``groups`` plus, where B 32 was not compiled but B 8 and 64 were, its programs
-    interpolated linearly in B (marked ≈)."""
+    """``groups`` plus, where a program of B 32 was not compiled (or set aside) but B 8's
+    and 64's were, that program interpolated linearly in B (marked ≈)."""
     out = dict(groups)
     for (model, chip, mesh, batch), low in groups.items():
         high = groups.get((model, chip, mesh, 64))
-        if batch != 8 or high is None or (model, chip, mesh, 32) in groups:
+        if batch != 8 or high is None:
             continue
+        have = groups.get((model, chip, mesh, 32), {})
         out[model, chip, mesh, 32] = {b: _between(32, 8, 64, low[b], high[b], "≈")
-                                      for b in low if b in high}
+                                      for b in low if b in high} | have
     return out
 
 
