@@ -483,7 +483,7 @@ def plan_command(args) -> int:
     programs = tuple(p.strip() for p in args.programs.split(","))
     result = plan.plan_decode_programs(
         cfg, config, args.batch, dtype=dtype, drafter_layers=args.drafter_layers, mesh=mesh,
-        programs=programs, chip=chip, devices_per_chip=per_chip)
+        programs=programs, chip=chip, devices_per_chip=per_chip, ops=args.ops)
     target, drafter = plan.abstract_models(cfg, config, dtype=dtype,
                                            drafter_layers=args.drafter_layers)
     floor = plan.decode_floor(target, drafter, config, args.batch)
@@ -550,6 +550,10 @@ def _add_plan(sub) -> None:
                         "%(default)s)")
     p.add_argument("--tau", type=float, default=None,
                    help="an expected tau: estimate tokens/s and the speed-up over AR")
+    p.add_argument("--ops", type=int, default=0, metavar="N",
+                   help="also compile the fused rounds loop of the AR step and of the round "
+                        "and show their N largest ops (per round and once per call, with "
+                        "the source line and stage that made them)")
     p.add_argument("--json", default=None, metavar="FILE",
                    help="also write the plan as JSON to FILE ('-': only JSON, on stdout)")
     p.set_defaults(func=plan_command)

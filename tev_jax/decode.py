@@ -442,15 +442,21 @@ def commit_stage(st: DecodeState, ctx, draft_logits_BHV, tree: DraftTree, logits
 
 
 def decode_round(graphdef, params, st: DecodeState, *, spec: DecodeSpec) -> DecodeState:
-    """One fused round: draft, build, verify, decide, commit."""
-    draft_logits, ctx = draft_stage(graphdef, params, st, spec=spec)
-    tree = build_stage(draft_logits, st.root_B, spec=spec)
-    logits, feats, cache = verify_stage(graphdef, params, st.cache, tree, st.start_B,
-                                         spec=spec)
-    key, sub = jax.random.split(st.key)
-    verdict = decide_stage(sub, tree, logits, spec=spec)
-    return commit_stage(st, ctx, draft_logits, tree, logits, feats, cache, verdict, key,
-                         spec=spec)
+    """One fused round: draft, build, verify, decide, commit (each under a
+    ``jax.named_scope`` of its name, so a compiled op names its stage)."""
+    with jax.named_scope("draft"):
+        draft_logits, ctx = draft_stage(graphdef, params, st, spec=spec)
+    with jax.named_scope("build"):
+        tree = build_stage(draft_logits, st.root_B, spec=spec)
+    with jax.named_scope("verify"):
+        logits, feats, cache = verify_stage(graphdef, params, st.cache, tree, st.start_B,
+                                             spec=spec)
+    with jax.named_scope("decide"):
+        key, sub = jax.random.split(st.key)
+        verdict = decide_stage(sub, tree, logits, spec=spec)
+    with jax.named_scope("commit"):
+        return commit_stage(st, ctx, draft_logits, tree, logits, feats, cache, verdict, key,
+                            spec=spec)
 
 
 def running(st: DecodeState, max_new_tokens: int) -> jax.Array:

@@ -27,6 +27,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from tev_jax import op_costs
 from tev_jax.decode import STAGES
 from tev_jax.drafters import as_drafter
 from tev_jax.engine import Engine, decode_spec
@@ -263,12 +264,17 @@ class DecodePlan:
       batch_size: B.
       chip: the chip the rooflines use (None: no roofline).
       devices_per_chip: devices sharing one chip's figures.
+      ops: 'ar_step' / 'round' -> the `tev_jax.op_costs.Op` s of that loop
+        (`loop_ops`); empty unless asked for.
+      top: how many ops the tables show.
     """
 
     programs: dict[str, ProgramReport]
     batch_size: int
     chip: Chip | None = None
     devices_per_chip: int = 1
+    ops: dict[str, tuple[op_costs.Op, ...]] = dataclasses.field(default_factory=dict)
+    top: int = 10
 
     def seconds(self, name: str) -> float | None:
         """The roofline time of one program (None without it or a chip)."""
@@ -304,6 +310,9 @@ class DecodePlan:
                "break_even_tau": self.break_even_tau}
         if tau is not None:
             out["estimate"] = self.estimate(tau)
+        for name, ops in self.ops.items():
+            out["programs"].setdefault(name, {})["ops"] = op_costs.table_dict(
+                ops, self.top, STAGES)
         return out
 
     def format(self, tau: float | None = None) -> str:
@@ -327,13 +336,16 @@ class DecodePlan:
             lines.append(f"at tau = {tau:g}: {e['tokens_per_second']:.0f} tokens/s for the "
                          f"batch (AR {e['ar_tokens_per_second']:.0f}), speed-up "
                          f"{e['speedup']:.2f}x (roofline)")
+        for name, ops in self.ops.items():
+            lines += ["", f"{name}: ops of the fused loop (per round, and once per call)",
+                      op_costs.format_table(ops, self.top, STAGES)]
         return "\n".join(lines)
 
 
 def plan_decode_programs(target_cfg: ModelConfig, config, batch_size: int, *,
                          dtype=jnp.float32, drafter_layers: int = 1, block_size: int = 16,
                          mesh=None, programs=DECODE_PROGRAMS, chip: Chip | None = None,
-                         devices_per_chip: int = 1) -> DecodePlan:
+                         devices_per_chip: int = 1, ops: int = 0) -> DecodePlan:
     """Compiles each decode program for abstract models; -> the `DecodePlan`.
 
     The AR step is a round of the same engine with ``builder='none'``; the prefill is
@@ -345,6 +357,8 @@ def plan_decode_programs(target_cfg: ModelConfig, config, batch_size: int, *,
         `plan_decode`.
       programs: which of `DECODE_PROGRAMS` to compile.
       chip, devices_per_chip: for the rooflines (`tev_jax.topology`).
+      ops: with N > 0, also the per-op tables (`loop_ops`) of the AR step and the round,
+        N ops each, the round's split by stage.
     Raises:
       ValueError: an unknown program name, or anything `Engine.create` refuses.
     """
@@ -370,8 +384,16 @@ def plan_decode_programs(target_cfg: ModelConfig, config, batch_size: int, *,
             continue  # AR has no draft stage
         lower = lowered.get(name) or (lambda name=name: engine.lower(name))
         reports[name] = compile_report(lower())
+    tables = {} if ops <= 0 else {"ar_step": loop_ops(ar), "round": loop_ops(engine)}
     return DecodePlan(programs=reports, batch_size=batch_size, chip=chip,
-                      devices_per_chip=devices_per_chip)
+                      devices_per_chip=devices_per_chip, ops=tables, top=max(ops, 1))
+
+
+def loop_ops(engine: Engine) -> tuple[op_costs.Op, ...]:
+    """The ops of ``engine``'s rounds the way the fused loop runs them: its
+    ``run_rounds`` program compiled, each op marked per round (inside the loop) or once
+    per call (outside: e.g. layouts the compiler hoisted out of the loop)."""
+    return tuple(op_costs.op_costs(engine.lower("run_rounds").compile().as_text()))
 
 
 # ----------------------------------------------------------------------- pre-flight
@@ -530,5 +552,5 @@ def check_decode_floor(target, drafter, config, batch_size: int, *, mesh=None
 __all__ = ["DECODE_PROGRAMS", "DecodePlan", "GiB", "NotEnoughMemory", "PRESETS",
            "ProgramReport", "abstract_drafter", "abstract_models", "abstract_target",
            "available_bytes", "check_decode_fits", "check_decode_floor", "compile_report",
-           "decode_floor", "drafter_config", "hbm_shortfall", "model_config", "plan_decode",
-           "plan_decode_programs", "preset", "shortfall", "with_layers"]
+           "decode_floor", "drafter_config", "hbm_shortfall", "loop_ops", "model_config",
+           "plan_decode", "plan_decode_programs", "preset", "shortfall", "with_layers"]

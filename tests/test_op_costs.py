@@ -1,0 +1,111 @@
+"""The per-op table of compiled programs (`tev_jax.op_costs`, ``tev-jax plan --ops``).
+
+Programs whose costs are known by hand (a matrix product in a loop of known trip count,
+an in-place update in a loop of unknown trip count) are compiled on CPU and their
+tables compared with the hand count, the compiler's totals and the source lines that
+made them; a TPU type with on-chip layouts checks the HBM split; the decode round's ops
+name their stages.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from tev_jax import op_costs
+from tev_jax.op_costs import array_bytes, totals
+from tev_jax.op_costs import op_costs as costs_of
+
+
+def _line_of(fn, text: str) -> int:
+    lines, start = inspect.getsourcelines(fn)
+    return start + next(i for i, line in enumerate(lines) if text in line)
+
+
+def _matmul_loop(w_KN, x_MK):
+    def body(i, x_MK):
+        return jnp.tanh(x_MK @ w_KN)  # the matmul
+    return jax.lax.fori_loop(0, 5, body, x_MK)
+
+
+def test_a_known_trip_count_multiplies_the_body_and_the_source_line_is_named():
+    m, k = 8, 64
+    compiled = jax.jit(_matmul_loop).lower(jnp.ones((k, k)), jnp.ones((m, k))).compile()
+    ops = costs_of(compiled.as_text())
+    dot = max(ops, key=lambda o: o.flops)
+    assert dot.count == 5 and not dot.in_loop
+    assert dot.flops == 5 * 2 * m * k * k
+    # reads x and w, writes the product: 4 bytes each
+    assert dot.bytes == 5 * 4 * (m * k + k * k + m * k)
+    assert dot.source.endswith(f":{_line_of(_matmul_loop, '# the matmul')} "
+                               "(_matmul_loop.<locals>.body)")
+    # the compiler counts a loop body once; our sum is its body times five
+    body_flops = compiled.cost_analysis()["flops"]
+    assert totals(ops)["flops"] == pytest.approx(5 * body_flops, rel=0.01)
+
+
+def _fill(buf_RC, row_C):
+    def body(carry):
+        buf_RC, i = carry
+        return buf_RC.at[i].set(row_C), i + 1
+    return jax.lax.while_loop(lambda c: c[0][0, 0] < 100, body, (buf_RC, 0))[0]
+
+
+def _rewrite(buf_RC, row_C):
+    def body(carry):
+        buf_RC, i = carry
+        return buf_RC * 0.5 + row_C, i + 1
+    return jax.lax.while_loop(lambda c: c[0][0, 0] < 100, body, (buf_RC, 0))[0]
+
+
+def test_an_in_place_update_counts_the_update_and_a_rewrite_the_buffer():
+    rows, cols = 1000, 256
+    args = jnp.ones((rows, cols)), jnp.ones((cols,))
+    fill = costs_of(jax.jit(_fill, donate_argnums=0).lower(*args).compile().as_text())
+    assert all(o.in_loop for o in fill if o.scope.startswith("jit(_fill)/while/body"))
+    assert totals(fill)["loop_bytes"] < 4 * 4 * cols  # a few rows, not the buffer
+    # the negative control: a loop that rewrites the whole buffer every iteration
+    rewrite = costs_of(jax.jit(_rewrite, donate_argnums=0).lower(*args).compile().as_text())
+    assert totals(rewrite)["loop_bytes"] >= 2 * 4 * rows * cols
+
+
+def test_on_chip_arrays_are_left_out_of_hbm_bytes():
+    hbm = "bf16[4096,1536]{1,0:T(8,128)(2,1)}"
+    vmem = "bf16[1024,1536]{1,0:T(8,128)(2,1)S(1)}"
+    assert array_bytes(hbm) == array_bytes(hbm, hbm_only=True) == 2 * 4096 * 1536
+    assert array_bytes(vmem) == 2 * 1024 * 1536 and array_bytes(vmem, hbm_only=True) == 0
+    assert array_bytes(f"({hbm}, /*index=1*/{vmem}, s32[]{{:T(128)}})", hbm_only=True) == (
+        2 * 4096 * 1536 + 4)
+    line = (f"  %slice-start.1 = (({hbm}), {vmem}, s32[]{{:S(2)}}) slice-start(%p), "
+            "slice={[0:1024], [0:1536]}")
+    instr = op_costs.parse_instr(line)
+    assert (instr.name, instr.opcode, instr.operands) == ("slice-start.1", "slice-start", ("p",))
+    # a prefetch reads its slice from HBM and writes it on chip
+    assert op_costs._plain_bytes(instr, {"p": hbm}, hbm=True) == 2 * 1024 * 1536
+    assert op_costs._plain_bytes(instr, {"p": hbm}, hbm=False) == 2 * 2 * 1024 * 1536
+
+
+def test_not_hlo_is_refused():
+    with pytest.raises(ValueError, match="no ENTRY computation"):
+        costs_of("hello")
+
+
+def test_the_decode_loop_names_its_stages(capsys):
+    import json
+
+    from tev_jax import cli
+
+    cli.main(["plan", "--config", "tev_jax/data/models/target", "--programs", "ar_step",
+              "--budget", "8", "--ops", "3", "--json", "-"])
+    record = json.loads(capsys.readouterr().out)
+    round_ = record["programs"]["round"]["ops"]
+    assert {"draft", "build", "verify", "decide", "commit"} <= set(round_["stages"])
+    stages = round_["stages"]
+    assert max(stages, key=lambda s: stages[s]["flops"]) == "verify"
+    assert len(round_["per_round"]) == 3 and all(o["in_loop"] for o in round_["per_round"])
+    ar = record["programs"]["ar_step"]["ops"]
+    assert "draft" not in ar["stages"] and ar["totals"]["loop_flops"] > 0
+    assert ar["totals"]["loop_flops"] < round_["totals"]["loop_flops"] / 4
