@@ -34,6 +34,7 @@ from flax import nnx, struct
 
 from tev_jax.models.attention import Mask
 from tev_jax.models.config import ModelConfig
+from tev_jax.models.kv_cache import CACHE_AXES, set_slots
 from tev_jax.models.layers import DecoderLayer, Linear, RMSNorm, apply_rope, rope_inv_freq
 from tev_jax.sharding import constrain
 
@@ -246,7 +247,6 @@ def init_drafter_cache(config: DrafterConfig, batch: int, max_len: int,
 
 def drafter_cache_shardings(config: DrafterConfig, batch: int, max_len: int, mesh):
     """NamedShardings (a `DrafterCache` of them) for a drafter cache on ``mesh``."""
-    from tev_jax.models.kv_cache import CACHE_AXES
     from tev_jax.sharding import logical_sharding
 
     m = config.model
@@ -291,7 +291,7 @@ def append_context(drafter: Drafter, cache: DrafterCache, features_BTF: jax.Arra
     Returns:
       The cache with ``lengths + num_new`` positions per row.
     """
-    b, t = features_BTF.shape[:2]
+    t = features_BTF.shape[1]
     lengths = cache.lengths.astype(jnp.int32)
     offs = jnp.arange(t, dtype=jnp.int32)[None, :]
     positions = lengths[:, None] + offs
@@ -299,10 +299,8 @@ def append_context(drafter: Drafter, cache: DrafterCache, features_BTF: jax.Arra
     num_new = num_new_B.astype(jnp.int32)
     # Padding entries go to an out-of-range slot and are dropped by the scatter.
     slots = jnp.where(offs < num_new[:, None], positions, cache.max_len)
-    rows = jnp.arange(b)[:, None]
-    k = cache.k.at[:, rows, slots].set(k_new.astype(cache.k.dtype), mode="drop")
-    v = cache.v.at[:, rows, slots].set(v_new.astype(cache.v.dtype), mode="drop")
-    return DrafterCache(k=k, v=v, lengths=lengths + num_new)
+    return DrafterCache(k=set_slots(cache.k, slots, k_new), v=set_slots(cache.v, slots, v_new),
+                        lengths=lengths + num_new)
 
 
 # ------------------------------------------------------------------ block forward
