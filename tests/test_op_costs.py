@@ -72,6 +72,21 @@ def test_an_in_place_update_counts_the_update_and_a_rewrite_the_buffer():
     assert totals(rewrite)["loop_bytes"] >= 2 * 4 * rows * cols
 
 
+def _nested(x_N):
+    def inner(x_N):
+        return jax.lax.while_loop(lambda x: x[0] < 10, lambda x: jnp.sin(x) + 1, x_N)
+    return jax.lax.while_loop(lambda x: x[1] < 50, lambda x: inner(x) * 2, x_N)
+
+
+def test_a_loop_inside_the_loop_is_marked_inner():
+    ops = costs_of(jax.jit(_nested).lower(jnp.zeros((128,))).compile().as_text())
+    inner = [o for o in ops if "while/body/while/body" in o.scope]
+    outer = [o for o in ops if o.scope == "jit(_nested)/while/body/mul"]
+    assert inner and outer
+    assert all(o.in_loop and o.inner for o in inner)
+    assert all(o.in_loop and not o.inner for o in outer)
+
+
 def test_on_chip_arrays_are_left_out_of_hbm_bytes():
     hbm = "bf16[4096,1536]{1,0:T(8,128)(2,1)}"
     vmem = "bf16[1024,1536]{1,0:T(8,128)(2,1)S(1)}"

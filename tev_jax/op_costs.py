@@ -19,6 +19,11 @@ counts the update, not the whole buffer. FLOPs are 2·M·N·K per dot (or convol
 one per output element of other arithmetic. ``hbm_bytes`` leaves out arrays the TPU
 compiler placed in on-chip memory (``S(1)`` in their layout): the compiler's "bytes
 accessed" counts them, the HBM roofline should not.
+
+Checked against the compiler's totals (``cost_analysis``) on TPU programs: the FLOPs agree
+within 0.4 % on Qwen3-8B rounds (v5e:2x4, full depth) and within 3 % on a small model;
+the bytes, a simpler model than XLA's (which weighs some fusion operands by how often they
+are read), come to 75-86 % of the compiler's count at full size and never exceed it.
 """
 
 from __future__ import annotations
@@ -86,6 +91,9 @@ class Op:
       count: executions per call (or per round when ``in_loop``): the product of the
         known trip counts of the loops around it.
       in_loop: inside a loop of unknown trip count (a decode round), counted per iteration.
+      inner: inside a second loop of unknown trip count within that one (e.g. the
+        attention's loop over the visible key blocks): counted once per round although
+        it may run several times.
       scope: the ``jax.named_scope`` / transform path (``op_name`` metadata).
       source: ``file:line (function)`` of the innermost user frame, or ''.
     """
@@ -99,6 +107,7 @@ class Op:
     flops: float
     count: int
     in_loop: bool
+    inner: bool
     scope: str
     source: str
 
@@ -288,12 +297,7 @@ def _flops(instr: Instr, shapes: dict[str, str]) -> float:
         k = math.prod(lhs[int(d)] for d in m.group(1).split(",") if d) if m and lhs else 1
         return 2.0 * elements(instr.type) * k
     if instr.opcode == "convolution":
-        kernel = dims(shapes.get(instr.operands[1], ""))
-        m = re.search(r"dim_labels=\w+_(\w+)->", instr.attrs)
-        if m is None or len(m.group(1)) != len(kernel):
-            return 2.0 * elements(instr.type)
-        k = math.prod(n for n, label in zip(kernel, m.group(1)) if label != "o")
-        return 2.0 * elements(instr.type) * k
+        return 2.0 * elements(instr.type) * _taps(instr, shapes)
     if instr.opcode in ("reduce", "reduce-window"):
         return float(sum(elements(shapes.get(o, "")) for o in instr.operands[:1]))
     if (instr.opcode in NO_FLOPS or instr.opcode in FREE
@@ -301,6 +305,39 @@ def _flops(instr: Instr, shapes: dict[str, str]) -> float:
             or instr.opcode.startswith(("all-", "reduce-scatter", "collective"))):
         return 0.0
     return float(elements(instr.type))
+
+
+def _fused_flops(module: Module, fusion: Instr) -> float:
+    """FLOPs of a fusion's computation, nested fusions included."""
+    called = _called(fusion.attrs, "calls")
+    body = module.computations.get(called[0], []) if called else []
+    shapes = {i.name: i.type for i in body}
+    return sum(_fused_flops(module, i) if i.opcode == "fusion" else _flops(i, shapes)
+               for i in body)
+
+
+def _taps(conv: Instr, shapes: dict[str, str]) -> int:
+    """Multiply-adds per output element of a convolution: the kernel's input features
+    times, per spatial dimension, the window taps that can meet real input (the TPU
+    compiler writes a batched matrix product as a convolution whose window slides over a
+    padded length-1 dimension: one real tap, not the window's size)."""
+    labels = re.search(r"dim_labels=(\w+)_(\w+)->", conv.attrs)
+    lhs = dims(shapes.get(conv.operands[0], ""))
+    kernel = dims(shapes.get(conv.operands[1], ""))
+    if labels is None or len(labels.group(1)) != len(lhs) or len(labels.group(2)) != len(kernel):
+        return math.prod(kernel[:-1]) if kernel else 1
+    lhs_labels, kernel_labels = labels.groups()
+    window = re.search(r"window=\{([^}]*)\}", conv.attrs)
+    field = lambda key, n: ([int(x) for x in re.search(rf"{key}=([0-9x]+)", window.group(1))
+                             .group(1).split("x")] if window and f"{key}=" in window.group(1)
+                            else [1] * n)
+    spatial = sorted(c for c in lhs_labels if c.isdigit())
+    sizes, dilation = field("size", len(spatial)), field("lhs_dilate", len(spatial))
+    taps = kernel[kernel_labels.index("i")] if "i" in kernel_labels else 1
+    for k, c in enumerate(spatial):
+        n = lhs[lhs_labels.index(c)]
+        taps *= min(sizes[k], -(-sizes[k] // dilation[k]), n)
+    return taps
 
 
 def _fusion_bytes(module: Module, instr: Instr, shapes: dict[str, str], hbm: bool) -> float:
@@ -378,7 +415,7 @@ def op_costs(text: str) -> list[Op]:
     module = parse_module(text)
     ops: list[Op] = []
 
-    def walk(name: str, count: int, in_loop: bool, seen: tuple[str, ...]):
+    def walk(name: str, count: int, loops: int, seen: tuple[str, ...]):
         if name in seen or name not in module.computations:
             return
         body = module.computations[name]
@@ -386,7 +423,7 @@ def op_costs(text: str) -> list[Op]:
         for instr in body:
             if instr.opcode == "while":
                 n = _trip_count(instr.attrs)
-                inner = (count * n, in_loop) if n is not None else (count, True)
+                inner = (count * n, loops) if n is not None else (count, loops + 1)
                 for key in ("condition", "body"):
                     for c in _called(instr.attrs, key):
                         walk(c, *inner, seen + (name,))
@@ -395,7 +432,7 @@ def op_costs(text: str) -> list[Op]:
                 for key in ("branch_computations", "true_computation", "false_computation",
                             "to_apply"):
                     for c in _called(instr.attrs, key):
-                        walk(c, count, in_loop, seen + (name,))
+                        walk(c, count, loops, seen + (name,))
                 continue
             if (instr.opcode in FREE or instr.opcode.endswith("-done")
                     or FREE_CALLS.intersection(re.findall(r'custom_call_target="(\w+)"',
@@ -403,10 +440,7 @@ def op_costs(text: str) -> list[Op]:
                 continue
             if instr.opcode == "fusion":
                 nbytes = [_fusion_bytes(module, instr, shapes, hbm) for hbm in (False, True)]
-                called = _called(instr.attrs, "calls")
-                inner_body = module.computations.get(called[0], []) if called else []
-                inner_shapes = {i.name: i.type for i in inner_body}
-                flops = sum(_flops(i, inner_shapes) for i in inner_body)
+                flops = _fused_flops(module, instr)
             else:
                 nbytes = [_plain_bytes(instr, shapes, hbm) for hbm in (False, True)]
                 flops = _flops(instr, shapes)
@@ -417,10 +451,10 @@ def op_costs(text: str) -> list[Op]:
                 kind=kind.group(1) if kind and instr.opcode == "fusion" else instr.opcode,
                 shape=re.sub(r"\{[^{}]*(?:\([^)]*\)[^{}]*)*\}", "", instr.type),
                 bytes=nbytes[0] * count, hbm_bytes=nbytes[1] * count,
-                flops=flops * count, count=count, in_loop=in_loop,
+                flops=flops * count, count=count, in_loop=loops > 0, inner=loops > 1,
                 scope=scope.group(1) if scope else "", source=module.source(instr.attrs)))
 
-    walk(module.entry, 1, False, ())
+    walk(module.entry, 1, 0, ())
     return ops
 
 
@@ -473,7 +507,7 @@ def format_table(ops, top: int, stages=()) -> str:
             continue
         lines.append(f"  largest ops {title}:   MB   (HBM)   GFLOP  op, output, stage, source")
         for o in rows:
-            count = f" x{o.count}" if o.count > 1 else ""
+            count = (f" x{o.count}" if o.count > 1 else "") + (" (inner loop)" if o.inner else "")
             lines.append(f"    {o.bytes / 1e6:9.1f} {o.hbm_bytes / 1e6:7.1f} {o.flops / 1e9:7.2f}"
                          f"  {o.kind}{count} {o.shape[:48]} {o.stage(stages) or '-'} "
                          f"{o.source or o.scope[-48:]}")
