@@ -124,3 +124,37 @@ def test_the_decode_loop_names_its_stages(capsys):
     ar = record["programs"]["ar_step"]["ops"]
     assert "draft" not in ar["stages"] and ar["totals"]["loop_flops"] > 0
     assert ar["totals"]["loop_flops"] < round_["totals"]["loop_flops"] / 4
+
+
+def test_the_round_floor_is_one_shard_of_the_weights_and_caches():
+    import experiment_scripts
+
+    from tev_jax import plan
+    from tev_jax import sharding as shd
+    from tev_jax.decode import DecodeConfig
+    from tev_jax.engine import Engine
+    from tev_jax.models import ModelConfig
+
+    rb = experiment_scripts.load("round_bytes")
+    cfg = ModelConfig("qwen3", vocab_size=4096, hidden_size=256, intermediate_size=768,
+                      num_layers=2, num_heads=16, num_kv_heads=8, head_dim=64, qk_norm=True,
+                      tie_word_embeddings=False)
+    config = DecodeConfig(builder="none", max_new_tokens=32, prompt_len=64)
+    target, _ = plan.abstract_models(cfg, config, dtype=jnp.bfloat16)
+    floors = {}
+    for n in (1, 8):
+        mesh = None if n == 1 else shd.make_mesh(tensor=8)
+        floors[n] = rb.floor_bytes(Engine.create(target, None, config, 8, mesh=mesh), tied=False)
+    embed = 2 * cfg.vocab_size * cfg.hidden_size
+    layers = sum(2 * x.size for x in jax.tree.leaves(nnx_state(target)) if x.ndim > 1) - 2 * embed
+    assert floors[1]["weights"] >= layers + embed  # the head, not the embedding table
+    assert floors[1]["weights"] < layers + 2 * embed
+    # weight matrices and caches split over 8 chips (norms replicated)
+    assert floors[8]["weights"] == pytest.approx(floors[1]["weights"] / 8, rel=0.02)
+    assert floors[8]["kv"] == floors[1]["kv"] // 8 > 0
+
+
+def nnx_state(model):
+    from flax import nnx
+
+    return nnx.state(model)

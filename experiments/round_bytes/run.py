@@ -34,8 +34,10 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 from tev_jax import op_costs, plan, topology  # noqa: E402
+from tev_jax import sharding as shd  # noqa: E402
 from tev_jax.decode import STAGES, DecodeConfig  # noqa: E402
 from tev_jax.engine import Engine  # noqa: E402
+from tev_jax.models.kv_cache import CACHE_AXES  # noqa: E402
 
 HERE = Path(__file__).parent
 
@@ -52,12 +54,24 @@ def shard_bytes(tree, skip=()) -> int:
     return total
 
 
+def kv_bytes(engine: Engine) -> int:
+    """Per-device bytes of the target's and the drafter's key/value caches, laid out by
+    their logical axes (`tev_jax.models.kv_cache.CACHE_AXES`) as the decode loop pins them."""
+    st = engine.abstract_state()
+    buffers = [st.cache.k, st.cache.v]
+    if hasattr(st.ctx, "k"):  # a DFlash drafter's context cache (AR keeps none)
+        buffers += [st.ctx.k, st.ctx.v]
+    mesh = engine.mesh
+    return shard_bytes([jax.ShapeDtypeStruct(
+        x.shape, x.dtype,
+        sharding=None if mesh is None else shd.logical_sharding(CACHE_AXES, x.shape, mesh))
+        for x in buffers])
+
+
 def floor_bytes(engine: Engine, tied: bool) -> dict[str, int]:
     """What one round must read per chip: the weights it uses and the KV caches."""
-    st = engine.abstract_state()
     weights = shard_bytes(engine.params, skip=() if tied else ("embed_tokens",))
-    caches = shard_bytes(st.cache) + (0 if st.ctx is None else shard_bytes(st.ctx))
-    return {"weights": weights, "kv": caches}
+    return {"weights": weights, "kv": kv_bytes(engine)}
 
 
 def measure(cfg, config: DecodeConfig, batch: int, mesh, chip, top: int) -> dict:
