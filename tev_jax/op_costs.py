@@ -144,7 +144,7 @@ def tuple_elements(type_text: str) -> list[str]:
     inner = type_text.strip()[1:_balanced(type_text.strip(), 0) - 1]
     parts, depth, start = [], 0, 0
     for i, c in enumerate(inner):
-        depth += c in "([{" 
+        depth += c in "([{"
         depth -= c in ")]}"
         if c == "," and depth == 0:
             parts.append(inner[start:i].strip())
@@ -194,13 +194,13 @@ class Module:
 
     computations: dict[str, list[Instr]]
     entry: str
-    frames: dict[int, tuple[str, int, str, int]]  # id -> (file, line, function, parent)
+    frames: dict[int, tuple[str, int, str]]  # id -> (file, line, function)
 
     def source(self, attrs: str) -> str:
         """``file:line (function)`` of the op's innermost frame ('' without one)."""
         m = re.search(r"stack_frame_id=(\d+)", attrs)
         if m is not None and int(m.group(1)) in self.frames:
-            file, line, fn, _ = self.frames[int(m.group(1))]
+            file, line, fn = self.frames[int(m.group(1))]
             return f"{_short(file)}:{line} ({fn})"
         m = re.search(r'source_file="([^"]+)" source_line=(\d+)', attrs)
         return "" if m is None else f"{_short(m.group(1))}:{m.group(2)}"
@@ -256,8 +256,7 @@ def parse_module(text: str) -> Module:
     frames = {}
     for k, v in _table(text, "StackFrames").items():
         f = dict(re.findall(r"(\w+)=(\d+)", v))
-        frames[k] = (*locs.get(int(f["file_location_id"]), ("?", 0, "?")),
-                     int(f["parent_frame_id"]) - 1)
+        frames[k] = locs.get(int(f["file_location_id"]), ("?", 0, "?"))
     return Module(computations, entry, frames)
 
 

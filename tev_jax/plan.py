@@ -362,6 +362,8 @@ def plan_decode_programs(target_cfg: ModelConfig, config, batch_size: int, *,
     Raises:
       ValueError: an unknown program name, or anything `Engine.create` refuses.
     """
+    if not isinstance(ops, int) or ops < 0:
+        raise ValueError(f"ops must be a non-negative int (ops listed per table), got {ops!r}")
     bad = [p for p in programs if p not in DECODE_PROGRAMS]
     if bad:
         raise ValueError(f"unknown programs {bad}; choose from {DECODE_PROGRAMS}")
