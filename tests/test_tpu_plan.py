@@ -186,3 +186,24 @@ def test_exittrain_step_compiles_for_a_tpu_slice():
     shapes = count(target) + 3 * 2 * count(drafter) + kv   # f32 drafter: params + 2 moments
     assert step.peak <= 2 * shapes // 8 + SLACK, (step.peak, shapes)
     assert step.roofline_seconds > 0 and 0 < step.mfu <= 1
+
+
+@needs_libtpu
+def test_the_ar_loop_does_not_copy_the_kv_cache_on_a_tpu_slice():
+    """Qwen3-8B widths with 4 layers, v5e:2x4 tensor 8, B 8, cache 2048: no op of the
+    rounds loop copies the whole target cache (one scatter over all layers once made the
+    compiler interleave the layers in the cache layout and copy it twice per round)."""
+    from tev_jax.engine import Engine
+
+    cfg = plan.preset("qwen3-8b", num_layers=4)
+    config = DecodeConfig(builder="none", prompt_len=1024, max_cache_len=2048,
+                          max_new_tokens=256)
+    mesh = topology.slice_mesh("v5e:2x4", tensor=8)[0]
+    target, _ = plan.abstract_models(cfg, config, dtype=jnp.bfloat16)
+    engine = Engine.create(target, None, config, 8, mesh=mesh)
+    ops = plan.loop_ops(engine)
+    cache = engine.abstract_state().cache.k.shape   # [layers, B, L, kv heads, hd]
+    shard = f"bf16[{cache[0]},{cache[1]},{cache[2]},1,{cache[4]}]"  # kv heads over 8 chips
+    copies = [o for o in ops if o.opcode == "copy" and o.shape == shard]
+    assert not copies, [(o.name, o.in_loop) for o in copies]
+    assert any(o.in_loop for o in ops)
