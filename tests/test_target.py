@@ -334,3 +334,30 @@ def test_bfloat16_smoke(qwen3_ckpt, tmp_path):
     assert json.loads((tmp_path / "bf16" / "config.json").read_text())["torch_dtype"] == "bfloat16"
     again = load_target(tmp_path / "bf16", dtype=jnp.bfloat16)
     np.testing.assert_array_equal(fwd(again, tokens)[0], logits)
+
+
+@pytest.mark.parametrize("per_layer", [True, False])
+def test_cache_updates_layer_by_layer_equal_one_op_over_all_layers(per_layer):
+    """`set_slots` / `move_slots` give the same buffer either way (accelerators update one
+    layer at a time, XLA:CPU all at once), out-of-range slots included; a numpy twin."""
+    from tev_jax.models import kv_cache
+
+    rng = np.random.default_rng(0)
+    layers, b, length, t = 3, 2, 10, 4
+    x = rng.normal(size=(layers, b, length, 2)).astype(np.float32)
+    new = rng.normal(size=(layers, b, t, 2)).astype(np.float32)
+    slots = np.array([[0, 3, 9, 12], [5, 6, 7, 10]])          # 12 and 10 are dropped
+    src = np.array([[4, 1, 11, 0], [9, 8, 2, 2]])             # 11 reads zeros
+    dst = np.array([[2, 3, 4, 5], [0, 1, 2, 30]])
+    want_set, want_move = x.copy(), x.copy()
+    for r in range(b):
+        for j in range(t):
+            if slots[r, j] < length:
+                want_set[:, r, slots[r, j]] = new[:, r, j]
+            if dst[r, j] < length:
+                want_move[:, r, dst[r, j]] = x[:, r, src[r, j]] if src[r, j] < length else 0
+    got_set = jax.jit(lambda *a: kv_cache.set_slots(*a, per_layer=per_layer))(x, slots, new)
+    got_move = jax.jit(lambda *a: kv_cache.move_slots(*a, per_layer=per_layer))(x, src, dst)
+    np.testing.assert_array_equal(got_set, want_set)
+    np.testing.assert_array_equal(got_move, want_move)
+    assert not kv_cache.layer_by_layer()  # this CPU run, no mesh

@@ -56,31 +56,56 @@ def cache_shardings(config: ModelConfig, batch: int, max_len: int, mesh):
     return KVCache(k=s, v=s)
 
 
-def set_slots(x_LBS, slots_BT: jax.Array, new_LBT: jax.Array) -> jax.Array:
-    """``x[l, b, slots[b, t]] = new[l, b, t]`` for every layer l; slots past the end dropped.
+def layer_by_layer() -> bool:
+    """Whether cache updates go one layer at a time: on accelerators yes, on XLA:CPU no.
 
-    One scatter per layer, not one over the layer axis: given a scatter over all layers
-    at once, the TPU compiler lays the cache out with the layers interleaved and copies the
-    whole cache into the attention's per-layer layout twice per round (Qwen3-8B, v5e:2x4:
-    0.6 GB of a 2.6 GB AR step; `tev_jax.op_costs`).
+    On TPU one scatter over all layers made the compiler lay the cache out with the
+    layers interleaved and copy the whole cache into the attention's per-layer layout
+    twice per round (Qwen3-8B, v5e:2x4: 0.6 GB of a 2.6 GB AR step, `tev_jax.op_costs`);
+    on XLA:CPU the per-layer ops cost more than they save (bundled models: 3-6 % slower
+    decoding). Decided while tracing: the active mesh's platform (a TPU slice compiled
+    from a CPU host counts as TPU), else the default backend.
+    """
+    device = jax.sharding.get_abstract_mesh().abstract_device
+    return (jax.default_backend() if device is None else device.platform) != "cpu"
+
+
+def set_slots(x_LBS: jax.Array, slots_BT: jax.Array, new_LBT: jax.Array, *,
+              per_layer: bool | None = None) -> jax.Array:
+    """``x[l, b, slots[b, t]] = new[l, b, t]`` for every layer l; slots past the end dropped.
 
     Args:
       x_LBS: [layers, B, L, ...] buffer.
       slots_BT: int [B, T] slots per row.
       new_LBT: [layers, B, T, ...] entries.
+      per_layer: one scatter per layer, or one over all layers; default `layer_by_layer`.
     """
     rows_B1 = jnp.arange(x_LBS.shape[1])[:, None]
+    new_LBT = new_LBT.astype(x_LBS.dtype)
+    if not (layer_by_layer() if per_layer is None else per_layer):
+        return x_LBS.at[:, rows_B1, slots_BT].set(new_LBT, mode="drop")
     for i in range(x_LBS.shape[0]):
-        x_LBS = x_LBS.at[i, rows_B1, slots_BT].set(new_LBT[i].astype(x_LBS.dtype), mode="drop")
+        x_LBS = x_LBS.at[i, rows_B1, slots_BT].set(new_LBT[i], mode="drop")
     return x_LBS
 
 
-def get_slots(x_LBS: jax.Array, slots_BT: jax.Array) -> jax.Array:
-    """``x[l, b, slots[b, t]]`` -> [layers, B, T, ...] (zeros past the end), one gather per
-    layer (see `set_slots`)."""
+def move_slots(x_LBS: jax.Array, src_BT: jax.Array, dst_BT: jax.Array, *,
+               per_layer: bool | None = None) -> jax.Array:
+    """``x[l, b, dst[b, t]] = x[l, b, src[b, t]]`` for every layer (reads past the end give
+    zeros, writes past the end are dropped).
+
+    Layer by layer (``per_layer``, default `layer_by_layer`), each layer's gather reads
+    the buffer its predecessor's scatter wrote, so the update stays in place (gathering
+    every layer before scattering any made XLA copy the cache).
+    """
     rows_B1 = jnp.arange(x_LBS.shape[1])[:, None]
-    return jnp.stack([x_LBS.at[i, rows_B1, slots_BT].get(mode="fill", fill_value=0)
-                      for i in range(x_LBS.shape[0])])
+    if not (layer_by_layer() if per_layer is None else per_layer):
+        moved = x_LBS.at[:, rows_B1, src_BT].get(mode="fill", fill_value=0)
+        return x_LBS.at[:, rows_B1, dst_BT].set(moved, mode="drop")
+    for i in range(x_LBS.shape[0]):
+        moved = x_LBS.at[i, rows_B1, src_BT].get(mode="fill", fill_value=0)
+        x_LBS = x_LBS.at[i, rows_B1, dst_BT].set(moved, mode="drop")
+    return x_LBS
 
 
 def write(cache: KVCache, k_new: jax.Array, v_new: jax.Array, start_B: jax.Array) -> KVCache:
@@ -102,7 +127,7 @@ def commit(cache: KVCache, start_B: jax.Array, path_BP: jax.Array,
     For every row b and ``j < length[b]``: slot ``start + j`` <- slot
     ``start + path[j]`` (path holds tree slot indices, ``path[0] = 0`` the root; padding
     is -1). Slots ``start + j`` for ``j >= length`` are left unchanged. Static shapes:
-    a gather and a scatter over P slots per row (`get_slots`, `set_slots`).
+    a gather and a scatter over P slots per row and layer (`move_slots`).
 
     Args:
       cache: the cache after the verify pass wrote the tree at ``start..start+N-1``.
@@ -118,5 +143,4 @@ def commit(cache: KVCache, start_B: jax.Array, path_BP: jax.Array,
     keep = j < length_B.astype(jnp.int32)[:, None]
     src = start + jnp.where(keep, path_BP.astype(jnp.int32), j)     # [B, P]
     dst = start + j
-    return KVCache(k=set_slots(cache.k, dst, get_slots(cache.k, src)),
-                   v=set_slots(cache.v, dst, get_slots(cache.v, src)))
+    return KVCache(k=move_slots(cache.k, src, dst), v=move_slots(cache.v, src, dst))
