@@ -16,7 +16,6 @@ Skipped only where libtpu is not installed (CI installs the ``tpu`` extra).
 
 from __future__ import annotations
 
-import dataclasses
 import importlib.util
 import json
 import math
@@ -52,7 +51,7 @@ def _bound(n_devices: int) -> int:
 
 @needs_libtpu
 @pytest.mark.parametrize("name,axes,programs", [
-    ("v5e:2x4", dict(tensor=8, fsdp=1), ("generation", "round", "ar_step")),
+    # tensor 8 on v5e:2x4: every program, in test_plan_command_json_for_a_topology
     ("v5e:2x4", dict(data=2, tensor=4, fsdp=1), ("generation",)),
     ("v5e:4x4", dict(data=2, tensor=8, fsdp=1), ("generation",))])
 def test_decode_programs_compile_for_a_tpu_slice(name, axes, programs):
@@ -144,27 +143,45 @@ def test_chip_table():
 
 @needs_libtpu
 def test_plan_command_json_for_a_topology(tmp_path, capsys):
+    """``tev-jax plan --topology v5e:2x4 --mesh-tensor 8 --ops 2 --json``: every decode
+    program compiles under the per-chip bound, the JSON has the issue's shape, the round
+    costs more than an AR step, and the op tables name the stages."""
     cfg_file = tmp_path / "config.json"
-    cfg_file.write_text(json.dumps(dataclasses.replace(CFG, num_layers=1).to_hf()))
+    cfg_file.write_text(json.dumps(CFG.to_hf()))
     out = tmp_path / "plan.json"
     argv = ["plan", "--config", str(cfg_file), "--topology", "v5e:2x4", "--mesh-tensor", "8",
-            "--batch", "8", "--budget", "16", "--prompt-len", "64", "--max-new-tokens", "16",
-            "--dtype", "bfloat16", "--tau", "2.5", "--json", str(out)]
+            "--batch", str(B), "--budget", str(CONFIG.budget), "--prompt-len",
+            str(CONFIG.prompt_len), "--max-new-tokens", str(CONFIG.max_new_tokens),
+            "--dtype", "bfloat16", "--tau", "2.5", "--ops", "2", "--json", str(out)]
     assert cli.main(argv) == 0
     printed = capsys.readouterr().out
-    assert "break-even tau" in printed and "fits:" in printed
+    assert "break-even tau" in printed and "fits:" in printed and "largest ops" in printed
     record = json.loads(out.read_text())
     programs = record["programs"]
     assert set(programs) == {"generation", "ar_step", "round", "prefill", "stages"}
     assert set(programs["stages"]) == {"draft", "build", "verify", "decide", "commit"}
     keys = {"argument_bytes", "temp_bytes", "output_bytes", "flops", "bytes_accessed",
             "roofline_seconds", "compile_seconds"}
+    bound = _bound(8)
     for p in [*(programs[k] for k in ("generation", "ar_step", "round", "prefill")),
               *programs["stages"].values()]:
         assert keys <= set(p) and p["roofline_seconds"] > 0
+        assert p["peak_bytes"] <= bound
     assert record["estimate"]["tau"] == 2.5
+    # a round verifies B x (budget + 1) tokens, an AR step B
+    assert programs["round"]["flops"] > 4 * programs["ar_step"]["flops"]
     assert record["break_even_tau"] == pytest.approx(
         programs["round"]["roofline_seconds"] / programs["ar_step"]["roofline_seconds"])
+    assert record["break_even_tau"] > 1
+    # the op tables of the fused loops: the round's stages, verify doing most FLOPs
+    stages = programs["round"]["ops"]["stages"]
+    assert set(programs["stages"]) <= set(stages)
+    assert max(stages, key=lambda s: stages[s]["flops"]) == "verify"
+    rows = programs["round"]["ops"]["per_round"]
+    assert len(rows) == 2 and all(r["in_loop"] for r in rows)
+    ar = programs["ar_step"]["ops"]
+    assert "draft" not in ar["stages"]
+    assert 0 < ar["totals"]["loop_flops"] < programs["round"]["ops"]["totals"]["loop_flops"] / 4
 
 
 @needs_libtpu
