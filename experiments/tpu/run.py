@@ -357,25 +357,29 @@ def decode_table(results: dict) -> str:
 
 
 def interpolation_checks(results: dict) -> str:
-    """Where every budget and B 8 / 32 / 64 are compiled: budgets 32 and 128 interpolated
-    from the bracketing ones, and B 32 from B 8 and 64, against their own compiles
+    """Budgets 32 and 128 interpolated from the bracketing ones where every budget is
+    compiled, and B 32 from B 8 and 64 where those three are, against their own compiles
     (roofline time, interpolated / compiled)."""
     rows = ["| model | chip | mesh | B | b 32 from b 16, 64 | b 128 from b 64, 256 | "
             "B 32 from B 8, 64 (AR / b 16 / 64 / 256) |", "|---|---|---|---|---|---|---|"]
     groups = _decode_groups(results)
     for (model, chip, mesh, batch), entries in sorted(groups.items()):
-        if not set(BUDGETS) <= set(entries):
+        low, high = groups.get((model, chip, mesh, 8)), groups.get((model, chip, mesh, 64))
+        every_budget = set(BUDGETS) <= set(entries)
+        if not every_budget and not (batch == 32 and low and high):
             continue
         cells = []
         for budget in (32, 128):
+            if not every_budget:
+                cells.append("–")
+                continue
             bracket = {b: entries[b] for b in BRACKET}
             guess = _seconds(interpolated(bracket, budget), chip)
             cells.append(f"{guess / _seconds(entries[budget], chip):.3f}")
-        low, high = groups.get((model, chip, mesh, 8)), groups.get((model, chip, mesh, 64))
         if batch == 32 and low and high:
             cells.append(" / ".join(
                 f"{_seconds(_between(32, 8, 64, low[b], high[b], ''), chip) / _seconds(entries[b], chip):.3f}"
-                if b in low and b in high else "–" for b in (None, *BRACKET)))
+                if b in low and b in high and b in entries else "–" for b in (None, *BRACKET)))
         else:
             cells.append("")
         rows.append(f"| {model} | {chip} | {mesh} | {batch} | " + " | ".join(cells) + " |")
