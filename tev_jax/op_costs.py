@@ -55,11 +55,11 @@ a weight with ``ConcatBitcast``)."""
 
 SLICING = frozenset({"dynamic-slice", "slice", "gather"})
 NO_FLOPS = frozenset({
-    "parameter", "constant", "get-tuple-element", "tuple", "bitcast", "broadcast",
-    "reshape", "transpose", "copy", "slice", "dynamic-slice", "dynamic-update-slice",
+    "broadcast", "reshape", "transpose", "copy", "slice", "dynamic-slice", "dynamic-update-slice",
     "concatenate", "pad", "gather", "scatter", "iota", "reverse", "convert",
     "bitcast-convert", "select", "tuple-select", "sort", "custom-call"})
-"""Data movement (and sorts, custom calls) to which XLA assigns no arithmetic FLOPs."""
+"""Data movement (and sorts, custom calls) to which XLA assigns no arithmetic FLOPs
+(beside the `FREE` ops)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -196,6 +196,11 @@ class Module:
     entry: str
     frames: dict[int, tuple[str, int, str]]  # id -> (file, line, function)
 
+    def fused(self, instr: Instr) -> list[Instr]:
+        """The instructions of the computation a fusion calls ([] for none)."""
+        called = _called(instr.attrs, "calls")
+        return self.computations.get(called[0], []) if called else []
+
     def source(self, attrs: str) -> str:
         """``file:line (function)`` of the op's innermost frame ('' without one)."""
         m = re.search(r"stack_frame_id=(\d+)", attrs)
@@ -308,8 +313,7 @@ def _flops(instr: Instr, shapes: dict[str, str]) -> float:
 
 def _fused_flops(module: Module, fusion: Instr) -> float:
     """FLOPs of a fusion's computation, nested fusions included."""
-    called = _called(fusion.attrs, "calls")
-    body = module.computations.get(called[0], []) if called else []
+    body = module.fused(fusion)
     shapes = {i.name: i.type for i in body}
     return sum(_fused_flops(module, i) if i.opcode == "fusion" else _flops(i, shapes)
                for i in body)
@@ -342,8 +346,7 @@ def _taps(conv: Instr, shapes: dict[str, str]) -> int:
 def _fusion_bytes(module: Module, instr: Instr, shapes: dict[str, str], hbm: bool) -> float:
     """Bytes of one fusion: its output, and what it reads of each operand (the slices of
     an operand it only slices, the update of a buffer it updates in place)."""
-    called = _called(instr.attrs, "calls")
-    body_list = module.computations.get(called[0], []) if called else []
+    body_list = module.fused(instr)
     if not body_list:
         return _plain_bytes(instr, shapes, hbm)
     body = {i.name: i for i in body_list}
@@ -376,8 +379,7 @@ def _sliced_bytes(module: Module, body: list[Instr], name: str) -> float | None:
         if u.opcode in SLICING and u.operands[0] == name and u.operands.count(name) == 1:
             total += array_bytes(u.type)
             continue
-        called = _called(u.attrs, "calls") if u.opcode == "fusion" else []
-        nested = module.computations.get(called[0], []) if called else []
+        nested = module.fused(u) if u.opcode == "fusion" else []
         for index in (k for k, o in enumerate(u.operands) if o == name):
             param = next((p for p in nested if p.opcode == "parameter"
                           and int(p.args) == index), None)

@@ -62,8 +62,8 @@ def layer_by_layer() -> bool:
     On TPU one scatter over all layers made the compiler lay the cache out with the
     layers interleaved and copy the whole cache into the attention's per-layer layout
     twice per round (Qwen3-8B, v5e:2x4: 0.6 GB of a 2.6 GB AR step, `tev_jax.op_costs`);
-    on XLA:CPU the per-layer ops cost more than they save (bundled models: 3-6 % slower
-    decoding). Decided while tracing: the active mesh's platform (a TPU slice compiled
+    on XLA:CPU the per-layer ops cost more than they save (bundled models: 2-5 % slower
+    decoding, `experiments/round_bytes/cpu_speed.py`). Decided while tracing: the active mesh's platform (a TPU slice compiled
     from a CPU host counts as TPU), else the default backend.
     """
     device = jax.sharding.get_abstract_mesh().abstract_device
