@@ -30,7 +30,7 @@ STOP = (11,)
 
 @pytest.fixture(scope="module")
 def target():
-    return tiny_target(seed=8)
+    return tiny_target(seed=12)  # a seed where some rows (not all) hit the stop token
 
 
 @pytest.fixture(scope="module")

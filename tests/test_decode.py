@@ -39,7 +39,7 @@ GREEDY = Sampling(temperature=0.0)
 
 @pytest.fixture(scope="module")
 def target():
-    return tiny_target(seed=8)  # a seed whose greedy continuations do not fall into short loops
+    return tiny_target(seed=38)  # a seed whose greedy continuations do not fall into short loops
 
 
 @pytest.fixture(scope="module")

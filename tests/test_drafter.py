@@ -210,7 +210,7 @@ def test_init_drafter_scaling_and_taps(pair):
     assert d.config.target_layer_ids == (3,)            # one layer: the middle target layer
     assert d.config.num_target_layers == target.config.num_layers
     assert d.config.model.hidden_size == target.config.hidden_size
-    q = np.asarray(d.layers[0].self_attn.q_proj.kernel[...])
+    q = np.asarray(d.layers.self_attn.q_proj.kernel[0])
     assert 0.015 < q.std() < 0.025 and abs(q.mean()) < 0.005
     np.testing.assert_array_equal(np.asarray(d.hidden_norm.weight[...]), 1.0)
     d2 = init_drafter(target, num_layers=1, block_size=4, mask_token_id=5, key=4)
@@ -275,8 +275,8 @@ def test_load_onto_mesh(pair, tmp_path):
     loaded = load_drafter(tmp_path / "d", target, mesh=mesh)
     fc = loaded.fc.kernel[...]                      # [2D, D] = ('mlp', 'embed')
     assert fc.sharding.spec == PartitionSpec("tensor", "fsdp")
-    up = loaded.layers[1].mlp.up_proj.kernel[...]   # [D, 48] = ('embed', 'mlp')
-    assert up.sharding.spec == PartitionSpec("fsdp", "tensor")
+    up = loaded.layers.mlp.up_proj.kernel[...]   # [layers, D, 48] = ('layers', 'embed', 'mlp')
+    assert up.sharding.spec == PartitionSpec(None, "fsdp", "tensor")
     np.testing.assert_array_equal(np.asarray(fc), np.asarray(drafter.fc.kernel[...]))
     cache = jax.device_put(dr.init_drafter_cache(drafter.config, 4, 16),
                            dr.drafter_cache_shardings(drafter.config, 4, 16, mesh))
@@ -284,4 +284,4 @@ def test_load_onto_mesh(pair, tmp_path):
     assert cache.k.sharding.spec == PartitionSpec(None, "fsdp")
     assert cache.lengths.sharding.spec == PartitionSpec("fsdp")
     np.testing.assert_array_equal(np.asarray(up),
-                                  np.asarray(drafter.layers[1].mlp.up_proj.kernel[...]))
+                                  np.asarray(drafter.layers.mlp.up_proj.kernel[...]))

@@ -187,6 +187,14 @@ def test_context_and_scoring_passes_equal_plain_forwards():
     assert len(where) > b * a
     with pytest.raises(ValueError, match="tap layer"):
         target_context(target, jnp.asarray(tokens), (TINY.num_layers,))
+    # Without the cache only the layers up to the last tap run: the same features.
+    for only in ((0,), taps):
+        shallow, none = jax.jit(lambda x, only=only: target_context(
+            target, x, only, with_cache=False))(jnp.asarray(tokens))
+        assert none is None
+        np.testing.assert_allclose(
+            np.asarray(shallow), want_feats[-b:, :length, :TINY.hidden_size * len(only)],
+            atol=1e-5)
 
 
 def test_parent_scoring_equals_full_scoring_on_the_rows_the_exit_law_reads():

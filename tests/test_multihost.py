@@ -58,7 +58,11 @@ def _launch(out: Path, data: Path, **spec) -> list[dict]:
 
 
 def _close(a, b):
-    np.testing.assert_allclose(a, b, rtol=2e-5, atol=1e-6)
+    # The two programs sum the gradients in different orders (across processes), and
+    # Adam divides each update by the gradient's own scale, so a parameter whose gradient
+    # is near zero may move a few 1e-6 differently; a wrong batch or a lost update moves
+    # it by about the learning rate (1e-2).
+    np.testing.assert_allclose(a, b, rtol=2e-5, atol=1e-5)
 
 
 def test_two_processes_match_one_and_resume_after_sigterm(tmp_path):

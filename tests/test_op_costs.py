@@ -10,6 +10,7 @@ made them; a TPU type with on-chip layouts checks the HBM split. The decode loop
 from __future__ import annotations
 
 import inspect
+import re
 
 import jax
 import jax.numpy as jnp
@@ -45,6 +46,21 @@ def test_a_known_trip_count_multiplies_the_body_and_the_source_line_is_named():
     # the compiler counts a loop body once; our sum is its body times five
     body_flops = compiled.cost_analysis()["flops"]
     assert totals(ops)["flops"] == pytest.approx(5 * body_flops, rel=0.01)
+
+
+def test_a_counted_loop_without_the_compilers_trip_count_is_multiplied_too():
+    """The TPU compiler leaves ``known_trip_count`` off some scans (the layer scan of a
+    round): ``i = 0; i < 5; i += 1`` is recognised from the loop itself. Negative
+    control: the same loop with the bound compared the other way is not counted."""
+    m, k = 8, 64
+    text = jax.jit(_matmul_loop).lower(jnp.ones((k, k)), jnp.ones((m, k))).compile().as_text()
+    stripped = re.sub(r'"known_trip_count":\{"n":"\d+"\},?', "", text)
+    assert '"known_trip_count"' not in stripped
+    dot = max(costs_of(stripped), key=lambda o: o.flops)
+    assert dot.count == 5 and not dot.in_loop
+    wrong = re.sub(r"direction=LT", "direction=GT", stripped)
+    dot = max(costs_of(wrong), key=lambda o: o.flops)
+    assert dot.count == 1 and dot.in_loop
 
 
 def _fill(buf_RC, row_C):

@@ -68,8 +68,8 @@ def test_sharded_forward_equals_single_device(axes):
     ref_dec, _ = _prefill_decode(graphdef, state, model.init_cache(8, 16), tokens, lengths)
 
     sharded = shd.shard_state(state, mesh)
-    q = sharded["layers"][0]["self_attn"]["q_proj"]["kernel"].get_value()
-    assert q.sharding.spec == P("fsdp", "tensor")
+    q = sharded["layers"]["self_attn"]["q_proj"]["kernel"].get_value()
+    assert q.sharding.spec == P(None, "fsdp", "tensor")
     assert len(q.addressable_shards) == 8
     cache = jax.device_put(model.init_cache(8, 16), cache_shardings(CFG, 8, 16, mesh))
     assert cache.k.sharding.spec == P(None, ("data", "fsdp"), None, "tensor")
@@ -87,12 +87,12 @@ def test_load_and_init_place_parameters_on_the_mesh(tmp_path):
     model = init_target(CFG, key=3, mesh=mesh)
     emb = model.embed_tokens.get_value()
     assert emb.sharding.spec == P("tensor")          # vocab over tensor
-    assert model.layers[1].mlp.down_proj.kernel.get_value().sharding.spec == P("tensor")
+    assert model.layers.mlp.down_proj.kernel.get_value().sharding.spec == P(None, "tensor")
     single = init_target(CFG, key=3)
     np.testing.assert_array_equal(np.asarray(emb), np.asarray(single.embed_tokens.get_value()))
     save_target(model, tmp_path / "m")
     loaded = load_target(tmp_path / "m", mesh=mesh)
-    k = loaded.layers[0].self_attn.k_proj.kernel.get_value()
-    assert k.sharding.spec == P(None, "tensor") and len(k.addressable_shards) == 8
+    k = loaded.layers.self_attn.k_proj.kernel.get_value()
+    assert k.sharding.spec == P(None, None, "tensor") and len(k.addressable_shards) == 8
     np.testing.assert_array_equal(np.asarray(k),
-                                  np.asarray(single.layers[0].self_attn.k_proj.kernel.get_value()))
+                                  np.asarray(single.layers.self_attn.k_proj.kernel.get_value()))

@@ -361,3 +361,53 @@ def test_cache_updates_layer_by_layer_equal_one_op_over_all_layers(per_layer):
     np.testing.assert_array_equal(got_set, want_set)
     np.testing.assert_array_equal(got_move, want_move)
     assert not kv_cache.layer_by_layer()  # this CPU run, no mesh
+
+
+def _decode_text(num_layers: int) -> str:
+    """The StableHLO of a tiny target's jitted decode step at ``num_layers``."""
+    cfg = ModelConfig(model_type="qwen3", vocab_size=64, hidden_size=32, intermediate_size=64,
+                      num_layers=num_layers, num_heads=4, num_kv_heads=2, head_dim=8)
+    model = init_target(cfg, key=0)
+    graphdef, state = nnx.split(model)
+    step = jax.jit(lambda state, cache, tok, start: nnx.merge(graphdef, state).decode(
+        cache, tok, start, taps=(0, num_layers - 1)))
+    return step.lower(state, model.init_cache(2, 16), jnp.zeros(2, jnp.int32),
+                      jnp.zeros(2, jnp.int32)).as_text()
+
+
+def test_program_size_does_not_grow_with_depth():
+    """The layers are one scan: 2 and 6 layers give programs of the same size (one layer
+    body); unrolled (`scan_unroll(True)`, the negative control) the deeper one is larger."""
+    from tev_jax.models.layers import scan_unroll
+
+    lines = lambda text: len(text.splitlines())
+    assert lines(_decode_text(6)) == lines(_decode_text(2))
+    with scan_unroll(True):
+        assert lines(_decode_text(6)) > lines(_decode_text(2))
+
+
+def test_unrolled_layers_give_the_same_outputs(hf_ckpt):
+    """`scan_unroll`: any unroll gives the scan's logits, taps and cache; bad values are
+    refused."""
+    from tev_jax.models.layers import scan_unroll
+
+    _, _, model = hf_ckpt
+    tokens = _tokens((2, 12), seed=4)
+    graphdef, state = nnx.split(model)
+
+    def run(state, tokens):
+        m = nnx.merge(graphdef, state)
+        logits, feats, cache = m.prefill(m.init_cache(2, MAX_LEN), tokens,
+                                         jnp.array([12, 9]), taps=TAPS)
+        return logits, feats, cache.k
+
+    want = jax.jit(run)(state, tokens)
+    for unroll in (2, True):
+        with scan_unroll(unroll):
+            got = jax.jit(run)(state, tokens)
+        for g, w in zip(got, want):
+            np.testing.assert_allclose(np.asarray(g), np.asarray(w), atol=1e-5)
+    for bad in (0, -1, 1.5, False):
+        with pytest.raises(ValueError, match="scan unroll"):
+            with scan_unroll(bad):
+                pass

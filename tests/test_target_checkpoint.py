@@ -213,9 +213,9 @@ def test_bfloat16_checkpoint_from_transformers(hf_bf16):
     np.testing.assert_allclose(_logits(model32, tokens), ref32, atol=1e-5, rtol=0)
 
     model16 = load_target(path, dtype=jnp.bfloat16)
-    assert model16.layers[0].mlp.up_proj.kernel[...].dtype == jnp.bfloat16
+    assert model16.layers.mlp.up_proj.kernel[...].dtype == jnp.bfloat16
     np.testing.assert_array_equal(
-        np.asarray(model16.layers[1].mlp.up_proj.kernel[...].astype(jnp.float32)),
+        np.asarray(model16.layers.mlp.up_proj.kernel[1].astype(jnp.float32)),
         _np(hf.model.layers[1].mlp.up_proj.weight).T)
     ours16, ref16 = _logits(model16, tokens), _torch_logits(hf16, tokens)
     # bf16 activations round differently in torch and XLA: each side is checked

@@ -64,7 +64,7 @@ from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
-from flax import nnx, struct
+from flax import struct
 
 from tev_jax import ddtree
 from tev_jax.exit_law import ExitLaw, exit_law, exit_law_from_edges, floored_reach
@@ -270,71 +270,63 @@ def _causal_attention(q_BTHd, k_BTKd, v_BTKd):
     return attention(q_BTHd, ((k_BTKd, v_BTKd, Mask.causal(q_BTHd.shape[1])),))
 
 
-def _anchor_attention(q_BTHd, k_BTKd, v_BTKd, kc_BLKd, vc_BLKd, anchors_BA, anc_BANN):
+def _anchor_attention(q_BTHd, k_BTKd, v_BTKd, cache, layer, anchors_BA, anc_BANN):
     """GQA attention of T = A * N tree queries: prefix ``< anchor`` + own ancestors.
 
-    One joint softmax over two key segments: the sequence's cached keys (shared by the
-    anchors of a row, masked per anchor) and the keys of the trees, where a query sees
-    its own tree's slots (a key range) that are its ancestors (the block-diagonal of the
-    ancestor masks).
+    One joint softmax over two key segments: the sequence's cached keys (layer
+    ``layer`` of ``cache``, read in place; shared by the anchors of a row, masked per
+    anchor) and the keys of the trees, where a query sees its own tree's slots (a key
+    range) that are its ancestors (the block-diagonal of the ancestor masks).
     """
     b, a, n, _ = anc_BANN.shape
     own = jnp.eye(a, dtype=bool)[None, :, None, :, None]
     tree = (anc_BANN[:, :, :, None, :] & own).reshape(b, a * n, a * n)
-    return attention(q_BTHd, ((kc_BLKd, vc_BLKd, Mask(end=jnp.repeat(anchors_BA, n, axis=1))),
+    prefix = Mask(end=jnp.repeat(anchors_BA, n, axis=1))
+    return attention(q_BTHd, ((cache.k, cache.v, prefix, layer),
                               (k_BTKd, v_BTKd, Mask.blocks(a * n, n).replace(dense=tree))))
 
 
-def _pooled_attention(q_BMHd, k_BMKd, v_BMKd, kc_BLKd, vc_BLKd, prefix_end_BM, tree_BMM):
-    """GQA attention of M queries of any anchors: prefix ``< prefix_end`` + ``tree`` mask."""
-    return attention(q_BMHd, ((kc_BLKd, vc_BLKd, Mask(end=prefix_end_BM)),
+def _pooled_attention(q_BMHd, k_BMKd, v_BMKd, cache, layer, prefix_end_BM, tree_BMM):
+    """GQA attention of M queries of any anchors: prefix ``< prefix_end`` of layer
+    ``layer`` of ``cache`` + the ``tree`` mask over their own keys."""
+    return attention(q_BMHd, ((cache.k, cache.v, Mask(end=prefix_end_BM), layer),
                               (k_BMKd, v_BMKd, tree_BMM)))
 
 
-def _after(layer, x):
-    """``layer`` with its parameters made to depend on ``x`` (under a mesh; else as is).
-
-    With the frozen target sharded over fsdp, XLA all-gathers each layer's weights
-    where they are used; XLA:CPU hoists every such gather to the start of the step (an
-    optimization barrier does not stop it: it is expanded before partitioning) and
-    shares them between the context and the scoring pass, so the whole target ends up
-    gathered on every device. Adding ``0`` (NaN if ``x`` is not finite, which it then
-    propagates anyway) computed from ``x`` to the local shards makes layer i's gathers
-    wait for its input: at most a layer or two of gathered weights are live.
-    """
-    if jax.sharding.get_abstract_mesh().empty:
-        return layer
-    graphdef, state = nnx.split(layer)
-    zero = jnp.where(jnp.all(jnp.isfinite(x)), 0.0, jnp.nan)
-    state = jax.tree.map(lambda w: w + zero.astype(w.dtype), state)
-    return nnx.merge(graphdef, state)
-
-
-def target_context(target, tokens_BL: jax.Array, taps: Sequence[int]
-                   ) -> tuple[jax.Array, KVCache]:
+def target_context(target, tokens_BL: jax.Array, taps: Sequence[int], *,
+                   with_cache: bool = True) -> tuple[jax.Array, KVCache | None]:
     """The frozen target's causal pass over whole sequences, without the LM head.
 
-    The target's own forward (`Target.layer_stack` with causal attention). Layers above
-    the last tap feed only the returned cache, so a caller that ignores the cache (the
-    token-only step) does not pay for them.
+    The target's own forward (`Target.layer_stack` with causal attention), each layer
+    writing its keys/values to the returned cache. Without the cache (the token-only
+    step) only the layers up to the last tap run.
 
     Args:
       target: the `Target`.
       tokens_BL: int [B, L].
       taps: target layer ids whose outputs form the drafter's context features (the
         last layer's output is taken after the final norm, as in `Target`).
+      with_cache: also return the keys/values of every layer.
     Returns:
-      (features [B, L, len(taps) * D], `KVCache` of the sequence with L slots), both
-      detached.
+      (features [B, L, len(taps) * D], `KVCache` of the sequence with L slots or None),
+      both detached.
     Raises:
       ValueError: a tap outside the target's layers.
     """
     b, length = tokens_BL.shape
     positions = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (b, length))
-    _, feats, k, v = target.layer_stack(tokens_BL.astype(jnp.int32), positions,
-                                        lambda i, q, k, v: _causal_attention(q, k, v),
-                                        taps, _after)
-    return jax.lax.stop_gradient((feats, KVCache(k=k, v=v)))
+    cache = target.init_cache(b, length) if with_cache else None
+
+    def attend(i, q, k, v, cache):
+        if cache is not None:
+            cache = KVCache(k=cache.k.at[i].set(k), v=cache.v.at[i].set(v))
+        return _causal_attention(q, k, v), cache
+
+    last = target.config.num_layers - 1
+    depth = None if with_cache or last in taps else max(taps, default=-1) + 1
+    _, feats, cache = target.layer_stack(tokens_BL.astype(jnp.int32), positions, attend,
+                                         cache, taps, depth)
+    return jax.lax.stop_gradient((feats, cache))
 
 
 def score_tree_hidden(target, cache: KVCache, trees: DraftTree, anchors_BA: jax.Array
@@ -363,10 +355,10 @@ def score_tree_hidden(target, cache: KVCache, trees: DraftTree, anchors_BA: jax.
     tokens = trees.tokens.reshape(b, a * n).astype(jnp.int32)
     positions = (anchors[:, :, None] + trees.depths.astype(jnp.int32)).reshape(b, a * n)
 
-    def attention(i, q, k, v):
-        return _anchor_attention(q, k, v, cache.k[i], cache.v[i], anchors, anc_BANN)
+    def attend(i, q, k, v, carry):
+        return _anchor_attention(q, k, v, cache, i, anchors, anc_BANN), carry
 
-    hidden, _, _, _ = target.layer_stack(tokens, positions, attention, layer_hook=_after)
+    hidden, _, _ = target.layer_stack(tokens, positions, attend)
     return jax.lax.stop_gradient(hidden.reshape(b, a, n, -1))
 
 
@@ -420,11 +412,10 @@ def _score_pooled(target, cache: KVCache, trees: DraftTree, anchors_BA, needed_B
     tree_BMM = tree_BMM | jnp.eye(capacity, dtype=bool)
     prefix_end = jnp.where(ok_BM, start_BM, 0)
 
-    def attention(i, q, k, v):
-        return _pooled_attention(q, k, v, cache.k[i], cache.v[i], prefix_end, tree_BMM)
+    def attend(i, q, k, v, carry):
+        return _pooled_attention(q, k, v, cache, i, prefix_end, tree_BMM), carry
 
-    hidden_BMD, _, _, _ = target.layer_stack(flat(trees.tokens), positions, attention,
-                                             layer_hook=_after)
+    hidden_BMD, _, _ = target.layer_stack(flat(trees.tokens), positions, attend)
     # Row of slot t in the compact order (needed slots come first, in slot order), or
     # the appended zero row.
     row_BT = jnp.where(needed_BT, jnp.cumsum(needed_BT, axis=1) - 1, capacity)

@@ -8,9 +8,10 @@ it, so that an excess over the floor of a program can be traced to the code.
 
 Ops inside a ``while`` loop of unknown trip count (the decode rounds) are counted once
 per iteration and marked ``in_loop``; the ones outside run once per call (prefill,
-layouts the compiler hoisted out of the loop). A loop whose trip count the compiler knows
-(``known_trip_count``) multiplies the ops of its body, which ``cost_analysis`` does
-not do (it counts a loop body once).
+layouts the compiler hoisted out of the loop). A loop whose trip count is known (the
+compiler's ``known_trip_count``, or a counted loop ``i = 0; i < N; i += 1`` such as the
+scan over the layers) multiplies the ops of its body, which ``cost_analysis`` does not
+do (it counts a loop body once).
 
 The per-op figures follow XLA's own cost model, simplified: an op reads its operands and
 writes its output, except that a fusion operand which is only sliced inside the fusion
@@ -265,9 +266,58 @@ def parse_module(text: str) -> Module:
     return Module(computations, entry, frames)
 
 
-def _trip_count(attrs: str) -> int | None:
-    m = re.search(r'"known_trip_count":\{"n":"(\d+)"\}', attrs)
-    return None if m is None else int(m.group(1))
+def _trip_count(module: Module, loop: Instr, defs: dict[str, Instr]) -> int | None:
+    """The trip count of a ``while``: the compiler's ``known_trip_count``, else that of a
+    counted loop (a ``lax.scan`` / ``fori_loop``): the condition is ``i < N`` on a tuple
+    element that starts at the constant 0 (``defs``: the enclosing computation's
+    instructions by name) and that the body adds the constant 1 to. None otherwise."""
+    m = re.search(r'"known_trip_count":\{"n":"(\d+)"\}', loop.attrs)
+    if m is not None:
+        return int(m.group(1))
+    cond = module.computations.get(next(iter(_called(loop.attrs, "condition")), ""), [])
+    body = module.computations.get(next(iter(_called(loop.attrs, "body")), ""), [])
+    if not cond or not body or not loop.operands:
+        return None
+    c, b = ({i.name: i for i in comp} for comp in (cond, body))
+
+    def view(name, where):
+        """(instruction, its operands' names) through copies, bitcasts and a fusion that
+        wraps a single op (XLA:CPU wraps compares and adds)."""
+        i = where.get(name)
+        while i is not None and i.opcode in ("copy", "bitcast") and len(i.operands) == 1:
+            i = where.get(i.operands[0])
+        if i is not None and i.opcode == "fusion":
+            inner = module.fused(i)
+            params = {p.name: int(p.args) for p in inner if p.opcode == "parameter"}
+            root = inner[-1] if inner else None
+            if root is not None and all(o in params for o in root.operands):
+                return root, [i.operands[params[o]] for o in root.operands]
+        return i, [] if i is None else list(i.operands)
+
+    def index(name, where):
+        i, _ = view(name, where)
+        return (int(re.search(r"index=(\d+)", i.attrs).group(1))
+                if i is not None and i.opcode == "get-tuple-element" else None)
+
+    def constant(name, where):
+        i, _ = view(name, where)
+        return (int(i.args) if i is not None and i.opcode == "constant"
+                and re.fullmatch(r"-?\d+", i.args) else None)
+
+    root, args = view(cond[-1].name, c)
+    if root.opcode != "compare" or "direction=LT" not in root.attrs or len(args) != 2:
+        return None
+    k, n = index(args[0], c), constant(args[1], c)
+    init = defs.get(loop.operands[0])
+    if k is None or n is None or init is None or init.opcode != "tuple":
+        return None
+    if constant(init.operands[k], defs) != 0 or body[-1].opcode != "tuple":
+        return None
+    step, terms = view(body[-1].operands[k], b)
+    counted = (step is not None and step.opcode == "add"
+               and {index(t, b) for t in terms} == {k, None}
+               and {constant(t, b) for t in terms} == {1, None})
+    return n if counted else None
 
 
 def _called(attrs: str, key: str) -> list[str]:
@@ -421,9 +471,10 @@ def op_costs(text: str) -> list[Op]:
             return
         body = module.computations[name]
         shapes = {i.name: i.type for i in body}
+        defs = {i.name: i for i in body}
         for instr in body:
             if instr.opcode == "while":
-                n = _trip_count(instr.attrs)
+                n = _trip_count(module, instr, defs)
                 inner = (count * n, loops) if n is not None else (count, loops + 1)
                 for key in ("condition", "body"):
                     for c in _called(instr.attrs, key):

@@ -1,10 +1,12 @@
-"""CPU decode speed of the bundled models with the cache updated one layer at a time
-(what accelerators do, `tev_jax.models.kv_cache.layer_by_layer`) against one op over all
-layers (what XLA:CPU does, as before the per-layer updates), in one process.
+"""CPU decode speed of the bundled models under each way of running the layers, in one
+process: the layer scan (the default, one compiled layer body), the scan fully unrolled
+(`tev_jax.models.layers.scan_unroll`, a body per layer as before the scan), and the KV
+cache commit one layer at a time (what accelerators do,
+`tev_jax.models.kv_cache.layer_by_layer`) instead of one op over all layers.
 
-Both variants of the fused generation are compiled ahead of time, then timed
-round-robin (so load drift hits them alike); prints the ratio of median times and the
-median of the per-repeat ratios.
+Every variant of the fused generation is compiled ahead of time, then they are timed
+round-robin (so load drift hits them alike); prints each one's median time, its compile
+time and its ratio to the default (median of times, and median of per-repeat ratios).
 
     python experiments/round_bytes/cpu_speed.py [--repeats 15]
 """
@@ -12,6 +14,7 @@ median of the per-repeat ratios.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import statistics
 import time
@@ -24,21 +27,32 @@ from tev_jax.decode import LEN_ALIGN, DecodeConfig
 from tev_jax.engine import Engine
 from tev_jax.models import kv_cache
 from tev_jax.models.bundled import load_bundled
+from tev_jax.models.layers import scan_unroll
 from tev_jax.sampling import Sampling
 
 
-def compiled(engine: Engine, prompts, key, per_layer: bool):
-    """The fused generation compiled with per-layer cache updates or with one op over all
-    layers."""
+@contextlib.contextmanager
+def per_layer_commit():
     default = kv_cache.layer_by_layer
-    kv_cache.layer_by_layer = lambda: per_layer
+    kv_cache.layer_by_layer = lambda: True
     try:
+        yield
+    finally:
+        kv_cache.layer_by_layer = default
+
+
+VARIANTS = {"scan": contextlib.nullcontext, "unrolled": lambda: scan_unroll(True),
+            "per_layer_commit": per_layer_commit}
+
+
+def compiled(engine: Engine, prompts, key, variant: str):
+    """The fused generation compiled under one variant."""
+    with VARIANTS[variant]():
         jax.clear_caches()
         t0 = time.perf_counter()
         exe = engine.lower("generate").compile()
-        print(f"per_layer={per_layer}: compiled in {time.perf_counter() - t0:.1f} s")
-    finally:
-        kv_cache.layer_by_layer = default
+        seconds = time.perf_counter() - t0
+    print(f"{variant}: compiled in {seconds:.1f} s")
     args = (engine.params, *dataclasses.astuple(prompts), key)
     return lambda: jax.block_until_ready(exe(*args))
 
@@ -57,10 +71,11 @@ def main(argv=None) -> int:
     engine = Engine.create(target, drafter, config, len(ids), prompt_len=width)
     prompts = engine.prompts(ids)
     key = jax.random.key(0)
-    runs = {"per_layer": compiled(engine, prompts, key, True),
-            "all_layers": compiled(engine, prompts, key, False)}
+    runs = {v: compiled(engine, prompts, key, v) for v in VARIANTS}
     outs = {v: run() for v, run in runs.items()}
-    same = bool(jnp.array_equal(outs["per_layer"].out_BM, outs["all_layers"].out_BM))
+    for v in runs:
+        print(f"{v}: same tokens as scan: "
+              f"{bool(jnp.array_equal(outs[v].out_BM, outs['scan'].out_BM))}")
     times = {v: [] for v in runs}
     for _ in range(args.repeats):
         for v, run in runs.items():
@@ -68,12 +83,10 @@ def main(argv=None) -> int:
             run()
             times[v].append(time.perf_counter() - t0)
     med = {v: statistics.median(t) for v, t in times.items()}
-    paired = statistics.median(a / b for a, b in zip(times["all_layers"], times["per_layer"]))
-    print(f"same tokens: {same}")
     for v in runs:
-        print(f"{v:<11} median {med[v] * 1e3:8.1f} ms over {args.repeats} runs")
-    print(f"speed per_layer / all_layers = {med['all_layers'] / med['per_layer']:.3f} "
-          f"(median of per-repeat ratios {paired:.3f})")
+        paired = statistics.median(a / b for a, b in zip(times[v], times["scan"]))
+        print(f"{v:<17} median {med[v] * 1e3:8.1f} ms over {args.repeats} runs; "
+              f"time / scan's {med[v] / med['scan']:.3f} (per-repeat median {paired:.3f})")
     return 0
 
 

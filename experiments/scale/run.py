@@ -59,7 +59,7 @@ def layer_bytes(cfg, dtype, batch: int, cache_len: int, mesh) -> tuple[int, int]
     """(parameter bytes, KV-cache bytes) of one target layer on one device."""
     one = plan.with_layers(cfg, 1)
     target = plan.abstract_target(one, dtype)
-    layer = nnx.state(target.layers[0])
+    layer = nnx.state(target.layers)   # one layer, stacked: [1, ...]
     leaves = jax.tree.leaves(layer)
     if mesh is None:
         params = sum(x.size * x.dtype.itemsize for x in leaves)

@@ -16,10 +16,12 @@ Tensor names: ``model.embed_tokens.weight``, ``model.layers.{i}.self_attn.{q,k,v
 
 Loading first reads every file's header and checks names and shapes against the
 config, so a missing, extra or misshapen tensor fails before anything is loaded. Then
-each tensor is read once from a memory map (bfloat16 included, through ``ml_dtypes``),
-converted once (transpose / reshape / cast on the host) and placed straight into its
-final sharding with ``jax.make_array_from_callback``: no second full host copy of the
-weights ever exists.
+each device's block of every tensor is read from a memory map (bfloat16 included,
+through ``ml_dtypes``), converted (transpose / reshape / cast on the host) and placed
+straight into its final sharding with ``jax.make_array_from_callback``: no full host
+copy of the weights ever exists. The layers' parameters are stacked in the model
+(``[layers, ...]``, `tev_jax.models.layers.stacked_layers`) and stored one tensor per
+layer, as transformers has them.
 
 The shared pieces (`read_headers`, `expected_shapes`, `check_tensors`, `load_params`,
 `save_params`, `write_atomically`) also serve the DFlash drafter (`drafter_io`): a
@@ -66,7 +68,11 @@ NameOf = Callable[[tuple], tuple[str, int]]
 
 n_in: kernels contract their first n_in axes (PyTorch stores them transposed and
 flattened to [out, in]); 0 = same layout as PyTorch; -1 = a bias, flattened there.
+A name with a ``{layer}`` field is a stacked parameter (`stacked_layers`): its leading
+axis is the layer, stored as one tensor per layer (``model.layers.0.…``, ``….1.…``).
 """
+
+LAYER_FIELD = "{layer}"
 
 
 class TensorInfo(NamedTuple):
@@ -84,7 +90,8 @@ class TensorInfo(NamedTuple):
 def layer_param_name(prefix: str, rest: tuple) -> tuple[str, int]:
     """(name, n_in) of a decoder-layer parameter: ``rest`` is its path inside the layer.
 
-    ``('self_attn', 'q_proj', 'kernel')`` -> ``prefix + 'self_attn.q_proj.weight'``.
+    ``('self_attn', 'q_proj', 'kernel')`` -> ``prefix + 'self_attn.q_proj.weight'``; the
+    prefix holds the `LAYER_FIELD` of stacked layers (``'model.layers.{layer}.'``).
     """
     if rest[-1] == "kernel":
         n_in = 2 if rest[-2] == "o_proj" else 1
@@ -101,7 +108,7 @@ def _hf_name(path: tuple) -> tuple[str, int]:
     if path == ("norm", "weight"):
         return "model.norm.weight", 0
     if path[0] == "layers":
-        return layer_param_name(f"model.layers.{path[1]}.", path[2:])
+        return layer_param_name(f"model.layers.{LAYER_FIELD}.", path[1:])
     raise ValueError(f"no Hugging Face name for parameter {'/'.join(map(str, path))}")
 
 
@@ -126,12 +133,21 @@ def _to_hf(w: np.ndarray, n_in: int) -> np.ndarray:
     return np.ascontiguousarray(w.reshape(math.prod(w.shape[:n_in]), -1).T)
 
 
+def tensor_names(name: str, shape: tuple[int, ...]) -> list[tuple[str, tuple[int, ...]]]:
+    """(tensor name, our shape) of each stored tensor of a parameter: one, or one per
+    layer of a stacked parameter (a name with the `LAYER_FIELD`, leading axis = layer)."""
+    if LAYER_FIELD not in name:
+        return [(name, tuple(shape))]
+    return [(name.format(layer=i), tuple(shape[1:])) for i in range(shape[0])]
+
+
 def expected_shapes(abstract: nnx.Module, name_of: NameOf) -> dict[str, tuple[int, ...]]:
     """Tensor name -> PyTorch-layout shape of every `nnx.Param` of a (abstract) module."""
     out = {}
     for path, var in nnx.to_flat_state(nnx.state(abstract, nnx.Param)):
         name, n_in = name_of(path)
-        out[name] = _hf_shape(var.get_value().shape, n_in)
+        for tensor, shape in tensor_names(name, var.get_value().shape):
+            out[tensor] = _hf_shape(shape, n_in)
     return out
 
 
@@ -355,9 +371,11 @@ def load_params(path: str | os.PathLike, abstract: nnx.Module, name_of: NameOf,
                 rules: shd.Rules | None = None):
     """Fills an abstract module (``nnx.eval_shape``) with a checked checkpoint's tensors.
 
-    Each tensor is read once from its memory map, converted once to our layout and the
-    parameter's dtype, and placed with ``jax.make_array_from_callback`` into its final
-    sharding (by logical axes on ``mesh``, else the default device).
+    Each device's block of a parameter is read from the tensors' memory maps, converted
+    to our layout and the parameter's dtype, and placed with
+    ``jax.make_array_from_callback`` into its final sharding (by logical axes on
+    ``mesh``, else the default device); a stacked parameter's layers are stored as
+    separate tensors and stacked on the host block by block.
 
     Returns:
       The module, concrete.
@@ -376,15 +394,27 @@ def load_params(path: str | os.PathLike, abstract: nnx.Module, name_of: NameOf,
     for p, var in nnx.to_flat_state(abs_state):
         name, n_in = name_of(p)
         aval = var.get_value()
-        try:
-            w = _to_ours(tensor_view(path, where[name]), aval.shape, n_in)
-            w = w.astype(aval.dtype, order="C")
-            s = dev if sharding_of is None else sharding_of[p]
-            arr = jax.make_array_from_callback(aval.shape, s, lambda idx, w=w: w[idx])
-        except (OSError, ValueError) as e:
-            raise ValueError(f"{path / where[name].file}: cannot read tensor data ({e})") from e
+        tensors = tensor_names(name, aval.shape)
+
+        def block(tensor, shape, idx, dtype=aval.dtype, n_in=n_in):
+            # This device's block only (a view of the map until the cast): no full host
+            # copy of a stacked parameter exists.
+            try:
+                w = _to_ours(tensor_view(path, where[tensor]), shape, n_in)[idx]
+                return w.astype(dtype, order="C")
+            except (OSError, ValueError) as e:
+                raise ValueError(f"{path / where[tensor].file}: cannot read tensor data "
+                                 f"({e})") from e
+
+        def read(idx, tensors=tensors, stacked=LAYER_FIELD in name):
+            if not stacked:
+                return block(*tensors[0], idx)
+            return np.stack([block(tensor, shape, idx[1:]) for tensor, shape in
+                             tensors[idx[0]]])
+
+        arr = jax.make_array_from_callback(
+            aval.shape, dev if sharding_of is None else sharding_of[p], read)
         leaves.append((p, var.replace(arr)))
-        del w
     return nnx.merge(graphdef, nnx.from_flat_state(leaves))
 
 
@@ -437,17 +467,21 @@ def save_params(module: nnx.Module, path: str | os.PathLike, hf_config: Mapping[
     from safetensors.numpy import save_file
 
     out_dtype = None if dtype is None else np.dtype(jnp.dtype(dtype))
-    params = nnx.to_flat_state(nnx.state(module, nnx.Param))
     shards: list[list] = [[]]
     size = 0
-    for p, v in params:
-        itemsize = (v.get_value().dtype if out_dtype is None else out_dtype).itemsize
-        nbytes = v.get_value().size * itemsize
-        if shards[-1] and size + nbytes > max_shard_bytes:
-            shards.append([])
-            size = 0
-        shards[-1].append((p, v))
-        size += nbytes
+    for p, v in nnx.to_flat_state(nnx.state(module, nnx.Param)):
+        name, n_in = name_of(p)
+        value = v.get_value()
+        itemsize = (value.dtype if out_dtype is None else out_dtype).itemsize
+        for layer, (tensor, shape) in enumerate(tensor_names(name, value.shape)):
+            nbytes = math.prod(shape) * itemsize
+            if shards[-1] and size + nbytes > max_shard_bytes:
+                shards.append([])
+                size = 0
+            get = ((lambda value=value: value) if LAYER_FIELD not in name else
+                   (lambda value=value, layer=layer: value[layer]))
+            shards[-1].append((tensor, n_in, get))
+            size += nbytes
 
     def write(tmp: Path) -> None:
         (tmp / "config.json").write_text(json.dumps(hf_config, indent=2))
@@ -457,9 +491,8 @@ def save_params(module: nnx.Module, path: str | os.PathLike, hf_config: Mapping[
         for k, shard in enumerate(shards):
             fname = SINGLE_FILE if n == 1 else f"model-{k + 1:05d}-of-{n:05d}.safetensors"
             tensors = {}
-            for p, v in shard:
-                name, n_in = name_of(p)
-                w = np.asarray(jax.device_get(v.get_value()))
+            for name, n_in, get in shard:
+                w = np.asarray(jax.device_get(get()))
                 tensors[name] = _to_hf(w if out_dtype is None else w.astype(out_dtype), n_in)
                 weight_map[name] = fname
                 total += tensors[name].nbytes

@@ -32,10 +32,12 @@ import jax
 import jax.numpy as jnp
 from flax import nnx, struct
 
-from tev_jax.models.attention import Mask
+from tev_jax.models.attention import Mask, attention
 from tev_jax.models.config import ModelConfig
 from tev_jax.models.kv_cache import CACHE_AXES, set_slots
-from tev_jax.models.layers import DecoderLayer, Linear, RMSNorm, apply_rope, rope_inv_freq
+from tev_jax.models.layers import (
+    Linear, RMSNorm, apply_rope, rope_inv_freq, scan_layers, stacked_layers,
+)
 from tev_jax.sharding import constrain
 
 # Keys of DFlash-2 / variant drafters that change the architecture or the logits.
@@ -205,8 +207,7 @@ class Drafter(nnx.Module):
         self.fc = Linear((config.feature_size,), (m.hidden_size,), ("mlp",), ("embed",),
                          use_bias=False, dtype=dtype, rngs=rngs)
         self.hidden_norm = RMSNorm(m.hidden_size, eps=m.rms_norm_eps, dtype=dtype, rngs=rngs)
-        self.layers = nnx.List([DecoderLayer(m, dtype=dtype, rngs=rngs)
-                                for _ in range(m.num_layers)])
+        self.layers = stacked_layers(m, dtype=dtype, rngs=rngs)
         self.norm = RMSNorm(m.hidden_size, eps=m.rms_norm_eps, dtype=dtype, rngs=rngs)
 
 
@@ -268,12 +269,13 @@ def context_kv(drafter: Drafter, features_BTF: jax.Array, positions_BT: jax.Arra
     ctx = drafter.hidden_norm(drafter.fc(features_BTF.astype(drafter.dtype)))
     ctx = constrain(ctx, ("batch", "seq", "act_embed"))
     inv_freq = rope_inv_freq(drafter.config.model)
-    ks, vs = [], []
-    for layer in drafter.layers:
-        k, v = layer.self_attn.project_kv(ctx)
-        ks.append(apply_rope(k, positions_BT, inv_freq))
-        vs.append(v)
-    return jnp.stack(ks), jnp.stack(vs)
+    graphdef, state = nnx.split(drafter.layers)
+
+    def kv(layer_state):
+        k, v = nnx.merge(graphdef, layer_state).self_attn.project_kv(ctx)
+        return apply_rope(k, positions_BT, inv_freq), v
+
+    return jax.vmap(kv)(state)
 
 
 def append_context(drafter: Drafter, cache: DrafterCache, features_BTF: jax.Array,
@@ -308,18 +310,20 @@ def append_context(drafter: Drafter, cache: DrafterCache, features_BTF: jax.Arra
 
 def _layers(drafter: Drafter, x_BQD, positions_BQ, block_mask, ctx_k, ctx_v, ctx_mask,
             remat=None):
-    """All drafter layers over Q block positions; returns the final-normed hidden.
+    """All drafter layers (one scan) over Q block positions; returns the final-normed
+    hidden.
 
     ``remat``: None, or a ``jax.checkpoint_policies`` policy: each layer is then
-    rematerialised in the backward pass (`nnx.remat`), saving what the policy allows.
+    rematerialised in the backward pass, saving what the policy allows.
     """
     inv_freq = rope_inv_freq(drafter.config.model)
-    x = x_BQD.astype(drafter.dtype)
-    run = lambda layer, x, *args: layer(x, *args)[0]
-    if remat is not None:
-        run = nnx.remat(run, policy=remat)
-    for i, layer in enumerate(drafter.layers):
-        x = run(layer, x, positions_BQ, inv_freq, block_mask, (ctx_k, ctx_v, ctx_mask, i))
+
+    def body(layer, i, x):
+        attend = lambda q, k, v: (attention(q, ((ctx_k, ctx_v, ctx_mask, i),
+                                                (k, v, block_mask))), None)
+        return layer(x, positions_BQ, inv_freq, attend)[0]
+
+    x = scan_layers(drafter.layers, body, x_BQD.astype(drafter.dtype), remat=remat)
     return drafter.norm(x)
 
 

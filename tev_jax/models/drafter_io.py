@@ -28,7 +28,7 @@ from jax.sharding import Mesh
 
 from tev_jax import sharding as shd
 from tev_jax.models.checkpoint_io import (
-    check_tensors, expected_shapes, hf_dtype_name, layer_param_name, load_params,
+    LAYER_FIELD, check_tensors, expected_shapes, hf_dtype_name, layer_param_name, load_params,
     read_headers, read_hf_config, save_params,
 )
 from tev_jax.models.config import ModelConfig
@@ -43,7 +43,7 @@ def _dflash_name(path: tuple) -> tuple[str, int]:
     if path in (("norm", "weight"), ("hidden_norm", "weight")):
         return f"{path[0]}.weight", 0
     if path[0] == "layers":
-        return layer_param_name(f"layers.{path[1]}.", path[2:])
+        return layer_param_name(f"layers.{LAYER_FIELD}.", path[1:])
     raise ValueError(f"no DFlash name for parameter {'/'.join(map(str, path))}")
 
 
@@ -144,7 +144,7 @@ def init_drafter(target, *, num_layers: int, block_size: int, mask_token_id: int
 
     Weights follow the Qwen3 initialisation (kernels normal(0, 0.02), unit norms); the
     layers copy the target's width, heads, head_dim, RoPE and epsilon. The values come
-    from one jitted draw (`tev_jax.models.layers.fast_init`), born sharded on ``mesh``.
+    from one jitted program (`tev_jax.models.layers.fast_init`), born sharded on ``mesh``.
 
     Args:
       target: the `Target`.

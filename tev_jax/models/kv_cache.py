@@ -57,17 +57,23 @@ def cache_shardings(config: ModelConfig, batch: int, max_len: int, mesh):
 
 
 def layer_by_layer() -> bool:
-    """Whether cache updates go one layer at a time: on accelerators yes, on XLA:CPU no.
+    """Whether `set_slots` / `move_slots` go one layer at a time: on accelerators yes, on
+    XLA:CPU no.
 
     On TPU one scatter over all layers made the compiler lay the cache out with the
     layers interleaved and copy the whole cache into the attention's per-layer layout
     twice per round (Qwen3-8B, v5e:2x4: 0.6 GB of a 2.6 GB AR step, `tev_jax.op_costs`);
-    on XLA:CPU the per-layer ops cost more than they save (bundled models: 2-5 % slower
-    decoding, `experiments/round_bytes/cpu_speed.py`). Decided while tracing: the active mesh's platform (a TPU slice compiled
-    from a CPU host counts as TPU), else the default backend.
+    on XLA:CPU the per-layer loop costs more than it saves. Decided while tracing: the
+    active mesh's platform (a TPU slice compiled from a CPU host counts as TPU), else
+    the default backend.
     """
     device = jax.sharding.get_abstract_mesh().abstract_device
     return (jax.default_backend() if device is None else device.platform) != "cpu"
+
+
+def _each_layer(x_LBS: jax.Array, update) -> jax.Array:
+    """``x[l] = update(x, l)`` for every layer l, as one in-place ``fori_loop``."""
+    return jax.lax.fori_loop(0, x_LBS.shape[0], lambda i, x: update(x, i), x_LBS)
 
 
 def set_slots(x_LBS: jax.Array, slots_BT: jax.Array, new_LBT: jax.Array, *,
@@ -78,15 +84,22 @@ def set_slots(x_LBS: jax.Array, slots_BT: jax.Array, new_LBT: jax.Array, *,
       x_LBS: [layers, B, L, ...] buffer.
       slots_BT: int [B, T] slots per row.
       new_LBT: [layers, B, T, ...] entries.
-      per_layer: one scatter per layer, or one over all layers; default `layer_by_layer`.
+      per_layer: one scatter per layer (a loop), or one over all layers; default
+        `layer_by_layer`.
     """
     rows_B1 = jnp.arange(x_LBS.shape[1])[:, None]
     new_LBT = new_LBT.astype(x_LBS.dtype)
     if not (layer_by_layer() if per_layer is None else per_layer):
         return x_LBS.at[:, rows_B1, slots_BT].set(new_LBT, mode="drop")
-    for i in range(x_LBS.shape[0]):
-        x_LBS = x_LBS.at[i, rows_B1, slots_BT].set(new_LBT[i], mode="drop")
-    return x_LBS
+    return _each_layer(x_LBS, lambda x, i: set_layer_slots(x, i, slots_BT, new_LBT[i]))
+
+
+def set_layer_slots(x_LBS: jax.Array, layer, slots_BT: jax.Array, new_BT: jax.Array
+                    ) -> jax.Array:
+    """``x[layer, b, slots[b, t]] = new[b, t]`` (``layer`` may be traced); slots past the
+    end are dropped."""
+    rows_B1 = jnp.arange(x_LBS.shape[1])[:, None]
+    return x_LBS.at[layer, rows_B1, slots_BT].set(new_BT.astype(x_LBS.dtype), mode="drop")
 
 
 def move_slots(x_LBS: jax.Array, src_BT: jax.Array, dst_BT: jax.Array, *,
@@ -102,22 +115,27 @@ def move_slots(x_LBS: jax.Array, src_BT: jax.Array, dst_BT: jax.Array, *,
     if not (layer_by_layer() if per_layer is None else per_layer):
         moved = x_LBS.at[:, rows_B1, src_BT].get(mode="fill", fill_value=0)
         return x_LBS.at[:, rows_B1, dst_BT].set(moved, mode="drop")
-    for i in range(x_LBS.shape[0]):
-        moved = x_LBS.at[i, rows_B1, src_BT].get(mode="fill", fill_value=0)
-        x_LBS = x_LBS.at[i, rows_B1, dst_BT].set(moved, mode="drop")
-    return x_LBS
+
+    def move(x, i):
+        moved = x.at[i, rows_B1, src_BT].get(mode="fill", fill_value=0)
+        return x.at[i, rows_B1, dst_BT].set(moved, mode="drop")
+
+    return _each_layer(x_LBS, move)
 
 
-def write(cache: KVCache, k_new: jax.Array, v_new: jax.Array, start_B: jax.Array) -> KVCache:
-    """Writes T new entries per row at slots ``start[b] .. start[b]+T-1``.
+def write_layer(cache: KVCache, layer, k_BTKd: jax.Array, v_BTKd: jax.Array,
+                start_B: jax.Array) -> KVCache:
+    """Writes layer ``layer``'s T new entries per row at slots ``start[b] ..``.
 
     Args:
-      k_new, v_new: [layers, B, T, kv_heads, head_dim].
+      layer: the layer index (may be traced: the body of a layer scan).
+      k_BTKd, v_BTKd: [B, T, kv_heads, head_dim].
       start_B: int [B]. Slots past the end of the cache are dropped.
     """
-    t = k_new.shape[2]
+    t = k_BTKd.shape[1]
     slots_BT = start_B.astype(jnp.int32)[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
-    return KVCache(k=set_slots(cache.k, slots_BT, k_new), v=set_slots(cache.v, slots_BT, v_new))
+    return KVCache(k=set_layer_slots(cache.k, layer, slots_BT, k_BTKd),
+                   v=set_layer_slots(cache.v, layer, slots_BT, v_BTKd))
 
 
 def commit(cache: KVCache, start_B: jax.Array, path_BP: jax.Array,

@@ -18,6 +18,11 @@ down         [F, D]                 (mlp, embed)
 norms        [D] or [hd]            (norm,)
 ===========  =====================  ==========================
 
+A model's decoder layers are one module with stacked parameters (`stacked_layers`: a
+leading ``layers`` axis on each of the above, e.g. q_proj [layers, D, H, hd]) run as one
+``lax.scan`` (`scan_layers`), as maxtext's ``scan_layers``: the compiled program holds
+one layer body whatever the depth. `scan_unroll` unrolls it; `layer_at` is one layer.
+
 The attention pieces are separately callable so that the drafter can take queries from
 its block and keys/values from ``[context ; block]``::
 
@@ -29,8 +34,9 @@ its block and keys/values from ``[context ; block]``::
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
-
 import math
 from collections.abc import Sequence
 
@@ -39,7 +45,6 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from tev_jax.models.attention import Mask, attention
 from tev_jax.models.config import ModelConfig
 from tev_jax.sharding import constrain
 
@@ -50,7 +55,7 @@ def make_param(rngs: nnx.Rngs | None, shape, dtype, axes, init: str) -> nnx.Para
     """A parameter with logical axes and its initializer kind recorded as metadata.
 
     ``init`` is 'normal' (std 0.02), 'ones' or 'zeros'. `fast_init` uses the recorded
-    kind to initialise a whole model with a single random draw.
+    kind to initialise a whole model in one jitted program.
     """
     if init == "normal":
         value = _INIT_STD * jax.random.normal(rngs.params(), shape, jnp.float32)
@@ -63,23 +68,20 @@ def make_param(rngs: nnx.Rngs | None, shape, dtype, axes, init: str) -> nnx.Para
 
 
 def fast_init(abs_state: nnx.State, key: jax.Array) -> nnx.State:
-    """Values for an abstract state (from ``nnx.eval_shape``) with one random draw.
+    """Values for an abstract state (from ``nnx.eval_shape``): one draw per parameter.
 
-    Equivalent in distribution to constructing the modules with ``rngs`` but much
-    cheaper to compile (XLA's CPU backend compiles each separate normal draw slowly).
-    Jit it, with ``out_shardings`` for a sharded model.
+    Equivalent in distribution to constructing the modules with ``rngs``, and cheap to
+    compile: the layers' parameters are stacked, so a model has a dozen draws whatever
+    its depth. Jit it, with ``out_shardings`` for a sharded model: each draw is then
+    made in its final sharding (no device holds a whole parameter).
     """
-    flat = list(nnx.to_flat_state(abs_state))
-    sizes = [v.get_value().size if v.get_metadata().get("initializer") == "normal" else 0
-             for _, v in flat]
-    draws = _INIT_STD * jax.random.normal(key, (max(sum(sizes), 1),), jnp.float32)
-    out, off = [], 0
-    for (path, v), n in zip(flat, sizes):
+    out = []
+    for j, (path, v) in enumerate(nnx.to_flat_state(abs_state)):
         aval = v.get_value()
         kind = v.get_metadata().get("initializer")
         if kind == "normal":
-            value = draws[off:off + n].reshape(aval.shape)
-            off += n
+            value = _INIT_STD * jax.random.normal(jax.random.fold_in(key, j), aval.shape,
+                                                  jnp.float32)
         elif kind == "ones":
             value = jnp.ones(aval.shape, jnp.float32)
         else:
@@ -269,47 +271,109 @@ class DecoderLayer(nnx.Module):
                                                 dtype=dtype, rngs=rngs)
         self.mlp = MLP(c.hidden_size, c.intermediate_size, dtype=dtype, rngs=rngs)
 
-    def __call__(self, x_BTD: jax.Array, positions_BT: jax.Array, inv_freq,
-                 mask: Mask | jax.Array,
-                 prefix: tuple | None = None
-                 ) -> tuple[jax.Array, jax.Array, jax.Array]:
-        """One layer over T new tokens, attending to them and an optional prefix.
-
-        Args:
-          x_BTD: residual stream.
-          positions_BT: absolute positions of the new tokens.
-          inv_freq: `rope_inv_freq(config)`.
-          mask: which new tokens each new token may attend to: a `Mask` over the T new
-            keys or a bool array broadcastable to [B, T, T].
-          prefix: optional (k [B,L,K,hd], v, mask over the L keys) of cached
-            keys/values (already roped) that the new tokens may also attend to, or
-            (k [layers,B,L,K,hd], v, mask, layer) to read one layer of a stacked cache
-            in place (see `attention`).
-        Returns:
-          (new residual [B,T,D], the new tokens' roped keys [B,T,K,hd], values).
-        """
-        before = () if prefix is None else (prefix,)
-        return self.forward(x_BTD, positions_BT, inv_freq,
-                            lambda q, k, v: attention(q, before + ((k, v, mask),)))
-
-    def forward(self, x_BTD: jax.Array, positions_BT: jax.Array, inv_freq, attend
-                ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    def __call__(self, x_BTD: jax.Array, positions_BT: jax.Array, inv_freq, attend):
         """One layer over T new tokens with the attention given as a function.
 
         Args:
           x_BTD: residual stream.
           positions_BT: absolute positions of the new tokens.
           inv_freq: `rope_inv_freq(config)`.
-          attend: ``attend(q [B,T,H,hd], k [B,T,K,hd], v) -> [B,T,H,hd]``, the
-            attention of the new tokens' roped queries over keys/values of its choosing
-            (usually its own ``k, v`` and a cache, through `attention`).
+          attend: ``attend(q [B,T,H,hd], k [B,T,K,hd], v) -> (out [B,T,H,hd], aux)``:
+            the attention of the new tokens' roped queries over keys/values of its
+            choosing (usually their own ``k, v`` and a cache, through `attention`);
+            ``aux`` is anything it wants to hand back (e.g. the cache it wrote to).
         Returns:
-          (new residual [B,T,D], the new tokens' roped keys [B,T,K,hd], values).
+          (new residual [B,T,D], aux).
         """
         h = self.input_layernorm(x_BTD)
         q, k, v = self.self_attn.qkv(h, positions_BT, inv_freq)
-        x = x_BTD + self.self_attn.out(attend(q, k, v))
+        a, aux = attend(q, k, v)
+        x = x_BTD + self.self_attn.out(a)
         x = constrain(x, ("batch", "seq", "act_embed"))
         x = x + self.mlp(self.post_attention_layernorm(x))
         x = constrain(x, ("batch", "seq", "act_embed"))
-        return x, k, v
+        return x, aux
+
+
+def stacked_layers(config: ModelConfig, *, dtype, rngs: nnx.Rngs) -> DecoderLayer:
+    """``config.num_layers`` decoder layers as one module with stacked parameters.
+
+    Every parameter gets a leading layer axis (logical name ``layers``, unsharded):
+    ``q_proj.kernel`` is [layers, D, H, hd]. `scan_layers` runs them as one
+    ``lax.scan``, so a program's size and compile time do not grow with depth.
+    """
+    n = config.num_layers
+
+    @nnx.split_rngs(splits=n)
+    @nnx.vmap(in_axes=(0,), out_axes=0, axis_size=n,
+              transform_metadata={nnx.PARTITION_NAME: "layers"})
+    def create(rngs):
+        return DecoderLayer(config, dtype=dtype, rngs=rngs)
+
+    return create(rngs)
+
+
+def num_stacked(layers: nnx.Module) -> int:
+    """How many layers a `stacked_layers` module holds."""
+    return jax.tree.leaves(nnx.state(layers))[0].shape[0]
+
+
+def layer_at(layers: nnx.Module, i: int) -> nnx.Module:
+    """Layer ``i`` of a `stacked_layers` module, as a module of its own (a view)."""
+    graphdef, state = nnx.split(layers)
+    return nnx.merge(graphdef, jax.tree.map(lambda w: w[i], state))
+
+
+_UNROLL: contextvars.ContextVar[int | bool] = contextvars.ContextVar("tev_scan_unroll",
+                                                                   default=1)
+
+
+@contextlib.contextmanager
+def scan_unroll(unroll: int | bool):
+    """Layers per loop iteration of the layer scans traced inside the block.
+
+    ``lax.scan``'s ``unroll``: 1 (the default) compiles one layer body whatever the
+    depth; True unrolls every layer (a program per layer, as without a scan: longer
+    compiles, and XLA may overlap work across layers). Read while tracing::
+
+        with scan_unroll(True):
+            exe = engine.lower("generate").compile()
+    """
+    if not (unroll is True or (isinstance(unroll, int) and not isinstance(unroll, bool)
+                               and unroll >= 1)):
+        raise ValueError(f"scan unroll must be a positive int or True, got {unroll!r}")
+    token = _UNROLL.set(unroll)
+    try:
+        yield
+    finally:
+        _UNROLL.reset(token)
+
+
+def scan_layers(layers: nnx.Module, body, carry, *, depth: int | None = None, remat=None):
+    """``carry = body(layer_i, i, carry)`` for i = 0 .. depth-1, as one ``lax.scan``.
+
+    Args:
+      layers: a `stacked_layers` module.
+      body: ``body(layer, i, carry) -> carry``; ``layer`` is layer i (a `DecoderLayer`),
+        ``i`` its index (traced int32).
+      carry: any pytree.
+      depth: run only the first ``depth`` layers (static; default all).
+      remat: None, or a ``jax.checkpoint_policies`` policy: each layer is then
+        rematerialised in the backward pass, saving what the policy allows.
+    Returns:
+      The final carry. The loop unrolls as `scan_unroll` says (default: not at all).
+    """
+    graphdef, state = nnx.split(layers)
+    n = num_stacked(layers) if depth is None else depth
+    if n < num_stacked(layers):
+        state = jax.tree.map(lambda w: w[:n], state)
+
+    def step(carry, xs):
+        i, layer_state = xs
+        return body(nnx.merge(graphdef, layer_state), i, carry), None
+
+    if remat is not None:
+        step = jax.checkpoint(step, policy=remat)
+    carry, _ = jax.lax.scan(step, carry, (jnp.arange(n, dtype=jnp.int32), state),
+                            unroll=_UNROLL.get())
+    return carry

@@ -16,10 +16,12 @@ mode             positions                  block mask [T, T]
 After a verify pass, `tev_jax.models.kv_cache.commit` moves the accepted path's
 keys/values to contiguous slots.
 
-Every pass runs the layers through one entry, `Target.layer_stack`, which takes the
-attention as a function ``attend(layer, q, k, v)``: the modes above attend to the cache
-and the new tokens; ExitTrain's scoring passes (`tev_jax.exit_train`) to a sequence
-prefix and tree ancestors. A new model family is written once.
+The layers' parameters are stacked (``[layers, ...]``) and every pass runs them as one
+scan through one entry, `Target.layer_stack`, which takes the attention as a function
+``attend(i, q, k, v, carry)``: the modes above write layer i's new keys/values to the
+cache they carry and attend to it and the new tokens; ExitTrain's scoring passes
+(`tev_jax.exit_train`) to a sequence prefix and tree ancestors. A new model family is
+written once, and a program's size does not grow with depth.
 
 Hidden-state taps: ``taps`` is a tuple of layer indices; layer id ``i`` is exactly HF's
 ``hidden_states[i + 1]`` (DFlash's convention): the output of decoder layer ``i``, except
@@ -42,11 +44,11 @@ Use the model functionally in hot loops: split once, jit a function of
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from tev_jax.models import kv_cache as kvc
@@ -54,7 +56,7 @@ from tev_jax.models.attention import Mask, attention
 from tev_jax.models.config import ModelConfig
 from tev_jax.models.kv_cache import KVCache
 from tev_jax.models.layers import (
-    DecoderLayer, RMSNorm, jitted_initializer, make_param, rope_inv_freq,
+    RMSNorm, jitted_initializer, make_param, rope_inv_freq, scan_layers, stacked_layers,
 )
 from tev_jax.sharding import constrain
 
@@ -73,8 +75,7 @@ class Target(nnx.Module):
         self.dtype = jnp.dtype(dtype)
         self.embed_tokens = make_param(rngs, (c.vocab_size, c.hidden_size), dtype,
                                    ("vocab", "embed"), "normal")
-        self.layers = nnx.List([DecoderLayer(c, dtype=dtype, rngs=rngs)
-                                for _ in range(c.num_layers)])
+        self.layers = stacked_layers(c, dtype=dtype, rngs=rngs)
         self.norm = RMSNorm(c.hidden_size, eps=c.rms_norm_eps, dtype=dtype, rngs=rngs)
         self.lm_head = (None if c.tie_word_embeddings else
                         make_param(rngs, (c.hidden_size, c.vocab_size), dtype,
@@ -113,73 +114,76 @@ class Target(nnx.Module):
     # ------------------------------------------------------------------ the stack
 
     def layer_stack(self, tokens_BT: jax.Array, positions_BT: jax.Array, attend,
-                    taps: Sequence[int] = (), layer_hook=None):
+                    carry=None, taps: Sequence[int] = (), depth: int | None = None):
         """The decoder layers with the attention given as a function: every pass's forward.
 
         Decoding (`prefill`, `decode`, `verify_tree`, through `extend`) and ExitTrain's
-        scoring passes (`tev_jax.exit_train`) run the same layers; only ``attend``
-        differs (which keys each new token sees).
+        scoring passes (`tev_jax.exit_train`) run the same layers, as one scan over the
+        stacked layers (`tev_jax.models.layers.scan_layers`); only ``attend`` differs
+        (which keys each new token sees, and what it writes: a cache is threaded
+        through the layers as ``carry``).
 
         Args:
           tokens_BT: int [B, T] new tokens.
           positions_BT: int [B, T] their absolute (RoPE) positions.
-          attend: ``attend(i, q [B,T,H,hd], k [B,T,K,hd], v) -> [B,T,H,hd]``: layer
-            i's attention of the new tokens' roped queries over keys/values of its
-            choosing (the new tokens' own ``k, v`` and, e.g., a cache's layer i).
+          attend: ``attend(i, q [B,T,H,hd], k [B,T,K,hd], v, carry) -> (out [B,T,H,hd],
+            carry)``: layer i's (traced index) attention of the new tokens' roped
+            queries over keys/values of its choosing (the new tokens' own ``k, v`` and,
+            e.g., layer i of a cache it carries and writes).
+          carry: the pytree ``attend`` threads through the layers (e.g. a `KVCache`).
           taps: layer indices whose outputs to return (see the module docstring).
-          layer_hook: optional ``layer_hook(layer, x_BTD) -> layer`` applied to each
-            layer just before it runs on its input ``x`` (e.g. to order a sharded
-            layer's weight gathers after that input).
+          depth: run only the layers below ``depth`` (static; default all). The
+            returned hidden state is then not the model's; taps must lie below it.
         Returns:
-          (final-normed hidden [B, T, D], taps [B, T, len(taps) * D] or None, the new
-           tokens' keys [layers, B, T, K, hd] (roped), values [layers, B, T, K, hd]).
+          (final-normed hidden [B, T, D], taps [B, T, len(taps) * D] or None, carry).
         Raises:
-          ValueError: a tap outside ``[0, num_layers)``.
+          ValueError: a tap outside ``[0, depth)``.
         """
         taps = tuple(int(t) for t in taps)
-        num_layers = self.config.num_layers
+        num_layers = self.config.num_layers if depth is None else depth
         for t in taps:
             if not 0 <= t < num_layers:
                 raise ValueError(f"tap layer {t} out of range [0, {num_layers})")
         inv_freq = rope_inv_freq(self.config)
         x = self.embed(tokens_BT)
-        tapped, ks, vs = {}, None, None
-        for i, layer in enumerate(self.layers):
-            if layer_hook is not None:
-                layer = layer_hook(layer, x)
-            x, k, v = layer.forward(x, positions_BT, inv_freq, functools.partial(attend, i))
-            if ks is None:   # written in place layer by layer (a stack would copy them all)
-                ks = jnp.zeros((num_layers,) + k.shape, k.dtype)
-                vs = jnp.zeros((num_layers,) + v.shape, v.dtype)
-            ks, vs = ks.at[i].set(k), vs.at[i].set(v)
-            if i in taps:
-                tapped[i] = x
+        # Tapped outputs go to their slot of a buffer, every other layer's to a spare
+        # last slot: one in-place write per layer, no branch.
+        kept = sorted(set(taps))
+        slot_of = np.full(num_layers, len(kept), np.int32)
+        slot_of[kept] = np.arange(len(kept))
+        tapped = None if not taps else jnp.zeros((len(kept) + 1,) + x.shape, x.dtype)
+
+        def body(layer, i, state):
+            x, tapped, carry = state
+            x, carry = layer(x, positions_BT, inv_freq,
+                             lambda q, k, v: attend(i, q, k, v, carry))
+            if tapped is not None:
+                tapped = jax.lax.dynamic_update_index_in_dim(tapped, x, jnp.asarray(slot_of)[i], 0)
+            return x, tapped, carry
+
+        x, tapped, carry = scan_layers(self.layers, body, (x, tapped, carry), depth=depth)
         h = self.norm(x)
-        if num_layers - 1 in tapped:
-            tapped[num_layers - 1] = h  # HF's hidden_states[-1] is the final-normed output
-        feats = (jnp.concatenate([tapped[t] for t in taps], axis=-1) if taps else None)
-        return h, feats, ks, vs
+        # HF's hidden_states[-1] is the final-normed output
+        outs = [h if t == self.config.num_layers - 1 else tapped[slot_of[t]] for t in taps]
+        feats = jnp.concatenate(outs, axis=-1) if taps else None
+        return h, feats, carry
 
     def _stack(self, tokens_BT, positions_BT, block_mask, prefix_mask=None,
-               cache: KVCache | None = None, taps: Sequence[int] = ()):
+               cache: KVCache | None = None, start_B=None, taps: Sequence[int] = ()):
         """`layer_stack` attending to the new tokens (``block_mask``, a `Mask` or bool
-        array over their keys) and, with a ``cache``, to its slots (``prefix_mask``)."""
-
-        def attend(i, q, k, v):
-            segments = ((k, v, block_mask),)
-            if cache is not None:   # layer i of the stacked cache, read in place
-                segments = ((cache.k, cache.v, prefix_mask, i),) + segments
-            return attention(q, segments)
-
-        h, feats, ks, vs = self.layer_stack(tokens_BT, positions_BT, attend, taps)
-        if cache is not None:
-            # Makes the new keys/values depend on h, i.e. on every layer's read of the
-            # cache, so that XLA schedules `kvc.write` after those reads and updates the
-            # cache in place instead of copying the whole cache for the readers. (Only a
-            # row whose own hidden state is NaN changes: its new entries are zeroed.)
-            bad = jnp.isnan(h[:, 0, 0])[None, :, None, None, None]
-            ks, vs = jnp.where(bad, 0, ks), jnp.where(bad, 0, vs)
-        return h, feats, ks, vs
+        array over their keys) and, with a ``cache``, to its slots (``prefix_mask``),
+        each layer writing its new keys/values to the cache at slots ``start ..``."""
+        if cache is None:
+            def attend(i, q, k, v, carry):
+                return attention(q, ((k, v, block_mask),)), carry
+        else:
+            def attend(i, q, k, v, cache):
+                # Written before the read (the new slots are outside prefix_mask), so
+                # the cache is updated in place.
+                cache = kvc.write_layer(cache, i, k, v, start_B)
+                return attention(q, ((cache.k, cache.v, prefix_mask, i),
+                                     (k, v, block_mask))), cache
+        return self.layer_stack(tokens_BT, positions_BT, attend, cache, taps)
 
     def __call__(self, tokens_BT: jax.Array, positions_BT: jax.Array | None = None,
                  mask_BTT: jax.Array | None = None, taps: Sequence[int] = ()):
@@ -198,7 +202,7 @@ class Target(nnx.Module):
             positions_BT = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
         if mask_BTT is None:
             mask_BTT = Mask.causal(t)
-        h, feats, _, _ = self._stack(tokens_BT, positions_BT, mask_BTT, taps=taps)
+        h, feats, _ = self._stack(tokens_BT, positions_BT, mask_BTT, taps=taps)
         return self.unembed(h), feats
 
     # ------------------------------------------------------------ cached forwards
@@ -217,9 +221,8 @@ class Target(nnx.Module):
     def _extend_hidden(self, cache, tokens_BT, positions_BT, start_B, seen_B, block_mask,
                        taps):
         """`extend_hidden` writing at slots ``start ..`` and seeing cache slots ``< seen``."""
-        h, feats, k_new, v_new = self._stack(tokens_BT, positions_BT, block_mask,
-                                             Mask.prefix(seen_B), cache, taps)
-        return h, feats, kvc.write(cache, k_new, v_new, start_B)
+        return self._stack(tokens_BT, positions_BT, block_mask, Mask.prefix(seen_B), cache,
+                           start_B, taps)
 
     def extend(self, cache: KVCache, tokens_BT: jax.Array, positions_BT: jax.Array,
                start_B: jax.Array, block_mask_BTT: jax.Array, taps: Sequence[int] = ()):
