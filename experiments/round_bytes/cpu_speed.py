@@ -1,8 +1,8 @@
 """CPU decode speed of the bundled models under each way of running the layers, in one
 process: the layer scan (the default, one compiled layer body), the scan fully unrolled
 (`tev_jax.models.layers.scan_unroll`, a body per layer as before the scan), and the KV
-cache commit one layer at a time (what accelerators do,
-`tev_jax.models.kv_cache.layer_by_layer`) instead of one op over all layers.
+cache commit as one op over all layers instead of one layer at a time (the default,
+`tev_jax.models.kv_cache.move_slots`).
 
 Every variant of the fused generation is compiled ahead of time, then they are timed
 round-robin (so load drift hits them alike); prints each one's median time, its compile
@@ -31,18 +31,25 @@ from tev_jax.models.layers import scan_unroll
 from tev_jax.sampling import Sampling
 
 
+def all_layers_at_once(x_LBS, src_BT, dst_BT):
+    """`kv_cache.move_slots` as one gather and one scatter over every layer."""
+    rows_B1 = jnp.arange(x_LBS.shape[1])[:, None]
+    moved = x_LBS.at[:, rows_B1, src_BT].get(mode="fill", fill_value=0)
+    return x_LBS.at[:, rows_B1, dst_BT].set(moved, mode="drop")
+
+
 @contextlib.contextmanager
-def per_layer_commit():
-    default = kv_cache.layer_by_layer
-    kv_cache.layer_by_layer = lambda: True
+def commit_all_layers_at_once():
+    default = kv_cache.move_slots
+    kv_cache.move_slots = all_layers_at_once
     try:
         yield
     finally:
-        kv_cache.layer_by_layer = default
+        kv_cache.move_slots = default
 
 
 VARIANTS = {"scan": contextlib.nullcontext, "unrolled": lambda: scan_unroll(True),
-            "per_layer_commit": per_layer_commit}
+            "all_layer_commit": commit_all_layers_at_once}
 
 
 def compiled(engine: Engine, prompts, key, variant: str):

@@ -56,42 +56,16 @@ def cache_shardings(config: ModelConfig, batch: int, max_len: int, mesh):
     return KVCache(k=s, v=s)
 
 
-def layer_by_layer() -> bool:
-    """Whether `set_slots` / `move_slots` go one layer at a time: on accelerators yes, on
-    XLA:CPU no.
-
-    On TPU one scatter over all layers made the compiler lay the cache out with the
-    layers interleaved and copy the whole cache into the attention's per-layer layout
-    twice per round (Qwen3-8B, v5e:2x4: 0.6 GB of a 2.6 GB AR step, `tev_jax.op_costs`);
-    on XLA:CPU the per-layer loop costs more than it saves. Decided while tracing: the
-    active mesh's platform (a TPU slice compiled from a CPU host counts as TPU), else
-    the default backend.
-    """
-    device = jax.sharding.get_abstract_mesh().abstract_device
-    return (jax.default_backend() if device is None else device.platform) != "cpu"
-
-
 def _each_layer(x_LBS: jax.Array, update) -> jax.Array:
-    """``x[l] = update(x, l)`` for every layer l, as one in-place ``fori_loop``."""
-    return jax.lax.fori_loop(0, x_LBS.shape[0], lambda i, x: update(x, i), x_LBS)
+    """``x = update(x, l)`` for every layer l, as one in-place ``fori_loop``.
 
-
-def set_slots(x_LBS: jax.Array, slots_BT: jax.Array, new_LBT: jax.Array, *,
-              per_layer: bool | None = None) -> jax.Array:
-    """``x[l, b, slots[b, t]] = new[l, b, t]`` for every layer l; slots past the end dropped.
-
-    Args:
-      x_LBS: [layers, B, L, ...] buffer.
-      slots_BT: int [B, T] slots per row.
-      new_LBT: [layers, B, T, ...] entries.
-      per_layer: one scatter per layer (a loop), or one over all layers; default
-        `layer_by_layer`.
+    One layer at a time: on TPU one scatter over all layers made the compiler lay the
+    cache out with the layers interleaved and copy the whole cache into the attention's
+    per-layer layout twice per round (Qwen3-8B, v5e:2x4: 0.6 GB of a 2.6 GB AR step,
+    `tev_jax.op_costs`); on XLA:CPU the loop is as fast as one op over all layers
+    (`experiments/round_bytes/cpu_speed.py`).
     """
-    rows_B1 = jnp.arange(x_LBS.shape[1])[:, None]
-    new_LBT = new_LBT.astype(x_LBS.dtype)
-    if not (layer_by_layer() if per_layer is None else per_layer):
-        return x_LBS.at[:, rows_B1, slots_BT].set(new_LBT, mode="drop")
-    return _each_layer(x_LBS, lambda x, i: set_layer_slots(x, i, slots_BT, new_LBT[i]))
+    return jax.lax.fori_loop(0, x_LBS.shape[0], lambda i, x: update(x, i), x_LBS)
 
 
 def set_layer_slots(x_LBS: jax.Array, layer, slots_BT: jax.Array, new_BT: jax.Array
@@ -102,19 +76,27 @@ def set_layer_slots(x_LBS: jax.Array, layer, slots_BT: jax.Array, new_BT: jax.Ar
     return x_LBS.at[layer, rows_B1, slots_BT].set(new_BT.astype(x_LBS.dtype), mode="drop")
 
 
-def move_slots(x_LBS: jax.Array, src_BT: jax.Array, dst_BT: jax.Array, *,
-               per_layer: bool | None = None) -> jax.Array:
+def set_slots(x_LBS: jax.Array, slots_BT: jax.Array, new_LBT: jax.Array) -> jax.Array:
+    """``x[l, b, slots[b, t]] = new[l, b, t]`` for every layer l (one at a time); slots
+    past the end dropped.
+
+    Args:
+      x_LBS: [layers, B, L, ...] buffer.
+      slots_BT: int [B, T] slots per row.
+      new_LBT: [layers, B, T, ...] entries.
+    """
+    return _each_layer(x_LBS, lambda x, i: set_layer_slots(x, i, slots_BT, new_LBT[i]))
+
+
+def move_slots(x_LBS: jax.Array, src_BT: jax.Array, dst_BT: jax.Array) -> jax.Array:
     """``x[l, b, dst[b, t]] = x[l, b, src[b, t]]`` for every layer (reads past the end give
     zeros, writes past the end are dropped).
 
-    Layer by layer (``per_layer``, default `layer_by_layer`), each layer's gather reads
-    the buffer its predecessor's scatter wrote, so the update stays in place (gathering
-    every layer before scattering any made XLA copy the cache).
+    Layer by layer, each layer's gather reads the buffer its predecessor's scatter wrote,
+    so the update stays in place (gathering every layer before scattering any made XLA
+    copy the cache).
     """
     rows_B1 = jnp.arange(x_LBS.shape[1])[:, None]
-    if not (layer_by_layer() if per_layer is None else per_layer):
-        moved = x_LBS.at[:, rows_B1, src_BT].get(mode="fill", fill_value=0)
-        return x_LBS.at[:, rows_B1, dst_BT].set(moved, mode="drop")
 
     def move(x, i):
         moved = x.at[i, rows_B1, src_BT].get(mode="fill", fill_value=0)
