@@ -147,7 +147,7 @@ CASES = {
     "tev_jax.vocab.log_normalizer": Case(
         lambda x: vocab.log_normalizer(Scores(x, 1.0)), (LOGITS_NV,)),
     "tev_jax.vocab.gather_blocks": Case(
-        lambda x: vocab.gather_blocks(x, jnp.arange(N), jnp.arange(N) % 3, 3),
+        lambda x: vocab.gather_blocks(Scores(x, 1.0), jnp.arange(N), jnp.arange(N) % 3, 3),
         (LOGITS_NV,)),
     "tev_jax.exit_law.edge_log_probs": Case(
         lambda t, x: exit_law.edge_log_probs(t, Scores(x, 1.0)), (TREES, LOGITS_NV)),

@@ -212,3 +212,39 @@ def test_two_stage_argmax_matches_argmax(vocab):
     x[1, -1] = 10.0  # the maximum in the tail block
     got = np.asarray(jax.jit(functools.partial(argmax, block=128))(x))
     np.testing.assert_array_equal(got, np.argmax(x, axis=-1))
+
+
+def test_greedy_scores_equal_the_one_hot_they_replace():
+    """At T = 0 `target_scores` holds each row's argmax instead of writing the one-hot
+    log-probabilities (`sampling.log_probs`): block masses, gathered blocks, edge
+    log-probabilities and draws equal the materialised one-hot's, ties (lowest index)
+    and a vocabulary that is not a multiple of the block included (the verdicts at T = 0:
+    `test_all_verifiers_at_t0_follow_the_argmax`)."""
+    from tev_jax.exit_law import edge_log_probs
+    from tev_jax.sampling import log_probs
+    from tev_jax.vocab import block_masses, gather_blocks
+
+    greedy = Sampling(0.0)
+    rng = np.random.default_rng(0)
+    vocab, block = 300, 128
+    logits = np.round(rng.standard_normal((N, vocab)), 1).astype(np.float32)  # with ties
+    logits[2, [7, 200]] = logits[2].max() + 1.0                              # a tie at the top
+    lazy = target_scores(jnp.asarray(logits), greedy)
+    dense = Scores(log_probs(jnp.asarray(logits), greedy), 1.0)
+    assert lazy.top is not None and dense.top is None and int(lazy.top[2]) == 7
+    rows, blocks = jnp.arange(N), jnp.asarray(rng.integers(0, 3, N))
+    np.testing.assert_array_equal(block_masses(lazy, block), block_masses(dense, block))
+    np.testing.assert_array_equal(gather_blocks(lazy, rows, blocks, block),
+                                  gather_blocks(dense, rows, blocks, block))
+    u = uniform(jax.random.key(1), (N,))
+    np.testing.assert_array_equal(inverse_cdf(u, lazy), inverse_cdf(u, dense))
+    top = np.argmax(logits, axis=-1)
+    for _ in range(20):
+        parents = [-1] + [int(rng.integers(0, i)) for i in range(1, N)]
+        tokens = rng.permutation(vocab)[:N]          # siblings' tokens differ
+        for i in range(1, N):                        # half the edges take the argmax
+            siblings = [tokens[j] for j in range(1, N) if parents[j] == parents[i] and j != i]
+            if rng.random() < 0.5 and top[parents[i]] not in siblings:
+                tokens[i] = top[parents[i]]
+        tree = make_tree(tokens, parents, N)
+        np.testing.assert_array_equal(edge_log_probs(tree, lazy), edge_log_probs(tree, dense))

@@ -68,18 +68,18 @@ def edge_log_probs(tree: DraftTree, scores: Scores, block: int = BLOCK) -> jax.A
     ``log a = (x_tok - b) s + log M_B - log S_B - log sum_blocks M``. A token whose
     block mass underflows (probability below ~1e-38) gets ``log a = -inf``.
     """
-    x, scale = scores.x, jnp.float32(scores.scale)
-    block = min(block, x.shape[-1])
+    scale = jnp.float32(scores.scale)
+    block = min(block, scores.x.shape[-1])
     slots = jnp.arange(tree.num_slots)
     edge_N = tree.valid & (slots > 0)
     parent_N = jnp.where(edge_N, tree.parents, 0)
     mass_NB = block_masses(scores, block)
     blk_N = tree.tokens // block
-    seg_NK = gather_blocks(x, parent_N, blk_N, block)
+    seg_NK = gather_blocks(scores, parent_N, blk_N, block)
     top_N = jnp.max(seg_NK, axis=-1)
     top_N = jnp.where(jnp.isfinite(top_N), top_N, 0.0)
     seg_mass_N = jnp.sum(jnp.exp((seg_NK - top_N[:, None]) * scale), axis=-1)
-    x_tok = x[parent_N, tree.tokens]
+    x_tok = scores.take(parent_N, tree.tokens)
     mass_B = mass_NB[parent_N, blk_N]
     log_a = ((x_tok - top_N) * scale + jnp.log(mass_B)
              - jnp.log(seg_mass_N) - jnp.log(jnp.sum(mass_NB, axis=-1))[parent_N])

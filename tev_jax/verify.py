@@ -91,6 +91,8 @@ def _residual_draw(u: jax.Array, tree: DraftTree, scores: Scores, node: jax.Arra
     so the exact exit weight of ``node`` is 0 and it is chosen only through float32
     rounding) the bonus falls back to ``p_node`` itself.
     """
+    if scores.top is not None:   # T = 0: the argmax (a child never holds it at an exit)
+        return scores.top[node]
     vocab = scores.x.shape[-1]
     x_V = scores.x[node]
     child_tok_N = jnp.where(_child_of(tree, node), tree.tokens, vocab)
@@ -179,7 +181,8 @@ def predraw(
         )
     if method == "gumbel":
         scores = target_scores(target_logits_NV, sampling)
-        draws_N = jax.random.categorical(key, scores.x * jnp.float32(scores.scale), axis=-1)
+        draws_N = (scores.top if scores.top is not None else
+                   jax.random.categorical(key, scores.x * jnp.float32(scores.scale), axis=-1))
         return _follow(tree, draws_N, horizon)
     raise ValueError(f"predraw method must be 'blocked' or 'gumbel', got {method!r}")
 

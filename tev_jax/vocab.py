@@ -32,21 +32,40 @@ class Scores:
     row max or a shared ``z`` array needed elsewhere would cost a second pass over the
     logits (or a written [N, V] buffer) on XLA:CPU.
 
+    At T = 0 ``p`` is one-hot at each row's argmax, held as ``top``: the consumers read
+    it instead of ``x``, so nothing of size [N, V] is written (a materialised one-hot was
+    12 % of a Qwen3-8B round's HBM bytes, experiments/round_bytes).
+
     Attributes:
-      x: [..., V] logits (raw, or already transformed for top-k / top-p / T = 0).
+      x: [..., V] logits (raw, or already transformed for top-k / top-p).
       scale: static 1 / T (1 when ``x`` is already transformed).
+      top: int32 [...], the argmax of each row at T = 0 (then ``x`` is not read), else
+        None.
     """
 
     x: jax.Array
     scale: float = struct.field(pytree_node=False)
+    top: jax.Array | None = None
+
+    def take(self, rows, cols) -> jax.Array:
+        """``x[rows, cols]`` (broadcast together); at T = 0 the one-hot's log: 0 at each
+        row's top token, -inf elsewhere."""
+        if self.top is None:
+            return self.x[rows, cols]
+        return jnp.where(cols == self.top[rows], 0.0, -jnp.inf)
 
 
 def target_scores(logits_NV: jax.Array, sampling: Sampling) -> Scores:
-    """The target's log-weights for ``sampling``; unmaterialised for a plain temperature,
-    the materialised ``sampling.log_probs`` with top-k, top-p or T = 0."""
-    if sampling.greedy or sampling.top_k is not None or sampling.top_p is not None:
-        return Scores(log_probs(logits_NV, sampling), 1.0)
-    return Scores(logits_NV.astype(jnp.float32), 1.0 / sampling.temperature)
+    """The target's log-weights for ``sampling``: unmaterialised for a plain temperature,
+    the argmax per row at T = 0, the materialised ``sampling.log_probs`` with top-k or
+    top-p."""
+    logits = logits_NV.astype(jnp.float32)
+    if sampling.greedy:
+        top = argmax(logits.reshape(-1, logits.shape[-1])).reshape(logits.shape[:-1])
+        return Scores(logits, 1.0, top)
+    if sampling.top_k is not None or sampling.top_p is not None:
+        return Scores(log_probs(logits, sampling), 1.0)
+    return Scores(logits, 1.0 / sampling.temperature)
 
 
 BLOCK = 128  # vocabulary block of the two-stage reductions (see block_masses)
@@ -72,6 +91,9 @@ def block_masses(scores: Scores, block: int = BLOCK) -> jax.Array:
     """
     x, scale = scores.x, jnp.float32(scores.scale)
     block = min(block, x.shape[-1])
+    if scores.top is not None:   # T = 0: all the mass in the top token's block
+        num_blocks = -(-x.shape[-1] // block)
+        return (jnp.arange(num_blocks) == (scores.top // block)[..., None]).astype(jnp.float32)
     m = jnp.max(x, axis=-1)
     full, tail = _blocks(x, block)
     mass = jnp.sum(jnp.exp((full - m[..., None, None]) * scale), axis=-1)
@@ -89,12 +111,13 @@ def log_normalizer(scores: Scores) -> jax.Array:
     return jnp.log(jnp.sum(block_masses(scores), axis=-1))
 
 
-def gather_blocks(x_NV: jax.Array, rows_R: jax.Array, block_R: jax.Array, block: int):
-    """Vocabulary block ``block_R[r]`` (``block`` wide) of row ``rows_R[r]``; [R, block],
-    -inf past the end of the vocabulary. One gather of R x block entries."""
-    vocab = x_NV.shape[-1]
+def gather_blocks(scores: Scores, rows_R: jax.Array, block_R: jax.Array, block: int):
+    """Vocabulary block ``block_R[r]`` (``block`` wide) of row ``rows_R[r]`` of
+    ``scores.x`` (`Scores.take`); [R, block], -inf past the end of the vocabulary. One
+    gather of R x block entries."""
+    vocab = scores.x.shape[-1]
     idx_RK = block_R[:, None] * block + jnp.arange(block)[None, :]
-    x_RK = x_NV[rows_R[:, None], jnp.minimum(idx_RK, vocab - 1)]
+    x_RK = scores.take(rows_R[:, None], jnp.minimum(idx_RK, vocab - 1))
     return jnp.where(idx_RK < vocab, x_RK, -jnp.inf)
 
 
@@ -131,6 +154,8 @@ def inverse_cdf(u_R: jax.Array, scores: Scores, block: int = BLOCK) -> jax.Array
       scores: the rows' log-weights ``z = x * scale``; every row needs a finite max.
       block: vocabulary block size.
     """
+    if scores.top is not None:   # T = 0: the one-hot's only token
+        return scores.top.astype(jnp.int32)
     x_RV, scale = scores.x, jnp.float32(scores.scale)
     block = min(block, x_RV.shape[-1])
     mass_RB = block_masses(scores, block)
@@ -140,7 +165,7 @@ def inverse_cdf(u_R: jax.Array, scores: Scores, block: int = BLOCK) -> jax.Array
     take = lambda a_RB, i_R: jnp.take_along_axis(a_RB, i_R[:, None], axis=-1)[:, 0]
     before_R = jnp.where(blk_R > 0, take(cum_RB, jnp.maximum(blk_R - 1, 0)), 0.0)
     frac_R = (t_R - before_R) / take(mass_RB, blk_R)
-    seg_RK = gather_blocks(x_RV, jnp.arange(x_RV.shape[0]), blk_R, block)
+    seg_RK = gather_blocks(scores, jnp.arange(x_RV.shape[0]), blk_R, block)
     seg_mass_RK = jnp.exp((seg_RK - jnp.max(seg_RK, axis=-1, keepdims=True)) * scale)
     seg_cum_RK = jnp.cumsum(seg_mass_RK, axis=-1)
     pos_R = first_above(seg_cum_RK, frac_R * seg_cum_RK[:, -1], seg_mass_RK)
