@@ -177,8 +177,12 @@ def argmax(x_RV: jax.Array, block: int = BLOCK) -> jax.Array:
 
     Block maxima first, then the first block holding the row maximum, then the first
     maximum inside it. XLA:CPU's one-stage argmax (a variadic reduction) is ~7x slower
-    on [65, 151 936] logits.
+    on [65, 151 936] logits. With the vocabulary sharded on the active mesh it is the
+    exact top-1 of `vocab_top_k` (per shard, then over the shards' winners): blocks
+    that straddle shards (151 936 / 8 is not a multiple of 128) would gather the logits.
     """
+    if _vocab_spec(x_RV, ()) is not None:
+        return vocab_top_k(x_RV, 1)[1][..., 0]
     rows, vocab = x_RV.shape
     block = min(block, vocab)
     n_full, rem = divmod(vocab, block)

@@ -158,7 +158,8 @@ class Target(nnx.Module):
             x, carry = layer(x, positions_BT, inv_freq,
                              lambda q, k, v: attend(i, q, k, v, carry))
             if tapped is not None:
-                tapped = jax.lax.dynamic_update_index_in_dim(tapped, x, jnp.asarray(slot_of)[i], 0)
+                slot = jnp.asarray(slot_of)[i]
+                tapped = jax.lax.dynamic_update_index_in_dim(tapped, x, slot, 0)
             return x, tapped, carry
 
         x, tapped, carry = scan_layers(self.layers, body, (x, tapped, carry), depth=depth)
