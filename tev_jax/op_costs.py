@@ -510,6 +510,15 @@ def op_costs(text: str) -> list[Op]:
     return ops
 
 
+def loop_factors(ops: list[Op]) -> tuple[float, float]:
+    """(FLOPs, bytes) of ``ops`` with counted loops run their trip count, over the same
+    with every op counted once (as ``cost_analysis`` counts a loop body): 1 without
+    such loops, about the depth for a program that scans its layers."""
+    ratio = lambda field: (sum(getattr(o, field) for o in ops)
+                           / max(sum(getattr(o, field) / o.count for o in ops), 1e-30))
+    return ratio("flops"), ratio("bytes")
+
+
 def totals(ops: list[Op]) -> dict[str, float]:
     """Bytes, HBM bytes and FLOPs summed over ``ops``, and over the per-round ones."""
     out = {}

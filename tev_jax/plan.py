@@ -146,9 +146,12 @@ class ProgramReport:
       alias_bytes: outputs that reuse donated argument buffers (counted in both above).
       code_bytes: generated code (0 on CPU).
       compile_seconds: the compile time (None if not measured).
-      flops: floating-point operations of one call (``cost_analysis``; a while loop's
-        body is counted once), None where the backend gives none.
-      bytes_accessed: bytes read and written by one call (``cost_analysis``), or None.
+      flops: floating-point operations of one call, None where the backend gives
+        none: ``cost_analysis``, which counts every loop body once, scaled by the
+        trip counts of counted loops (the layer scan) as the per-op table finds them
+        (`tev_jax.op_costs.loop_factors`); a loop of unknown trip count (the decode
+        rounds) stays counted once.
+      bytes_accessed: bytes read and written by one call, likewise, or None.
     """
 
     argument_bytes: int
@@ -163,21 +166,25 @@ class ProgramReport:
     @classmethod
     def of(cls, compiled: jax.stages.Compiled, compile_seconds: float | None = None
            ) -> "ProgramReport":
-        """The report of ``compiled.memory_analysis()`` and ``cost_analysis()``."""
+        """The report of ``compiled.memory_analysis()`` and ``cost_analysis()`` (its
+        loop bodies scaled by their trip counts, see the attributes)."""
         m = compiled.memory_analysis()
         if m is None:
             raise ValueError("this backend gives no memory analysis for compiled programs")
         cost = compiled.cost_analysis() or {}
         if isinstance(cost, (list, tuple)):  # older jax: one dict per device program
             cost = cost[0] if cost else {}
-        get = lambda k: float(cost[k]) if k in cost else None
+        ops = op_costs.op_costs(compiled.as_text())
+        flops_factor, bytes_factor = op_costs.loop_factors(ops)
+        get = lambda k, factor: float(cost[k]) * factor if k in cost else None
         return cls(argument_bytes=int(m.argument_size_in_bytes),
                    output_bytes=int(m.output_size_in_bytes),
                    temp_bytes=int(m.temp_size_in_bytes),
                    alias_bytes=int(m.alias_size_in_bytes),
                    code_bytes=int(m.generated_code_size_in_bytes),
                    compile_seconds=compile_seconds,
-                   flops=get("flops"), bytes_accessed=get("bytes accessed"))
+                   flops=get("flops", flops_factor),
+                   bytes_accessed=get("bytes accessed", bytes_factor))
 
     @property
     def peak_bytes(self) -> int:
