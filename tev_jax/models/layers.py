@@ -21,7 +21,7 @@ norms        [D] or [hd]            (norm,)
 A model's decoder layers are one module with stacked parameters (`stacked_layers`: a
 leading ``layers`` axis on each of the above, e.g. q_proj [layers, D, H, hd]) run as one
 ``lax.scan`` (`scan_layers`), as maxtext's ``scan_layers``: the compiled program holds
-one layer body whatever the depth. `scan_unroll` unrolls it; `layer_at` is one layer.
+one layer body whatever the depth; `scan_unroll` unrolls it.
 
 The attention pieces are separately callable so that the drafter can take queries from
 its block and keys/values from ``[context ; block]``::
@@ -316,12 +316,6 @@ def stacked_layers(config: ModelConfig, *, dtype, rngs: nnx.Rngs) -> DecoderLaye
 def num_stacked(layers: nnx.Module) -> int:
     """How many layers a `stacked_layers` module holds."""
     return jax.tree.leaves(nnx.state(layers))[0].shape[0]
-
-
-def layer_at(layers: nnx.Module, i: int) -> nnx.Module:
-    """Layer ``i`` of a `stacked_layers` module, as a module of its own (a view)."""
-    graphdef, state = nnx.split(layers)
-    return nnx.merge(graphdef, jax.tree.map(lambda w: w[i], state))
 
 
 _UNROLL: contextvars.ContextVar[int | bool] = contextvars.ContextVar("tev_scan_unroll",
