@@ -184,6 +184,14 @@ def test_train_config_fields_and_the_paper_recipe(tmp_path):
         parse("--recipe", "authors")
     scfg = step_config(paper, tf.models()[1]).objective
     assert (scfg.exit_normalizer, scfg.exit_floor, scfg.loss) == ("nodes", 1e-4, "reach")
+    assert scfg.prefix_window == 64 and not scfg.needs_cache   # the authors' scoring pass
+    assert parse("--recipe", "paper", "--exit-prefix-window", "32").exit_prefix_window == 32
+    f.write_text('{"exit_prefix_window": null}')          # the whole prefix, as before
+    assert parse("--recipe", "paper", "--config", str(f)).exit_prefix_window is None
+    with pytest.raises(ValueError, match="prefix_window"):
+        TrainConfig(exit_prefix_window=-1)
+    with pytest.raises(ValueError, match="cannot be combined"):
+        TrainConfig(exit_prefix_window=64, score_capacities=(0.5,))
 
 
 def test_paper_recipe_trains(tmp_path):

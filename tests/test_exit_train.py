@@ -11,11 +11,13 @@ import pytest
 
 from tev_jax.exit_train import (
     WEIGHTINGS,
+    ExitTrainConfig,
     exit_loss,
     node_weights,
     parent_mask,
     score_parent_nodes,
     score_tree_nodes,
+    score_window_hidden,
     target_context,
     token_loss,
     tree_exit_weights,
@@ -195,6 +197,47 @@ def test_context_and_scoring_passes_equal_plain_forwards():
         np.testing.assert_allclose(
             np.asarray(shallow), want_feats[-b:, :length, :TINY.hidden_size * len(only)],
             atol=1e-5)
+
+
+def test_windowed_scoring_equals_plain_forwards_over_window_and_path():
+    """`score_window_hidden` (the authors' ``prefix_window``): every tree node equals a
+    plain forward over the W tokens before its anchor (fewer near the start) and its path,
+    at their absolute positions; with the whole prefix visible it differs (control)."""
+    target = init_target(TINY, key=5)
+    rng = np.random.default_rng(5)
+    b, length, a, n, h, w = 2, 16, 3, 6, 3, 4
+    tokens = rng.integers(0, TINY.vocab_size, (b, length)).astype(np.int32)
+    anchors = np.array([[2, 7, 12], [0, 5, 9]], np.int32)       # 2 and 0: short windows
+    trees = [random_tree(rng, n, TINY.vocab_size, h, root=tokens[i, anchors[i, j]])
+             for i in range(b) for j in range(a)]
+    batched = stack(trees, (b, a))
+    got = np.asarray(jax.jit(lambda t, x, an: target.unembed(score_window_hidden(
+        target, t, x, an, w)))(jnp.asarray(tokens), batched, jnp.asarray(anchors)))
+    full = np.asarray(jax.jit(lambda t, x, an: score_tree_nodes(
+        target, target_context(target, t, (0,))[1], x, an))(
+            jnp.asarray(tokens), batched, jnp.asarray(anchors)))
+    checked = differs = 0
+    for i in range(b):
+        for j in range(a):
+            anchor = int(anchors[i, j])
+            first = max(0, anchor - w)
+            tok, par, m = ref.host_tree(trees[i * a + j])
+            depth = np.asarray(trees[i * a + j].depths)
+            for node in range(m):
+                path = ref.ancestors(par, node)[::-1]
+                seq = np.concatenate([tokens[i, first:anchor], [tok[p] for p in path]])
+                pos = np.concatenate([np.arange(first, anchor), anchor + depth[path]])
+                want, _ = target(jnp.asarray(seq[None]), jnp.asarray(pos[None], jnp.int32))
+                np.testing.assert_allclose(got[i, j, node], np.asarray(want)[0, -1], atol=1e-4)
+                checked += 1
+                differs += not np.allclose(full[i, j, node], got[i, j, node], atol=1e-3)
+    assert checked > b * a and differs > 0
+    with pytest.raises(ValueError, match="prefix_window"):
+        ExitTrainConfig(loss="exit", budget=n - 1, exit_lambda=0.1, sampling=Sampling(1.0),
+                        prefix_window=-1)
+    with pytest.raises(ValueError, match="cannot be combined"):
+        ExitTrainConfig(loss="exit", budget=n - 1, exit_lambda=0.1, sampling=Sampling(1.0),
+                        prefix_window=4, score_capacities=(0.5,))
 
 
 def test_parent_scoring_equals_full_scoring_on_the_rows_the_exit_law_reads():

@@ -375,6 +375,53 @@ def score_tree_nodes(target, cache: KVCache, trees: DraftTree, anchors_BA: jax.A
     return target.unembed(score_tree_hidden(target, cache, trees, anchors_BA))
 
 
+def score_window_hidden(target, tokens_BL: jax.Array, trees: DraftTree,
+                        anchors_BA: jax.Array, window: int) -> jax.Array:
+    """`score_tree_hidden` with the authors' truncated context (``prefix_window``).
+
+    Each anchor's tree is scored by a target pass over the ``window`` tokens before the
+    anchor alone, then the tree: the window's keys and values are recomputed without
+    the earlier context, as the released ExitTrain trainer does (hsj576/TEV,
+    ``exittrain_prefix_window: 64``). Per anchor the queries are::
+
+        slots:   window tokens (absolute positions anchor-W .. anchor-1) | tree (root = anchor)
+        window:  causal over the real window tokens (left padding near the start is hidden)
+        tree:    the real window tokens and the node's ancestors (itself included)
+
+    Args:
+      target: the frozen `Target`.
+      tokens_BL: int [B, L] the sequences.
+      trees, anchors_BA: as in `score_tree_hidden`.
+      window: static int >= 0, the tokens before each anchor that the pass sees.
+    Returns:
+      [B, A, N, D] hidden states of the tree nodes (detached).
+    """
+    b, a, n = trees.tokens.shape
+    w = int(window)
+    anchors = anchors_BA.astype(jnp.int32)
+    pos_BAW = anchors[:, :, None] + jnp.arange(-w, 0, dtype=jnp.int32)
+    real_BAW = pos_BAW >= 0
+    window_BAW = jnp.take_along_axis(tokens_BL.astype(jnp.int32),
+                                     jnp.maximum(pos_BAW, 0).reshape(b, a * w),
+                                     axis=1).reshape(b, a, w)
+    tokens = jnp.concatenate([window_BAW, trees.tokens.astype(jnp.int32)], axis=-1)
+    positions = jnp.concatenate([jnp.maximum(pos_BAW, 0),
+                                 anchors[:, :, None] + trees.depths.astype(jnp.int32)], axis=-1)
+    sees_window = jnp.broadcast_to(real_BAW[:, :, None, :], (b, a, w + n, w))
+    sees_window = sees_window & jnp.concatenate(
+        [jnp.tril(jnp.ones((w, w), bool)), jnp.ones((n, w), bool)])
+    sees_tree = jnp.concatenate([jnp.zeros((b, a, w, n), bool),
+                                 jax.vmap(jax.vmap(ancestor_mask))(trees)], axis=2)
+    mask_XLL = jnp.concatenate([sees_window, sees_tree], axis=-1).reshape(b * a, w + n, w + n)
+
+    def attend(i, q, k, v, carry):
+        return attention(q, ((k, v, mask_XLL),)), carry
+
+    hidden, _, _ = target.layer_stack(tokens.reshape(b * a, w + n),
+                                      positions.reshape(b * a, w + n), attend)
+    return jax.lax.stop_gradient(hidden.reshape(b, a, w + n, -1)[:, :, w:])
+
+
 def parent_mask(trees: DraftTree) -> jax.Array:
     """bool [..., N]: the valid nodes with at least one child.
 
@@ -536,6 +583,13 @@ def check_score_capacities(caps) -> None:
                          f"got {caps!r}")
 
 
+def check_prefix_window(window) -> None:
+    """Raises ValueError unless ``window`` is None or an int >= 0."""
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int)
+                               or window < 0):
+        raise ValueError(f"prefix_window must be None or an int >= 0, got {window!r}")
+
+
 @dataclasses.dataclass(frozen=True)
 class ExitTrainConfig:
     """Static settings of the ExitTrain objective (hashable: a static jit argument).
@@ -560,6 +614,10 @@ class ExitTrainConfig:
         node (`score_parent_hidden`); same losses and gradients, a cost that follows
         the trees, one more compiled scoring pass per fraction.
       vocab_block: vocabulary entries per block of the LM-head reductions.
+      prefix_window: None: the scoring pass sees each anchor's whole prefix (the
+        sequence pass's cache). An int W >= 0: it sees only the W tokens before the
+        anchor, re-encoded without the earlier context (`score_window_hidden`), as the
+        authors' trainer does (W = 64 there); not with ``score_capacities``.
     Raises:
       ValueError: a field out of its range (named in the message).
     """
@@ -574,6 +632,7 @@ class ExitTrainConfig:
     tree_metrics: bool = False
     score_capacities: tuple[float, ...] = ()
     vocab_block: int = lm_head.BLOCK
+    prefix_window: int | None = None
 
     def __post_init__(self):
         if self.loss != "token":
@@ -585,6 +644,15 @@ class ExitTrainConfig:
         check_score_capacities(self.score_capacities)
         if not isinstance(self.vocab_block, int) or self.vocab_block < 1:
             raise ValueError(f"vocab_block must be a positive int, got {self.vocab_block!r}")
+        check_prefix_window(self.prefix_window)
+        if self.prefix_window is not None and self.score_capacities:
+            raise ValueError("prefix_window and score_capacities cannot be combined (the "
+                             "windowed scoring pass scores every tree node)")
+
+    @property
+    def needs_cache(self) -> bool:
+        """Whether the scoring pass reads the sequence pass's keys/values."""
+        return self.builds_trees and self.prefix_window is None
 
     @property
     def builds_trees(self) -> bool:
@@ -625,7 +693,8 @@ def exit_targets(target, cache: KVCache, draft, tokens_BL: jax.Array, anchors_BA
 
     Args:
       target: the frozen `Target`.
-      cache: the sequences' keys/values (`target_context`).
+      cache: the sequences' keys/values (`target_context`; None with
+        ``cfg.prefix_window``).
       draft: [B, A, H, V] draft logits or their `HeadRows` (detached).
       tokens_BL: int [B, L] sequences.
       anchors_BA: int [B, A] anchor positions.
@@ -640,7 +709,9 @@ def exit_targets(target, cache: KVCache, draft, tokens_BL: jax.Array, anchors_BA
     roots = jnp.take_along_axis(tokens_BL.astype(jnp.int32), anchors_BA.astype(jnp.int32),
                                 axis=1)
     trees = ddtree.build_trees(draft, roots, cfg.budget, block=cfg.vocab_block, top=top)
-    if not cfg.score_capacities:
+    if cfg.prefix_window is not None:
+        hidden = score_window_hidden(target, tokens_BL, trees, anchors_BA, cfg.prefix_window)
+    elif not cfg.score_capacities:
         hidden = score_tree_hidden(target, cache, trees, anchors_BA)
     else:
         slots = anchors_BA.shape[1] * (cfg.budget + 1)

@@ -8,7 +8,9 @@ import re
 from pathlib import Path
 from typing import Any
 
-from tev_jax.exit_train import NORMALIZERS, WEIGHTINGS, check_floor, check_score_capacities
+from tev_jax.exit_train import (
+    NORMALIZERS, WEIGHTINGS, check_floor, check_prefix_window, check_score_capacities,
+)
 from tev_jax.sampling import Sampling
 from tev_jax.sharding import TARGET_SHARDINGS
 from train.step import DTYPES, REMAT
@@ -19,13 +21,13 @@ LOSSES = ("token",) + WEIGHTINGS
 # 'paper': the authors' released ExitTrain recipe (hsj576/TEV, SpecForge, Qwen3-4B
 # config): 1.0 * CE + 0.1 * exit term, the exit term's weighted NLL divided by the number
 # of tree nodes, reach weights P with target edge probabilities floored at 1e-4 (their
-# 'P_tgt'), DDTree budget 32, 32 anchors, batch 4, lr 1e-4, clipping at 1. Not carried
-# over: their 2 epochs (set --steps for your data), warmup ratio 0.005 and 64-token
-# prefix window of the scoring pass (tev-jax scores trees with the full context).
+# 'P_tgt'), DDTree budget 32, 32 anchors, batch 4, lr 1e-4, clipping at 1, and their
+# scoring pass that sees only the 64 tokens before each anchor (exit_prefix_window). Not
+# carried over: their 2 epochs (set --steps for your data) and warmup ratio 0.005.
 RECIPES: dict[str, dict[str, Any]] = {
     "paper": dict(loss="reach", exit_lambda=0.1, exit_normalizer="nodes", exit_floor=1e-4,
                   budget=32, num_anchors=32, batch_size=4, lr=1e-4, grad_clip=1.0,
-                  temperature=1.0, top_k=None, top_p=None),
+                  temperature=1.0, top_k=None, top_p=None, exit_prefix_window=64),
 }
 
 
@@ -95,6 +97,9 @@ class TrainConfig:
         no weight all-gathers, for targets that fit).
       remat: 'none', 'full' or 'dots': rematerialise each drafter layer in the
         backward pass (`train.step.REMAT`).
+      exit_prefix_window: None (default): the trees are scored with each anchor's whole
+        prefix; W: with only the W tokens before the anchor, re-encoded on their own
+        (the authors' trainer, W = 64; `tev_jax.exit_train.score_window_hidden`).
       score_capacities: leaf-skipping scoring pass
         (`tev_jax.exit_train.ExitTrainConfig`); empty: score every tree node.
       distributed: call ``jax.distributed.initialize()`` first (multi-host).
@@ -136,6 +141,7 @@ class TrainConfig:
     top_p: float | None = None
     token_decay_gamma: float | None = None
     tree_metrics: bool = False
+    exit_prefix_window: int | None = None
     score_capacities: tuple[float, ...] = ()
 
     steps: int = 1000
@@ -173,6 +179,9 @@ class TrainConfig:
                 raise ValueError(f"{name} must be one of {allowed}, got "
                                  f"{getattr(self, name)!r}")
         check_score_capacities(self.score_capacities)
+        check_prefix_window(self.exit_prefix_window)
+        if self.exit_prefix_window is not None and self.score_capacities:
+            raise ValueError("exit_prefix_window and score_capacities cannot be combined")
         positive = ("drafter_layers", "batch_size", "num_anchors", "budget", "steps",
                     "grad_accum", "mesh_data", "mesh_fsdp", "mesh_tensor",
                     "checkpoint_every", "keep_checkpoints", "log_every")

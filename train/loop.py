@@ -119,7 +119,8 @@ def exit_train_config(cfg: TrainConfig) -> ExitTrainConfig:
                            sampling=cfg.sampling, decay_gamma=cfg.token_decay_gamma,
                            exit_normalizer=cfg.exit_normalizer, exit_floor=cfg.exit_floor,
                            tree_metrics=cfg.tree_metrics,
-                           score_capacities=cfg.score_capacities)
+                           score_capacities=cfg.score_capacities,
+                           prefix_window=cfg.exit_prefix_window)
 
 
 def step_config(cfg: TrainConfig, drafter) -> StepConfig:

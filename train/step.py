@@ -123,7 +123,7 @@ def loss_and_grads(params, graphs: Graphs, frozen: Frozen, batch: Batch, cfg: St
     ocfg = cfg.objective
     target = nnx.merge(graphs.target, frozen.target)
     feats, cache = target_context(target, batch.tokens, cfg.taps,
-                                  with_cache=ocfg.builds_trees)
+                                  with_cache=ocfg.needs_cache)
     head = lm_head.head_of(target)
 
     def drafter_forward(p):
