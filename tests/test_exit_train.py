@@ -216,7 +216,7 @@ def test_windowed_scoring_equals_plain_forwards_over_window_and_path():
     full = np.asarray(jax.jit(lambda t, x, an: score_tree_nodes(
         target, target_context(target, t, (0,))[1], x, an))(
             jnp.asarray(tokens), batched, jnp.asarray(anchors)))
-    checked = differs = 0
+    seqs, where = [], []
     for i in range(b):
         for j in range(a):
             anchor = int(anchors[i, j])
@@ -225,13 +225,20 @@ def test_windowed_scoring_equals_plain_forwards_over_window_and_path():
             depth = np.asarray(trees[i * a + j].depths)
             for node in range(m):
                 path = ref.ancestors(par, node)[::-1]
-                seq = np.concatenate([tokens[i, first:anchor], [tok[p] for p in path]])
-                pos = np.concatenate([np.arange(first, anchor), anchor + depth[path]])
-                want, _ = target(jnp.asarray(seq[None]), jnp.asarray(pos[None], jnp.int32))
-                np.testing.assert_allclose(got[i, j, node], np.asarray(want)[0, -1], atol=1e-4)
-                checked += 1
-                differs += not np.allclose(full[i, j, node], got[i, j, node], atol=1e-3)
-    assert checked > b * a and differs > 0
+                seqs.append((np.concatenate([tokens[i, first:anchor], [tok[p] for p in path]]),
+                             np.concatenate([np.arange(first, anchor), anchor + depth[path]])))
+                where.append((i, j, node))
+    # One causal forward over the references, padded on the right (causal: the padding
+    # does not change the real positions).
+    padded = np.zeros((2, len(seqs), w + h + 1), np.int32)
+    for k, (seq, pos) in enumerate(seqs):
+        padded[0, k, :len(seq)], padded[1, k, :len(seq)] = seq, pos
+    want = np.asarray(jax.jit(lambda x, p: target(x, p)[0])(padded[0], padded[1]))
+    differs = 0
+    for k, (i, j, node) in enumerate(where):
+        np.testing.assert_allclose(got[i, j, node], want[k, len(seqs[k][0]) - 1], atol=1e-4)
+        differs += not np.allclose(full[i, j, node], got[i, j, node], atol=1e-3)
+    assert len(where) > b * a and differs > 0
     with pytest.raises(ValueError, match="prefix_window"):
         ExitTrainConfig(loss="exit", budget=n - 1, exit_lambda=0.1, sampling=Sampling(1.0),
                         prefix_window=-1)
