@@ -313,11 +313,6 @@ def stacked_layers(config: ModelConfig, *, dtype, rngs: nnx.Rngs) -> DecoderLaye
     return create(rngs)
 
 
-def num_stacked(layers: nnx.Module) -> int:
-    """How many layers a `stacked_layers` module holds."""
-    return jax.tree.leaves(nnx.state(layers))[0].shape[0]
-
-
 _UNROLL: contextvars.ContextVar[int | bool] = contextvars.ContextVar("tev_scan_unroll",
                                                                    default=1)
 
@@ -358,8 +353,9 @@ def scan_layers(layers: nnx.Module, body, carry, *, depth: int | None = None, re
       The final carry. The loop unrolls as `scan_unroll` says (default: not at all).
     """
     graphdef, state = nnx.split(layers)
-    n = num_stacked(layers) if depth is None else depth
-    if n < num_stacked(layers):
+    stacked = jax.tree.leaves(state)[0].shape[0]
+    n = stacked if depth is None else depth
+    if n < stacked:
         state = jax.tree.map(lambda w: w[:n], state)
 
     def step(carry, xs):
