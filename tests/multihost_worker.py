@@ -58,7 +58,8 @@ def main() -> None:
     with place.context():
         for step in range(SPEC["check_batches"]):
             hb = data.batch_at(cfg.seed, step, cfg.batch_size, cfg.num_anchors,
-                               drafter.config.horizon, rows=rows)
+                               drafter.config.horizon, rows=rows,
+                               partial=cfg.partial_anchors)
             glob = multihost_utils.process_allgather(place_local_batch(hb, place, shape),
                                                      tiled=True)
             batches.update({f"batch{step}_{k}": np.asarray(getattr(glob, k))

@@ -192,6 +192,10 @@ def test_train_config_fields_and_the_paper_recipe(tmp_path):
         TrainConfig(exit_prefix_window=-1)
     with pytest.raises(ValueError, match="cannot be combined"):
         TrainConfig(exit_prefix_window=64, score_capacities=(0.5,))
+    assert paper.partial_anchors and not parse().partial_anchors   # their partial blocks
+    assert not parse("--recipe", "paper", "--partial-anchors", "false").partial_anchors
+    with pytest.raises(ValueError, match="drafter_every"):
+        TrainConfig(drafter_every=-1)
 
 
 def test_paper_recipe_trains(tmp_path):

@@ -17,10 +17,10 @@ from tev_jax import sharding as shd
 from tev_jax.exit_train import block_labels, exit_targets, objective, parent_mask, target_context
 from tev_jax.models.drafter import anchor_logits
 from train.__main__ import build_parser, config_from_args
-from train.anchors import anchor_range, sample_anchors, step_rng
+from train.anchors import anchor_range, labels_in_response, sample_anchors, step_rng
 from train.config import TrainConfig
 from train.loop import optim_config, step_config, train
-from train.placement import init_state, place_batch, place_frozen
+from train.placement import host_arrays, init_state, place_batch, place_frozen
 from train.state import Batch, merge_drafter, split_models
 from train.step import loss_and_grads, step_program
 
@@ -166,6 +166,53 @@ def test_remat_keeps_and_compute_dtype_casts_the_gradients():
             dataclasses.replace(scfg, **bad)
 
 
+def test_partial_anchors_train_only_their_in_bounds_labels():
+    """``partial_anchors`` (the authors' trainer): anchors whose horizon runs past the
+    response end add their in-bounds labels to the token loss (checked against a direct
+    masked cross-entropy) and nothing to the tree term: exit loss and τ equal those of
+    the batch without them, whose token loss differs (the control). A draw without
+    partial anchors gives the metrics of ``in_bounds=None``."""
+    target, drafter = tf.models()
+    scfg = step_config(tf.config("unused"), drafter)
+    h = scfg.horizon
+    graphs, frozen, params = split_models(target, drafter)
+    data = tf.progressions()
+    hb = next(hb for step in range(50)
+              for hb in [data.batch_at(0, step, B, A, h, partial=True)]
+              if ((hb.in_bounds > 0) & (hb.in_bounds < h)).any())
+    batch = host_arrays(hb)
+    full = batch.valid & (batch.in_bounds == h)
+    assert full.any()
+    run = jax.jit(lambda b: loss_and_grads(params, graphs, frozen, b, scfg)[1])
+    got = run(jax.tree.map(jax.numpy.asarray, batch))
+    dropped = run(Batch(*(jax.numpy.asarray(x) for x in (hb.tokens, hb.anchors, full))))
+    for k in ("exit_loss", "exit_weight", "tau"):
+        np.testing.assert_allclose(got[k], dropped[k], rtol=1e-6, err_msg=k)
+    assert abs(float(got["token_loss"]) - float(dropped["token_loss"])) > 1e-3
+
+    @jax.jit
+    def direct_ce(tokens, anchors, mask):
+        tgt = nnx.merge(graphs.target, frozen.target)
+        feats, _ = target_context(tgt, tokens, scfg.taps)
+        logits = anchor_logits(merge_drafter(graphs, frozen, params), tgt, feats, tokens,
+                               anchors)
+        logp = jax.nn.log_softmax(logits, -1)
+        labels = block_labels(tokens, anchors, h)
+        nll = -jax.numpy.take_along_axis(logp, labels[..., None], -1)[..., 0]
+        return jax.numpy.sum(jax.numpy.where(mask, nll, 0.0)) / mask.sum()
+
+    mask = batch.valid[:, :, None] & (np.arange(h) < batch.in_bounds[:, :, None])
+    np.testing.assert_allclose(got["token_loss"], direct_ce(hb.tokens, hb.anchors, mask),
+                               rtol=1e-5)
+    whole = data.batch_at(0, 4, B, A, h)
+    assert (whole.in_bounds[whole.valid] == h).all()
+    with_counts = run(jax.tree.map(jax.numpy.asarray, host_arrays(whole)))
+    without = run(Batch(*(jax.numpy.asarray(x) for x in (whole.tokens, whole.anchors,
+                                                         whole.valid))))
+    for k in with_counts:
+        np.testing.assert_allclose(with_counts[k], without[k], rtol=1e-6, err_msg=k)
+
+
 def test_leaf_skipping_scoring_gives_the_same_exit_targets():
     """``score_capacities``: the pooled scoring pass over the nodes with children gives the
     trees, exit weights and coverage of the full scoring pass, so the same losses and
@@ -201,7 +248,7 @@ def test_leaf_skipping_scoring_gives_the_same_exit_targets():
 
 def test_thirty_step_run_lowers_the_loss(tmp_path):
     target, drafter = tf.models()
-    cfg = tf.config(tmp_path / "run")
+    cfg = dataclasses.replace(tf.config(tmp_path / "run"), drafter_every=20)
     result = train(cfg, target=target, drafter=drafter, data=tf.progressions(), progress=False,
                    save_final_drafter=True)
     losses = np.array([h["loss"] for h in result.history])
@@ -211,6 +258,12 @@ def test_thirty_step_run_lowers_the_loss(tmp_path):
     taus = np.array([h["tau"] for h in result.history])
     assert (taus >= 1).all()
     assert (tmp_path / "run" / "drafter" / "config.json").is_file()
+    # drafter_every: a snapshot at update 20 (not at 30: that one is the final drafter)
+    snaps = sorted(p.name for p in (tmp_path / "run" / "drafters").iterdir())
+    assert snaps == ["update-20"]
+    weights = [(tmp_path / "run" / d / "model.safetensors").read_bytes()
+               for d in ("drafters/update-20", "drafter")]
+    assert weights[0] != weights[1]
     again = train(cfg, target=target, drafter=drafter, data=tf.progressions(), progress=False,
                   save_final_drafter=False)     # a finished run restores and stops
     assert again.start_update == 30 and not again.history
@@ -237,6 +290,17 @@ def test_anchors_are_valid_distinct_and_deterministic():
         for x in got:
             assert x >= 1 and x + 1 >= starts[i] and x + horizon <= ends[i] - 1
     assert not valid[2].any()          # response too short for H = 3 labels
+    # partial: every anchor with at least one label in the response; labels counted.
+    anchors, valid = sample_anchors(step_rng(7, 3, 1), starts, ends, horizon, a, partial=True)
+    in_bounds = labels_in_response(anchors, valid, ends, horizon)
+    for i in range(len(starts)):
+        lo, hi = anchor_range(starts[i], ends[i], horizon, partial=True)
+        got = anchors[i][valid[i]]
+        assert len(got) == min(max(hi - lo, 0), a) and hi == ends[i] - 1
+        np.testing.assert_array_equal(in_bounds[i][valid[i]],
+                                      np.minimum(horizon, ends[i] - 1 - got))
+    assert valid[2].any() and (in_bounds[2][valid[2]] < horizon).all()
+    assert (in_bounds[~valid] == 0).all()
 
 
 def test_batches_are_a_pure_function_of_seed_and_step():

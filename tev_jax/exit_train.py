@@ -730,7 +730,8 @@ def exit_targets(target, cache: KVCache, draft, tokens_BL: jax.Array, anchors_BA
 
 
 def objective(draft_XHV, labels_XH: jax.Array, valid_X: jax.Array, trees: DraftTree,
-              weights_XN: jax.Array, cfg: ExitTrainConfig) -> tuple[jax.Array, dict]:
+              weights_XN: jax.Array, cfg: ExitTrainConfig,
+              label_mask_XH: jax.Array | None = None) -> tuple[jax.Array, dict]:
     """The training loss: token + lambda * exit (the exit term only for ExitTrain losses).
 
     The exit term is normalised by its total weight ('weight') or by the tree-node count
@@ -743,11 +744,15 @@ def objective(draft_XHV, labels_XH: jax.Array, valid_X: jax.Array, trees: DraftT
       trees: `DraftTree` [*X, N] and weights_XN: float [*X, N] detached node weights,
         from `exit_targets` (None with loss='token').
       cfg: the objective's settings.
+      label_mask_XH: optional bool [*X, H]: the labels the token loss counts (default:
+        every label of a valid anchor); the authors' trainer also counts the in-bounds
+        labels of anchors too near the sequence end for a tree (`train.anchors`).
     Returns:
       (total loss [], aux: {'token_loss', and for ExitTrain 'exit_loss', 'exit_weight'}
        of [] arrays)
     """
-    mask = jnp.broadcast_to(valid_X[..., None], labels_XH.shape)
+    mask = (jnp.broadcast_to(valid_X[..., None], labels_XH.shape) if label_mask_XH is None
+            else label_mask_XH)
     tok = token_loss(draft_XHV, labels_XH, mask, cfg.decay_gamma)
     aux = {"token_loss": tok.mean}
     total = tok.mean

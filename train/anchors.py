@@ -7,6 +7,9 @@ is a response token and the context is not empty::
 
     max(1, start - 1)  <=  a  <=  end - 1 - H
 
+With ``partial`` (the authors' trainer) an anchor needs only its first label in the
+response (``a <= end - 2``): its labels past the response end are out of bounds
+(`labels_in_response`), the token loss skips them and the tree term skips the anchor.
 Sequences with fewer valid positions than A get all of them, and the remaining anchor
 slots are masked (``valid = False``) so shapes stay static.
 """
@@ -16,9 +19,11 @@ from __future__ import annotations
 import numpy as np
 
 
-def anchor_range(start: int, end: int, horizon: int) -> tuple[int, int]:
-    """Valid anchors ``[lo, hi)`` of a response at ``[start, end)`` (empty if lo >= hi)."""
-    return max(1, start - 1), end - horizon
+def anchor_range(start: int, end: int, horizon: int, partial: bool = False
+                 ) -> tuple[int, int]:
+    """Valid anchors ``[lo, hi)`` of a response at ``[start, end)`` (empty if lo >= hi);
+    ``partial``: anchors with at least one label in the response."""
+    return max(1, start - 1), end - (1 if partial else horizon)
 
 
 def step_rng(seed: int, step: int, stream: int) -> np.random.Generator:
@@ -27,7 +32,8 @@ def step_rng(seed: int, step: int, stream: int) -> np.random.Generator:
 
 
 def sample_anchors(rng: np.random.Generator, starts_B: np.ndarray, ends_B: np.ndarray,
-                   horizon: int, num_anchors: int) -> tuple[np.ndarray, np.ndarray]:
+                   horizon: int, num_anchors: int, partial: bool = False
+                   ) -> tuple[np.ndarray, np.ndarray]:
     """Samples A distinct valid anchors per sequence.
 
     Args:
@@ -35,6 +41,7 @@ def sample_anchors(rng: np.random.Generator, starts_B: np.ndarray, ends_B: np.nd
       starts_B, ends_B: int [B] response start and end (exclusive) per sequence.
       horizon: H.
       num_anchors: A.
+      partial: also anchors whose horizon runs past the response end (`anchor_range`).
     Returns:
       (anchors int32 [B, A] sorted within each row, valid bool [B, A]); invalid slots
       hold position 0.
@@ -45,7 +52,7 @@ def sample_anchors(rng: np.random.Generator, starts_B: np.ndarray, ends_B: np.nd
     anchors = np.zeros((b, num_anchors), np.int32)
     valid = np.zeros((b, num_anchors), bool)
     for i in range(b):
-        lo, hi = anchor_range(int(starts_B[i]), int(ends_B[i]), horizon)
+        lo, hi = anchor_range(int(starts_B[i]), int(ends_B[i]), horizon, partial)
         count = hi - lo
         if count <= 0:
             continue
@@ -56,4 +63,12 @@ def sample_anchors(rng: np.random.Generator, starts_B: np.ndarray, ends_B: np.nd
     return anchors, valid
 
 
-__all__ = ["anchor_range", "sample_anchors", "step_rng"]
+def labels_in_response(anchors_BA: np.ndarray, valid_BA: np.ndarray, ends_B: np.ndarray,
+                       horizon: int) -> np.ndarray:
+    """int32 [B, A]: how many of each anchor's H labels lie in the response (0 for
+    masked slots; H for every anchor of a non-partial draw)."""
+    room = np.asarray(ends_B)[:, None] - 1 - np.asarray(anchors_BA)
+    return np.where(valid_BA, np.clip(room, 0, horizon), 0).astype(np.int32)
+
+
+__all__ = ["anchor_range", "labels_in_response", "sample_anchors", "step_rng"]

@@ -22,12 +22,14 @@ LOSSES = ("token",) + WEIGHTINGS
 # config): 1.0 * CE + 0.1 * exit term, the exit term's weighted NLL divided by the number
 # of tree nodes, reach weights P with target edge probabilities floored at 1e-4 (their
 # 'P_tgt'), DDTree budget 32, 32 anchors, batch 4, lr 1e-4, clipping at 1, and their
-# scoring pass that sees only the 64 tokens before each anchor (exit_prefix_window). Not
-# carried over: their 2 epochs (set --steps for your data) and warmup ratio 0.005.
+# scoring pass that sees only the 64 tokens before each anchor (exit_prefix_window), and
+# their token loss over anchors whose horizon runs past the response end (partial_anchors).
+# Not carried over: their 2 epochs (set --steps for your data) and warmup ratio 0.005.
 RECIPES: dict[str, dict[str, Any]] = {
     "paper": dict(loss="reach", exit_lambda=0.1, exit_normalizer="nodes", exit_floor=1e-4,
                   budget=32, num_anchors=32, batch_size=4, lr=1e-4, grad_clip=1.0,
-                  temperature=1.0, top_k=None, top_p=None, exit_prefix_window=64),
+                  temperature=1.0, top_k=None, top_p=None, exit_prefix_window=64,
+                  partial_anchors=True),
 }
 
 
@@ -58,6 +60,10 @@ class TrainConfig:
       data_dir: target rollouts written by ``python -m train rollouts``.
       batch_size: B sequences per micro-batch (global, over all devices).
       num_anchors: A anchors per sequence.
+      partial_anchors: also draw anchors whose H labels run past the response end: the
+        token loss counts their labels inside the response, the tree term (and τ) only
+        full-horizon anchors (the authors' trainer; `train.anchors`). Default false:
+        every anchor has all H labels.
 
     Objective:
       loss: 'token' (DFlash token objective only), 'exit' (weight w), 'exit_depth'
@@ -110,6 +116,9 @@ class TrainConfig:
       checkpoint_dir: where checkpoints go instead of ``out_dir/checkpoints``; may be a
         bucket (``gs://...``) that every process of a pod writes its shards to.
       checkpoint_every, keep_checkpoints: orbax save interval (updates) and retention.
+      drafter_every: also write the drafter (DFlash layout) to
+        ``out_dir/drafters/update-<k>`` every this many updates: snapshots along one run
+        (e.g. drafters of increasing strength); 0 (default): only the final one.
       log_every: metrics are fetched and logged every this many updates.
       seed: the batch at update k is a pure function of (seed, k).
       resume: continue from the newest checkpoint that restores (an unreadable newer
@@ -130,6 +139,7 @@ class TrainConfig:
     data_dir: str | None = None
     batch_size: int = 4
     num_anchors: int = 32
+    partial_anchors: bool = False
 
     loss: str = "exit"
     budget: int = 32
@@ -165,6 +175,7 @@ class TrainConfig:
     checkpoint_dir: str | None = None
     checkpoint_every: int = 200
     keep_checkpoints: int = 3
+    drafter_every: int = 0
     log_every: int = 1
     seed: int = 0
     resume: bool = True
@@ -189,6 +200,8 @@ class TrainConfig:
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"{name} must be a positive int, got {v!r}")
+        if not isinstance(self.drafter_every, int) or self.drafter_every < 0:
+            raise ValueError(f"drafter_every must be an int >= 0, got {self.drafter_every!r}")
         if not isinstance(self.block_size, int) or self.block_size < 2:
             raise ValueError(f"block_size must be an int >= 2, got {self.block_size!r}")
         if self.warmup_steps < 0 or self.warmup_steps > self.steps:

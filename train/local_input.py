@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from train.placement import Placement
+from train.placement import Placement, host_arrays
 from train.state import Batch
 
 
@@ -41,7 +41,7 @@ def batch_rows(place: Placement, batch_shape: tuple[int, int, int]) -> np.ndarra
         return None
     b, length, a = batch_shape
     rows = local_indices(place.batch.tokens, (b, length))[0]
-    for sharding in (place.batch.anchors, place.batch.valid):
+    for sharding in (place.batch.anchors, place.batch.valid, place.batch.in_bounds):
         if not np.array_equal(local_indices(sharding, (b, a))[0], rows):
             raise ValueError("the batch arrays are split over different batch rows")
     return rows
@@ -55,9 +55,7 @@ def place_local_batch(host_batch, place: Placement, batch_shape: tuple[int, int,
         (all B rows without a mesh).
       batch_shape: (B, L, A).
     """
-    arrays = Batch(tokens=np.asarray(host_batch.tokens, np.int32),
-                   anchors=np.asarray(host_batch.anchors, np.int32),
-                   valid=np.asarray(host_batch.valid, bool))
+    arrays = host_arrays(host_batch)
     if place.mesh is None:
         return jax.tree.map(jnp.asarray, arrays)
     b, length, a = batch_shape
@@ -69,7 +67,8 @@ def place_local_batch(host_batch, place: Placement, batch_shape: tuple[int, int,
 
     return Batch(tokens=build(arrays.tokens, place.batch.tokens, (b, length)),
                  anchors=build(arrays.anchors, place.batch.anchors, (b, a)),
-                 valid=build(arrays.valid, place.batch.valid, (b, a)))
+                 valid=build(arrays.valid, place.batch.valid, (b, a)),
+                 in_bounds=build(arrays.in_bounds, place.batch.in_bounds, (b, a)))
 
 
 __all__ = ["batch_rows", "local_indices", "place_local_batch"]

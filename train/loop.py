@@ -345,7 +345,7 @@ def train(cfg: TrainConfig, *, target=None, drafter=None, data: RolloutSet | Non
                 for i in range(cfg.grad_accum):
                     micro = update * cfg.grad_accum + i
                     hb = data.batch_at(cfg.seed, micro, cfg.batch_size, cfg.num_anchors,
-                                       horizon, rows=rows)
+                                       horizon, rows=rows, partial=cfg.partial_anchors)
                     state, metrics = step_fn(state, place_local_batch(hb, place, batch_shape),
                                              frozen)
                 update += 1
@@ -371,6 +371,9 @@ def train(cfg: TrainConfig, *, target=None, drafter=None, data: RolloutSet | Non
                 last = update == stop or out_of_time or preempted
                 ckpt.save(update, state, {**meta_base, "update": update,
                                           "micro_step": update * cfg.grad_accum}, force=last)
+                if cfg.drafter_every and update % cfg.drafter_every == 0 and update < cfg.steps:
+                    _save_drafter(merge_drafter(graphs, frozen, state.params),
+                                  out / "drafters" / f"update-{update}")
                 if out_of_time or preempted:
                     break
     finally:  # also on Ctrl-C: a save in flight commits before the process ends

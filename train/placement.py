@@ -66,6 +66,7 @@ def placement(mesh, graphs: Graphs, frozen: Frozen, abstract_params, optimizer,
         tokens=shd.logical_sharding(("batch", "seq"), (b, length), mesh),
         anchors=shd.logical_sharding(("batch", None), (b, a), mesh),
         valid=shd.logical_sharding(("batch", None), (b, a), mesh),
+        in_bounds=shd.logical_sharding(("batch", None), (b, a), mesh),
     )
     target_sh = shd.state_shardings(frozen.target, mesh,
                                     shd.frozen_target_rules(target_sharding))
@@ -80,11 +81,17 @@ def place_frozen(frozen: Frozen, place: Placement) -> Frozen:
     return jax.device_put(frozen, place.frozen)
 
 
+def host_arrays(host_batch) -> Batch:
+    """The `Batch` of a `train.rollouts.HostBatch`'s numpy arrays."""
+    return Batch(tokens=np.asarray(host_batch.tokens, np.int32),
+                 anchors=np.asarray(host_batch.anchors, np.int32),
+                 valid=np.asarray(host_batch.valid, bool),
+                 in_bounds=np.asarray(host_batch.in_bounds, np.int32))
+
+
 def place_batch(host_batch, place: Placement) -> Batch:
     """Device arrays of a host batch (every process builds the same global batch)."""
-    arrays = Batch(tokens=np.asarray(host_batch.tokens, np.int32),
-                   anchors=np.asarray(host_batch.anchors, np.int32),
-                   valid=np.asarray(host_batch.valid, bool))
+    arrays = host_arrays(host_batch)
     if place.mesh is None:
         return jax.tree.map(jnp.asarray, arrays)
     return jax.tree.map(
@@ -122,5 +129,5 @@ def abstract_state(params, optimizer, place: Placement) -> TrainState:
                         shapes, place.state)
 
 
-__all__ = ["Placement", "abstract_state", "init_state", "place_batch", "place_frozen",
-           "placement"]
+__all__ = ["Placement", "abstract_state", "host_arrays", "init_state", "place_batch",
+           "place_frozen", "placement"]

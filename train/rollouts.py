@@ -38,7 +38,7 @@ import jax
 import numpy as np
 
 from tev_jax.sampling import Sampling
-from train.anchors import sample_anchors, step_rng
+from train.anchors import labels_in_response, sample_anchors, step_rng
 
 FORMAT = "tev-jax-rollouts/2"
 FORMAT_V1 = "tev-jax-rollouts/1"
@@ -364,12 +364,15 @@ class HostBatch:
       anchors: int32 [B, A] anchor positions.
       valid: bool [B, A] real anchors.
       indices: int64 [B] sequence ids in the set (for logging and checks).
+      in_bounds: int32 [B, A] labels of each anchor inside the response
+        (`train.anchors.labels_in_response`: H unless anchors are drawn ``partial``).
     """
 
     tokens: np.ndarray
     anchors: np.ndarray
     valid: np.ndarray
     indices: np.ndarray
+    in_bounds: np.ndarray
 
 
 @functools.lru_cache(maxsize=4)
@@ -490,20 +493,26 @@ class RolloutSet:
         return out
 
     def batch_at(self, seed: int, step: int, batch_size: int, num_anchors: int,
-                 horizon: int, rows: np.ndarray | None = None) -> HostBatch:
+                 horizon: int, rows: np.ndarray | None = None, partial: bool = False
+                 ) -> HostBatch:
         """The micro-batch of ``step``: a pure function of (data, seed, step).
 
         Args:
           rows: positions in the micro-batch to return (default all B); only their
             token rows are read. Anchors are drawn for all B rows (from spans, in
             memory), so every subset agrees with the whole batch.
+          partial: also draw anchors whose horizon runs past the response end
+            (`train.anchors.sample_anchors`).
         """
         idx = self.indices_at(seed, step, batch_size)
-        anchors, valid = sample_anchors(step_rng(seed, step, 1), self.spans[idx, 0],
-                                        self.spans[idx, 1], horizon, num_anchors)
+        ends = self.spans[idx, 1]
+        anchors, valid = sample_anchors(step_rng(seed, step, 1), self.spans[idx, 0], ends,
+                                        horizon, num_anchors, partial)
+        in_bounds = labels_in_response(anchors, valid, ends, horizon)
         if rows is not None:
-            idx, anchors, valid = idx[rows], anchors[rows], valid[rows]
-        return HostBatch(tokens=self.read(idx), anchors=anchors, valid=valid, indices=idx)
+            idx, anchors, valid, in_bounds = idx[rows], anchors[rows], valid[rows], in_bounds[rows]
+        return HostBatch(tokens=self.read(idx), anchors=anchors, valid=valid, indices=idx,
+                         in_bounds=in_bounds)
 
 
 def _load_rows(path: Path, count: int, *, mmap: bool) -> np.ndarray:

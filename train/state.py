@@ -12,6 +12,7 @@ import dataclasses
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 from flax import nnx, struct
 
 
@@ -38,11 +39,28 @@ class Batch:
       tokens: int32 [B, L].
       anchors: int32 [B, A].
       valid: bool [B, A].
+      in_bounds: int32 [B, A] labels of each anchor inside the response; None: all H
+        of every valid anchor. Anchors with fewer (drawn ``partial``) train the token
+        loss on those labels only and build no tree.
     """
 
     tokens: jax.Array
     anchors: jax.Array
     valid: jax.Array
+    in_bounds: jax.Array | None = None
+
+    def label_mask(self, horizon: int) -> jax.Array:
+        """bool [B, A, H]: the labels the token loss counts."""
+        mask = jnp.broadcast_to(self.valid[:, :, None], self.valid.shape + (horizon,))
+        if self.in_bounds is None:
+            return mask
+        return mask & (jnp.arange(horizon) < self.in_bounds[:, :, None])
+
+    def full(self, horizon: int) -> jax.Array:
+        """bool [B, A]: the valid anchors with all H labels (those that build trees)."""
+        if self.in_bounds is None:
+            return self.valid
+        return self.valid & (self.in_bounds >= horizon)
 
 
 @struct.dataclass

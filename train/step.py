@@ -139,22 +139,23 @@ def loss_and_grads(params, graphs: Graphs, frozen: Frozen, batch: Batch, cfg: St
     k = ddtree.tree_k(detached, ocfg.budget) if ocfg.builds_trees else 1
     top = ddtree.draft_top_k(detached, k, block=ocfg.vocab_block)
     labels = block_labels(batch.tokens, batch.anchors, cfg.horizon)
+    label_mask = batch.label_mask(cfg.horizon)
+    full = batch.full(cfg.horizon)          # anchors whose trees count
     metrics = {}
     trees = weights = None
     if ocfg.builds_trees:
         trees, weights, coverage = exit_targets(target, cache, detached, batch.tokens,
-                                                batch.anchors, batch.valid, ocfg, top)
-        n_valid = jnp.maximum(jnp.sum(batch.valid), 1)
-        metrics["tau"] = 1.0 + jnp.sum(jnp.where(batch.valid, coverage, 0.0)) / n_valid
+                                                batch.anchors, full, ocfg, top)
+        n_full = jnp.maximum(jnp.sum(full), 1)
+        metrics["tau"] = 1.0 + jnp.sum(jnp.where(full, coverage, 0.0)) / n_full
     (total, aux), dhidden = jax.value_and_grad(
-        lambda h: objective(rows(h), labels, batch.valid, trees, weights, ocfg),
+        lambda h: objective(rows(h), labels, full, trees, weights, ocfg, label_mask),
         has_aux=True)(hidden)
     (grads,) = pullback(dhidden)
-    row_mask = batch.valid[:, :, None]
-    correct = (top[0][..., 0] == labels) & row_mask
+    correct = (top[0][..., 0] == labels) & label_mask
     metrics.update(aux)
     metrics["loss"] = total
-    metrics["token_acc"] = jnp.sum(correct) / jnp.maximum(jnp.sum(row_mask) * cfg.horizon, 1)
+    metrics["token_acc"] = jnp.sum(correct) / jnp.maximum(jnp.sum(label_mask), 1)
     metrics["grad_norm"] = optax.tree.norm(grads)
     return grads, metrics
 
@@ -262,7 +263,8 @@ def lower(target, drafter, step_config: StepConfig, optim_config: OptimConfig, m
     state = abstract_state(jax.tree.map(shape, params), optimizer, place)
     batch = Batch(tokens=jax.ShapeDtypeStruct((b, length), jnp.int32),
                   anchors=jax.ShapeDtypeStruct((b, a), jnp.int32),
-                  valid=jax.ShapeDtypeStruct((b, a), jnp.bool_))
+                  valid=jax.ShapeDtypeStruct((b, a), jnp.bool_),
+                  in_bounds=jax.ShapeDtypeStruct((b, a), jnp.int32))
     with place.context():
         return step_fn.lower(state, batch, jax.tree.map(shape, frozen))
 
