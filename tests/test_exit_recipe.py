@@ -223,7 +223,8 @@ def test_sweep_variants_parse_and_the_paper_point_is_the_recipe(tmp_path):
     assert len(sweep.GRID) == 1 + 2 * 4 * 4 and set(sweep.SUBSET) <= set(sweep.GRID)
     configs = {}
     for name in sweep.GRID:
-        argv = sweep.train_args(name, sweep.BASE, "T", Path("runs"), tmp_path)
+        argv = sweep.train_args(sweep.VARIANTS[name], sweep.BASE, "T", Path("runs"),
+                                Path("d"), tmp_path / name)
         configs[name] = config_from_args(build_parser().parse_args(argv))
         assert configs[name].out_dir == str(tmp_path / name)
     fields = ("loss", "exit_normalizer", "exit_lambda", "exit_floor")
@@ -247,3 +248,32 @@ def test_sweep_validation_prompts_are_disjoint_from_the_test_prompts():
     for name in setup.sets:
         assert len(val[name]) == 8 and len(test[name]) == 16
         assert not {tuple(p) for p in val[name]} & {tuple(p) for p in test[name]}, name
+
+
+def test_strength_study_fine_tunes_differ_only_in_the_objective(tmp_path):
+    """experiments/exit_strength: its three fine-tunes share data, updates, optimiser and
+    the authors' partial blocks; 'paper' is the whole recipe (objective, scoring window,
+    partial anchors) and the base run's snapshots are where the study reads them."""
+    from pathlib import Path
+
+    study = experiment_scripts.load("exit_strength")
+    configs = {name: config_from_args(build_parser().parse_args(recipe_argv))
+               for name, flags in study.VARIANTS.items()
+               for recipe_argv in [study.recipe.train_args(
+                   flags, study.FINETUNE, "T", Path("d"), Path("base"), tmp_path / name)]}
+    objective = ("loss", "exit_normalizer", "exit_lambda", "exit_floor",
+                 "exit_prefix_window")
+    paper = configs["paper"]
+    for k in objective + ("partial_anchors",):
+        assert getattr(paper, k) == RECIPES["paper"][k], k
+    shared = {k: v for k, v in configs["token"].to_dict().items()
+              if k not in objective + ("out_dir",)}
+    assert shared["partial_anchors"] and shared["drafter_path"] == "base"
+    for cfg in configs.values():
+        assert {k: v for k, v in cfg.to_dict().items() if k in shared} == shared
+    runs = tmp_path / "runs"
+    assert study.snapshot_path(runs, 500, 5000) == runs / "base" / "drafters" / "update-500"
+    assert study.snapshot_path(runs, 5000, 5000) == runs / "base" / "drafter"
+    base = config_from_args(build_parser().parse_args(["run", *study.cli(dict(
+        study.BASE_RUN, out_dir="o", steps=5000, drafter_every=500))]))
+    assert (base.loss, base.drafter_every, base.partial_anchors) == ("token", 500, False)

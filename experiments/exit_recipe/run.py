@@ -78,27 +78,30 @@ SUBSET = ["token", "paper", "nodes-exit-l1", "nodes-exit-l0.3", "weight-exit-l0.
 REFERENCES = ("dflash", "token")
 
 
-def train_args(name: str, base: dict, target: str, runs: Path, out_root: Path) -> list[str]:
-    """The `python -m train` arguments of fine-tune ``name`` (shared flags ``base``)."""
-    flags = {"target_path": target, "data_dir": str(runs / "rollouts"),
-             "drafter_path": str(runs / "drafters" / "dflash" / "drafter"),
-             "out_dir": str(out_root / name), **base, **VARIANTS[name]}
+def train_args(flags: dict, base: dict, target: str, data_dir: Path, drafter: Path,
+               out_dir: Path) -> list[str]:
+    """The `python -m train` arguments of one fine-tune of ``drafter`` (its own ``flags``
+    over the shared ``base``)."""
+    flags = {"target_path": target, "data_dir": str(data_dir), "drafter_path": str(drafter),
+             "out_dir": str(out_dir), **base, **flags}
     return ["run", "--no-progress"] + [x for k, v in flags.items()
                                        for x in ("--" + k.replace("_", "-"), v)]
 
 
-def finetune_all(names: list[str], base: dict, target: str, runs: Path, out_root: Path,
-                 jobs: int) -> None:
-    """Trains the unfinished fine-tunes, ``jobs`` at a time (a finished one is skipped,
-    an interrupted one resumes from its checkpoint); logs in ``out_root/<name>.log``."""
-    todo = [n for n in names if not (out_root / n / "drafter" / "config.json").exists()]
+def finetune_all(variants: dict[str, dict], base: dict, target: str, data_dir: Path,
+                 drafter: Path, out_root: Path, jobs: int) -> None:
+    """Fine-tunes ``drafter`` once per variant (name -> flags) into ``out_root/<name>``,
+    ``jobs`` at a time (a finished one is skipped, an interrupted one resumes from its
+    checkpoint); logs in ``out_root/<name>.log``."""
+    todo = [n for n in variants if not (out_root / n / "drafter" / "config.json").exists()]
     running: list[tuple[str, subprocess.Popen]] = []
     out_root.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     while todo or running:
         while todo and len(running) < jobs:
             name = todo.pop(0)
-            cmd = [sys.executable, "-m", "train", *train_args(name, base, target, runs, out_root)]
+            cmd = [sys.executable, "-m", "train",
+                   *train_args(variants[name], base, target, data_dir, drafter, out_root / name)]
             print(f"[exit_recipe] {name}: {' '.join(cmd[2:])}", flush=True)
             log = open(out_root / f"{name}.log", "w")
             running.append((name, subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log,
@@ -208,7 +211,8 @@ def main():
     runs = Path(args.runs)
     out_root = Path(args.sweep_dir) if args.sweep_dir else runs / "exit_recipe"
     if not args.skip_train:
-        finetune_all(names, base, args.target, runs, out_root, args.jobs)
+        finetune_all({n: VARIANTS[n] for n in names}, base, args.target, runs / "rollouts",
+                     runs / "drafters" / "dflash" / "drafter", out_root, args.jobs)
     link = out_root / "dflash"
     if not link.exists():
         link.symlink_to((runs / "drafters" / "dflash").resolve())
