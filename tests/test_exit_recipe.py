@@ -262,7 +262,9 @@ def test_strength_study_fine_tunes_differ_only_in_the_objective(tmp_path):
                for recipe_argv in [study.recipe.train_args(
                    flags, study.FINETUNE, "T", Path("d"), Path("base"), tmp_path / name)]}
     objective = ("loss", "exit_normalizer", "exit_lambda", "exit_floor",
-                 "exit_prefix_window")
+                 "exit_prefix_window", "temperature")     # t0-*: the exit law at T = 0
+    assert {name: c.temperature for name, c in configs.items() if c.temperature != 1.0} == {
+        "t0-paper": 0.0, "t0-weight-exit-l0.3": 0.0}
     paper = configs["paper"]
     for k in objective + ("partial_anchors",):
         assert getattr(paper, k) == RECIPES["paper"][k], k
