@@ -129,6 +129,29 @@ def validation_prompts(tokenizer, setup) -> dict[str, list[list[int]]]:
     return out
 
 
+def split_records(models, splits: dict, setup, cuts, budgets, names, tag: str) -> list[dict]:
+    """The coverage records of every drafter on every prompt split and budget."""
+    records = []
+    for split, prompts in splits.items():
+        for budget in budgets:
+            print(f"[{tag}] {split} prompts, budget {budget}", flush=True)
+            for rec in cov.coverage(models, prompts, setup, cuts, budget, names):
+                records.append(dict(rec, split=split))
+    return records
+
+
+def drafter_row(recs, name: str) -> dict:
+    """One drafter's τ̂ (harmonic mean of 1 + C, averaged over sets), root-exit share
+    and τ̂ ratios to each of `REFERENCES`; ``recs(name)`` gives a drafter's records, one
+    per set."""
+    row = dict(tau=float(np.mean([cov.set_mean(r, True) for r in recs(name)])),
+               root_exit=float(np.average([r["exit_by_depth"][0] for r in recs(name)],
+                                          weights=[r["contexts"] for r in recs(name)])))
+    for ref in REFERENCES:
+        row[f"vs_{ref}"], row[f"se_{ref}"] = cov.avg_ratio(recs(name), recs(ref), True)
+    return row
+
+
 def summary(records, setup, names, budgets) -> dict:
     """{split: {budget: {T: {name: dict(tau, vs_dflash, se_dflash, vs_token, se_token,
     root_exit)}}}} from the coverage records (τ̂: harmonic mean of 1 + C)."""
@@ -137,16 +160,7 @@ def summary(records, setup, names, budgets) -> dict:
                                                   setup.temperatures):
         recs = lambda n: [pc.one(records, split=split, budget=budget, temperature=temp,
                                  drafter=n, set=s) for s in setup.sets]
-        cell = {}
-        for name in names:
-            row = dict(tau=float(np.mean([cov.set_mean(r, True) for r in recs(name)])),
-                       root_exit=float(np.average(
-                           [r["exit_by_depth"][0] for r in recs(name)],
-                           weights=[r["contexts"] for r in recs(name)])))
-            for ref in REFERENCES:
-                ratio, se = cov.avg_ratio(recs(name), recs(ref), True)
-                row[f"vs_{ref}"], row[f"se_{ref}"] = ratio, se
-            cell[name] = row
+        cell = {name: drafter_row(recs, name) for name in names}
         out.setdefault(split, {}).setdefault(str(budget), {})[str(temp)] = cell
     return out
 
@@ -223,12 +237,7 @@ def main():
     models = pc.load_models(args.target, out_root, every)
     splits = {"test": pc.eval_prompts(models.tokenizer, setup),
               "val": validation_prompts(models.tokenizer, setup)}
-    records = []
-    for split, prompts in splits.items():
-        for budget in args.budgets:
-            print(f"[exit_recipe] {split} prompts, budget {budget}", flush=True)
-            for rec in cov.coverage(models, prompts, setup, cuts, budget, every):
-                records.append(dict(rec, split=split))
+    records = split_records(models, splits, setup, cuts, args.budgets, every, "exit_recipe")
     summ = summary(records, setup, every, args.budgets)
     chosen = choose(summ, every)
     table = (pc.setup_line(setup, models, timed=False)

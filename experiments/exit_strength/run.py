@@ -80,7 +80,6 @@ VARIANTS = {
 VARIANTS.update({f"t0-{name}": dict(VARIANTS[name], temperature="0")
                  for name in ("paper", "weight-exit-l0.3")})
 WEIGHT = [name for name in VARIANTS if name.startswith("weight-")]   # the λ choice
-REFERENCES = ("dflash", "token")
 
 
 def cli(args: dict) -> list[str]:
@@ -154,18 +153,8 @@ def summary(records, setup, snapshots, variants, budgets) -> dict:
                     recs = lambda n: [pc.one(records, split=split, budget=budget,
                                              temperature=temp, drafter=f"u{update}/{n}",
                                              set=s) for s in setup.sets]
-                    rows = {}
-                    for name in ("dflash", *variants):
-                        row = dict(tau=float(np.mean([cov.set_mean(r, True)
-                                                      for r in recs(name)])),
-                                   root_exit=float(np.average(
-                                       [r["exit_by_depth"][0] for r in recs(name)],
-                                       weights=[r["contexts"] for r in recs(name)])))
-                        for ref in REFERENCES:
-                            row[f"vs_{ref}"], row[f"se_{ref}"] = cov.avg_ratio(
-                                recs(name), recs(ref), True)
-                        rows[name] = row
-                    cell[str(update)] = rows
+                    cell[str(update)] = {name: recipe.drafter_row(recs, name)
+                                         for name in ("dflash", *variants)}
                 out.setdefault(split, {}).setdefault(str(budget), {})[str(temp)] = cell
     return out
 
@@ -201,7 +190,7 @@ def best_weight(summ: dict, update: int) -> str:
     return max(names, key=lambda n: np.mean([c[n]["vs_token"] for c in cells]))
 
 
-def figure(summ: dict, setup, snapshots, budgets, path: Path) -> None:
+def figure(summ: dict, setup, snapshots, budgets, chosen: dict, path: Path) -> None:
     """ExitTrain's gain against the base drafter's τ̂ (test prompts), one panel per
     (B, T): the authors' recipe and our weight normaliser at its chosen λ, over token-only
     fine-tuning with the same updates and over the base drafter."""
@@ -211,7 +200,6 @@ def figure(summ: dict, setup, snapshots, budgets, path: Path) -> None:
 
     cells = [(b, t) for b in budgets for t in setup.temperatures]
     fig, axes = plt.subplots(1, len(cells), figsize=(4 * len(cells), 3.6), squeeze=False)
-    chosen = {u: best_weight(summ, u) for u in snapshots}
     lines = [("paper", "token", "-o"), ("weight", "token", "-s"), ("paper", "dflash", ":o"),
              ("weight", "dflash", ":s"), ("token", "dflash", "--^")]
     for ax, (b, t) in zip(axes[0], cells):
@@ -253,8 +241,9 @@ def main():
     if args.replot:
         out = Path(args.out) if args.out else HERE / "results.json"
         saved = json.loads(out.read_text())
+        chosen = {int(u): n for u, n in saved["chosen_weight"].items()}
         figure(saved["summary"], pc.setup_from_args(args), saved["snapshots"], args.budgets,
-               out.with_name(out.stem.replace("results", "gain_vs_strength") + ".png"))
+               chosen, out.with_name(out.stem.replace("results", "gain_vs_strength") + ".png"))
         return
     bad = [u for u in args.snapshots
            if u != args.base_steps and (u % args.snapshot_every or u > args.base_steps)]
@@ -273,12 +262,8 @@ def main():
     models = pc.load_models(args.target, runs / "ft", names)
     splits = {"test": pc.eval_prompts(models.tokenizer, setup),
               "val": recipe.validation_prompts(models.tokenizer, setup)}
-    records = []
-    for split, prompts in splits.items():
-        for budget in args.budgets:
-            print(f"[exit_strength] {split} prompts, budget {budget}", flush=True)
-            for rec in cov.coverage(models, prompts, setup, cuts, budget, names):
-                records.append(dict(rec, split=split))
+    records = recipe.split_records(models, splits, setup, cuts, args.budgets, names,
+                                   "exit_strength")
     summ = summary(records, setup, args.snapshots, variants, args.budgets)
     table = (pc.setup_line(setup, models, timed=False)
              + f"; validation: {setup.prompts_per_set // 2} other prompts; cuts {cuts}; "
@@ -298,7 +283,7 @@ def main():
                                 chosen_weight=chosen, summary=summ, records=records),
                            table, started)
     if chosen and not args.quick:
-        figure(summ, setup, args.snapshots, args.budgets,
+        figure(summ, setup, args.snapshots, args.budgets, chosen,
                out.with_name(out.stem.replace("results", "gain_vs_strength") + ".png"))
 
 
