@@ -7,7 +7,8 @@ module maps logical names to the mesh axes ``data``, ``fsdp`` and ``tensor``:
 
 - ``data``: batch parallelism (activations' batch axis only);
 - ``fsdp``: batch parallelism that also shards parameters along their ``embed`` axis;
-- ``tensor``: Megatron-style tensor parallelism over heads, MLP width and vocabulary.
+- ``tensor``: Megatron-style tensor parallelism over heads, MLP width and vocabulary,
+  and expert parallelism over a mixture's experts (`tev_jax.models.moe`).
 
 Divisibility. By default a logical axis whose size is not divisible by its mesh axes
 is left replicated (tiny test models and GQA with few key/value heads still run on any
@@ -54,6 +55,10 @@ DEFAULT_RULES: Rules = (
     ("head_dim", None),
     ("mlp", "tensor"),
     ("norm", None),
+    # a mixture's stacked experts: expert parallelism over tensor; the expert width
+    # takes tensor only where the experts do not (rules mapping experts to None)
+    ("experts", "tensor"),
+    ("moe_mlp", "tensor"),
     # activations and caches
     ("batch", ("data", "fsdp")),
     ("seq", None),

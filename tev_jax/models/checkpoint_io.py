@@ -12,7 +12,9 @@ Tensor names: ``model.embed_tokens.weight``, ``model.layers.{i}.self_attn.{q,k,v
 .{weight,bias}``, ``model.layers.{i}.self_attn.{q,k}_norm.weight`` (Qwen3),
 ``model.layers.{i}.mlp.{gate,up,down}_proj.weight``, ``model.layers.{i}.input_layernorm
 .weight``, ``model.layers.{i}.post_attention_layernorm.weight``, ``model.norm.weight``,
-``lm_head.weight`` (untied only).
+``lm_head.weight`` (untied only); mixture-of-experts layers (Qwen3-MoE) hold
+``model.layers.{i}.mlp.gate.weight`` (the router) and each expert's own
+``model.layers.{i}.mlp.experts.{e}.{gate,up,down}_proj.weight`` instead of the dense MLP.
 
 Loading first reads every file's header and checks names and shapes against the
 config, so a missing, extra or misshapen tensor fails before anything is loaded. Then
@@ -20,8 +22,9 @@ each device's block of every tensor is read from a memory map (bfloat16 included
 through ``ml_dtypes``), converted (transpose / reshape / cast on the host) and placed
 straight into its final sharding with ``jax.make_array_from_callback``: no full host
 copy of the weights ever exists. The layers' parameters are stacked in the model
-(``[layers, ...]``, `tev_jax.models.layers.stacked_layers`) and stored one tensor per
-layer, as transformers has them.
+(``[layers, ...]``, `tev_jax.models.layers.stacked_layers`; experts ``[layers, E, ...]``)
+and stored one tensor per layer (and expert), as transformers has them; each device
+reads only the layers' and experts' tensors of its own block.
 
 The shared pieces (`read_headers`, `expected_shapes`, `check_tensors`, `load_params`,
 `save_params`, `write_atomically`) also serve the DFlash drafter (`drafter_io`): a
@@ -30,10 +33,13 @@ module only supplies ``name_of``, its parameter path -> (tensor name, n_in) map.
 
 from __future__ import annotations
 
+import functools
 import hashlib
+import itertools
 import json
 import math
 import os
+import re
 import shutil
 import struct
 import tempfile
@@ -70,9 +76,25 @@ n_in: kernels contract their first n_in axes (PyTorch stores them transposed and
 flattened to [out, in]); 0 = same layout as PyTorch; -1 = a bias, flattened there.
 A name with a ``{layer}`` field is a stacked parameter (`stacked_layers`): its leading
 axis is the layer, stored as one tensor per layer (``model.layers.0.…``, ``….1.…``).
+``{layer:P+J}`` is layer ``g·P + J`` at stack index g (sub-layer J of a `LayerPeriod` of
+P layers); an ``{expert}`` field after it stacks the next axis over experts.
 """
 
 LAYER_FIELD = "{layer}"
+EXPERT_FIELD = "{expert}"
+_STACK_FIELD = re.compile(r"\{(?:layer|expert)(?::(\d+)\+(\d+))?\}")
+
+
+def stack_axes(name: str) -> int:
+    """How many leading axes of a parameter are stacked in its tensor name's fields."""
+    return len(_STACK_FIELD.findall(name))
+
+
+def stacked_name(name: str, index: tuple[int, ...]) -> str:
+    """The tensor name of one stacked block: the name's fields filled from ``index``."""
+    it = iter(index)
+    return _STACK_FIELD.sub(
+        lambda m: str(next(it) * int(m.group(1) or 1) + int(m.group(2) or 0)), name)
 
 
 class TensorInfo(NamedTuple):
@@ -87,20 +109,29 @@ class TensorInfo(NamedTuple):
 # ------------------------------------------------------------------- name mapping
 
 
-def layer_param_name(prefix: str, rest: tuple) -> tuple[str, int]:
+def layer_param_name(prefix: str, rest: tuple, period: int = 1) -> tuple[str, int]:
     """(name, n_in) of a decoder-layer parameter: ``rest`` is its path inside the layer.
 
     ``('self_attn', 'q_proj', 'kernel')`` -> ``prefix + 'self_attn.q_proj.weight'``; the
-    prefix holds the `LAYER_FIELD` of stacked layers (``'model.layers.{layer}.'``).
+    prefix holds the `LAYER_FIELD` of stacked layers (``'model.layers.{layer}.'``). A path
+    into sub-layer j of a `LayerPeriod` of ``period`` layers (``('sublayers', j, ...)``)
+    names layer ``g·period + j``; a mixture's experts (``('mlp', 'experts', proj)``) one
+    tensor per expert.
     """
+    if rest[0] == "sublayers":
+        prefix = prefix.replace(LAYER_FIELD, LAYER_FIELD[:-1] + f":{period}+{rest[1]}}}")
+        rest = rest[2:]
+    if rest[:2] == ("mlp", "experts"):
+        return prefix + f"mlp.experts.{EXPERT_FIELD}.{rest[2]}.weight", 1
     if rest[-1] == "kernel":
         n_in = 2 if rest[-2] == "o_proj" else 1
         return prefix + ".".join(rest[:-1]) + ".weight", n_in
     return prefix + ".".join(str(r) for r in rest), -1 if rest[-1] == "bias" else 0
 
 
-def _hf_name(path: tuple) -> tuple[str, int]:
-    """(HF tensor name, n_in) of a `Target` parameter path (see `NameOf`)."""
+def hf_name(path: tuple, period: int = 1) -> tuple[str, int]:
+    """(HF tensor name, n_in) of a `Target` parameter path (see `NameOf`); ``period`` is
+    the config's `ModelConfig.period` (the layers one stack step holds)."""
     if path == ("embed_tokens",):
         return "model.embed_tokens.weight", 0
     if path == ("lm_head",):
@@ -108,8 +139,13 @@ def _hf_name(path: tuple) -> tuple[str, int]:
     if path == ("norm", "weight"):
         return "model.norm.weight", 0
     if path[0] == "layers":
-        return layer_param_name(f"model.layers.{LAYER_FIELD}.", path[1:])
+        return layer_param_name(f"model.layers.{LAYER_FIELD}.", path[1:], period)
     raise ValueError(f"no Hugging Face name for parameter {'/'.join(map(str, path))}")
+
+
+def hf_name_of(config: ModelConfig) -> NameOf:
+    """`hf_name` for a config's targets."""
+    return functools.partial(hf_name, period=config.period)
 
 
 def _hf_shape(shape: tuple[int, ...], n_in: int) -> tuple[int, ...]:
@@ -135,10 +171,10 @@ def _to_hf(w: np.ndarray, n_in: int) -> np.ndarray:
 
 def tensor_names(name: str, shape: tuple[int, ...]) -> list[tuple[str, tuple[int, ...]]]:
     """(tensor name, our shape) of each stored tensor of a parameter: one, or one per
-    layer of a stacked parameter (a name with the `LAYER_FIELD`, leading axis = layer)."""
-    if LAYER_FIELD not in name:
-        return [(name, tuple(shape))]
-    return [(name.format(layer=i), tuple(shape[1:])) for i in range(shape[0])]
+    layer (and expert) of a stacked parameter (`stack_axes` leading axes), row-major."""
+    k = stack_axes(name)
+    return [(stacked_name(name, index), tuple(shape[k:]))
+            for index in itertools.product(*(range(n) for n in shape[:k]))]
 
 
 def expected_shapes(abstract: nnx.Module, name_of: NameOf) -> dict[str, tuple[int, ...]]:
@@ -153,7 +189,8 @@ def expected_shapes(abstract: nnx.Module, name_of: NameOf) -> dict[str, tuple[in
 
 def param_names(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     """HF tensor name -> expected HF shape for a config (what a checkpoint must hold)."""
-    return expected_shapes(nnx.eval_shape(lambda: Target(config, rngs=nnx.Rngs(0))), _hf_name)
+    return expected_shapes(nnx.eval_shape(lambda: Target(config, rngs=nnx.Rngs(0))),
+                           hf_name_of(config))
 
 
 # ---------------------------------------------------------------------- config io
@@ -374,8 +411,8 @@ def load_params(path: str | os.PathLike, abstract: nnx.Module, name_of: NameOf,
     Each device's block of a parameter is read from the tensors' memory maps, converted
     to our layout and the parameter's dtype, and placed with
     ``jax.make_array_from_callback`` into its final sharding (by logical axes on
-    ``mesh``, else the default device); a stacked parameter's layers are stored as
-    separate tensors and stacked on the host block by block.
+    ``mesh``, else the default device); a stacked parameter's layers (and experts) are
+    stored as separate tensors, of which each device reads those in its block.
 
     Returns:
       The module, concrete.
@@ -394,7 +431,6 @@ def load_params(path: str | os.PathLike, abstract: nnx.Module, name_of: NameOf,
     for p, var in nnx.to_flat_state(abs_state):
         name, n_in = name_of(p)
         aval = var.get_value()
-        tensors = tensor_names(name, aval.shape)
 
         def block(tensor, shape, idx, dtype=aval.dtype, n_in=n_in):
             # This device's block only (a view of the map until the cast): no full host
@@ -406,11 +442,13 @@ def load_params(path: str | os.PathLike, abstract: nnx.Module, name_of: NameOf,
                 raise ValueError(f"{path / where[tensor].file}: cannot read tensor data "
                                  f"({e})") from e
 
-        def read(idx, tensors=tensors, stacked=LAYER_FIELD in name):
-            if not stacked:
-                return block(*tensors[0], idx)
-            return np.stack([block(tensor, shape, idx[1:]) for tensor, shape in
-                             tensors[idx[0]]])
+        def read(idx, name=name, shape=aval.shape, k=stack_axes(name)):
+            if not k:
+                return block(name, shape, idx)
+            ranges = [range(*idx[a].indices(shape[a])) for a in range(k)]
+            blocks = [block(stacked_name(name, index), shape[k:], idx[k:])
+                      for index in itertools.product(*ranges)]
+            return np.stack(blocks).reshape(tuple(map(len, ranges)) + blocks[0].shape)
 
         arr = jax.make_array_from_callback(
             aval.shape, dev if sharding_of is None else sharding_of[p], read)
@@ -473,13 +511,14 @@ def save_params(module: nnx.Module, path: str | os.PathLike, hf_config: Mapping[
         name, n_in = name_of(p)
         value = v.get_value()
         itemsize = (value.dtype if out_dtype is None else out_dtype).itemsize
-        for layer, (tensor, shape) in enumerate(tensor_names(name, value.shape)):
-            nbytes = math.prod(shape) * itemsize
+        k = stack_axes(name)
+        for index in itertools.product(*(range(n) for n in value.shape[:k])):
+            nbytes = math.prod(value.shape[k:]) * itemsize
             if shards[-1] and size + nbytes > max_shard_bytes:
                 shards.append([])
                 size = 0
-            get = ((lambda value=value: value) if LAYER_FIELD not in name else
-                   (lambda value=value, layer=layer: value[layer]))
+            tensor = stacked_name(name, index)
+            get = lambda value=value, index=index: value[index]  # noqa: E731
             shards[-1].append((tensor, n_in, get))
             size += nbytes
 
@@ -539,8 +578,9 @@ def load_target(path: str | os.PathLike, *, dtype=jnp.float32, mesh: Mesh | None
     abstract = nnx.eval_shape(lambda: Target(config, dtype=dtype, rngs=nnx.Rngs(0)))
     # Some tied checkpoints store the shared matrix twice.
     skip = ("lm_head.weight",) if config.tie_word_embeddings else ()
-    check_tensors(expected_shapes(abstract, _hf_name), where, skip=skip)
-    return load_params(path, abstract, _hf_name, where, mesh=mesh, rules=rules)
+    name_of = hf_name_of(config)
+    check_tensors(expected_shapes(abstract, name_of), where, skip=skip)
+    return load_params(path, abstract, name_of, where, mesh=mesh, rules=rules)
 
 
 def save_target(model: Target, path: str | os.PathLike, *, tokenizer=None,
@@ -562,5 +602,5 @@ def save_target(model: Target, path: str | os.PathLike, *, tokenizer=None,
     """
     stored = model.dtype if dtype is None else dtype
     hf = model.config.to_hf(dtype=hf_dtype_name(stored))
-    save_params(model, path, hf, _hf_name, tokenizer=tokenizer,
+    save_params(model, path, hf, hf_name_of(model.config), tokenizer=tokenizer,
                 max_shard_bytes=max_shard_bytes, dtype=dtype)

@@ -1,9 +1,14 @@
-"""The target's architecture as a frozen, hashable dataclass (DESIGN.md §6).
+"""The target's architecture as a frozen, hashable dataclass (DESIGN.md §6, §14).
 
 `ModelConfig` is static: it decides shapes, so it is passed to jitted code as a static
 argument. It is built from a Hugging Face ``config.json`` dict with `ModelConfig.from_hf`
 (both the transformers 4.x spelling ``rope_theta`` + ``rope_scaling`` and the 5.x
 spelling ``rope_parameters`` are accepted) and written back with `ModelConfig.to_hf`.
+
+A family is data, not a branch: `ModelConfig.layer_specs` gives each decoder layer's
+`LayerSpec` (today its MLP: dense SwiGLU or a mixture of experts, `MoeSpec`), and
+`ModelConfig.period` the shortest repeating run of specs, which is what the scanned
+layer stack scans over (`tev_jax.models.layers.stacked_layers`).
 """
 
 from __future__ import annotations
@@ -11,9 +16,38 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-SUPPORTED_MODEL_TYPES = ("qwen3", "llama")
+SUPPORTED_MODEL_TYPES = ("qwen3", "llama", "qwen3_moe")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
-_ARCHITECTURES = {"qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM"}
+_ARCHITECTURES = {"qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM",
+                  "qwen3_moe": "Qwen3MoeForCausalLM"}
+
+
+@dataclasses.dataclass(frozen=True)
+class MoeSpec:
+    """A dropless mixture of SwiGLU experts (`tev_jax.models.moe`).
+
+    Attributes:
+      num_experts: E.
+      top_k: experts per token (k).
+      expert_size: each expert's intermediate width.
+      norm_topk_prob: renormalise the k routing probabilities to sum to 1.
+    """
+
+    num_experts: int
+    top_k: int
+    expert_size: int
+    norm_topk_prob: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerSpec:
+    """What one decoder layer is: its MLP, a dense SwiGLU (``moe`` None) or a `MoeSpec`.
+
+    Attention is the same in every layer of the supported families and stays on
+    `ModelConfig`; a family whose layers differ there adds its fields here.
+    """
+
+    moe: MoeSpec | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,6 +95,11 @@ class ModelConfig:
       attention_bias: biases on the q/k/v/o projections.
       max_position_embeddings: informational (written back to config.json).
       bos_token_id, eos_token_ids: special tokens from config.json (informational).
+      num_experts, num_experts_per_tok, moe_intermediate_size, norm_topk_prob: the
+        mixture of experts of 'qwen3_moe' (0 experts: every MLP dense).
+      decoder_sparse_step, mlp_only_layers: which layers have the mixture (HF's rule:
+        layer i unless i is in ``mlp_only_layers`` or (i + 1) % step != 0); the others
+        a dense MLP of ``intermediate_size``.
     """
 
     model_type: str
@@ -80,6 +119,12 @@ class ModelConfig:
     max_position_embeddings: int = 32768
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
 
     def __post_init__(self):
         if self.model_type not in SUPPORTED_MODEL_TYPES:
@@ -106,18 +151,69 @@ class ModelConfig:
                 f"unsupported rope_scaling type {self.rope_scaling.rope_type!r}; "
                 f"supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
             )
+        if self.num_experts:
+            for name in ("num_experts_per_tok", "moe_intermediate_size",
+                         "decoder_sparse_step"):
+                v = getattr(self, name)
+                if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+                    raise ValueError(f"{name} must be a positive int with num_experts "
+                                     f"> 0, got {v!r}")
+            if self.num_experts_per_tok > self.num_experts:
+                raise ValueError(f"num_experts_per_tok ({self.num_experts_per_tok}) "
+                                 f"exceeds num_experts ({self.num_experts})")
+            bad = [i for i in self.mlp_only_layers if not 0 <= i < self.num_layers]
+            if bad:
+                raise ValueError(f"mlp_only_layers {bad} outside [0, {self.num_layers})")
+        elif self.num_experts < 0:
+            raise ValueError(f"num_experts must be >= 0, got {self.num_experts}")
 
     @property
-    def num_params(self) -> int:
-        """Parameter count (tied embeddings counted once)."""
+    def layer_specs(self) -> tuple[LayerSpec, ...]:
+        """Each decoder layer's `LayerSpec`, in order."""
+        if not self.num_experts:
+            return (LayerSpec(),) * self.num_layers
+        moe = LayerSpec(MoeSpec(self.num_experts, self.num_experts_per_tok,
+                                self.moe_intermediate_size, self.norm_topk_prob))
+        return tuple(moe if i not in self.mlp_only_layers
+                     and (i + 1) % self.decoder_sparse_step == 0 else LayerSpec()
+                     for i in range(self.num_layers))
+
+    @property
+    def period(self) -> int:
+        """The shortest p dividing num_layers with spec(i) == spec(i mod p) for all i:
+        the layers the scanned stack holds per step (1 for a uniform stack)."""
+        specs = self.layer_specs
+        n = len(specs)
+        return next(p for p in range(1, n + 1)
+                    if n % p == 0 and all(specs[i] == specs[i % p] for i in range(n)))
+
+    def _param_counts(self, active: bool) -> int:
         d, f, hd = self.hidden_size, self.intermediate_size, self.head_dim
         attn = d * hd * (2 * self.num_heads + 2 * self.num_kv_heads)
         if self.attention_bias:
             attn += hd * (self.num_heads + 2 * self.num_kv_heads) + d
         norms = 2 * d + (2 * hd if self.qk_norm else 0)
-        layer = attn + 3 * d * f + norms
+        total = 0
+        for spec in self.layer_specs:
+            if spec.moe is None:
+                mlp = 3 * d * f
+            else:
+                e = spec.moe.top_k if active else spec.moe.num_experts
+                mlp = d * spec.moe.num_experts + 3 * e * d * spec.moe.expert_size
+            total += attn + mlp + norms
         emb = self.vocab_size * d * (1 if self.tie_word_embeddings else 2)
-        return self.num_layers * layer + emb + d
+        return total + emb + d
+
+    @property
+    def num_params(self) -> int:
+        """Parameter count (tied embeddings counted once)."""
+        return self._param_counts(active=False)
+
+    @property
+    def num_active_params(self) -> int:
+        """Parameters one token reads: a mixture counts only its k experts (and the
+        router); equals `num_params` for a dense model."""
+        return self._param_counts(active=True)
 
     @classmethod
     def from_hf(cls, hf: dict[str, Any]) -> "ModelConfig":
@@ -171,6 +267,21 @@ class ModelConfig:
         eos = () if eos is None else (tuple(int(e) for e in eos)
                                       if isinstance(eos, (list, tuple)) else (int(eos),))
         bos = hf.get("bos_token_id")
+        moe = {}
+        if model_type == "qwen3_moe":
+            experts = hf.get("num_experts", hf.get("num_local_experts"))
+            if experts is None:
+                raise ValueError("config.json is missing required field 'num_experts'")
+            if hf.get("shared_expert_intermediate_size"):
+                raise ValueError("unsupported feature shared experts; supported: none")
+            moe = dict(
+                num_experts=int(experts),
+                num_experts_per_tok=int(req("num_experts_per_tok")),
+                moe_intermediate_size=int(req("moe_intermediate_size")),
+                norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
+                decoder_sparse_step=int(hf.get("decoder_sparse_step", 1)),
+                mlp_only_layers=tuple(int(i) for i in hf.get("mlp_only_layers") or ()),
+            )
         return cls(
             model_type=model_type,
             vocab_size=int(req("vocab_size")),
@@ -184,11 +295,12 @@ class ModelConfig:
             rope_scaling=rope_scaling,
             rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            qk_norm=model_type == "qwen3",
+            qk_norm=model_type in ("qwen3", "qwen3_moe"),
             attention_bias=bool(hf.get("attention_bias", False)),
             max_position_embeddings=int(hf.get("max_position_embeddings", 32768)),
             bos_token_id=None if bos is None else int(bos),
             eos_token_ids=eos,
+            **moe,
         )
 
     def to_hf(self, *, dtype: str = "float32") -> dict[str, Any]:
@@ -224,6 +336,13 @@ class ModelConfig:
             d["mlp_bias"] = False
         else:
             d["use_sliding_window"] = False
+        if self.model_type == "qwen3_moe":
+            d.update(num_experts=self.num_experts,
+                     num_experts_per_tok=self.num_experts_per_tok,
+                     moe_intermediate_size=self.moe_intermediate_size,
+                     norm_topk_prob=self.norm_topk_prob,
+                     decoder_sparse_step=self.decoder_sparse_step,
+                     mlp_only_layers=list(self.mlp_only_layers))
         if self.bos_token_id is not None:
             d["bos_token_id"] = self.bos_token_id
         if self.eos_token_ids:

@@ -21,7 +21,10 @@ norms        [D] or [hd]            (norm,)
 A model's decoder layers are one module with stacked parameters (`stacked_layers`: a
 leading ``layers`` axis on each of the above, e.g. q_proj [layers, D, H, hd]) run as one
 ``lax.scan`` (`scan_layers`), as maxtext's ``scan_layers``: the compiled program holds
-one layer body whatever the depth; `scan_unroll` unrolls it.
+one layer body whatever the depth; `scan_unroll` unrolls it. Layers that differ
+(`ModelConfig.layer_specs`, e.g. dense and mixture-of-experts MLPs) are stacked by their
+repeating period p (`ModelConfig.period`): one scan step runs a `LayerPeriod` of p
+layers, so the program holds p layer bodies.
 
 The attention pieces are separately callable so that the drafter can take queries from
 its block and keys/values from ``[context ; block]``::
@@ -45,7 +48,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from tev_jax.models.config import ModelConfig
+from tev_jax.models.config import LayerSpec, ModelConfig
 from tev_jax.sharding import constrain
 
 _INIT_STD = 0.02
@@ -261,15 +264,24 @@ class Attention(nnx.Module):
 
 
 class DecoderLayer(nnx.Module):
-    """Pre-norm decoder layer (HF names: input_layernorm, self_attn, mlp, ...)."""
+    """Pre-norm decoder layer (HF names: input_layernorm, self_attn, mlp, ...).
 
-    def __init__(self, config: ModelConfig, *, dtype, rngs: nnx.Rngs):
+    Its MLP is the `LayerSpec`'s: a SwiGLU `MLP`, or a `tev_jax.models.moe.MoE`.
+    """
+
+    def __init__(self, config: ModelConfig, spec: LayerSpec = LayerSpec(), *, dtype,
+                 rngs: nnx.Rngs):
         c = config
         self.input_layernorm = RMSNorm(c.hidden_size, eps=c.rms_norm_eps, dtype=dtype, rngs=rngs)
         self.self_attn = Attention(c, dtype=dtype, rngs=rngs)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, eps=c.rms_norm_eps,
                                                 dtype=dtype, rngs=rngs)
-        self.mlp = MLP(c.hidden_size, c.intermediate_size, dtype=dtype, rngs=rngs)
+        if spec.moe is None:
+            self.mlp = MLP(c.hidden_size, c.intermediate_size, dtype=dtype, rngs=rngs)
+        else:
+            from tev_jax.models.moe import MoE  # moe builds on this module's pieces
+
+            self.mlp = MoE(c.hidden_size, spec.moe, dtype=dtype, rngs=rngs)
 
     def __call__(self, x_BTD: jax.Array, positions_BT: jax.Array, inv_freq, attend):
         """One layer over T new tokens with the attention given as a function.
@@ -295,20 +307,41 @@ class DecoderLayer(nnx.Module):
         return x, aux
 
 
-def stacked_layers(config: ModelConfig, *, dtype, rngs: nnx.Rngs) -> DecoderLayer:
+class LayerPeriod(nnx.Module):
+    """p consecutive decoder layers of different specs: one step of a stack's scan.
+
+    Attributes:
+      sublayers: the p `DecoderLayer`s, layer ``g·p + j`` of the model at step g being
+        ``sublayers[j]``.
+    """
+
+    def __init__(self, config: ModelConfig, specs: Sequence[LayerSpec], *, dtype,
+                 rngs: nnx.Rngs):
+        self.sublayers = nnx.List([DecoderLayer(config, s, dtype=dtype, rngs=rngs)
+                                   for s in specs])
+
+
+def stacked_layers(config: ModelConfig, *, dtype, rngs: nnx.Rngs
+                   ) -> DecoderLayer | LayerPeriod:
     """``config.num_layers`` decoder layers as one module with stacked parameters.
 
     Every parameter gets a leading layer axis (logical name ``layers``, unsharded):
     ``q_proj.kernel`` is [layers, D, H, hd]. `scan_layers` runs them as one
     ``lax.scan``, so a program's size and compile time do not grow with depth.
+    Layers of one spec stack as a `DecoderLayer`; a model whose specs repeat with a
+    period p > 1 stacks ``num_layers / p`` `LayerPeriod`s (paths ``sublayers/j/...``).
     """
-    n = config.num_layers
+    p = config.period
+    specs = config.layer_specs[:p]
+    n = config.num_layers // p
 
     @nnx.split_rngs(splits=n)
     @nnx.vmap(in_axes=(0,), out_axes=0, axis_size=n,
               transform_metadata={nnx.PARTITION_NAME: "layers"})
     def create(rngs):
-        return DecoderLayer(config, dtype=dtype, rngs=rngs)
+        if p == 1:
+            return DecoderLayer(config, specs[0], dtype=dtype, rngs=rngs)
+        return LayerPeriod(config, specs, dtype=dtype, rngs=rngs)
 
     return create(rngs)
 
@@ -346,21 +379,28 @@ def scan_layers(layers: nnx.Module, body, carry, *, depth: int | None = None, re
       body: ``body(layer, i, carry) -> carry``; ``layer`` is layer i (a `DecoderLayer`),
         ``i`` its index (traced int32).
       carry: any pytree.
-      depth: run only the first ``depth`` layers (static; default all).
-      remat: None, or a ``jax.checkpoint_policies`` policy: each layer is then
+      depth: run only the first ``depth`` layers (static; default all); a stack of
+        `LayerPeriod`s runs whole periods, up to the first period boundary >= depth.
+      remat: None, or a ``jax.checkpoint_policies`` policy: each scan step is then
         rematerialised in the backward pass, saving what the policy allows.
     Returns:
       The final carry. The loop unrolls as `scan_unroll` says (default: not at all).
     """
     graphdef, state = nnx.split(layers)
     stacked = jax.tree.leaves(state)[0].shape[0]
-    n = stacked if depth is None else depth
+    p = len(layers.sublayers) if isinstance(layers, LayerPeriod) else 1
+    n = stacked if depth is None else -(-depth // p)
     if n < stacked:
         state = jax.tree.map(lambda w: w[:n], state)
 
     def step(carry, xs):
-        i, layer_state = xs
-        return body(nnx.merge(graphdef, layer_state), i, carry), None
+        g, layer_state = xs
+        layer = nnx.merge(graphdef, layer_state)
+        if p == 1:
+            return body(layer, g, carry), None
+        for j, sub in enumerate(layer.sublayers):
+            carry = body(sub, g * p + j, carry)
+        return carry, None
 
     if remat is not None:
         step = jax.checkpoint(step, policy=remat)

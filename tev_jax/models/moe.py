@@ -1,0 +1,217 @@
+"""A dropless mixture of SwiGLU experts: the MLP of Qwen3-MoE layers (DESIGN.md §14).
+
+Routing follows transformers' ``Qwen3MoeSparseMoeBlock``: router logits in the model
+dtype, a float32 softmax over the E experts, the top k (ties to the lower index, as
+``lax.top_k``), optionally renormalised to sum to 1, cast back; each token's output is
+``sum_j w_j · down_e(silu(gate_e(x)) * up_e(x))`` over its k experts ``e = idx_j``.
+
+Every token reaches every expert it selects (no capacity factor, nothing dropped), so
+the target's distribution is exactly the model's and the verifiers stay exact. Three
+ways compute the same sum, picked by `expert_mlp`'s ``method``:
+
+- ``'ragged'``: the M·k (token, expert) pairs sorted by expert and two grouped matmuls
+  (``jax.lax.ragged_dot``, a Mosaic kernel on TPU); for the tree verify pass, prefill
+  and training, where most experts are hit;
+- ``'gather'``: the selected experts' weights gathered per pair; reads only those
+  experts, for small M·k (AR steps, small trees);
+- ``'dense'``: every expert on every token, weighted by the (mostly zero) routing: the
+  test oracle.
+``'auto'`` takes 'gather' when M·k < E (fewer pairs than experts), else 'ragged'.
+
+Sharding: the stacked expert weights carry the logical axes ``experts`` and
+``moe_mlp`` (`tev_jax.sharding`). Under a mesh that splits either, each device computes
+the pairs that fall on its own experts (and its slice of the expert width) for all of
+its tokens, and the partial outputs are summed over those mesh axes (a ``shard_map``
+with tokens replicated over them, the expert-parallel pattern of tpu-inference's
+grouped matmul); expert weights split over ``embed`` (fsdp) are gathered first.
+
+Parameters (HF names in `tev_jax.models.checkpoint_io`)::
+
+    gate.kernel          [D, E]      router        (embed, None)
+    experts.gate_proj    [E, D, F]                 (experts, embed, moe_mlp)
+    experts.up_proj      [E, D, F]                 (experts, embed, moe_mlp)
+    experts.down_proj    [E, F, D]                 (experts, moe_mlp, embed)
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import PartitionSpec
+
+from tev_jax import sharding as shd
+from tev_jax.models.config import MoeSpec
+from tev_jax.models.layers import Linear, make_param
+
+METHODS = ("auto", "ragged", "gather", "dense")
+EXPERT_AXES = ("experts", "embed", "moe_mlp")
+DOWN_AXES = ("experts", "moe_mlp", "embed")
+
+
+def route(x_MD: jax.Array, router_DE: jax.Array, spec: MoeSpec):
+    """The top-k routing of M tokens.
+
+    Returns:
+      (weights [M, k] in x's dtype, expert ids int32 [M, k]), HF's order (descending
+      probability, ties to the lower id).
+    """
+    logits = jnp.dot(x_MD.astype(router_DE.dtype), router_DE)
+    probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
+    w, idx = jax.lax.top_k(probs, spec.top_k)
+    if spec.norm_topk_prob:
+        w = w / jnp.sum(w, axis=-1, keepdims=True)
+    return w.astype(x_MD.dtype), idx.astype(jnp.int32)
+
+
+def choose_method(method: str, pairs: int, num_experts: int) -> str:
+    """The concrete method for ``pairs`` = M·k (token, expert) pairs over E experts."""
+    if method not in METHODS:
+        raise ValueError(f"MoE method must be one of {METHODS}, got {method!r}")
+    if method != "auto":
+        return method
+    return "gather" if pairs < num_experts else "ragged"
+
+
+def expert_mlp(x_MD, idx_MK, w_MK, gate_EDF, up_EDF, down_EFD, *, method: str,
+               first_expert=0):
+    """``y[m] = sum_j w[m, j] · expert_{idx[m, j]}(x[m])`` over the experts held here.
+
+    Args:
+      x_MD: [M, D] tokens.
+      idx_MK, w_MK: routing (`route`): expert ids in the full [0, E_all) range, weights.
+      gate_EDF, up_EDF, down_EFD: E experts' weights, experts ``first_expert ..
+        first_expert + E - 1`` (all of them, or one device's block).
+      method: 'ragged', 'gather' or 'dense' (see the module docstring).
+      first_expert: id of the first expert held (traced under a shard_map).
+    Returns:
+      [M, D] in x's dtype: the pairs on other experts contribute nothing.
+    """
+    m, k = idx_MK.shape
+    e = gate_EDF.shape[0]
+    local = idx_MK - first_expert
+    here = (local >= 0) & (local < e)
+    w = jnp.where(here, w_MK, 0).astype(x_MD.dtype)
+    x = x_MD.astype(gate_EDF.dtype)
+    if method == "dense":
+        h = jax.nn.silu(jnp.einsum("md,edf->mef", x, gate_EDF)) * jnp.einsum(
+            "md,edf->mef", x, up_EDF)
+        o = jnp.einsum("mef,efd->med", h, down_EFD)
+        combine = jnp.zeros((m, e), w.dtype).at[
+            jnp.arange(m)[:, None], jnp.where(here, local, e)].add(w, mode="drop")
+        return jnp.einsum("med,me->md", o, combine.astype(o.dtype)).astype(x_MD.dtype)
+    if method == "gather":
+        sel = jnp.clip(local, 0, e - 1)
+        h = jax.nn.silu(jnp.einsum("md,mkdf->mkf", x, gate_EDF[sel])) * jnp.einsum(
+            "md,mkdf->mkf", x, up_EDF[sel])
+        o = jnp.einsum("mkf,mkfd->mkd", h, down_EFD[sel])
+        return jnp.einsum("mkd,mk->md", o, w.astype(o.dtype)).astype(x_MD.dtype)
+    if method != "ragged":
+        raise ValueError(f"MoE method must be 'ragged', 'gather' or 'dense', got {method!r}")
+    # Pairs on other devices' experts sort last, past every group: ragged_dot leaves
+    # rows beyond the groups' total at zero.
+    key = jnp.where(here, local, e).reshape(-1)
+    order = jnp.argsort(key, stable=True)
+    sizes = jnp.bincount(key, length=e).astype(jnp.int32)
+    token = order // k
+    xs = x[token]
+    h = jax.nn.silu(jax.lax.ragged_dot(xs, gate_EDF, sizes)) * jax.lax.ragged_dot(
+        xs, up_EDF, sizes)
+    o = jax.lax.ragged_dot(h, down_EFD, sizes) * w.reshape(-1)[order][:, None]
+    return jnp.zeros((m, o.shape[-1]), o.dtype).at[token].add(o).astype(x_MD.dtype)
+
+
+class Experts(nnx.Module):
+    """E SwiGLU experts' stacked weights (see the module docstring)."""
+
+    def __init__(self, hidden_size: int, spec: MoeSpec, *, dtype, rngs: nnx.Rngs):
+        d, e, f = hidden_size, spec.num_experts, spec.expert_size
+        self.gate_proj = make_param(rngs, (e, d, f), dtype, EXPERT_AXES, "normal")
+        self.up_proj = make_param(rngs, (e, d, f), dtype, EXPERT_AXES, "normal")
+        self.down_proj = make_param(rngs, (e, f, d), dtype, DOWN_AXES, "normal")
+
+
+class MoE(nnx.Module):
+    """The sparse MLP block: router + `Experts`, called like `layers.MLP`.
+
+    Attributes:
+      spec: the `MoeSpec`.
+      method: how `expert_mlp` computes (default 'auto').
+    """
+
+    def __init__(self, hidden_size: int, spec: MoeSpec, *, dtype, rngs: nnx.Rngs,
+                 method: str = "auto"):
+        choose_method(method, 1, spec.num_experts)
+        self.spec = spec
+        self.method = method
+        self.gate = Linear((hidden_size,), (spec.num_experts,), ("embed",), (None,),
+                           use_bias=False, dtype=dtype, rngs=rngs)
+        self.experts = Experts(hidden_size, spec, dtype=dtype, rngs=rngs)
+
+    def route(self, x_BTD: jax.Array):
+        """(weights [B·T, k], expert ids int32 [B·T, k]) of the tokens, row-major."""
+        return route(x_BTD.reshape(-1, x_BTD.shape[-1]), self.gate.kernel[...], self.spec)
+
+    def __call__(self, x_BTD: jax.Array, method: str | None = None) -> jax.Array:
+        b, t, d = x_BTD.shape
+        w, idx = self.route(x_BTD)
+        method = choose_method(self.method if method is None else method,
+                               b * t * self.spec.top_k, self.spec.num_experts)
+        weights = (self.experts.gate_proj[...], self.experts.up_proj[...],
+                   self.experts.down_proj[...])
+        y = sharded_experts(x_BTD, idx.reshape(b, t, -1), w.reshape(b, t, -1), weights,
+                            method)
+        return shd.constrain(y, ("batch", "seq", "act_embed"))
+
+
+def sharded_experts(x_BTD, idx_BTK, w_BTK, weights, method: str) -> jax.Array:
+    """`expert_mlp` on the active mesh's layout of the expert weights (module docstring).
+
+    Without a mesh, or with neither ``experts`` nor ``moe_mlp`` split, one plain call.
+    """
+    gate, up, down = weights
+    b, t, d = x_BTD.shape
+
+    def local(x, idx, w, gate, up, down, first):
+        y = expert_mlp(x.reshape(-1, d), idx.reshape(-1, idx.shape[-1]),
+                       w.reshape(-1, w.shape[-1]), gate, up, down, method=method,
+                       first_expert=first)
+        return y.reshape(x.shape)
+
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return local(x_BTD, idx_BTK, w_BTK, gate, up, down, 0)
+    # Expert weights by their experts / moe_mlp axes only (embed gathered).
+    spec_up = shd.logical_to_spec(("experts", None, "moe_mlp"), gate.shape, mesh)
+    spec_down = shd.logical_to_spec(("experts", "moe_mlp", None), down.shape, mesh)
+    expert_axes = _axes(spec_up, 0)
+    split = expert_axes + _axes(spec_up, 2)
+    if not split:
+        return local(x_BTD, idx_BTK, w_BTK, gate, up, down, 0)
+    # Tokens keep their batch split on the axes the experts do not use.
+    batch = tuple(a for a in _axes(shd.logical_to_spec(("batch",), (b,), mesh), 0)
+                  if a not in split)
+    spec_x = PartitionSpec(batch or None)
+    e_local = gate.shape[0] // _size(mesh, expert_axes)
+
+    def body(x, idx, w, gate, up, down):
+        first = (jax.lax.axis_index(expert_axes) * e_local if expert_axes else 0)
+        return jax.lax.psum(local(x, idx, w, gate, up, down, first), split)
+
+    return jax.shard_map(body, mesh=mesh,
+                         in_specs=(spec_x, spec_x, spec_x, spec_up, spec_up, spec_down),
+                         out_specs=spec_x, check_vma=False)(
+        x_BTD, idx_BTK, w_BTK, gate, up, down)
+
+
+def _axes(spec: PartitionSpec, dim: int) -> tuple[str, ...]:
+    entry = spec[dim] if dim < len(spec) else None
+    return () if entry is None else ((entry,) if isinstance(entry, str) else tuple(entry))
+
+
+def _size(mesh, axes) -> int:
+    sizes = dict(zip(mesh.axis_names, mesh.axis_sizes))
+    n = 1
+    for a in axes:
+        n *= sizes[a]
+    return n
