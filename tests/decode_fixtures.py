@@ -11,13 +11,22 @@ from tev_jax import drafters
 from tev_jax.models import ModelConfig, init_target, score
 
 
-def tiny_target(vocab=64, hidden=32, layers=2, seed=0, head_scale=20.0):
-    """A random Qwen3 target; lm_head scaled so logits are O(1) (no near-ties)."""
-    cfg = ModelConfig(model_type="qwen3", vocab_size=vocab, hidden_size=hidden,
-                      intermediate_size=2 * hidden, num_layers=layers, num_heads=4,
-                      num_kv_heads=2, head_dim=8, qk_norm=True)
+def tiny_target(vocab=64, hidden=32, layers=2, seed=0, head_scale=20.0, experts=0):
+    """A random Qwen3 target; lm_head scaled so logits are O(1) (no near-ties).
+
+    ``experts`` > 0: a Qwen3-MoE target with that many experts (top-2, renormalised)
+    in every layer, routers scaled up so routing is not decided by near-ties.
+    """
+    moe = {} if not experts else dict(num_experts=experts, num_experts_per_tok=2,
+                                      moe_intermediate_size=hidden, norm_topk_prob=True)
+    cfg = ModelConfig(model_type="qwen3_moe" if experts else "qwen3", vocab_size=vocab,
+                      hidden_size=hidden, intermediate_size=2 * hidden, num_layers=layers,
+                      num_heads=4, num_kv_heads=2, head_dim=8, qk_norm=True, **moe)
     target = init_target(cfg, key=seed)
     target.lm_head[...] = target.lm_head[...] * head_scale
+    if experts:
+        router = target.layers.mlp.gate.kernel
+        router[...] = router[...] * 50.0
     return target
 
 

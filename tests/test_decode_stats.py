@@ -12,6 +12,9 @@ sequences are compared with the exact law by a chi-square test at significance
 TEV with the bonus drawn from the full distribution at the exit instead of the
 residual - must be rejected at the same level with half the sample (5 x 10^4).
 
+The same test runs on a mixture-of-experts target (Qwen3-MoE, 4 experts, top-2) with
+TEV and the negative control: its exactness rests on the routing being the model's.
+
 The same runs check the exit law: over all (round, row) pairs the output-block length
 has conditional mean ``1 + coverage`` of that round's tree, so the standardised sum of
 ``length - (1 + coverage)`` must be below 4 in absolute value (two-sided normal
@@ -19,6 +22,8 @@ approximation, significance ~6e-5).
 """
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -49,27 +54,29 @@ def tev_full_bonus(key, tree, logits_NV, sampling, *, horizon):
     return verdict.replace(bonus=bonus.astype(jnp.int32))
 
 
-@pytest.fixture(scope="module")
-def target():
-    return tiny_target(vocab=V, hidden=16, layers=1, seed=4, head_scale=20.0)
+# (family, verifier) pairs tested; each family also runs the negative control.
+FAMILIES = {"qwen3": 0, "qwen3_moe": 4}          # -> experts
+CASES = [("qwen3", "tev"), ("qwen3", "predraw"), ("qwen3", "sequential"),
+         ("qwen3_moe", "tev")]
 
 
-@pytest.fixture(scope="module")
-def ar_law(target):
+@functools.lru_cache(maxsize=None)
+def target(family):
+    return tiny_target(vocab=V, hidden=16, layers=1, seed=4, head_scale=20.0,
+                       experts=FAMILIES[family])
+
+
+@functools.lru_cache(maxsize=None)
+def ar_law(family):
     """float64 [V, V, V]: the target's law of (t0, t1, t2) after PROMPT."""
     p = len(PROMPT)
     pairs = np.stack(np.meshgrid(np.arange(V), np.arange(V), indexing="ij"), -1).reshape(-1, 2)
     seqs = np.concatenate([np.tile(PROMPT, (V * V, 1)), pairs], axis=1)
-    logits = jit_score(target)(seqs)
+    logits = jit_score(target(family))(seqs)
     lp = np.asarray(log_probs(logits, SAMPLING), np.float64).reshape(V, V, p + 2, V)
     law = (lp[0, 0, p - 1][:, None, None] + lp[:, 0, p][:, :, None] + lp[:, :, p + 1])
     law = np.exp(law)
     return law / law.sum()
-
-
-@pytest.fixture(scope="module")
-def drafter(target):
-    return TableDrafter(oracle_table(target, PROMPT, H))
 
 
 def _generate(target, drafter, verifier, seed):
@@ -93,16 +100,18 @@ def _chi2_pvalue(counts, law):
     return stats.chi2.sf(stat, len(exp_c) - 1)
 
 
-@pytest.fixture(scope="module")
-def runs(target, drafter):
+@functools.lru_cache(maxsize=None)
+def runs(family):
     """verifier name -> (counts [V, V, V], standardised block-length deviation, τ)."""
+    model = target(family)
+    drafter = TableDrafter(oracle_table(model, PROMPT, H))
     out = {}
-    for name, verifier in [("tev", "tev"), ("predraw", "predraw"),
-                           ("sequential", "sequential"), ("control", tev_full_bonus)]:
+    verifiers = [(v, v) for f, v in CASES if f == family] + [("control", tev_full_bonus)]
+    for name, verifier in verifiers:
         counts = np.zeros(V ** 3, np.int64)
         dev, var, blocks, rounds = 0.0, 0.0, 0, 0
         for seed in SEEDS[:1] if name == "control" else SEEDS:
-            gen = _generate(target, drafter, verifier, seed)
+            gen = _generate(model, drafter, verifier, seed)
             assert (gen.lengths == 3).all()
             t = gen.tokens
             np.add.at(counts, t[:, 0] * V * V + t[:, 1] * V + t[:, 2], 1)
@@ -115,26 +124,26 @@ def runs(target, drafter):
     return out
 
 
-def test_law_is_not_trivial(ar_law):
-    top = np.sort(ar_law.reshape(-1))[::-1]
-    assert top[0] < 0.5 and (ar_law > 1e-3).sum() > 20
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_law_is_not_trivial(family):
+    top = np.sort(ar_law(family).reshape(-1))[::-1]
+    assert top[0] < 0.5 and (ar_law(family) > 1e-3).sum() > 20
 
 
-@pytest.mark.parametrize("verifier", ["tev", "predraw", "sequential"])
-def test_first_three_tokens_follow_the_target(runs, ar_law, verifier):
-    counts, _, tau = runs[verifier]
+@pytest.mark.parametrize("family,verifier", CASES)
+def test_first_three_tokens_follow_the_target(family, verifier):
+    counts, _, tau = runs(family)[verifier]
     assert tau > 1.3  # the trees matter: draft tokens were accepted
-    assert _chi2_pvalue(counts, ar_law) > ALPHA
+    assert _chi2_pvalue(counts, ar_law(family)) > ALPHA
 
 
-def test_negative_control_is_rejected(runs, ar_law):
-    counts, _, _ = runs["control"]
-    assert _chi2_pvalue(counts, ar_law) < ALPHA
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_negative_control_is_rejected(family):
+    counts, _, _ = runs(family)["control"]
+    assert _chi2_pvalue(counts, ar_law(family)) < ALPHA
 
 
-@pytest.mark.parametrize("verifier", ["tev", "predraw", "sequential"])
-def test_block_length_matches_exit_law(runs, verifier):
-    _, z, _ = runs[verifier]
+@pytest.mark.parametrize("family,verifier", CASES)
+def test_block_length_matches_exit_law(family, verifier):
+    _, z, _ = runs(family)[verifier]
     assert abs(z) < 4
-
-

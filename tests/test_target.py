@@ -1,4 +1,9 @@
-"""Target model: parity with transformers, cache modes, tree verify, commit, export."""
+"""Target model: parity with transformers, cache modes, tree verify, commit, export.
+
+Every family runs every test: Qwen3, Llama-3 and Qwen3-MoE (a mixture of 8 experts,
+top-2, in every layer; its AR steps take the gathered-experts path, the longer passes
+the grouped matmul; tests/test_moe.py has the rest of the mixture's tests).
+"""
 
 from __future__ import annotations
 
@@ -32,6 +37,11 @@ def _hf_model(family: str, seed: int = 0):
     if family == "qwen3":
         cfg = transformers.Qwen3Config(**common, tie_word_embeddings=False, rope_theta=10000.0)
         model = transformers.Qwen3ForCausalLM(cfg)
+    elif family == "qwen3_moe":
+        cfg = transformers.Qwen3MoeConfig(**common, tie_word_embeddings=False,
+                                          num_experts=8, num_experts_per_tok=2,
+                                          moe_intermediate_size=32, norm_topk_prob=True)
+        model = transformers.Qwen3MoeForCausalLM(cfg)
     else:
         cfg = transformers.LlamaConfig(**common, tie_word_embeddings=True, attention_bias=True,
                                        rope_theta=500000.0, rope_scaling=dict(LLAMA3_ROPE))
@@ -41,10 +51,12 @@ def _hf_model(family: str, seed: int = 0):
         for name, p in model.named_parameters():
             if "norm" in name or "bias" in name:
                 p.add_(0.2 * torch.randn_like(p))
+            if name.endswith("mlp.gate.weight"):  # the router: no near-ties in the top-k
+                p.mul_(10.0)
     return model
 
 
-@pytest.fixture(scope="module", params=["qwen3", "llama"])
+@pytest.fixture(scope="module", params=["qwen3", "llama", "qwen3_moe"])
 def hf_ckpt(request, tmp_path_factory):
     """(HF torch model, checkpoint dir, our loaded model) for each family."""
     model = _hf_model(request.param)
@@ -250,7 +262,8 @@ def test_commit_then_decode_equals_decoding_the_path(hf_ckpt):
 
 
 def test_export_reads_back_in_transformers(hf_ckpt, tmp_path):
-    """Our export of the loaded model (qwen3 untied; llama tied, biased, llama3 rope)."""
+    """Our export of the loaded model (qwen3 untied; llama tied, biased, llama3 rope;
+    qwen3_moe one tensor per expert)."""
     hf, _, model = hf_ckpt
     save_target(model, tmp_path / "out")
     back_hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out")

@@ -1,0 +1,237 @@
+"""The mixture-of-experts target (Qwen3-MoE, tev_jax.models.moe): routing and experts
+against transformers and against each other, a mixed dense / sparse stack, speculative
+decoding at T = 0 and T = 1, sharding over experts, per-expert checkpoints.
+
+Parity, cache modes, the tree verify pass, commit and export of an all-MoE model run in
+tests/test_target.py with the other families.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+
+from decode_fixtures import greedy_reference
+from test_decode_mesh import DCFG, MESHES, PROMPTS, needs8
+from tev_jax import decode, engine
+from tev_jax import sharding as shd
+from tev_jax.models import ModelConfig, init_target, load_target, save_target
+from tev_jax.models.config import MoeSpec
+from tev_jax.models.drafter import Drafter
+from tev_jax.models.layers import jitted_initializer
+from tev_jax.models.moe import expert_mlp, route
+from tev_jax.sampling import Sampling
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+V = 300
+
+
+def _moe_config(**kw) -> ModelConfig:
+    base = dict(model_type="qwen3_moe", vocab_size=512, hidden_size=64,
+                intermediate_size=128, num_layers=2, num_heads=16, num_kv_heads=8,
+                head_dim=8, qk_norm=True, num_experts=8, num_experts_per_tok=2,
+                moe_intermediate_size=32, norm_topk_prob=True)
+    return ModelConfig(**{**base, **kw})
+
+
+# --------------------------------------------------------------- the expert MLP
+
+
+@pytest.mark.parametrize("method", ["ragged", "gather"])
+def test_expert_methods_equal_the_dense_oracle_and_split_over_experts(method):
+    """Every method gives the all-experts oracle; experts split in blocks (what a device
+    holds under expert parallelism) sum to the whole."""
+    rng = np.random.default_rng(0)
+    m, d, f, e, k = 11, 16, 8, 8, 3
+    x = jnp.asarray(rng.normal(size=(m, d)), jnp.float32)
+    router = jnp.asarray(rng.normal(size=(d, e)), jnp.float32)
+    w, idx = route(x, router, MoeSpec(e, k, f, norm_topk_prob=False))
+    gate, up = (jnp.asarray(rng.normal(size=(e, d, f)) / 4, jnp.float32) for _ in range(2))
+    down = jnp.asarray(rng.normal(size=(e, f, d)) / 4, jnp.float32)
+
+    # the oracle by hand: each token's k experts, one at a time
+    want = np.zeros((m, d), np.float32)
+    for t in range(m):
+        for j in range(k):
+            ex = int(idx[t, j])
+            h = jax.nn.silu(x[t] @ gate[ex]) * (x[t] @ up[ex])
+            want[t] += float(w[t, j]) * np.asarray(h @ down[ex])
+    dense = expert_mlp(x, idx, w, gate, up, down, method="dense")
+    np.testing.assert_allclose(np.asarray(dense), want, atol=1e-5)
+    got = jax.jit(lambda *a: expert_mlp(*a, method=method))(x, idx, w, gate, up, down)
+    np.testing.assert_allclose(np.asarray(got), want, atol=1e-5)
+    parts = sum(expert_mlp(x, idx, w, gate[lo:lo + 2], up[lo:lo + 2], down[lo:lo + 2],
+                           method=method, first_expert=lo) for lo in range(0, e, 2))
+    np.testing.assert_allclose(np.asarray(parts), want, atol=1e-5)
+    # one block alone is not the whole (the split is not vacuous)
+    assert np.abs(np.asarray(parts - expert_mlp(
+        x, idx, w, gate[:2], up[:2], down[:2], method=method))).max() > 1e-2
+
+
+def test_routing_renormalises_and_breaks_ties_to_the_lower_expert():
+    x = jnp.ones((1, 2))
+    router = jnp.array([[1.0, 3.0, 3.0, 0.0], [0.0, 0.0, 0.0, 0.0]])
+    w, idx = route(x, router, MoeSpec(4, 2, 4, norm_topk_prob=True))
+    assert idx.tolist() == [[1, 2]]
+    np.testing.assert_allclose(np.asarray(w), [[0.5, 0.5]], atol=1e-7)
+    w, _ = route(x, router, MoeSpec(4, 2, 4, norm_topk_prob=False))
+    assert float(w.sum()) < 0.99
+
+
+# ------------------------------------------------ a mixed stack against transformers
+
+
+@pytest.fixture(scope="module")
+def mixed_hf(tmp_path_factory):
+    """A 4-layer HF Qwen3-MoE: layer 0 dense (mlp_only_layers), then sparse every 2nd
+    layer (decoder_sparse_step 2: layers 1 and 3), no renormalisation; routers scaled
+    up so that no top-k is decided by a near-tie."""
+    torch.manual_seed(1)
+    cfg = transformers.Qwen3MoeConfig(
+        vocab_size=V, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        max_position_embeddings=256, initializer_range=0.1, num_experts=8,
+        num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=False,
+        decoder_sparse_step=2, mlp_only_layers=[0], tie_word_embeddings=False)
+    hf = transformers.Qwen3MoeForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if "norm" in name:
+                p.add_(0.2 * torch.randn_like(p))
+            if name.endswith("mlp.gate.weight"):
+                p.mul_(10.0)
+    path = tmp_path_factory.mktemp("mixed")
+    hf.save_pretrained(path, max_shard_size="100KB")   # a sharded index too
+    return hf, path
+
+
+def test_mixed_stack_routes_and_matches_transformers(mixed_hf):
+    hf, path = mixed_hf
+    assert (path / "model.safetensors.index.json").is_file()
+    ours = load_target(path)
+    c = ours.config
+    assert [s.moe is not None for s in c.layer_specs] == [False, True, False, True]
+    assert c.period == 2 and not c.norm_topk_prob
+    tokens = np.random.RandomState(0).randint(0, V, (4, 20))
+
+    # the router inputs and HF's choices of every sparse layer
+    seen = {}
+    hooks = [layer.mlp.gate.register_forward_hook(
+        lambda mod, inp, out, i=i: seen.__setitem__(i, (inp[0].numpy(), out[2].numpy())))
+        for i, layer in enumerate(hf.model.layers) if hasattr(layer.mlp, "gate")]
+    with torch.no_grad():
+        ref = hf(torch.tensor(tokens)).logits.numpy()
+    for h in hooks:
+        h.remove()
+    assert sorted(seen) == [1, 3]
+    for i, (x, hf_idx) in seen.items():
+        router = ours.layers.sublayers[1].mlp.gate.kernel[i // 2]
+        w, idx = route(jnp.asarray(x), router, c.layer_specs[i].moe)
+        np.testing.assert_array_equal(np.asarray(idx), hf_idx)
+        # no near-ties: the k-th and (k+1)-th router logits are apart
+        logits = np.sort(x @ np.asarray(router), axis=-1)
+        assert (logits[:, -2] - logits[:, -3]).min() > 1e-3
+    logits, _ = ours(jnp.asarray(tokens))
+    assert np.abs(ref).max() > 1.0
+    np.testing.assert_allclose(np.asarray(logits), ref, atol=1e-4, rtol=0)
+
+    # our export: one tensor per expert, read back by transformers and by us
+    save_target(ours, path.parent / "ours", max_shard_bytes=60_000)
+    back = transformers.AutoModelForCausalLM.from_pretrained(path.parent / "ours").eval()
+    with torch.no_grad():
+        np.testing.assert_allclose(back(torch.tensor(tokens)).logits.numpy(), ref, atol=1e-5)
+    again = load_target(path.parent / "ours")
+    assert again.config == c
+    np.testing.assert_array_equal(np.asarray(again(jnp.asarray(tokens))[0]),
+                                  np.asarray(logits))
+
+
+def test_config_reads_and_refuses():
+    hf = _moe_config().to_hf()
+    assert hf["architectures"] == ["Qwen3MoeForCausalLM"] and hf["num_experts"] == 8
+    assert ModelConfig.from_hf(hf) == _moe_config()
+    c = _moe_config(num_layers=6, decoder_sparse_step=3, mlp_only_layers=(2,))
+    assert [s.moe is not None for s in c.layer_specs] == [False, False, False, False,
+                                                          False, True]
+    assert c.period == 6
+    assert _moe_config().period == 1 and ModelConfig.from_hf(c.to_hf()) == c
+    dense = _moe_config(num_experts=0)
+    assert dense.num_active_params == dense.num_params
+    assert _moe_config().num_active_params < _moe_config().num_params
+    for bad, match in [(dict(num_experts_per_tok=9), "exceeds num_experts"),
+                       (dict(moe_intermediate_size=0), "moe_intermediate_size"),
+                       (dict(mlp_only_layers=(5,)), "mlp_only_layers")]:
+        with pytest.raises(ValueError, match=match):
+            _moe_config(**bad)
+    with pytest.raises(ValueError, match="shared experts"):
+        ModelConfig.from_hf({**hf, "shared_expert_intermediate_size": 64})
+    with pytest.raises(ValueError, match="num_experts"):
+        ModelConfig.from_hf({k: v for k, v in hf.items() if k != "num_experts"})
+
+
+# ---------------------------------------------------------------- decoding
+
+
+@pytest.fixture(scope="module")
+def models():
+    """A tiny all-MoE target with the real one's divisibility on 8 devices (8 experts,
+    16 / 8 heads) and lm_head scaled (no greedy near-ties); a random DFlash drafter."""
+    target = init_target(_moe_config(), key=0)
+    target.lm_head[...] = target.lm_head[...] * 20.0
+    graphdef, init = jitted_initializer(Drafter, DCFG, jnp.dtype(jnp.float32), None,
+                                        shd.current_rules())
+    return target, nnx.merge(graphdef, init(jax.random.key(1)))
+
+
+def _config(**kw):
+    return decode.DecodeConfig(**{"max_new_tokens": 10, "budget": 8, "verifier": "tev", **kw})
+
+
+def test_speculative_tokens_equal_ar_greedy(models):
+    target, drafter = models
+    want = greedy_reference(target, PROMPTS, 10)
+    assert len({tuple(w) for w in want}) > 4      # rows differ: the test is not vacuous
+    assert engine.generate(target, drafter, PROMPTS, _config()).rows() == want
+    assert engine.generate_ar(target, PROMPTS, _config()).rows() == want
+
+
+@pytest.fixture(scope="module")
+def single_device(models):
+    """temperature -> the single-device generation (key 3)."""
+    target, drafter = models
+    return {t: engine.generate(target, drafter, PROMPTS,
+                               _config(sampling=Sampling(t)), key=3) for t in (0.0, 1.0)}
+
+
+@needs8
+@pytest.mark.parametrize("mesh_name,temperature", [
+    ("tensor8", 0.0), ("tensor8", 1.0), ("2x2x2", 0.0), ("tensor8_expert_width", 0.0)])
+def test_every_mesh_gives_single_device_tokens(models, single_device, mesh_name,
+                                               temperature):
+    """Experts split over tensor 8 (one per device) or 2 (with fsdp 2 splitting their
+    width's embed side and data 2 the batch), and the tensor-parallel alternative
+    (experts whole, the expert width split over tensor 8): the single-device tokens
+    (at T = 1 the same key gives the same draws)."""
+    target, drafter = models
+    rules = shd.current_rules()
+    if mesh_name == "tensor8_expert_width":
+        rules = tuple((n, None) if n == "experts" else (n, a) for n, a in rules)
+    mesh = shd.make_mesh(**MESHES[mesh_name.removesuffix("_expert_width")])
+    with shd.axis_rules(rules):
+        placed = shd.state_shardings(nnx.state(target), mesh, strict=True)
+        gate = placed["layers"]["mlp"]["experts"]["gate_proj"].get_value()
+        out = engine.generate(target, drafter, PROMPTS, _config(
+            sampling=Sampling(temperature)), key=3, mesh=mesh)
+    # [layers, experts, embed, moe_mlp]: experts split, or (the alternative) the width
+    want = (P(None, None, None, "tensor") if mesh_name == "tensor8_expert_width" else
+            P(None, "tensor", "fsdp") if mesh_name == "2x2x2" else P(None, "tensor"))
+    assert gate.spec == want
+    ref = single_device[temperature]
+    assert out.rows() == ref.rows()
+    np.testing.assert_array_equal(out.stats.block_lengths, ref.stats.block_lengths)
