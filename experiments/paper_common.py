@@ -23,7 +23,7 @@ Definitions used in every table:
 
 - τ (tau): mean output-block length per target verify round = accepted draft tokens +
   the bonus token, pooled over the rounds of all prompts of a set (``sum of block
-  lengths / number of rounds``, `tev_jax.engine.DecodeStats.tau`). The first token,
+  lengths / number of rounds``, `tev_jax.generation.DecodeStats.tau`). The first token,
   sampled from the prefill's logits, is not a round and is not counted. A block that
   crosses ``max_new_tokens`` or a stop token counts in full. AR has τ = 1. Its standard
   error treats prompts as independent clusters (`ratio_se`), not rounds.
@@ -52,11 +52,12 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from tev_jax import ddtree, decode, drafters, engine
+from tev_jax import ddtree, decode, drafters
 from tev_jax.engine import Engine
 from tev_jax import verify as verify_lib
 from tev_jax.data import PROMPT_SETS, load_default_tokenizer, prompt_set
 from tev_jax.exit_law import exit_law
+from tev_jax.generation import DecodeStats, Generation
 from tev_jax.models import kv_cache as kvc
 from tev_jax.models import load_drafter, load_target, load_tokenizer
 from tev_jax.sampling import Sampling
@@ -349,7 +350,7 @@ class FusedRunner:
         """The runner's engine over ``(target, drafter)`` (same architecture)."""
         return self.engine.with_models(target, drafter)
 
-    def __call__(self, models: Engine, prompts, key) -> engine.Generation:
+    def __call__(self, models: Engine, prompts, key) -> Generation:
         """One generation; ``stats.seconds`` = wall time of the jitted call."""
         inputs = models.prompts(prompts)
         if isinstance(key, int):
@@ -406,7 +407,7 @@ class RunnerPool:
         return [r.compile_seconds for r in self._runners.values()]
 
 
-def _row_blocks(stats: engine.DecodeStats, row: int) -> np.ndarray:
+def _row_blocks(stats: DecodeStats, row: int) -> np.ndarray:
     return stats.block_lengths[: int(stats.rounds_per_row[row]), row]
 
 

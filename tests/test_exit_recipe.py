@@ -15,7 +15,8 @@ import experiment_scripts
 import train_fixtures as tf
 from test_exit_train import random_tree, stack
 from tev_jax.exit_law import exit_law, floored_reach
-from tev_jax.exit_train import exit_loss, node_weights, objective, tree_exit_weights
+from tev_jax.exit_train import objective
+from tev_jax.exit_weights import exit_loss, node_weights, tree_exit_weights
 from tev_jax.sampling import Sampling
 from tev_jax.testing import reference as ref
 from train.__main__ import build_parser, config_from_args

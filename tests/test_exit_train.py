@@ -9,16 +9,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tev_jax.exit_train import (
+from tev_jax.exit_train import ExitTrainConfig
+from tev_jax.exit_weights import (
     WEIGHTINGS,
-    ExitTrainConfig,
     exit_loss,
     node_weights,
-    parent_mask,
-    score_parent_nodes,
-    score_tree_nodes,
-    score_window_hidden,
-    target_context,
     token_loss,
     tree_exit_weights,
 )
@@ -27,6 +22,13 @@ from tev_jax.sampling import Sampling
 from tev_jax.testing import reference as ref
 from tev_jax.testing import strategies as tst
 from tev_jax.tree import make_tree
+from tev_jax.tree_scoring import (
+    parent_mask,
+    score_parent_nodes,
+    score_tree_nodes,
+    score_window_hidden,
+    target_context,
+)
 
 
 def random_tree(rng, n_slots, vocab, horizon, root=None):

@@ -24,9 +24,11 @@ from tev_jax import (
     ddtree,
     exit_law,
     exit_train,
+    exit_weights,
     extensions,
     sampling,
     tree,
+    tree_scoring,
     verify,
     vocab,
 )
@@ -36,14 +38,16 @@ from tev_jax.sampling import Sampling
 from tev_jax.tree import make_tree
 from tev_jax.vocab import Scores
 
-MODULES = [exit_law, verify, vocab, ddtree, tree, sampling, exit_train, extensions]
+MODULES = [exit_law, verify, vocab, ddtree, tree, sampling, exit_train, exit_weights, tree_scoring,
+           extensions]
 N, V, H = 6, 7, 3
 T1 = Sampling(1.0)
 TOPK = Sampling(0.7, top_k=4)
 
 EXCLUDED = {
-    "tev_jax.exit_train.check_floor": "host-side validation",
+    "tev_jax.exit_weights.check_floor": "host-side validation",
     "tev_jax.exit_train.check_score_capacities": "host-side validation",
+    "tev_jax.exit_train.check_prefix_window": "host-side validation",
     "tev_jax.ddtree.tree_k": "host-side static K (from shapes)",
     # Host-side validation, construction and display (ValueErrors, numpy, strings).
     "tev_jax.ddtree.check_draft_logits": "host-side input validation",
@@ -51,7 +55,7 @@ EXCLUDED = {
     "tev_jax.tree.validate": "host-side validation",
     "tev_jax.tree.render": "host-side text rendering",
     "tev_jax.sampling.check_finite": "host-side validation",
-    "tev_jax.exit_train.check_weighting": "host-side validation",
+    "tev_jax.exit_weights.check_weighting": "host-side validation",
     "tev_jax.extensions.builder_num_slots": "host-side shape check (jax.eval_shape)",
     "tev_jax.extensions.check_hashable": "host-side validation",
     "tev_jax.extensions.check_tree_struct": "host-side shape check",
@@ -62,13 +66,14 @@ EXCLUDED = {
     "tev_jax.extensions.reads_draft_logits": "host-side attribute lookup of a builder",
     # Model forward passes: functions of a Target module and its caches, compared with
     # dense references (and jitted, as the train step runs them) in test_exit_train.
-    "tev_jax.exit_train.target_context": "target forward pass (test_exit_train)",
-    "tev_jax.exit_train.score_tree_nodes": "target forward pass (test_exit_train)",
-    "tev_jax.exit_train.score_parent_nodes": "target forward pass (test_exit_train)",
-    "tev_jax.exit_train.score_tree_hidden": "target forward pass (test_exit_train)",
-    "tev_jax.exit_train.score_parent_hidden": "target forward pass (test_exit_train)",
+    "tev_jax.tree_scoring.target_context": "target forward pass (test_exit_train)",
+    "tev_jax.tree_scoring.score_tree_nodes": "target forward pass (test_exit_train)",
+    "tev_jax.tree_scoring.score_parent_nodes": "target forward pass (test_exit_train)",
+    "tev_jax.tree_scoring.score_tree_hidden": "target forward pass (test_exit_train)",
+    "tev_jax.tree_scoring.score_parent_hidden": "target forward pass (test_exit_train)",
+    "tev_jax.tree_scoring.score_window_hidden": "target forward pass (test_exit_train)",
     "tev_jax.exit_train.exit_targets": "target forward pass (test_train_step)",
-    "tev_jax.exit_train.blocked_law_ok": "host-side predicate of a static Sampling",
+    "tev_jax.tree_scoring.blocked_law_ok": "host-side predicate of a static Sampling",
 }
 
 
@@ -127,7 +132,7 @@ def _topk(x_HV):
 
 def _exit_loss(x_HV, root):
     t = ddtree.build_tree(x_HV, root, 5)[0]
-    return exit_train.exit_loss(x_HV, t, jnp.where(t.depths > 0, 0.5, 0.0))
+    return exit_weights.exit_loss(x_HV, t, jnp.where(t.depths > 0, 0.5, 0.0))
 
 
 def _objective(x_HV, root):
@@ -191,22 +196,22 @@ CASES = {
     "tev_jax.tree.path_to": Case(lambda t: tree.path_to(t, jnp.int32(3), H), (TREES,)),
     "tev_jax.tree.children_mask": Case(tree.children_mask, (TREES,)),
     "tev_jax.sampling.log_probs": Case(lambda x: sampling.log_probs(x, TOPK), (LOGITS_NV,)),
-    "tev_jax.exit_train.node_weights": Case(
-        lambda t, law: exit_train.node_weights(t, law, "exit_depth"), (TREES, LAWS)),
-    "tev_jax.exit_train.tree_exit_weights": Case(
-        lambda t, x: exit_train.tree_exit_weights(t, x, T1, "exit"), (TREES, LOGITS_NV)),
-    "tev_jax.exit_train.parent_mask": Case(exit_train.parent_mask, (TREES,)),
-    "tev_jax.exit_train.exit_laws_from_edges": Case(
-        lambda t, x: exit_train.exit_laws_from_edges(
+    "tev_jax.exit_weights.node_weights": Case(
+        lambda t, law: exit_weights.node_weights(t, law, "exit_depth"), (TREES, LAWS)),
+    "tev_jax.exit_weights.tree_exit_weights": Case(
+        lambda t, x: exit_weights.tree_exit_weights(t, x, T1, "exit"), (TREES, LOGITS_NV)),
+    "tev_jax.tree_scoring.parent_mask": Case(tree_scoring.parent_mask, (TREES,)),
+    "tev_jax.tree_scoring.exit_laws_from_edges": Case(
+        lambda t, x: tree_scoring.exit_laws_from_edges(
             t, exit_law.edge_log_probs(t, Scores(x, 1.0))), (TREES, LOGITS_NV)),
-    "tev_jax.exit_train.edge_log_probs_blocked": Case(
-        lambda t, h: exit_train.edge_log_probs_blocked(t, h, HEAD, T1, block=3),
+    "tev_jax.tree_scoring.edge_log_probs_blocked": Case(
+        lambda t, h: tree_scoring.edge_log_probs_blocked(t, h, HEAD, T1, block=3),
         (TREES, HIDDEN_ND)),
-    "tev_jax.exit_train.token_loss": Case(
-        lambda x, r: exit_train.token_loss(x, jnp.stack([r, r + 1, r + 2]) % V,
-                                           jnp.ones(H, bool), decay_gamma=2.0),
+    "tev_jax.exit_weights.token_loss": Case(
+        lambda x, r: exit_weights.token_loss(x, jnp.stack([r, r + 1, r + 2]) % V,
+                                             jnp.ones(H, bool), decay_gamma=2.0),
         (DRAFT_HV, ROOTS), grad=0),
-    "tev_jax.exit_train.exit_loss": Case(_exit_loss, (DRAFT_HV, ROOTS), grad=0),
+    "tev_jax.exit_weights.exit_loss": Case(_exit_loss, (DRAFT_HV, ROOTS), grad=0),
     "tev_jax.exit_train.objective": Case(_objective, (DRAFT_HV, ROOTS), grad=0,
                                          loss=lambda out: out[0]),
     "tev_jax.exit_train.block_labels": Case(lambda t, a: exit_train.block_labels(t, a, H),

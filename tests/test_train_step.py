@@ -14,8 +14,9 @@ from flax import nnx
 
 import train_fixtures as tf
 from tev_jax import sharding as shd
-from tev_jax.exit_train import block_labels, exit_targets, objective, parent_mask, target_context
+from tev_jax.exit_train import block_labels, exit_targets, objective
 from tev_jax.models.drafter import anchor_logits
+from tev_jax.tree_scoring import parent_mask, target_context
 from train.__main__ import build_parser, config_from_args
 from train.anchors import anchor_range, labels_in_response, sample_anchors, step_rng
 from train.config import TrainConfig

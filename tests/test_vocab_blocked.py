@@ -13,17 +13,11 @@ import pytest
 from test_exit_train import random_tree, stack
 
 from tev_jax.exit_law import edge_log_probs
-from tev_jax.exit_train import (
-    edge_log_probs_blocked,
-    exit_laws_from_edges,
-    exit_loss,
-    node_weights,
-    token_loss,
-    tree_exit_weights,
-)
+from tev_jax.exit_weights import exit_loss, node_weights, token_loss, tree_exit_weights
 from tev_jax.models import lm_head
 from tev_jax.models.lm_head import Head
 from tev_jax.sampling import Sampling
+from tev_jax.tree_scoring import edge_log_probs_blocked, exit_laws_from_edges
 from tev_jax.vocab import target_scores
 
 V, D, BLOCK = 1000, 16, 96          # 11 blocks, the last one overlapping the tenth

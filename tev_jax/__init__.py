@@ -9,8 +9,9 @@ drafter, DecodeConfig(...), batch_size)`), or its one-call form `generate`.
 """
 
 from tev_jax.decode import DecodeConfig
-from tev_jax.engine import Engine, Generation, generate, generate_ar
+from tev_jax.engine import Engine, generate, generate_ar
 from tev_jax.exit_law import ExitLaw
+from tev_jax.generation import Generation
 from tev_jax.sampling import Sampling
 from tev_jax.tree import DraftTree, make_tree, validate
 from tev_jax.verify import Verdict, greedy, predraw, sequential_residual, tev

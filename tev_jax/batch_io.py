@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from tev_jax.batching import Request
-from tev_jax.engine import check_context, check_prompt
+from tev_jax.prompts import check_context, check_prompt
 
 PROMPT_FIELDS = ("prompt", "messages", "prompt_ids")
 RUN_KEY = "run"  # settings entries that may differ between a run and its resumption

@@ -28,7 +28,8 @@ import numpy as np
 from tev_jax import decode, extensions
 from tev_jax.budget import AutoBudget, check_tuned_for
 from tev_jax import sharding as shd
-from tev_jax.engine import Engine, check_prompt
+from tev_jax.engine import Engine
+from tev_jax.prompts import check_prompt
 
 
 @dataclasses.dataclass(frozen=True)

@@ -43,139 +43,12 @@ from tev_jax import sharding as shd
 from tev_jax.budget import AutoBudget, resolve_budget
 from tev_jax.decode import DecodeConfig, DecodeSpec, DecodeState
 from tev_jax.drafters import DrafterProtocol, as_drafter
+from tev_jax.generation import DecodeStats, Generation
+from tev_jax.prompts import Prompts, check_prompts
 
 PROGRAMS = ("generate", "prefill", "round", "run_rounds", *decode.STAGES)
 """The names `Engine.lower` takes: the whole generation, the prefill, one round, the
 rounds program of continuous batching and each stage of a round."""
-
-
-@dataclasses.dataclass(frozen=True)
-class DecodeStats:
-    """Statistics of one generation (host numpy arrays).
-
-    Attributes:
-      rounds: loop iterations run (the longest row's rounds).
-      rounds_per_row: int [B] rounds in which the row was still active.
-      kv_moves: int [B] rounds in which the accepted path was not the first slots of the
-        tree, so that commit moved key/value entries (DDTree paths through later slots).
-      block_lengths: int [R, B] output-block length (accepted + bonus) per round and row
-        (before truncation at a stop token or at M); 0 where the row was finished.
-      expected_lengths: float [R, B] the exit law's ``1 + coverage`` of the same trees
-        (``track_exit_law``), else None.
-      stage_seconds: per-stage wall seconds up to ``block_until_ready``, summed over
-        rounds (`tev_jax.profile.profile_generate` only; keys 'prefill', 'draft',
-        'build', 'verify', 'decide', 'commit'; each includes the stage call's
-        dispatch), else None.
-      round_seconds: the per-round stage times behind ``stage_seconds`` (stage ->
-        float [R]; the prefill has one entry), for robust statistics such as medians
-        on a loaded machine (`tev_jax.profile.profile_generate` only), else None.
-      seconds: wall time of the timed call (`tev_jax.profile`), else None.
-      compile_seconds: wall time of the first (compiling) call (`tev_jax.profile`),
-        else None.
-    """
-
-    rounds: int
-    rounds_per_row: np.ndarray
-    kv_moves: np.ndarray
-    block_lengths: np.ndarray
-    expected_lengths: np.ndarray | None = None
-    stage_seconds: dict[str, float] | None = None
-    round_seconds: dict[str, np.ndarray] | None = None
-    seconds: float | None = None
-    compile_seconds: float | None = None
-
-    @property
-    def tau(self) -> float:
-        """Mean output-block length per round (bonus included), over all rows."""
-        n = int(self.rounds_per_row.sum())
-        return float(self.block_lengths.sum()) / n if n else float("nan")
-
-
-@dataclasses.dataclass(frozen=True)
-class Generation:
-    """The output of a generation.
-
-    Attributes:
-      tokens: int32 [B, M] generated tokens only; ``PAD_TOKEN`` (-1) after each row's end.
-      lengths: int32 [B] generated tokens per row (a final stop token included).
-      stats: `DecodeStats`.
-    """
-
-    tokens: np.ndarray
-    lengths: np.ndarray
-    stats: DecodeStats
-
-    def rows(self) -> list[list[int]]:
-        """The generated tokens of every row as Python lists (padding removed)."""
-        return [t[:n].tolist() for t, n in zip(self.tokens, self.lengths)]
-
-
-@dataclasses.dataclass(frozen=True)
-class Prompts:
-    """A batch of prompts ready for the engine: int32 tokens [B, T] (zero-padded) and
-    int32 lengths [B], placed on the engine's mesh."""
-
-    tokens_BT: jax.Array
-    lengths_B: jax.Array
-
-
-# ------------------------------------------------------------------------ host checks
-
-
-def check_prompt(ids, vocab_size: int, prompt_len: int | None = None, *,
-                 what: str = "prompt") -> np.ndarray:
-    """One prompt as int32 [T]; a ValueError starting with ``what`` if it is unusable.
-
-    The one prompt check of the library (`generate`, continuous batching, batch files).
-
-    Args:
-      ids: the token ids (a flat sequence of integers).
-      vocab_size: V; every id must be in ``[0, V)``.
-      prompt_len: the prompt buffer P (at most P tokens), or None.
-      what: how the message names the prompt (``"prompt 3"``, ``"request 'a'"``,
-        ``"file.jsonl:3: id 'a'"``).
-    """
-    arr = np.asarray(ids)
-    if arr.ndim != 1:
-        raise ValueError(f"{what}: the prompt must be a flat list of token ids, got shape "
-                         f"{arr.shape}")
-    if arr.size == 0:
-        raise ValueError(f"{what}: the prompt is empty; every prompt needs at least one token")
-    if not np.issubdtype(arr.dtype, np.integer):
-        raise ValueError(f"{what}: token ids must be integers, got dtype {arr.dtype}")
-    bad = (arr < 0) | (arr >= vocab_size)
-    if bad.any():
-        k = int(np.argmax(bad))
-        raise ValueError(f"{what}: token id {int(arr[k])} is outside the vocabulary "
-                         f"[0, {vocab_size}) (position {k})")
-    if prompt_len is not None and arr.size > prompt_len:
-        raise ValueError(f"{what}: the prompt has {arr.size} tokens, more than the prompt "
-                         f"buffer ({prompt_len}); raise prompt_len or shorten the prompt")
-    return arr.astype(np.int32)
-
-
-def check_context(prompt_tokens: int, max_new_tokens: int, max_positions: int, *,
-                  what: str = "prompt") -> None:
-    """A ValueError starting with ``what`` unless the prompt and ``max_new_tokens`` fit in
-    the target's context (``max_position_embeddings``: beyond it a model trained on
-    shorter texts writes garbage), as vLLM checks its ``max_model_len``."""
-    if prompt_tokens + max_new_tokens > max_positions:
-        raise ValueError(
-            f"{what}: the prompt ({prompt_tokens} tokens) + --max-new-tokens "
-            f"({max_new_tokens}) = {prompt_tokens + max_new_tokens} tokens exceed the "
-            f"target's context length (max_position_embeddings = {max_positions}); "
-            "shorten the prompt or lower --max-new-tokens")
-
-
-def check_prompts(prompt_ids, vocab_size: int, prompt_len: int | None = None
-                  ) -> list[np.ndarray]:
-    """`check_prompt` of every prompt of a non-empty batch; -> int32 arrays."""
-    if isinstance(prompt_ids, (str, bytes)) or not isinstance(prompt_ids, Sequence):
-        raise ValueError("prompt_ids must be a list of token-id lists")
-    if len(prompt_ids) == 0:
-        raise ValueError("prompt_ids is empty: give at least one prompt")
-    return [check_prompt(p, vocab_size, prompt_len, what=f"prompt {i}")
-            for i, p in enumerate(prompt_ids)]
 
 
 def _align(n: int) -> int:
@@ -708,6 +581,4 @@ def generate_ar(target, prompt_ids: Sequence[Sequence[int]], config: DecodeConfi
                     mesh=mesh)
 
 
-__all__ = ["PROGRAMS", "DecodeStats", "Engine", "Generation", "Prompts", "check_context",
-           "check_prompt", "check_prompts", "decode_spec", "engine_for", "generate",
-           "generate_ar"]
+__all__ = ["PROGRAMS", "Engine", "decode_spec", "engine_for", "generate", "generate_ar"]

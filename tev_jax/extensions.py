@@ -104,7 +104,7 @@ class NodeWeighting(Protocol):
           law: its `ExitLaw` under the frozen target (fields [N]).
 
         The library checks the output's shape and dtype (a ValueError naming the
-        weighting, `tev_jax.exit_train.node_weights`), detaches it and zeroes the root
+        weighting, `tev_jax.exit_weights.node_weights`), detaches it and zeroes the root
         and padding slots.
         """
 

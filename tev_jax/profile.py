@@ -27,7 +27,9 @@ import jax
 import numpy as np
 
 from tev_jax.decode import DecodeConfig, DecodeState
-from tev_jax.engine import Engine, Generation, Prompts, engine_for
+from tev_jax.engine import Engine, engine_for
+from tev_jax.generation import Generation
+from tev_jax.prompts import Prompts
 
 
 def _key(key) -> jax.Array:

@@ -19,7 +19,7 @@ b slots at depth d). Three steps make the tuning:
    position k emits L_k tokens, so the next starts at k + L_k. The block-length laws give
    each position's probability of being a round start (a renewal recursion), and the
    predicted tokens per round is ``sum(visits * tau_k) / sum(visits)``, pooled over
-   prompts as `tev_jax.engine.DecodeStats.tau` pools over rows; its standard error
+   prompts as `tev_jax.generation.DecodeStats.tau` pools over rows; its standard error
    treats prompts as clusters. (The harmonic mean of ``tau_k`` is the same idea with
    every position visited ``1 / tau_k`` of the time; it is reported too.)
 3. **Round costs** t(b, B) (`round_costs`: one-round programs on the local devices,
@@ -54,8 +54,9 @@ from tev_jax import decode
 from tev_jax.budget import AutoBudget, model_fingerprint, read_tuning
 from tev_jax.decode import DecodeConfig
 from tev_jax.drafters import DFlashDrafter, as_drafter
-from tev_jax.engine import Engine, check_prompts
+from tev_jax.engine import Engine
 from tev_jax.exit_law import exit_law
+from tev_jax.prompts import check_prompts
 from tev_jax.sampling import Sampling
 
 TUNING_KEYS = ("tau", "tau_se", "cost_seconds", "ar_seconds", "best")

@@ -8,9 +8,8 @@ import re
 from pathlib import Path
 from typing import Any
 
-from tev_jax.exit_train import (
-    NORMALIZERS, WEIGHTINGS, check_floor, check_prefix_window, check_score_capacities,
-)
+from tev_jax.exit_train import check_prefix_window, check_score_capacities
+from tev_jax.exit_weights import NORMALIZERS, WEIGHTINGS, check_floor
 from tev_jax.sampling import Sampling
 from tev_jax.sharding import TARGET_SHARDINGS
 from train.step import DTYPES, REMAT
@@ -68,7 +67,7 @@ class TrainConfig:
     Objective:
       loss: 'token' (DFlash token objective only), 'exit' (weight w), 'exit_depth'
         (w * depth), 'prefix' (P) or 'reach' (P with the floor; see
-        `tev_jax.exit_train.node_weights`).
+        `tev_jax.exit_weights.node_weights`).
       budget: DDTree node budget of the training trees (N = budget + 1).
       exit_lambda: total = token + exit_lambda * exit.
       exit_normalizer: 'weight' (exit term = weighted NLL / total weight) or 'nodes'
@@ -105,7 +104,7 @@ class TrainConfig:
         backward pass (`train.step.REMAT`).
       exit_prefix_window: None (default): the trees are scored with each anchor's whole
         prefix; W: with only the W tokens before the anchor, re-encoded on their own
-        (the authors' trainer, W = 64; `tev_jax.exit_train.score_window_hidden`).
+        (the authors' trainer, W = 64; `tev_jax.tree_scoring.score_window_hidden`).
       score_capacities: leaf-skipping scoring pass
         (`tev_jax.exit_train.ExitTrainConfig`); empty: score every tree node.
       distributed: call ``jax.distributed.initialize()`` first (multi-host).

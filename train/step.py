@@ -56,15 +56,10 @@ from flax import nnx
 
 from tev_jax import ddtree
 from tev_jax import sharding as shd
-from tev_jax.exit_train import (
-    ExitTrainConfig,
-    block_labels,
-    exit_targets,
-    objective,
-    target_context,
-)
+from tev_jax.exit_train import ExitTrainConfig, block_labels, exit_targets, objective
 from tev_jax.models import lm_head
 from tev_jax.models.drafter import anchor_hidden
+from tev_jax.tree_scoring import target_context
 from train.optimizer import OptimConfig, make_optimizer
 from train.placement import Placement, abstract_state, placement
 from train.state import Batch, Frozen, Graphs, TrainState, merge_drafter, split_models

@@ -56,18 +56,12 @@ from flax import nnx
 
 from tev_jax.data.prompts import prompt_set
 from tev_jax.ddtree import build_trees
-from tev_jax.exit_train import (
-    ExitTrainConfig,
-    block_labels,
-    exit_loss,
-    score_tree_nodes,
-    target_context,
-    token_loss,
-    tree_exit_weights,
-)
+from tev_jax.exit_train import ExitTrainConfig, block_labels
+from tev_jax.exit_weights import exit_loss, token_loss, tree_exit_weights
 from tev_jax.models import load_bundled
 from tev_jax.models.drafter import anchor_logits, default_target_layer_ids
 from tev_jax.sampling import Sampling
+from tev_jax.tree_scoring import score_tree_nodes, target_context
 from train.anchors import sample_anchors
 from train.rollouts import RolloutConfig, generate_responses
 from train.optimizer import OptimConfig
@@ -236,7 +230,7 @@ def run_setup(name: str, leaf_skip: bool) -> dict:
         "exit_loss_grad": lambda: exit_loss_grad(logits, trees, weights),
     })
     if leaf_skip:
-        from tev_jax.exit_train import score_parent_nodes
+        from tev_jax.tree_scoring import score_parent_nodes
 
         @jax.jit
         def parent_scoring(frozen, cache, trees, batch):

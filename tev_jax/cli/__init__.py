@@ -1,0 +1,57 @@
+"""The ``tev-jax`` command line: one small module per subcommand.
+
+Each subcommand parses its arguments into library objects and calls the library; the
+work lives in ``tev_jax`` (`tev_jax.engine`, `tev_jax.profile`, `tev_jax.serve`,
+`tev_jax.plan`). The flags several subcommands share are declared and read in
+`tev_jax.cli.flags`. Add a subcommand by writing a module whose ``add_parser(subparsers)``
+registers its arguments and sets ``func``, and listing it in ``SUBCOMMANDS``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from tev_jax.cli import compare, exit_law, generate, merge_outputs, plan, tune
+from tev_jax.exits import (EXIT_RESUMABLE, EXIT_USAGE, flag_names, interrupt_exit, name_flags,
+                           signals_as_interrupts)
+
+SUBCOMMANDS = [exit_law.add_parser, generate.add_parser, compare.add_parser, plan.add_parser,
+               tune.add_parser, merge_outputs.add_parser]
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The ``tev-jax`` command. Exit codes: 0 done; 2 bad input or a refused run (one
+    line on stderr); 75 a batch job interrupted (SIGINT / SIGTERM) with its results so far
+    on disk: rerun to resume; 130 / 143 a single generation interrupted / terminated."""
+    from tev_jax import __version__
+
+    parser = argparse.ArgumentParser(prog="tev-jax", description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action="version", version=f"tev-jax {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True)
+    for add in SUBCOMMANDS:
+        add(sub)
+    args = parser.parse_args(argv)
+    try:
+        with signals_as_interrupts():
+            return args.func(args)
+    except KeyboardInterrupt as e:
+        from tev_jax.serve import Interrupted
+
+        what, code = interrupt_exit(e.__cause__ if isinstance(e, Interrupted) else e)
+        if isinstance(e, Interrupted):
+            print(f"tev-jax {args.command}: {what}; {e}", file=sys.stderr)
+            return EXIT_RESUMABLE
+        print(f"tev-jax {args.command}: {what}", file=sys.stderr)
+        return code
+    except ValueError as e:
+        from tev_jax.plan import NotEnoughMemory
+
+        message = name_flags(str(e), flag_names(parser))
+        if isinstance(e, NotEnoughMemory):  # a refusal of the settings, not a usage error
+            print(f"tev-jax {args.command}: {message}", file=sys.stderr)
+            return EXIT_USAGE
+        parser.error(message)
+    except OSError as e:
+        where = f"{e.filename}: " if e.filename else ""
+        parser.error(f"{where}{e.strerror or e}")

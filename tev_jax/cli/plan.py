@@ -1,0 +1,120 @@
+"""``tev-jax plan``: per-device memory and cost of the decode programs, without weights."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import jax.numpy as jnp
+
+from tev_jax.cli import flags
+from tev_jax.plan import DECODE_PROGRAMS as PROGRAMS_TO_PLAN
+from tev_jax.plan import PRESETS
+
+
+def _mesh_for_plan(args):
+    """(mesh or None, chip, devices per chip, where) of the plan flags: over a TPU slice's
+    chips with ``--topology``, else over the local devices."""
+    from tev_jax import topology
+
+    if args.topology is None:
+        try:
+            mesh = flags.mesh_from(args)
+        except ValueError as e:
+            raise ValueError(f"{e} (on CPU simulate devices with XLA_FLAGS="
+                             "--xla_force_host_platform_device_count=8)") from e
+        return mesh, topology.local_chip(), 1, "local devices"
+    mesh, tpu = topology.slice_mesh(args.topology, args.mesh_data, args.mesh_fsdp,
+                                    args.mesh_tensor)
+    hosts = f", {tpu.hosts} hosts" if tpu.hosts > 1 else ""
+    return mesh, tpu.chip, tpu.devices_per_chip, f"{tpu.name} ({len(tpu.devices)} devices{hosts})"
+
+
+def plan_command(args) -> int:
+    """``tev-jax plan``: per-device memory and cost of the decode programs, without weights
+    (local devices, or a TPU slice with ``--topology``)."""
+    from tev_jax import plan
+
+    if (args.model is None) == (args.config is None):
+        raise ValueError("give exactly one of --model PRESET or --config path/config.json")
+    cfg = plan.model_config(args.model or args.config, num_layers=args.layers)
+    config = flags.decode_config(args, prompt_len=args.prompt_len, max_cache_len=args.cache_len)
+    mesh, chip, per_chip, where = _mesh_for_plan(args)
+    dtype = jnp.dtype(args.dtype)
+    programs = tuple(p.strip() for p in args.programs.split(","))
+    result = plan.plan_decode_programs(
+        cfg, config, args.batch, dtype=dtype, drafter_layers=args.drafter_layers, mesh=mesh,
+        programs=programs, chip=chip, devices_per_chip=per_chip, ops=args.ops)
+    target, drafter = plan.abstract_models(cfg, config, dtype=dtype,
+                                           drafter_layers=args.drafter_layers)
+    floor = plan.decode_floor(target, drafter, config, args.batch)
+    hbm = plan.hbm_shortfall(result, floor, config)
+    axes = {"data": args.mesh_data, "fsdp": args.mesh_fsdp, "tensor": args.mesh_tensor}
+    what = {"model": args.model or args.config, "layers": cfg.num_layers,
+            "batch": args.batch, "prompt_len": args.prompt_len,
+            "cache_len": args.cache_len, "max_new_tokens": args.max_new_tokens,
+            "builder": args.builder, "budget": args.budget, "verifier": args.verifier,
+            "prefill_chunk": args.prefill_chunk, "temperature": args.temperature,
+            "dtype": args.dtype, "drafter_layers": args.drafter_layers, "mesh": axes,
+            "topology": args.topology, "fits": hbm is None}
+    record = what | result.as_dict(args.tau)
+    if args.json == "-":
+        print(json.dumps(record))
+        return 0
+    if args.json:
+        Path(args.json).write_text(json.dumps(record, indent=1) + "\n")
+    mesh_s = " x ".join(f"{k} {v}" for k, v in axes.items() if v > 1) or "one device"
+    chip_s = "" if chip is None else (f"; roofline: {chip.name}, {chip.peak_flops / 1e12:.0f} "
+                                      f"TFLOP/s, {chip.hbm_bandwidth / 1e9:.0f} GB/s per chip")
+    print(f"{what['model']} ({cfg.num_layers} layers, {args.dtype}), batch {args.batch}, "
+          f"prompt {args.prompt_len}, cache {args.cache_len or 'auto'}, "
+          f"{args.builder} budget {args.budget}, T={args.temperature:g}; {mesh_s} on "
+          f"{where}{chip_s}")
+    print("per device:\n" + result.format(args.tau))
+    if hbm is not None:
+        print(hbm)
+    elif chip is not None and "generation" in result.programs:
+        print(f"fits: the generation's peak {result.programs['generation'].peak_bytes / 2**30:.2f}"
+              f" GiB per device is within {chip.name}'s HBM "
+              f"({chip.hbm_bytes / per_chip / 2**30:.2f} GiB per device)")
+    return 0
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser(
+        "plan", help="per-device memory and cost of the decode programs (no weights needed)",
+        description="Compiles the decode programs (the whole generation, an AR step, a "
+                    "round, a prefill chunk, each stage) for a model config on abstract "
+                    "parameters and prints the compiler's per-device argument / temporary / "
+                    "output bytes, FLOPs, bytes accessed and, on a TPU (--topology), the "
+                    "roofline time. For a mesh on CPU set XLA_FLAGS="
+                    "--xla_force_host_platform_device_count=8. XLA:CPU copies bfloat16 "
+                    "weights to float32, so bfloat16 temporary memory on CPU overstates.")
+    p.add_argument("--model", default=None, help=f"a preset: {', '.join(sorted(PRESETS))}")
+    p.add_argument("--config", default=None, help="a Hugging Face config.json (or its directory)")
+    p.add_argument("--layers", type=int, default=None,
+                   help="plan with this many target layers (e.g. 2 for per-layer figures)")
+    p.add_argument("--batch", type=int, default=1, help="B, rows decoded together (default 1)")
+    p.add_argument("--prompt-len", type=int, default=1024, help="prompt buffer P")
+    p.add_argument("--cache-len", type=int, default=None,
+                   help="cache slots L (default: P + max-new-tokens + tree slots)")
+    flags.add_decode_flags(p)
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                   help="parameter and cache dtype (bfloat16 is honest with --topology only)")
+    p.add_argument("--drafter-layers", type=int, default=1, help="DFlash drafter depth")
+    flags.add_mesh_flags(p)
+    p.add_argument("--topology", default=None, metavar="NAME",
+                   help="plan for a TPU slice (e.g. v5e:2x4, v5p:2x2x2, v5e:4x4; needs the "
+                        "tpu extra) instead of the local devices; the mesh flags lay it out")
+    p.add_argument("--programs", default=",".join(PROGRAMS_TO_PLAN),
+                   help="comma-separated programs to compile (default: all of "
+                        "%(default)s)")
+    p.add_argument("--tau", type=float, default=None,
+                   help="an expected tau: estimate tokens/s and the speed-up over AR")
+    p.add_argument("--ops", type=int, default=0, metavar="N",
+                   help="also compile the fused rounds loop of the AR step and of the round "
+                        "and show their N largest ops (per round and once per call, with "
+                        "the source line and stage that made them)")
+    p.add_argument("--json", default=None, metavar="FILE",
+                   help="also write the plan as JSON to FILE ('-': only JSON, on stdout)")
+    p.set_defaults(func=plan_command)

@@ -1,0 +1,71 @@
+"""What a generation returns: the tokens, their lengths and the statistics of the run."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeStats:
+    """Statistics of one generation (host numpy arrays).
+
+    Attributes:
+      rounds: loop iterations run (the longest row's rounds).
+      rounds_per_row: int [B] rounds in which the row was still active.
+      kv_moves: int [B] rounds in which the accepted path was not the first slots of the
+        tree, so that commit moved key/value entries (DDTree paths through later slots).
+      block_lengths: int [R, B] output-block length (accepted + bonus) per round and row
+        (before truncation at a stop token or at M); 0 where the row was finished.
+      expected_lengths: float [R, B] the exit law's ``1 + coverage`` of the same trees
+        (``track_exit_law``), else None.
+      stage_seconds: per-stage wall seconds up to ``block_until_ready``, summed over
+        rounds (`tev_jax.profile.profile_generate` only; keys 'prefill', 'draft',
+        'build', 'verify', 'decide', 'commit'; each includes the stage call's
+        dispatch), else None.
+      round_seconds: the per-round stage times behind ``stage_seconds`` (stage ->
+        float [R]; the prefill has one entry), for robust statistics such as medians
+        on a loaded machine (`tev_jax.profile.profile_generate` only), else None.
+      seconds: wall time of the timed call (`tev_jax.profile`), else None.
+      compile_seconds: wall time of the first (compiling) call (`tev_jax.profile`),
+        else None.
+    """
+
+    rounds: int
+    rounds_per_row: np.ndarray
+    kv_moves: np.ndarray
+    block_lengths: np.ndarray
+    expected_lengths: np.ndarray | None = None
+    stage_seconds: dict[str, float] | None = None
+    round_seconds: dict[str, np.ndarray] | None = None
+    seconds: float | None = None
+    compile_seconds: float | None = None
+
+    @property
+    def tau(self) -> float:
+        """Mean output-block length per round (bonus included), over all rows."""
+        n = int(self.rounds_per_row.sum())
+        return float(self.block_lengths.sum()) / n if n else float("nan")
+
+
+@dataclasses.dataclass(frozen=True)
+class Generation:
+    """The output of a generation.
+
+    Attributes:
+      tokens: int32 [B, M] generated tokens only; ``PAD_TOKEN`` (-1) after each row's end.
+      lengths: int32 [B] generated tokens per row (a final stop token included).
+      stats: `DecodeStats`.
+    """
+
+    tokens: np.ndarray
+    lengths: np.ndarray
+    stats: DecodeStats
+
+    def rows(self) -> list[list[int]]:
+        """The generated tokens of every row as Python lists (padding removed)."""
+        return [t[:n].tolist() for t, n in zip(self.tokens, self.lengths)]
+
+
+__all__ = ["DecodeStats", "Generation"]

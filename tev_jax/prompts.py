@@ -1,0 +1,78 @@
+"""Prompts on the host: the one prompt check of the library and the padded batch the
+engine's programs take."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import jax
+import numpy as np
+
+
+@dataclasses.dataclass(frozen=True)
+class Prompts:
+    """A batch of prompts ready for the engine: int32 tokens [B, T] (zero-padded) and
+    int32 lengths [B], placed on the engine's mesh."""
+
+    tokens_BT: jax.Array
+    lengths_B: jax.Array
+
+
+def check_prompt(ids, vocab_size: int, prompt_len: int | None = None, *,
+                 what: str = "prompt") -> np.ndarray:
+    """One prompt as int32 [T]; a ValueError starting with ``what`` if it is unusable.
+
+    The one prompt check of the library (`generate`, continuous batching, batch files).
+
+    Args:
+      ids: the token ids (a flat sequence of integers).
+      vocab_size: V; every id must be in ``[0, V)``.
+      prompt_len: the prompt buffer P (at most P tokens), or None.
+      what: how the message names the prompt (``"prompt 3"``, ``"request 'a'"``,
+        ``"file.jsonl:3: id 'a'"``).
+    """
+    arr = np.asarray(ids)
+    if arr.ndim != 1:
+        raise ValueError(f"{what}: the prompt must be a flat list of token ids, got shape "
+                         f"{arr.shape}")
+    if arr.size == 0:
+        raise ValueError(f"{what}: the prompt is empty; every prompt needs at least one token")
+    if not np.issubdtype(arr.dtype, np.integer):
+        raise ValueError(f"{what}: token ids must be integers, got dtype {arr.dtype}")
+    bad = (arr < 0) | (arr >= vocab_size)
+    if bad.any():
+        k = int(np.argmax(bad))
+        raise ValueError(f"{what}: token id {int(arr[k])} is outside the vocabulary "
+                         f"[0, {vocab_size}) (position {k})")
+    if prompt_len is not None and arr.size > prompt_len:
+        raise ValueError(f"{what}: the prompt has {arr.size} tokens, more than the prompt "
+                         f"buffer ({prompt_len}); raise prompt_len or shorten the prompt")
+    return arr.astype(np.int32)
+
+
+def check_context(prompt_tokens: int, max_new_tokens: int, max_positions: int, *,
+                  what: str = "prompt") -> None:
+    """A ValueError starting with ``what`` unless the prompt and ``max_new_tokens`` fit in
+    the target's context (``max_position_embeddings``: beyond it a model trained on
+    shorter texts writes garbage), as vLLM checks its ``max_model_len``."""
+    if prompt_tokens + max_new_tokens > max_positions:
+        raise ValueError(
+            f"{what}: the prompt ({prompt_tokens} tokens) + --max-new-tokens "
+            f"({max_new_tokens}) = {prompt_tokens + max_new_tokens} tokens exceed the "
+            f"target's context length (max_position_embeddings = {max_positions}); "
+            "shorten the prompt or lower --max-new-tokens")
+
+
+def check_prompts(prompt_ids, vocab_size: int, prompt_len: int | None = None
+                  ) -> list[np.ndarray]:
+    """`check_prompt` of every prompt of a non-empty batch; -> int32 arrays."""
+    if isinstance(prompt_ids, (str, bytes)) or not isinstance(prompt_ids, Sequence):
+        raise ValueError("prompt_ids must be a list of token-id lists")
+    if len(prompt_ids) == 0:
+        raise ValueError("prompt_ids is empty: give at least one prompt")
+    return [check_prompt(p, vocab_size, prompt_len, what=f"prompt {i}")
+            for i, p in enumerate(prompt_ids)]
+
+
+__all__ = ["Prompts", "check_context", "check_prompt", "check_prompts"]
