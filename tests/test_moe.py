@@ -43,7 +43,7 @@ def _moe_config(**kw) -> ModelConfig:
 # --------------------------------------------------------------- the expert MLP
 
 
-@pytest.mark.parametrize("method", ["ragged", "gather"])
+@pytest.mark.parametrize("method", ["ragged", "touched"])
 def test_expert_methods_equal_the_dense_oracle_and_split_over_experts(method):
     """Every method gives the all-experts oracle; experts split in blocks (what a device
     holds under expert parallelism) sum to the whole."""
@@ -65,6 +65,10 @@ def test_expert_methods_equal_the_dense_oracle_and_split_over_experts(method):
     dense = expert_mlp(x, idx, w, gate, up, down, method="dense")
     np.testing.assert_allclose(np.asarray(dense), want, atol=1e-5)
     got = jax.jit(lambda *a: expert_mlp(*a, method=method))(x, idx, w, gate, up, down)
+    np.testing.assert_allclose(np.asarray(got), want, atol=1e-5)
+    # the same experts as entry 1 of a stack (what the layer scan hands over), read in place
+    stacked = [jnp.stack([a * 0.5, a, a * 2.0]) for a in (gate, up, down)]
+    got = expert_mlp(x, idx, w, *stacked, method=method, stack=jnp.int32(1))
     np.testing.assert_allclose(np.asarray(got), want, atol=1e-5)
     parts = sum(expert_mlp(x, idx, w, gate[lo:lo + 2], up[lo:lo + 2], down[lo:lo + 2],
                            method=method, first_expert=lo) for lo in range(0, e, 2))

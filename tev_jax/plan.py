@@ -58,6 +58,13 @@ PRESETS: dict[str, ModelConfig] = {
         num_layers=32, num_heads=32, num_kv_heads=8, head_dim=128, rope_theta=500_000.0,
         rope_scaling=RopeScaling("llama3", 8.0, 1.0, 4.0, 8192), rms_norm_eps=1e-5,
         tie_word_embeddings=False, qk_norm=False, max_position_embeddings=131_072),
+    # a mixture of 128 experts, top 8, in every layer (3.3 B of 30.5 B parameters active)
+    "qwen3-coder-30b-a3b": ModelConfig(
+        model_type="qwen3_moe", vocab_size=151_936, hidden_size=2048, intermediate_size=6144,
+        num_layers=48, num_heads=32, num_kv_heads=4, head_dim=128,
+        rope_theta=10_000_000.0, rms_norm_eps=1e-6, tie_word_embeddings=False, qk_norm=True,
+        max_position_embeddings=262_144, num_experts=128, num_experts_per_tok=8,
+        moe_intermediate_size=768, norm_topk_prob=True),
 }
 
 GiB = 2**30
@@ -116,7 +123,8 @@ def drafter_config(target_cfg: ModelConfig, *, num_layers: int = 1, block_size: 
     token is the last vocabulary id (any id gives the same shapes).
     """
     model = dataclasses.replace(target_cfg, model_type="qwen3", qk_norm=True,
-                                num_layers=num_layers, rope_scaling=None)
+                                num_layers=num_layers, rope_scaling=None, num_experts=0,
+                                mlp_only_layers=())
     taps = (default_target_layer_ids(target_cfg.num_layers, num_layers)
             if target_layer_ids is None else tuple(target_layer_ids))
     return DrafterConfig(

@@ -54,11 +54,16 @@ from tev_jax.sharding import constrain
 _INIT_STD = 0.02
 
 
-def make_param(rngs: nnx.Rngs | None, shape, dtype, axes, init: str) -> nnx.Param:
+def make_param(rngs: nnx.Rngs | None, shape, dtype, axes, init: str, *,
+               whole: bool = False) -> nnx.Param:
     """A parameter with logical axes and its initializer kind recorded as metadata.
 
     ``init`` is 'normal' (std 0.02), 'ones' or 'zeros'. `fast_init` uses the recorded
-    kind to initialise a whole model in one jitted program.
+    kind to initialise a whole model in one jitted program. ``whole``: in a stacked
+    layer, `scan_layers` hands the layer body the whole stack of this parameter (every
+    layer) instead of layer i's slice, and the module indexes it with `stack_index`
+    where it reads it: a slice fed to a loop or a kernel would be copied out of the
+    stack first (a mixture's experts: the copy was twice the bytes the experts read).
     """
     if init == "normal":
         value = _INIT_STD * jax.random.normal(rngs.params(), shape, jnp.float32)
@@ -67,7 +72,7 @@ def make_param(rngs: nnx.Rngs | None, shape, dtype, axes, init: str) -> nnx.Para
     else:
         value = jnp.zeros(shape, jnp.float32)
     return nnx.Param(value.astype(dtype), out_sharding=tuple(axes), eager_sharding=False,
-                     initializer=init)
+                     initializer=init, whole_stack=whole)
 
 
 def fast_init(abs_state: nnx.State, key: jax.Array) -> nnx.State:
@@ -371,6 +376,22 @@ def scan_unroll(unroll: int | bool):
         _UNROLL.reset(token)
 
 
+_STACK_INDEX: contextvars.ContextVar = contextvars.ContextVar("tev_stack_index",
+                                                           default=None)
+
+
+def stack_index():
+    """The scan step (traced int32) of the `scan_layers` body being traced: the index
+    into a ``whole`` parameter's stack (`make_param`). 0 outside a scan (a module not
+    stacked has a stack of one)."""
+    g = _STACK_INDEX.get()
+    return jnp.int32(0) if g is None else g
+
+
+def _whole(path, v) -> bool:
+    return bool(v.get_metadata().get("whole_stack", False))
+
+
 def scan_layers(layers: nnx.Module, body, carry, *, depth: int | None = None, remat=None):
     """``carry = body(layer_i, i, carry)`` for i = 0 .. depth-1, as one ``lax.scan``.
 
@@ -386,7 +407,7 @@ def scan_layers(layers: nnx.Module, body, carry, *, depth: int | None = None, re
     Returns:
       The final carry. The loop unrolls as `scan_unroll` says (default: not at all).
     """
-    graphdef, state = nnx.split(layers)
+    graphdef, whole, state = nnx.split(layers, _whole, ...)
     stacked = jax.tree.leaves(state)[0].shape[0]
     p = len(layers.sublayers) if isinstance(layers, LayerPeriod) else 1
     n = stacked if depth is None else -(-depth // p)
@@ -395,12 +416,16 @@ def scan_layers(layers: nnx.Module, body, carry, *, depth: int | None = None, re
 
     def step(carry, xs):
         g, layer_state = xs
-        layer = nnx.merge(graphdef, layer_state)
-        if p == 1:
-            return body(layer, g, carry), None
-        for j, sub in enumerate(layer.sublayers):
-            carry = body(sub, g * p + j, carry)
-        return carry, None
+        layer = nnx.merge(graphdef, whole, layer_state)
+        token = _STACK_INDEX.set(g)
+        try:
+            if p == 1:
+                return body(layer, g, carry), None
+            for j, sub in enumerate(layer.sublayers):
+                carry = body(sub, g * p + j, carry)
+            return carry, None
+        finally:
+            _STACK_INDEX.reset(token)
 
     if remat is not None:
         step = jax.checkpoint(step, policy=remat)

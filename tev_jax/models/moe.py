@@ -12,11 +12,11 @@ ways compute the same sum, picked by `expert_mlp`'s ``method``:
 - ``'ragged'``: the M·k (token, expert) pairs sorted by expert and two grouped matmuls
   (``jax.lax.ragged_dot``, a Mosaic kernel on TPU); for the tree verify pass, prefill
   and training, where most experts are hit;
-- ``'gather'``: the selected experts' weights gathered per pair; reads only those
-  experts, for small M·k (AR steps, small trees);
+- ``'touched'``: a loop over the experts the pairs touch, each applied to all M tokens;
+  reads only those experts' weights, once each, for small M·k (AR steps, small trees);
 - ``'dense'``: every expert on every token, weighted by the (mostly zero) routing: the
   test oracle.
-``'auto'`` takes 'gather' when M·k < E (fewer pairs than experts), else 'ragged'.
+``'auto'`` takes 'touched' when M·k < E (fewer pairs than experts), else 'ragged'.
 
 Sharding: the stacked expert weights carry the logical axes ``experts`` and
 ``moe_mlp`` (`tev_jax.sharding`). Under a mesh that splits either, each device computes
@@ -42,9 +42,9 @@ from jax.sharding import PartitionSpec
 
 from tev_jax import sharding as shd
 from tev_jax.models.config import MoeSpec
-from tev_jax.models.layers import Linear, make_param
+from tev_jax.models.layers import Linear, make_param, stack_index
 
-METHODS = ("auto", "ragged", "gather", "dense")
+METHODS = ("auto", "ragged", "touched", "dense")
 EXPERT_AXES = ("experts", "embed", "moe_mlp")
 DOWN_AXES = ("experts", "moe_mlp", "embed")
 
@@ -70,11 +70,11 @@ def choose_method(method: str, pairs: int, num_experts: int) -> str:
         raise ValueError(f"MoE method must be one of {METHODS}, got {method!r}")
     if method != "auto":
         return method
-    return "gather" if pairs < num_experts else "ragged"
+    return "touched" if pairs < num_experts else "ragged"
 
 
 def expert_mlp(x_MD, idx_MK, w_MK, gate_EDF, up_EDF, down_EFD, *, method: str,
-               first_expert=0):
+               first_expert=0, stack=None):
     """``y[m] = sum_j w[m, j] · expert_{idx[m, j]}(x[m])`` over the experts held here.
 
     Args:
@@ -82,17 +82,26 @@ def expert_mlp(x_MD, idx_MK, w_MK, gate_EDF, up_EDF, down_EFD, *, method: str,
       idx_MK, w_MK: routing (`route`): expert ids in the full [0, E_all) range, weights.
       gate_EDF, up_EDF, down_EFD: E experts' weights, experts ``first_expert ..
         first_expert + E - 1`` (all of them, or one device's block).
-      method: 'ragged', 'gather' or 'dense' (see the module docstring).
+      method: 'ragged', 'touched' or 'dense' (see the module docstring).
       first_expert: id of the first expert held (traced under a shard_map).
+      stack: None, or an index (traced) into a leading stack axis of the three weights
+        ([S, E, D, F]): entry ``stack`` is used, read in place by 'touched' (a slice
+        handed to a loop would be copied out first).
     Returns:
       [M, D] in x's dtype: the pairs on other experts contribute nothing.
     """
     m, k = idx_MK.shape
-    e = gate_EDF.shape[0]
+    e = gate_EDF.shape[-3]
     local = idx_MK - first_expert
     here = (local >= 0) & (local < e)
     w = jnp.where(here, w_MK, 0).astype(x_MD.dtype)
     x = x_MD.astype(gate_EDF.dtype)
+    if method == "touched":
+        return _touched_experts(x, jnp.where(here, local, e), w, gate_EDF, up_EDF,
+                                down_EFD, stack).astype(x_MD.dtype)
+    if stack is not None:
+        gate_EDF, up_EDF, down_EFD = (jax.lax.dynamic_index_in_dim(a, stack, keepdims=False)
+                                      for a in (gate_EDF, up_EDF, down_EFD))
     if method == "dense":
         h = jax.nn.silu(jnp.einsum("md,edf->mef", x, gate_EDF)) * jnp.einsum(
             "md,edf->mef", x, up_EDF)
@@ -100,14 +109,8 @@ def expert_mlp(x_MD, idx_MK, w_MK, gate_EDF, up_EDF, down_EFD, *, method: str,
         combine = jnp.zeros((m, e), w.dtype).at[
             jnp.arange(m)[:, None], jnp.where(here, local, e)].add(w, mode="drop")
         return jnp.einsum("med,me->md", o, combine.astype(o.dtype)).astype(x_MD.dtype)
-    if method == "gather":
-        sel = jnp.clip(local, 0, e - 1)
-        h = jax.nn.silu(jnp.einsum("md,mkdf->mkf", x, gate_EDF[sel])) * jnp.einsum(
-            "md,mkdf->mkf", x, up_EDF[sel])
-        o = jnp.einsum("mkf,mkfd->mkd", h, down_EFD[sel])
-        return jnp.einsum("mkd,mk->md", o, w.astype(o.dtype)).astype(x_MD.dtype)
     if method != "ragged":
-        raise ValueError(f"MoE method must be 'ragged', 'gather' or 'dense', got {method!r}")
+        raise ValueError(f"MoE method must be 'ragged', 'touched' or 'dense', got {method!r}")
     # Pairs on other devices' experts sort last, past every group: ragged_dot leaves
     # rows beyond the groups' total at zero.
     key = jnp.where(here, local, e).reshape(-1)
@@ -121,14 +124,47 @@ def expert_mlp(x_MD, idx_MK, w_MK, gate_EDF, up_EDF, down_EFD, *, method: str,
     return jnp.zeros((m, o.shape[-1]), o.dtype).at[token].add(o).astype(x_MD.dtype)
 
 
+def _touched_experts(x_MD, key_MK, w_MK, gate_EDF, up_EDF, down_EFD, stack=None):
+    """The 'touched' method: a loop over the experts the pairs touch (``key`` < E), each
+    applied to all M tokens with its routing weight (0 for tokens that did not pick
+    it). Reads each touched expert's weights once, and no other's; its trip count is
+    the number of touched experts (at most M·k)."""
+    m, k = key_MK.shape
+    e = gate_EDF.shape[-3]
+    lead = () if stack is None else (stack,)
+    rows = jnp.broadcast_to(jnp.arange(m)[:, None], (m, k))
+    coef_ME = jnp.zeros((m, e + 1), w_MK.dtype).at[rows, key_MK].add(w_MK)[:, :e]
+    touched = jnp.zeros((e + 1,), bool).at[key_MK].set(True)[:e]
+    ids = jnp.nonzero(touched, size=min(e, m * k), fill_value=0)[0]
+
+    def one(j, y_MD):
+        ex = ids[j]
+        # one dynamic slice of the (stacked) weights: read in place, not copied
+        gate, up, down = (jax.lax.dynamic_slice(
+            a, lead + (ex, 0, 0), (1,) * len(lead) + (1,) + a.shape[-2:]).reshape(a.shape[-2:])
+            for a in (gate_EDF, up_EDF, down_EFD))
+        h = jax.nn.silu(x_MD @ gate) * (x_MD @ up)
+        coef = jax.lax.dynamic_index_in_dim(coef_ME, ex, axis=1, keepdims=False)
+        return y_MD + (h @ down) * coef[:, None].astype(h.dtype)
+
+    y = jnp.zeros((m, down_EFD.shape[-1]), jnp.promote_types(x_MD.dtype, down_EFD.dtype))
+    return jax.lax.fori_loop(0, jnp.sum(touched), one, y)
+
+
 class Experts(nnx.Module):
     """E SwiGLU experts' stacked weights (see the module docstring)."""
 
     def __init__(self, hidden_size: int, spec: MoeSpec, *, dtype, rngs: nnx.Rngs):
         d, e, f = hidden_size, spec.num_experts, spec.expert_size
-        self.gate_proj = make_param(rngs, (e, d, f), dtype, EXPERT_AXES, "normal")
-        self.up_proj = make_param(rngs, (e, d, f), dtype, EXPERT_AXES, "normal")
-        self.down_proj = make_param(rngs, (e, f, d), dtype, DOWN_AXES, "normal")
+        self.gate_proj = make_param(rngs, (e, d, f), dtype, EXPERT_AXES, "normal", whole=True)
+        self.up_proj = make_param(rngs, (e, d, f), dtype, EXPERT_AXES, "normal", whole=True)
+        self.down_proj = make_param(rngs, (e, f, d), dtype, DOWN_AXES, "normal", whole=True)
+
+    def stacks(self) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """(gate [S, E, D, F], up, down [S, E, F, D]): the weights with a leading stack
+        axis (S = 1 unless stacked layers hand over the whole stack: `make_param`)."""
+        ws = (self.gate_proj[...], self.up_proj[...], self.down_proj[...])
+        return tuple(w if w.ndim == 4 else w[None] for w in ws)
 
 
 class MoE(nnx.Module):
@@ -157,51 +193,52 @@ class MoE(nnx.Module):
         w, idx = self.route(x_BTD)
         method = choose_method(self.method if method is None else method,
                                b * t * self.spec.top_k, self.spec.num_experts)
-        weights = (self.experts.gate_proj[...], self.experts.up_proj[...],
-                   self.experts.down_proj[...])
-        y = sharded_experts(x_BTD, idx.reshape(b, t, -1), w.reshape(b, t, -1), weights,
-                            method)
+        y = sharded_experts(x_BTD, idx.reshape(b, t, -1), w.reshape(b, t, -1),
+                            self.experts.stacks(), stack_index(), method)
         return shd.constrain(y, ("batch", "seq", "act_embed"))
 
 
-def sharded_experts(x_BTD, idx_BTK, w_BTK, weights, method: str) -> jax.Array:
-    """`expert_mlp` on the active mesh's layout of the expert weights (module docstring).
+def sharded_experts(x_BTD, idx_BTK, w_BTK, stacks, g, method: str) -> jax.Array:
+    """`expert_mlp` of stack entry ``g`` of the expert weights (`Experts.stacks`), on
+    the active mesh's layout of them (module docstring).
 
     Without a mesh, or with neither ``experts`` nor ``moe_mlp`` split, one plain call.
     """
-    gate, up, down = weights
     b, t, d = x_BTD.shape
 
-    def local(x, idx, w, gate, up, down, first):
+    def local(x, idx, w, g, gate, up, down, first):
         y = expert_mlp(x.reshape(-1, d), idx.reshape(-1, idx.shape[-1]),
                        w.reshape(-1, w.shape[-1]), gate, up, down, method=method,
-                       first_expert=first)
+                       first_expert=first, stack=g)
         return y.reshape(x.shape)
 
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty:
-        return local(x_BTD, idx_BTK, w_BTK, gate, up, down, 0)
+        return local(x_BTD, idx_BTK, w_BTK, g, *stacks, 0)
+    gate = stacks[0]
     # Expert weights by their experts / moe_mlp axes only (embed gathered).
-    spec_up = shd.logical_to_spec(("experts", None, "moe_mlp"), gate.shape, mesh)
-    spec_down = shd.logical_to_spec(("experts", "moe_mlp", None), down.shape, mesh)
-    expert_axes = _axes(spec_up, 0)
-    split = expert_axes + _axes(spec_up, 2)
+    spec_up = shd.logical_to_spec((None, "experts", None, "moe_mlp"), gate.shape, mesh)
+    spec_down = shd.logical_to_spec((None, "experts", "moe_mlp", None), stacks[2].shape,
+                                    mesh)
+    expert_axes = _axes(spec_up, 1)
+    split = expert_axes + _axes(spec_up, 3)
     if not split:
-        return local(x_BTD, idx_BTK, w_BTK, gate, up, down, 0)
+        return local(x_BTD, idx_BTK, w_BTK, g, *stacks, 0)
     # Tokens keep their batch split on the axes the experts do not use.
     batch = tuple(a for a in _axes(shd.logical_to_spec(("batch",), (b,), mesh), 0)
                   if a not in split)
     spec_x = PartitionSpec(batch or None)
-    e_local = gate.shape[0] // _size(mesh, expert_axes)
+    e_local = gate.shape[1] // _size(mesh, expert_axes)
 
-    def body(x, idx, w, gate, up, down):
+    def body(x, idx, w, g, gate, up, down):
         first = (jax.lax.axis_index(expert_axes) * e_local if expert_axes else 0)
-        return jax.lax.psum(local(x, idx, w, gate, up, down, first), split)
+        return jax.lax.psum(local(x, idx, w, g, gate, up, down, first), split)
 
     return jax.shard_map(body, mesh=mesh,
-                         in_specs=(spec_x, spec_x, spec_x, spec_up, spec_up, spec_down),
+                         in_specs=(spec_x, spec_x, spec_x, PartitionSpec(), spec_up, spec_up,
+                                   spec_down),
                          out_specs=spec_x, check_vma=False)(
-        x_BTD, idx_BTK, w_BTK, gate, up, down)
+        x_BTD, idx_BTK, w_BTK, g, *stacks)
 
 
 def _axes(spec: PartitionSpec, dim: int) -> tuple[str, ...]:
