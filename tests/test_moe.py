@@ -239,3 +239,21 @@ def test_every_mesh_gives_single_device_tokens(models, single_device, mesh_name,
     ref = single_device[temperature]
     assert out.rows() == ref.rows()
     np.testing.assert_array_equal(out.stats.block_lengths, ref.stats.block_lengths)
+
+
+def test_training_flops_count_the_experts_a_token_uses():
+    """`train.plan.step_model_flops` of a mixture: k experts per token. With E = 8 it is
+    E = 2 = k's count plus only the wider router (2 D (E - k) per token and layer)."""
+    from tev_jax.plan import abstract_drafter
+    from train.plan import step_model_flops
+
+    cfg = _moe_config()
+    kw = dict(batch=2, seq_len=64, anchors=4, budget=8)
+    drafter = abstract_drafter(cfg)
+    tokens = 2 * 64 + 2 * 4 * 9
+    wide = step_model_flops(cfg, drafter, **kw)
+    narrow = step_model_flops(_moe_config(num_experts=2), drafter, **kw)
+    assert wide - narrow == 2 * 64 * (8 - 2) * cfg.num_layers * tokens
+    dense_all = step_model_flops(_moe_config(num_experts=0, intermediate_size=8 * 32),
+                                 drafter, **kw)
+    assert wide < dense_all       # not every expert counted

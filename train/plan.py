@@ -136,13 +136,16 @@ def step_model_flops(target_config, drafter, *, batch: int, seq_len: int, anchor
     tree nodes once (the scoring pass, N = budget + 1), with the LM head over the nodes;
     the drafter's layers and fc run forward and backward (x 3) over the B x A blocks of
     H + 1 positions, with the frozen head forward and backward (to its input) over the
-    B x A x H draft rows. ``2 * parameters`` FLOPs per token for a forward.
+    B x A x H draft rows. ``2 * parameters`` FLOPs per token for a forward; a mixture
+    of experts counts the k experts a token uses, not all E.
     """
     d, v = target_config.hidden_size, target_config.vocab_size
     head = d * v
     count = lambda tree: sum(math.prod(x.shape) for x in jax.tree.leaves(tree)
                              if isinstance(x, jax.ShapeDtypeStruct))
-    layer_params = count(abstract_target(target_config, "float32").layers)
+    unused = sum(3 * (s.moe.num_experts - s.moe.top_k) * d * s.moe.expert_size
+                 for s in target_config.layer_specs if s.moe is not None)
+    layer_params = count(abstract_target(target_config, "float32").layers) - unused
     draft_params = count(drafter)
     h = drafter.config.horizon
     blocks = batch * anchors
