@@ -28,8 +28,13 @@ import jax  # noqa: E402
 # The second job of a test loads the step compiled by the first.
 jax.config.update("jax_compilation_cache_dir", SPEC["compile_cache"])
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+# Barrier and heartbeat deadlines as long as the test's own limit: on a loaded machine
+# one process may reach a barrier (or the shutdown) minutes after the other; only the
+# test decides that the job hangs.
 jax.distributed.initialize(coordinator_address=f"localhost:{PORT}", num_processes=2,
-                           process_id=PROCESS_ID)
+                           process_id=PROCESS_ID, initialization_timeout=SPEC["timeout_s"],
+                           heartbeat_timeout_seconds=SPEC["timeout_s"],
+                           shutdown_timeout_seconds=SPEC["timeout_s"])
 
 import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402

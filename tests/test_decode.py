@@ -97,12 +97,40 @@ def test_every_builder_and_verifier_is_greedy_exact(target, drafter, reference, 
                 assert 1 <= tau < H + 1
 
 
+def _check_trace(trace, gen):
+    """Issue 38: a `tev_jax.trace.RoundTrace` against the generation it recorded: accepted
+    lengths, the output blocks rebuilding the tokens, paths along parent links, each
+    round's root the previous bonus, draft log-probabilities on the nodes only."""
+    np.testing.assert_array_equal(trace.block_lengths, gen.stats.block_lengths)
+    assert trace.rounds == gen.stats.rounds
+    for b, row in enumerate(gen.rows()):
+        first = int(trace.tree.tokens[0, b, 0])  # round 0's root: the prefill's token
+        assert ([first] + [t for block in trace.blocks(b) for t in block])[:len(row)] == row
+    path = trace.verdict.path
+    assert (path[:, :, 0] == 0).all()
+    for r in range(trace.rounds):
+        for b in range(len(gen.lengths)):
+            nodes = path[r, b, :trace.verdict.length[r, b]]
+            assert (trace.tree.parents[r, b, nodes[1:]] == nodes[:-1]).all()
+            if r + 1 < trace.rounds and trace.active_RB[r + 1, b]:
+                assert trace.tree.tokens[r + 1, b, 0] == trace.verdict.bonus[r, b]
+    node = trace.tree.valid & (trace.tree.depths > 0)
+    logp = trace.draft_logp_RBN
+    assert np.isfinite(logp).all() and (logp[node] <= 0).all() and (logp[~node] == 0).all()
+
+
 def test_stop_tokens_end_rows_independently(target, drafter, reference):
     drafter.use_oracle[...] = jnp.asarray(True)
     # A stop token that row 0 emits early; the other rows must be unaffected up to theirs.
     stop = reference[0][10]
-    gen = profile.profile_generate(target, drafter, PROMPTS,
-                                  _config(builder="ddtree", stop_token_ids=(stop,)), warmup=False)
+    config = _config(builder="ddtree", stop_token_ids=(stop,))
+    gen = profile.profile_generate(target, drafter, PROMPTS, config, warmup=False, trace=True)
+    traced = engine.generate(target, drafter, PROMPTS, config, trace=True)
+    np.testing.assert_array_equal(traced.tokens, gen.tokens)
+    for t in (gen.trace, traced.trace):
+        _check_trace(t, gen)
+    assert not traced.trace.active_RB[-1].all()  # row 0 stopped before the others
+    np.testing.assert_array_equal(traced.trace.verdict.path, gen.trace.verdict.path)
     for row, ref, n, toks in zip(gen.rows(), reference, gen.lengths, gen.tokens):
         end = ref.index(stop) + 1 if stop in ref else M
         assert row == ref[:end]
@@ -125,10 +153,17 @@ def test_fused_path_equals_profiled_path_at_t1(target, drafter):
     drafter.use_oracle[...] = jnp.asarray(True)
     config = _config(builder="ddtree", verifier="tev", sampling=Sampling(1.0), max_new_tokens=40)
     a = engine.generate(target, drafter, PROMPTS, config, key=7)
-    b = profile.profile_generate(target, drafter, PROMPTS, config, key=7, warmup=False)
+    b = profile.profile_generate(target, drafter, PROMPTS, config, key=7, warmup=False,
+                                 trace=True)
     np.testing.assert_array_equal(a.tokens, b.tokens)
     np.testing.assert_array_equal(a.stats.block_lengths, b.stats.block_lengths)
     assert a.stats.tau > 1.5
+    traced = engine.generate(target, drafter, PROMPTS, config, key=7, trace=True)
+    np.testing.assert_array_equal(traced.tokens, a.tokens)
+    for gen in (b, traced):
+        _check_trace(gen.trace, a)
+    np.testing.assert_allclose(traced.trace.draft_logp_RBN, b.trace.draft_logp_RBN,
+                               rtol=1e-5, atol=1e-6)
     c = engine.generate(target, drafter, PROMPTS, config, key=8)
     assert not np.array_equal(a.tokens, c.tokens)
 

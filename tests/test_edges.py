@@ -273,7 +273,9 @@ def test_interrupts_end_with_one_line_and_a_documented_code(tmp_path, target_dir
     except KeyboardInterrupt:
         pytest.fail("the interrupt escaped tev-jax generate")
     assert code == 130
-    assert capsys.readouterr().err.strip() == "tev-jax generate: interrupted (SIGINT)"
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["compiling the decode program (once per setting) ...",
+                   "tev-jax generate: interrupted (SIGINT)"]
 
 
 def test_streams_to_a_terminal_exactly(target_dir, capsys, monkeypatch):
@@ -282,7 +284,8 @@ def test_streams_to_a_terminal_exactly(target_dir, capsys, monkeypatch):
     prints."""
     argv = ["generate", PROMPT, "--target", str(target_dir), *AR]
     assert cli.main(argv) == 0
-    piped = capsys.readouterr().out
+    piped, piped_err = capsys.readouterr()
+    assert piped_err.startswith("compiling the decode program")  # issue 38, item 16
     writes = []
     monkeypatch.setattr(sys.stdout, "isatty", lambda: True)
     real_write = sys.stdout.write
@@ -385,6 +388,7 @@ def test_rollouts_read_prompts_as_generate_does(tmp_path, target_dir, capsys):
             str(tmp_path / "r"), "--max-prompt-len", "8", "--max-new-tokens", "4",
             "--stop-ids", "", "--batch-size", "2"]
     assert train_cli.main(argv) == 0
+    assert "| 2/2 [" in capsys.readouterr().err  # issue 38, item 14: a total and an ETA
     data = RolloutSet.load(tmp_path / "r")
     assert data.tokens[1, :3].tolist() == [7, 8, 9] and data.spans.tolist() == [[2, 6], [3, 7]]
     assert data.manifest["info"]["target_fingerprint"] == weights_fingerprint(target_dir)

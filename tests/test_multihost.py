@@ -9,6 +9,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import jax
@@ -23,7 +24,7 @@ from train.rollouts import RolloutSet, write_rollouts
 WORKER = Path(__file__).with_name("multihost_worker.py")
 CONFIG = dict(mesh_data=2, mesh_fsdp=4)
 UPDATES = 3
-TIMEOUT_S = 480         # a hang, not a slow shared machine
+TIMEOUT_S = 900         # a hang, not a slow shared machine (the job takes ~200 s alone)
 
 pytestmark = pytest.mark.skipif(not shd.device_count_ok(8), reason="needs 8 host devices")
 
@@ -38,22 +39,28 @@ def _launch(out: Path, data: Path, **spec) -> list[dict]:
     """Runs both processes to completion; returns their ``proc<i>.json`` records."""
     out.mkdir(parents=True, exist_ok=True)
     spec = json.dumps({"out": str(out), "data": str(data), "config": CONFIG,
-                       "until_update": UPDATES, "check_batches": 0,
+                       "until_update": UPDATES, "check_batches": 0, "timeout_s": TIMEOUT_S,
                        "compile_cache": str(out.parent / "compile_cache"), **spec})
     port = str(_free_port())
-    procs = [subprocess.Popen([sys.executable, str(WORKER), str(i), port, spec],
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for i in range(2)]
-    logs = []
+    # Each process logs to a file, not a pipe: an unread pipe that fills up blocks its
+    # writer, and the other process then waits for it at the next barrier.
+    logs = [out / f"proc{i}.log" for i in range(2)]
+    procs = []
+    for i, log in enumerate(logs):
+        with open(log, "w") as f:
+            procs.append(subprocess.Popen([sys.executable, str(WORKER), str(i), port, spec],
+                                          stdout=f, stderr=subprocess.STDOUT))
+    deadline = time.monotonic() + TIMEOUT_S
     try:
         for p in procs:
-            logs.append(p.communicate(timeout=TIMEOUT_S)[0])
+            p.wait(timeout=max(deadline - time.monotonic(), 1))
     except subprocess.TimeoutExpired:
         for p in procs:
             p.kill()
         pytest.fail(f"the 2-process job did not finish in {TIMEOUT_S} s")
     for i, (p, log) in enumerate(zip(procs, logs)):
-        assert p.returncode == 0, f"process {i} exited with {p.returncode}:\n{log[-3000:]}"
+        assert p.returncode == 0, (f"process {i} exited with {p.returncode}:\n"
+                                   f"{log.read_text()[-3000:]}")
     return [json.loads((out / f"proc{i}.json").read_text()) for i in range(2)]
 
 

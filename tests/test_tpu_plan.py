@@ -114,6 +114,12 @@ def test_slice_errors_name_the_problem(capsys):
     assert exit_.value.code == 2
     assert "needs 16 devices, 8 available: the mesh does not fit the slice v5e:2x4" in (
         capsys.readouterr().err)
+    with pytest.raises(SystemExit) as exit_:  # issue 38, item 13: not an AssertionError
+        cli.main(["plan", "--model", "qwen3-0.6b", "--layers", "1", "--topology", "v5e:2x4",
+                  "--mesh-tensor", "3"])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "(3 devices) does not lay out over the slice v5e:2x4" in err[0]
 
 
 def test_missing_libtpu_is_a_clear_error(monkeypatch):

@@ -91,6 +91,10 @@ def read_prompts(path: str | Path, *, line_ids: bool = False) -> list[PromptReco
         raise ValueError(f"{path}: no such prompts file")
     lines = read_text(path).splitlines()
     if path.suffix in (".jsonl", ".json"):
+        first = next((line.strip() for line in lines if line.strip()), "")
+        if first.startswith("["):
+            raise ValueError(f"{path}: a JSON array; a prompts file is JSONL: one JSON "
+                             "object per line")
         records = [_json_record(path, n, line, line_ids) for n, line in enumerate(lines, 1)
                    if line.strip()]
     else:
@@ -170,8 +174,11 @@ def _json_record(path: Path, n: int, line: str, line_ids: bool = False) -> Promp
     if not isinstance(obj, dict):
         raise ValueError(f"{where}: expected a JSON object, got {type(obj).__name__}")
     rid = obj.get("id", n if line_ids else None)
-    if rid is None or isinstance(rid, bool) or not isinstance(rid, (str, int)) or rid == "":
+    if rid is None:
         raise ValueError(f"{where}: missing id (a non-empty string or an integer)")
+    if isinstance(rid, bool) or not isinstance(rid, (str, int)) or rid == "":
+        raise ValueError(f"{where}: id {rid!r} must be a non-empty string or an integer, "
+                         f"got {type(rid).__name__}" + (" (an empty string)" if rid == "" else ""))
     kinds = [k for k in PROMPT_FIELDS if k in obj]
     if len(kinds) != 1:
         raise ValueError(f"{where}: id {rid!r} needs exactly one of {PROMPT_FIELDS}, "
@@ -262,7 +269,10 @@ def encode_records(records: Sequence[PromptRecord], tokenizer, chat, *, vocab_si
         if r.kind == "prompt_ids":
             ids = list(r.value)
         else:
-            text = r.value if r.kind == "prompt" else chat(r.value)
+            try:
+                text = r.value if r.kind == "prompt" else chat(r.value)
+            except ValueError as e:
+                raise ValueError(f"{where}:{r.line}: id {r.id!r}: {e}") from None
             special = not (bos and text.startswith(bos))
             ids = tokenizer.encode(text, add_special_tokens=special).ids
         check_prompt(ids, vocab_size, what=f"{where}:{r.line}: id {r.id!r}")
@@ -428,13 +438,27 @@ def _remove_empty(folders: Sequence[Path]) -> None:
             p.rmdir()
 
 
+def read_settings(side: str | Path) -> dict:
+    """The JSON object of a settings file (``OUT.settings.json``); a ValueError naming
+    the file (and line) when it is damaged."""
+    try:
+        old = json.loads(read_text(side))
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{side}:{e.lineno}: malformed JSON ({e.msg}); the settings file "
+                         "is damaged: restore it, or delete it and pass --force") from None
+    if not isinstance(old, dict):
+        raise ValueError(f"{side}: expected a JSON object of settings, got "
+                         f"{type(old).__name__}; restore it, or delete it and pass --force")
+    return old
+
+
 def check_output_settings(out: str | Path, settings: dict, *, force: bool = False) -> None:
     """Refuses ``out`` if it was written with other settings (without ``force``), has
     results but no sidecar, or holds lines that are not results; writes nothing."""
     out = Path(out)
     side = settings_path(out)
     if side.exists():
-        old = json.loads(read_text(side))
+        old = read_settings(side)
         if _comparable(old) != _comparable(settings) and not force:
             diff = sorted(k for k in set(old) | set(settings) if k != RUN_KEY
                           and old.get(k) != settings.get(k))
@@ -479,7 +503,7 @@ def open_output(out: str | Path, settings: dict, *, force: bool = False,
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
         if side.exists():
-            old = json.loads(read_text(side))
+            old = read_settings(side)
             if _comparable(old) != _comparable(settings):  # forced: keep the old settings
                 kept = side.with_name(f"{out.stem}.settings.{settings_fingerprint(old)}.json")
                 if not kept.exists():
@@ -560,7 +584,7 @@ def merge_outputs(out: str | Path, *, force: bool = False) -> int:
             side = settings_path(shards[i])
             if not side.exists():
                 raise ValueError(f"{shards[i]}: no settings file {side}")
-            settings.append(json.loads(read_text(side)))
+            settings.append(read_settings(side))
         if any(_comparable(s) != _comparable(settings[0]) for s in settings):
             raise ValueError(f"the shards of {out} were written with different settings")
         seen: dict[str, int] = {}

@@ -49,6 +49,7 @@ from tev_jax import verify as verify_lib
 from tev_jax.exit_law import exit_law
 from tev_jax.models import kv_cache as kvc
 from tev_jax.sampling import Sampling
+from tev_jax.trace import RoundRecord, round_record
 from tev_jax.tree import DraftTree, ancestor_mask
 from tev_jax.vocab import sample_token
 
@@ -285,7 +286,7 @@ def prefill(graphdef, params, tokens_BT, lengths_B, key, *, spec: DecodeSpec) ->
     cache = target.init_cache(b, spec.max_len)
     logits_BV, feats_BTF, cache = target.prefill(cache, tokens_BT, lengths_B, taps=spec.taps,
                                                  chunk=cfg.prefill_chunk)
-    key, sub = jax.random.split(key)
+    key, sub = round_keys(key)
     t0_B = sample_token(sub, logits_BV, cfg.sampling)
     if feats_BTF is None:
         feats_BTF = jnp.zeros((b, t, 0), jnp.float32)
@@ -441,9 +442,23 @@ def commit_stage(st: DecodeState, ctx, draft_logits_BHV, tree: DraftTree, logits
     )
 
 
-def decode_round(graphdef, params, st: DecodeState, *, spec: DecodeSpec) -> DecodeState:
-    """One fused round: draft, build, verify, decide, commit (each under a
-    ``jax.named_scope`` of its name, so a compiled op names its stage)."""
+def round_keys(key: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """The key schedule: ``key -> (next key, key used now)``.
+
+    The prefill splits the generation's key into the first round's key and the key of
+    every row's first token; each round splits its state's key into the next round's key
+    and the key of its decide stage (which splits it once more into one key per row).
+    Every path (the fused loop, `traced_round`, the profiler's stages) splits through
+    this function; `tev_jax.trace` states the whole schedule.
+    """
+    next_key, now = jax.random.split(key)
+    return next_key, now
+
+
+def traced_round(graphdef, params, st: DecodeState, *, spec: DecodeSpec
+                 ) -> tuple[DecodeState, RoundRecord]:
+    """One fused round and its `tev_jax.trace.RoundRecord` (tree, draft log-probabilities,
+    verdict); the state is `decode_round`'s."""
     with jax.named_scope("draft"):
         draft_logits, ctx = draft_stage(graphdef, params, st, spec=spec)
     with jax.named_scope("build"):
@@ -452,11 +467,19 @@ def decode_round(graphdef, params, st: DecodeState, *, spec: DecodeSpec) -> Deco
         logits, feats, cache = verify_stage(graphdef, params, st.cache, tree, st.start_B,
                                              spec=spec)
     with jax.named_scope("decide"):
-        key, sub = jax.random.split(st.key)
+        key, sub = round_keys(st.key)
         verdict = decide_stage(sub, tree, logits, spec=spec)
     with jax.named_scope("commit"):
-        return commit_stage(st, ctx, draft_logits, tree, logits, feats, cache, verdict, key,
-                            spec=spec)
+        new = commit_stage(st, ctx, draft_logits, tree, logits, feats, cache, verdict, key,
+                           spec=spec)
+    return new, round_record(st.start_B, st.done_B, draft_logits, tree, verdict)
+
+
+def decode_round(graphdef, params, st: DecodeState, *, spec: DecodeSpec) -> DecodeState:
+    """One fused round: draft, build, verify, decide, commit (each under a
+    ``jax.named_scope`` of its name, so a compiled op names its stage); `traced_round`
+    without the record (which the compiler then drops)."""
+    return traced_round(graphdef, params, st, spec=spec)[0]
 
 
 def running(st: DecodeState, max_new_tokens: int) -> jax.Array:
@@ -585,5 +608,5 @@ def rounds_until(graphdef, params, st: DecodeState, until_done, max_rounds, *,
 __all__ = ["LEN_ALIGN", "PAD_TOKEN", "STAGES", "DecodeConfig", "DecodeSpec", "DecodeState",
            "build_stage", "commit_stage", "constrain_state", "decide_stage", "decode_round",
            "draft_stage", "empty_state", "generation", "merge_models", "prefill", "refill",
-           "row_axes", "rounds_until", "running", "state_axes", "state_shapes",
-           "take_rows", "verify_stage"]
+           "round_keys", "row_axes", "rounds_until", "running", "state_axes", "state_shapes",
+           "take_rows", "traced_round", "verify_stage"]

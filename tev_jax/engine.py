@@ -11,7 +11,9 @@ here, at their call site::
 
     st = engine.prefill(prompts, key)                # or step by step
     st = engine.round(st)                            # one round (draft ... commit)
+    st, record = engine.traced_round(st)             # ... and what it did (tev_jax.trace)
     st = engine.run(st)                              # the fused loop to the end
+    gen = engine.trace(prompts, key)                 # generate, with gen.trace per round
 
     engine.lower("round").compile().memory_analysis()   # any program, ahead of time
 
@@ -45,6 +47,7 @@ from tev_jax.decode import DecodeConfig, DecodeSpec, DecodeState
 from tev_jax.drafters import DrafterProtocol, as_drafter
 from tev_jax.generation import DecodeStats, Generation
 from tev_jax.prompts import Prompts, check_prompts
+from tev_jax.trace import RoundRecord, RoundTrace, stack_records
 
 PROGRAMS = ("generate", "prefill", "round", "run_rounds", *decode.STAGES)
 """The names `Engine.lower` takes: the whole generation, the prefill, one round, the
@@ -178,6 +181,13 @@ def _round_jit(graphdef, params, st, *, spec):
     drafter = decode.merge_models(graphdef, params)[1]
     return decode.constrain_state(decode.decode_round(graphdef, params, st, spec=spec),
                                   drafter, spec)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "spec"), donate_argnames=("st",))
+def _traced_round_jit(graphdef, params, st, *, spec):
+    drafter = decode.merge_models(graphdef, params)[1]
+    st, record = decode.traced_round(graphdef, params, st, spec=spec)
+    return decode.constrain_state(st, drafter, spec), record
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "spec"), donate_argnames=("st",))
@@ -368,11 +378,30 @@ class Engine:
         is donated. ``run(prefill(p, k))`` gives what ``generate(p, k)`` gives."""
         return self._call(_run_jit, st)
 
-    def finish(self, st: DecodeState, **stats) -> Generation:
+    def traced_round(self, st: DecodeState) -> tuple[DecodeState, RoundRecord]:
+        """`round` that also returns what the round did: its `tev_jax.trace.RoundRecord`
+        (tree, draft log-probabilities, verdict); ``st`` is donated."""
+        return self._call(_traced_round_jit, st)
+
+    def trace(self, prompts: Prompts, key: jax.Array) -> Generation:
+        """The generation of `generate` (same tokens for the same key), round by round,
+        with ``Generation.trace`` holding every round's record stacked per round
+        (`tev_jax.trace.RoundTrace`; the key schedule is stated there)."""
+        st = self.prefill(prompts, key)
+        records = []
+        m = self.config.max_new_tokens
+        while int(st.round) < m and bool(np.any(~np.asarray(st.done_B))):
+            st, record = self.traced_round(st)
+            records.append(jax.device_get(record))
+        return self.finish(st, trace=stack_records(records))
+
+    def finish(self, st: DecodeState, *, trace: RoundTrace | None = None,
+               **stats) -> Generation:
         """The host side of a final state: NaN checks and the `Generation`.
 
         Args:
           st: a final `DecodeState`.
+          trace: its rounds' `tev_jax.trace.RoundTrace`, if recorded.
           **stats: extra `DecodeStats` fields (``seconds``, ``stage_seconds``, ...).
         Raises:
           ValueError: the target or the drafter produced non-finite logits.
@@ -396,6 +425,7 @@ class Engine:
                                   if self.config.track_exit_law else None),
                 **stats,
             ),
+            trace=trace,
         )
 
     def stage(self, name: str) -> Callable:
@@ -546,7 +576,8 @@ def engine_for(target, drafter, prompt_ids, config: DecodeConfig, *, mesh=None
 
 
 def generate(target, drafter: DrafterProtocol | None, prompt_ids: Sequence[Sequence[int]],
-             config: DecodeConfig, key: jax.Array | int = 0, *, mesh=None) -> Generation:
+             config: DecodeConfig, key: jax.Array | int = 0, *, mesh=None,
+             trace: bool = False) -> Generation:
     """Generates up to ``config.max_new_tokens`` tokens per prompt (the fused program).
 
     Args:
@@ -557,9 +588,12 @@ def generate(target, drafter: DrafterProtocol | None, prompt_ids: Sequence[Seque
       config: a `DecodeConfig`.
       key: PRNG key or int seed.
       mesh: optional mesh (see `Engine.create`). The tokens equal the single-device run's.
+      trace: also record every round's tree, draft log-probabilities and verdict
+        (`Engine.trace`: round by round instead of one fused program; same tokens).
 
     Returns:
-      A `Generation`: tokens [B, M] (generated only, -1 padded), lengths [B], stats.
+      A `Generation`: tokens [B, M] (generated only, -1 padded), lengths [B], stats,
+      and with ``trace`` its `tev_jax.trace.RoundTrace`.
 
     Raises:
       ValueError: an empty prompt list or prompt, a token id outside the vocabulary, a
@@ -568,6 +602,8 @@ def generate(target, drafter: DrafterProtocol | None, prompt_ids: Sequence[Seque
         or non-finite logits seen during generation.
     """
     engine, prompts = engine_for(target, drafter, prompt_ids, config, mesh=mesh)
+    if trace:
+        return engine.trace(prompts, _key(key))
     return engine.finish(engine.generate(prompts, _key(key)))
 
 

@@ -6,6 +6,8 @@ import dataclasses
 
 import numpy as np
 
+from tev_jax.trace import RoundTrace
+
 
 @dataclasses.dataclass(frozen=True)
 class DecodeStats:
@@ -57,11 +59,14 @@ class Generation:
       tokens: int32 [B, M] generated tokens only; ``PAD_TOKEN`` (-1) after each row's end.
       lengths: int32 [B] generated tokens per row (a final stop token included).
       stats: `DecodeStats`.
+      trace: the `tev_jax.trace.RoundTrace` of every round (trees, draft
+        log-probabilities, verdicts), when asked for (``trace=True``), else None.
     """
 
     tokens: np.ndarray
     lengths: np.ndarray
     stats: DecodeStats
+    trace: RoundTrace | None = None
 
     def rows(self) -> list[list[int]]:
         """The generated tokens of every row as Python lists (padding removed)."""

@@ -26,10 +26,12 @@ from collections.abc import Callable, Sequence
 import jax
 import numpy as np
 
+from tev_jax import decode
 from tev_jax.decode import DecodeConfig, DecodeState
 from tev_jax.engine import Engine, engine_for
 from tev_jax.generation import Generation
 from tev_jax.prompts import Prompts
+from tev_jax.trace import RoundRecord, round_record, stack_records
 
 
 def _key(key) -> jax.Array:
@@ -102,7 +104,7 @@ def streamed_generate(target, drafter, prompt_ids, config: DecodeConfig, key=0, 
 
 
 def profile_generate(target, drafter, prompt_ids, config: DecodeConfig, key=0, *,
-                     warmup: bool = True, mesh=None) -> Generation:
+                     warmup: bool = True, mesh=None, trace: bool = False) -> Generation:
     """The un-fused path: every stage jitted separately and timed per round.
 
     Runs the same stage functions as the fused loop, so it produces the same tokens for
@@ -111,21 +113,28 @@ def profile_generate(target, drafter, prompt_ids, config: DecodeConfig, key=0, *
     holds each stage's wall time up to ``block_until_ready``, summed over rounds;
     ``stats.round_seconds`` the per-round times. With ``warmup`` a first pass over the
     prefill and the first round compiles every stage before anything is timed (without
-    it the times include compilation). ``mesh`` as in `tev_jax.engine.generate`.
+    it the times include compilation). ``mesh`` as in `tev_jax.engine.generate`. With
+    ``trace`` the stages' trees and verdicts are also recorded per round
+    (``Generation.trace``, `tev_jax.trace.RoundTrace`; recording is not timed).
     """
     engine, prompts = engine_for(target, drafter, prompt_ids, config, mesh=mesh)
-    st, times, seconds = _profile(engine, prompts, _key(key), warmup)
+    records = [] if trace else None
+    st, times, seconds = _profile(engine, prompts, _key(key), warmup, records)
     rounds = {k: np.asarray(v) for k, v in times.items()}
     return engine.finish(st, stage_seconds={k: float(v.sum()) for k, v in rounds.items()},
-                         round_seconds=rounds, seconds=seconds)
+                         round_seconds=rounds, seconds=seconds,
+                         trace=None if records is None else stack_records(records))
 
 
-_split = jax.jit(jax.random.split)
+_round_keys = jax.jit(decode.round_keys)
+_round_record = jax.jit(round_record)
 
 
-def _profile(engine: Engine, prompts: Prompts, key, warmup: bool
+def _profile(engine: Engine, prompts: Prompts, key, warmup: bool,
+             records: list[RoundRecord] | None = None
              ) -> tuple[DecodeState, dict[str, list[float]], float]:
-    """(final state, stage -> per-round seconds, wall seconds of prefill + rounds)."""
+    """(final state, stage -> per-round seconds, wall seconds of prefill + rounds); the
+    timed rounds' records are appended to ``records`` when given."""
     stage = {name: engine.stage(name) for name in ("draft", "build", "verify", "decide",
                                                    "commit")}
     params = engine.params
@@ -147,8 +156,10 @@ def _profile(engine: Engine, prompts: Prompts, key, warmup: bool
                 times["draft"].append(0.0)
         tree = timed("build", draft_logits, st.root_B)
         logits, feats, cache = timed("verify", params, st.cache, tree, st.start_B)
-        key, sub = _split(st.key)
+        key, sub = _round_keys(st.key)
         verdict = timed("decide", sub, tree, logits)
+        if record and records is not None:
+            records.append(_round_record(st.start_B, st.done_B, draft_logits, tree, verdict))
         return timed("commit", st, ctx, draft_logits, tree, logits, feats, cache, verdict,
                      key)
 
@@ -187,7 +198,8 @@ class MethodResult:
 
 
 def compare_methods(target, methods: Sequence[tuple[str, object, DecodeConfig]],
-                    prompts: Sequence[Sequence[int]], *, key=0, repeats: int = 1
+                    prompts: Sequence[Sequence[int]], *, key=0, repeats: int = 1,
+                    on_method: Callable[[int, str], None] | None = None
                     ) -> list[MethodResult]:
     """Times decoding methods on the same prompts, one prompt at a time.
 
@@ -201,9 +213,12 @@ def compare_methods(target, methods: Sequence[tuple[str, object, DecodeConfig]],
       prompts: token-id lists.
       key: PRNG key or seed (the same for every method and prompt).
       repeats: timed runs per prompt.
+      on_method: called with (index, label) before each method starts (progress).
     """
     results = []
-    for label, drafter, config in methods:
+    for i, (label, drafter, config) in enumerate(methods):
+        if on_method is not None:
+            on_method(i, label)
         tokens = blocks = rounds = 0
         seconds, outputs = 0.0, []
         for prompt in prompts:

@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 
 from tev_jax import batch_io, batching
-from tev_jax.budget import AutoBudget
+from tev_jax.budget import AutoBudget, check_tuned_for
 from tev_jax.decode import DecodeConfig
 from tev_jax.sharding import MESH_AXES
 
@@ -158,11 +158,22 @@ def _run(job: FileJob, out: Path, mesh, progress: bool) -> dict:
     batch_io.check_output_settings(out, settings, force=job.force)
     drafter = (None if job.drafter is None
                else load_drafter(job.drafter, target, dtype=dtype, mesh=mesh))
-    engine.decode_spec(target, drafter, config, job.batch_size, mesh=mesh)
-    plan.check_decode_floor(target, drafter, config, job.batch_size, mesh=mesh)
-
+    # An automatic budget is checked as the widest program it runs (all slot counts
+    # share its cache length).
+    if isinstance(config.budget, AutoBudget) and config.builder == "ddtree":
+        check_tuned_for(config.budget, target, drafter)
+    widest = batching.slot_configs(config, job.batch_size, mesh=mesh)[job.batch_size]
+    engine.decode_spec(target, drafter, widest, job.batch_size, mesh=mesh)
     mine = batch_io.shard_of(list(enumerate(requests)), job.process_index,
                              job.process_count)
+    try:
+        plan.check_decode_floor(target, drafter, widest, job.batch_size, mesh=mesh)
+    except plan.NotEnoughMemory as e:
+        if job.batch_size <= len(mine):
+            raise
+        raise plan.NotEnoughMemory(f"--batch-size {job.batch_size} is more than the "
+                                   f"{len(mine)} prompt(s) to decode; use --batch-size "
+                                   f"{len(mine)} ({e})") from None
     done, f = batch_io.open_output(out, settings, force=job.force, expected=len(mine))
     todo = [(i, r) for i, r in mine if batch_io.id_key(r.id) not in done]
     index = {batch_io.id_key(r.id): i for i, r in todo}
@@ -201,7 +212,7 @@ def _run(job: FileJob, out: Path, mesh, progress: bool) -> dict:
                     bar.update(1)
                 speed = (tokens - tokens_first) / max(time.perf_counter() - t_first, 1e-9)
                 bar.set_postfix({"tok/s": f"{speed:.1f}",
-                                 "tau": f"{block_tokens / max(rounds, 1):.2f}"})
+                                 "tau": f"{block_tokens / rounds:.2f}" if rounds else "-"})
     except KeyboardInterrupt as e:
         raise Interrupted(f"{len(done) + written} of the {len(mine)} results are in {out}; "
                           "run the same command again to resume") from e
@@ -219,6 +230,7 @@ def _run(job: FileJob, out: Path, mesh, progress: bool) -> dict:
                "stop_reasons": reasons, "batch_size": job.batch_size,
                "method": job.method}
     tau = (f"tau = {summary['tau']}" if rounds else
+           "tau n/a (nothing was left to decode)" if not todo else
            "tau n/a (every prompt ended at its first token: no decode round ran)")
     print(f"[{job.method}] {len(todo)} prompts ({len(done)} already in {out}), {tokens} new "
           f"tokens in {seconds:.1f} s (compilation included): {summary['tokens_per_s']} "

@@ -34,17 +34,51 @@ DESCRIPTION = ("Drafter training for tree speculative decoding: target rollouts,
                "ExitTrain training runs (resumable), memory plans.")
 
 
+NONE = "none"
+"""What a flag of an optional field reads as None (``--steps none`` is refused)."""
+TRUE, FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+
+
+class _Unset:
+    """An optional field set to None on the command line (over --recipe / --config),
+    apart from a flag not given (argparse's None)."""
+
+    def __repr__(self):
+        return NONE
+
+
+UNSET = _Unset()
+
+
 def _field_parser(tp):
-    """An argparse ``type`` for a TrainConfig field annotation (``'none'`` -> None)."""
-    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+    """An argparse ``type`` for a TrainConfig field annotation: ``'none'`` for an optional
+    field (`UNSET`), strict booleans, ints, floats and comma-separated tuples."""
+    optional = typing.get_origin(tp) in (typing.Union, types.UnionType)
+    if optional:
         tp = next(a for a in typing.get_args(tp) if a is not type(None))
-    if tp is bool:
-        return lambda s: s.lower() in ("1", "true", "yes", "on")
-    if typing.get_origin(tp) is tuple:
-        item = typing.get_args(tp)[0]
-        return lambda s: None if s.lower() == "none" else tuple(
-            item(x) for x in s.split(",") if x)
-    return lambda s: None if s.lower() == "none" else tp(s)
+    item = typing.get_args(tp)[0] if typing.get_origin(tp) is tuple else None
+    what = {bool: "true or false", int: "an int", float: "a number", str: "a string"}.get(
+        item or tp, "a value")
+    if item is not None:
+        what = f"comma-separated {what.removeprefix('an ').removeprefix('a ')}s"
+
+    def parse(s):
+        if s.lower() == NONE:
+            if optional:
+                return UNSET
+            raise argparse.ArgumentTypeError(f"takes {what}, not {s!r} (it has no 'none')")
+        try:
+            if tp is bool:
+                if s.lower() not in TRUE + FALSE:
+                    raise ValueError
+                return s.lower() in TRUE
+            if item is not None:
+                return tuple(item(x) for x in s.split(",") if x)
+            return tp(s)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"takes {what}, got {s!r}") from None
+
+    return parse
 
 
 def _add_config_flags(p: argparse.ArgumentParser) -> None:
@@ -55,6 +89,10 @@ def _add_config_flags(p: argparse.ArgumentParser) -> None:
         p.add_argument("--" + f.name.replace("_", "-"), dest=f.name, default=None,
                        type=_field_parser(hints[f.name]),
                        help=f"{text} (default {f.default!r})")
+
+
+NEW_DRAFTER_FIELDS = ("drafter_layers", "block_size", "mask_token_id", "target_layer_ids")
+"""The `TrainConfig` fields that shape a new drafter (ignored with ``drafter_path``)."""
 
 
 def config_from_args(ns: argparse.Namespace) -> TrainConfig:
@@ -70,12 +108,31 @@ def config_from_args(ns: argparse.Namespace) -> TrainConfig:
     for f in dataclasses.fields(TrainConfig):
         v = getattr(ns, f.name)
         if v is not None:
-            base[f.name] = v
+            base[f.name] = None if v is UNSET else v
+    if base.get("drafter_path") is not None:
+        new_only = [f"--{name.replace('_', '-')}" for name in NEW_DRAFTER_FIELDS
+                    if base.get(name, getattr(TrainConfig, name))
+                    != getattr(TrainConfig, name)]
+        if new_only:
+            raise ValueError(f"{', '.join(new_only)} shape a new drafter; --drafter-path "
+                             f"{base['drafter_path']} fine-tunes one whose config.json "
+                             "decides them: drop them, or drop --drafter-path")
     default_warmup = TrainConfig.warmup_steps
     steps = base.get("steps", TrainConfig.steps)
     if "warmup_steps" not in base and isinstance(steps, int) and 0 < steps < default_warmup:
         base["warmup_steps"] = steps  # the default warmup, cut to a shorter run
     return TrainConfig.from_dict(base)
+
+
+BUNDLED = "bundled"
+"""``--target bundled``: the bundled demo target."""
+
+
+def _ints_flag(text: str, flag: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise ValueError(f"{flag} takes comma-separated token ids, got {text!r}") from None
 
 
 def _read_prompts(ns, tokenizer, target) -> list[list[int]]:
@@ -124,6 +181,13 @@ def _rollouts(ns) -> None:
         return
     if ns.target is None:
         raise ValueError("--target is required (except with --merge)")
+    if ns.limit < 0:
+        raise ValueError(f"--limit must be >= 0 (0: every prompt), got {ns.limit}")
+    stop = None if ns.stop_ids is None else _ints_flag(ns.stop_ids, "--stop-ids")
+    if ns.target == BUNDLED:
+        from tev_jax.models.bundled import bundled_paths
+
+        ns.target = str(bundled_paths().target)
     index, count = ns.process_index, ns.process_count
     if ns.distributed:
         import jax
@@ -133,26 +197,34 @@ def _rollouts(ns) -> None:
     target = load_target(ns.target)
     tokenizer = load_tokenizer(ns.tokenizer or ns.target)
     prompts = _read_prompts(ns, tokenizer, target)
-    stop = tuple(target.config.eos_token_ids) if ns.stop_ids is None else tuple(
-        int(s) for s in ns.stop_ids.split(",") if s)
+    stop = tuple(target.config.eos_token_ids) if stop is None else stop
+    vocab = target.config.vocab_size
+    for flag, ids in (("--pad-id", (ns.pad_id,)), ("--stop-ids", stop)):
+        bad = [i for i in ids if not 0 <= i < vocab]
+        if bad:
+            raise ValueError(f"{flag} {bad[0]} is outside the target's vocabulary [0, {vocab})")
     rc = RolloutConfig(max_prompt_len=ns.max_prompt_len, max_new_tokens=ns.max_new_tokens,
                        sampling=Sampling(ns.temperature, ns.top_k, ns.top_p),
                        stop_token_ids=stop, batch_size=ns.batch_size,
                        shard_size=ns.shard_size, pad_id=ns.pad_id, seed=ns.seed)
-    done = []
+    from tqdm import tqdm
 
-    def progress(n):
-        done.append(n)
-        print(f"{sum(done)} sequences", end="\r")
+    mine = sum(len(prompts[i * ns.shard_size:(i + 1) * ns.shard_size])
+               for i in range(index, -(-len(prompts) // ns.shard_size), count))
+    bar = tqdm(total=mine, unit="seq", desc="rollouts", file=sys.stderr, smoothing=0)
+    progress = bar.update
 
     info = {"target": str(ns.target), "target_fingerprint": weights_fingerprint(ns.target)}
-    manifest = make_rollouts(target, prompts, ns.out, rc, info=info, progress=progress,
-                             process_index=index, process_count=count, replace=ns.force)
+    try:
+        manifest = make_rollouts(target, prompts, ns.out, rc, info=info, progress=progress,
+                                 process_index=index, process_count=count, replace=ns.force)
+    finally:
+        bar.close()
     if manifest is None:
-        print(f"\nprocess {index}/{count}: wrote its shards to {ns.out}; the last process "
+        print(f"process {index}/{count}: wrote its shards to {ns.out}; the last process "
               "to finish writes the manifest (or run with --merge)")
     else:
-        print(f"\nwrote {manifest['num_sequences']} sequences of length "
+        print(f"wrote {manifest['num_sequences']} sequences of length "
               f"{manifest['seq_len']} to {ns.out}")
 
 
@@ -160,6 +232,11 @@ def _run(ns) -> int:
     from tev_jax.exits import EXIT_RESUMABLE
     from train.loop import train
 
+    if ns.until_update is not None and ns.until_update < 1:
+        raise ValueError(f"--until-update must be >= 1 (the update to stop after), got "
+                         f"{ns.until_update}")
+    if ns.max_minutes is not None and not 0 < ns.max_minutes < float("inf"):
+        raise ValueError(f"--max-minutes must be a number > 0, got {ns.max_minutes}")
     cfg = config_from_args(ns)
     result = train(cfg, until_update=ns.until_update, max_minutes=ns.max_minutes,
                    progress=not ns.no_progress)
@@ -194,14 +271,51 @@ def _run(ns) -> int:
     return EXIT_RESUMABLE if result.preempted else 0
 
 
+def _check_plan_flags(ns) -> tuple[float, ...]:
+    """The plan flags checked before anything is compiled (one line naming the flag);
+    -> the score capacities."""
+    from tev_jax.sharding import TARGET_SHARDINGS
+    from train.config import LOSSES
+    from train.step import DTYPES, REMAT
+
+    for flag in ("drafter_layers", "num_taps", "batch", "seq_len", "anchors", "budget",
+                 "mesh_data", "mesh_fsdp", "mesh_tensor"):
+        if getattr(ns, flag) < 1:
+            raise ValueError(f"--{flag.replace('_', '-')} must be >= 1, got "
+                             f"{getattr(ns, flag)}")
+    if ns.block_size < 2:
+        raise ValueError(f"--block-size must be >= 2, got {ns.block_size}")
+    if ns.target_layers is not None and ns.target_layers < 1:
+        raise ValueError(f"--target-layers must be >= 1, got {ns.target_layers}")
+    if ns.host_devices < 0:
+        raise ValueError(f"--host-devices must be >= 0 (0: the local devices), got "
+                         f"{ns.host_devices}")
+    for flag, allowed in (("target_dtype", DTYPES), ("param_dtype", DTYPES),
+                          ("compute_dtype", DTYPES + (None,)), ("loss", LOSSES),
+                          ("target_sharding", TARGET_SHARDINGS), ("remat", tuple(REMAT))):
+        if getattr(ns, flag) not in allowed:
+            names = ", ".join(a for a in allowed if a is not None)
+            raise ValueError(f"--{flag.replace('_', '-')} must be one of {names}, got "
+                             f"{getattr(ns, flag)!r}")
+    try:
+        return tuple(float(c) for c in ns.score_capacities.split(",") if c)
+    except ValueError:
+        raise ValueError(f"--score-capacities takes comma-separated fractions, got "
+                         f"{ns.score_capacities!r}") from None
+
+
 def _plan(ns) -> None:
     import os
 
+    capacities = _check_plan_flags(ns)
     if ns.host_devices:
         os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                                    f" --xla_force_host_platform_device_count={ns.host_devices}")
     from train.plan import plan_step, target_config_from
 
+    where = f"the TPU slice {ns.topology}" if ns.topology else "the local devices"
+    print(f"compiling one training step of --target {ns.target} on {where} (minutes for a "
+          "large model) ...", file=sys.stderr, flush=True)
     plan = plan_step(
         target_config_from(ns.target, ns.target_layers), drafter_layers=ns.drafter_layers,
         num_taps=ns.num_taps, block_size=ns.block_size, batch=ns.batch, seq_len=ns.seq_len,
@@ -209,8 +323,7 @@ def _plan(ns) -> None:
         mesh_shape=(ns.mesh_data, ns.mesh_fsdp, ns.mesh_tensor), target_dtype=ns.target_dtype,
         param_dtype=ns.param_dtype, compute_dtype=ns.compute_dtype,
         target_sharding=ns.target_sharding, remat=ns.remat,
-        score_capacities=tuple(float(c) for c in ns.score_capacities.split(",") if c),
-        topology=ns.topology)
+        score_capacities=capacities, topology=ns.topology)
     print(json.dumps(plan.to_dict()) if ns.json else plan.format())
 
 
@@ -226,7 +339,8 @@ def build_parser() -> argparse.ArgumentParser:
                        description="The target answers every prompt (autoregressive "
                                    "decoding); the [prompt ; answer] token rows go to .npy "
                                    "shards in --out, the drafter's training data.")
-    r.add_argument("--target", help="Hugging Face target directory")
+    r.add_argument("--target", help="Hugging Face target directory, or 'bundled' (the "
+                                    "bundled demo target)")
     r.add_argument("--tokenizer", help="tokenizer.json or its directory (default: --target)")
     r.add_argument("--prompts-file",
                    help="a prompts file as for tev-jax generate --prompts: JSONL records "
@@ -330,10 +444,12 @@ def main(argv=None) -> int:
         name_flags,
         signals_as_interrupts,
     )
+    from tev_jax.platforms import skip_absent_tpu
     from train.checkpoint import CheckpointError
 
     parser = build_parser()
     ns = parser.parse_args(argv)
+    skip_absent_tpu()
     # with jax.distributed, jax's own SIGTERM handler must stay (preemption sync)
     distributed = getattr(ns, "distributed", False) in (True, "true")
     guard = contextlib.nullcontext() if distributed else signals_as_interrupts()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import re
 from pathlib import Path
 from typing import Any
@@ -206,20 +207,25 @@ class TrainConfig:
         if self.warmup_steps < 0 or self.warmup_steps > self.steps:
             raise ValueError(f"warmup_steps must be in [0, steps={self.steps}], "
                              f"got {self.warmup_steps}")
-        if not self.lr > 0:
-            raise ValueError(f"lr must be > 0, got {self.lr}")
-        if not 0 <= self.end_lr_ratio <= 1:
-            raise ValueError(f"end_lr_ratio must be in [0, 1], got {self.end_lr_ratio}")
-        if self.exit_lambda < 0:
-            raise ValueError(f"exit_lambda must be >= 0, got {self.exit_lambda}")
+        for name, ok, rule in (
+                ("lr", lambda v: v > 0, "> 0"), ("end_lr_ratio", lambda v: 0 <= v <= 1,
+                                                  "in [0, 1]"),
+                ("exit_lambda", lambda v: v >= 0, ">= 0"),
+                ("weight_decay", lambda v: v >= 0, ">= 0"),
+                ("b1", lambda v: 0 <= v < 1, "in [0, 1)"), ("b2", lambda v: 0 <= v < 1,
+                                                            "in [0, 1)"),
+                ("grad_clip", lambda v: v > 0, "> 0")):
+            v = getattr(self, name)
+            if (isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v)
+                    or not ok(v)):
+                raise ValueError(f"{name} must be a finite number {rule}, got {v!r}")
         if self.exit_normalizer not in NORMALIZERS:
             raise ValueError(f"exit_normalizer must be one of {NORMALIZERS}, got "
                              f"{self.exit_normalizer!r}")
         check_floor(self.exit_floor)
-        if not self.grad_clip > 0:
-            raise ValueError(f"grad_clip must be > 0, got {self.grad_clip}")
-        if self.token_decay_gamma is not None and not self.token_decay_gamma > 0:
-            raise ValueError(f"token_decay_gamma must be > 0, got {self.token_decay_gamma}")
+        if self.token_decay_gamma is not None and not 0 < self.token_decay_gamma < math.inf:
+            raise ValueError(f"token_decay_gamma must be a finite number > 0, got "
+                             f"{self.token_decay_gamma}")
         if self.target_layer_ids is not None and not isinstance(self.target_layer_ids, tuple):
             raise ValueError("target_layer_ids must be a tuple of ints or None")
         self.sampling  # validates temperature / top-k / top-p

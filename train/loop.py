@@ -28,6 +28,7 @@ from flax import nnx
 
 from tev_jax import sharding as shd
 from tev_jax.exit_train import ExitTrainConfig
+from train.anchors import anchor_range
 from train.checkpoint import CheckpointError, TrainCheckpointer, set_aside
 from train.config import TrainConfig
 from train.local_input import batch_rows, place_local_batch
@@ -172,6 +173,21 @@ def check_data_target(data: RolloutSet, target_path: str | None, data_dir=None) 
                          "target's outputs: make rollouts with this target")
 
 
+def check_anchors(data: RolloutSet, horizon: int, partial: bool, data_dir=None) -> None:
+    """Refuses rollouts in which no sequence has a valid anchor (`train.anchors`): every
+    loss would be 0 and the drafter would learn nothing."""
+    spans = data.spans
+    counts = [hi - lo for lo, hi in (anchor_range(int(a), int(b), horizon, partial)
+                                     for a, b in spans)]
+    if max(counts) <= 0:
+        longest = int((spans[:, 1] - spans[:, 0]).max())
+        need = 1 if partial else horizon
+        raise ValueError(f"the rollouts in data_dir={data_dir} have no anchor to train on: "
+                         f"the longest response has {longest} tokens, and block_size="
+                         f"{horizon + 1} needs at least {need}; make longer rollouts "
+                         "(--max-new-tokens) or lower --block-size")
+
+
 def _set_aside(directory) -> None:
     """Moves an earlier run's checkpoints aside for a run that starts over (process 0;
     every process waits for it)."""
@@ -298,6 +314,7 @@ def train(cfg: TrainConfig, *, target=None, drafter=None, data: RolloutSet | Non
     if data.seq_len <= horizon + 1:
         raise ValueError(f"sequences of length {data.seq_len} are too short for block size "
                          f"{drafter.config.block_size}")
+    check_anchors(data, horizon, cfg.partial_anchors, cfg.data_dir)
 
     out = Path(cfg.out_dir)
     log_path = out / "train_log.jsonl"
@@ -418,5 +435,5 @@ def read_log(path: str | Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
 
 
-__all__ = ["TrainResult", "check_data_target", "load_models", "make_mesh_for", "read_log",
+__all__ = ["TrainResult", "check_anchors", "check_data_target", "load_models", "make_mesh_for", "read_log",
            "step_config", "train"]

@@ -24,6 +24,7 @@ that read it (each reads its own ``rows`` of it, see `train.local_input`).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import hashlib
@@ -304,19 +305,26 @@ def make_rollouts(target, prompts: Sequence[Sequence[int]], out_dir: str | os.Pa
     run_key = hashlib.sha256(json.dumps([settings, config.pad_id, prompts]).encode()).hexdigest()
     out_dir = Path(out_dir)
     _other_runs(out_dir, run_key, settings, replace)
+    created = [p for p in (out_dir, *out_dir.parents) if not p.exists()]
     out_dir.mkdir(parents=True, exist_ok=True)
     n = -(-len(prompts) // config.shard_size)
     root = jax.random.key(config.seed)
-    for i in range(process_index, n, process_count):
-        record = _shard_record(out_dir, i, n)
-        if record is not None and record.get("key") == run_key:
-            continue
-        chunk = prompts[i * config.shard_size:(i + 1) * config.shard_size]
-        responses = generate_responses(target, chunk, config, progress,
-                                       key=jax.random.fold_in(root, i))
-        tokens, spans = pack_sequences(chunk, responses, config.seq_len, config.pad_id)
-        write_shard(out_dir, i, n, tokens, spans, pad_id=config.pad_id, key=run_key,
-                    info=settings)
+    try:
+        for i in range(process_index, n, process_count):
+            record = _shard_record(out_dir, i, n)
+            if record is not None and record.get("key") == run_key:
+                continue
+            chunk = prompts[i * config.shard_size:(i + 1) * config.shard_size]
+            responses = generate_responses(target, chunk, config, progress,
+                                           key=jax.random.fold_in(root, i))
+            tokens, spans = pack_sequences(chunk, responses, config.seq_len, config.pad_id)
+            write_shard(out_dir, i, n, tokens, spans, pad_id=config.pad_id, key=run_key,
+                        info=settings)
+    except BaseException:
+        for p in created:  # a run refused before its first shard leaves no folder behind
+            with contextlib.suppress(OSError):
+                p.rmdir()
+        raise
     records = [_shard_record(out_dir, i, n) for i in range(n)]
     if any(r is None or r.get("key") != run_key for r in records):
         return None

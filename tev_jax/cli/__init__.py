@@ -15,6 +15,10 @@ import sys
 from tev_jax.cli import compare, exit_law, generate, merge_outputs, plan, tune
 from tev_jax.exits import (EXIT_RESUMABLE, EXIT_USAGE, flag_names, interrupt_exit, name_flags,
                            signals_as_interrupts)
+from tev_jax.platforms import skip_absent_tpu
+
+DESCRIPTION = ("Tree speculative decoding with exact verifiers: generate text, compare "
+               "methods, plan memory, tune the tree budget, show the exit law.")
 
 SUBCOMMANDS = [exit_law.add_parser, generate.add_parser, compare.add_parser, plan.add_parser,
                tune.add_parser, merge_outputs.add_parser]
@@ -26,12 +30,18 @@ def main(argv: list[str] | None = None) -> int:
     on disk: rerun to resume; 130 / 143 a single generation interrupted / terminated."""
     from tev_jax import __version__
 
-    parser = argparse.ArgumentParser(prog="tev-jax", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="tev-jax", description=DESCRIPTION)
     parser.add_argument("--version", action="version", version=f"tev-jax {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     for add in SUBCOMMANDS:
         add(sub)
     args = parser.parse_args(argv)
+
+    def fail(message: str) -> SystemExit:
+        print(f"tev-jax {args.command}: error: {message}", file=sys.stderr)
+        return SystemExit(EXIT_USAGE)
+
+    skip_absent_tpu()
     try:
         with signals_as_interrupts():
             return args.func(args)
@@ -51,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
         if isinstance(e, NotEnoughMemory):  # a refusal of the settings, not a usage error
             print(f"tev-jax {args.command}: {message}", file=sys.stderr)
             return EXIT_USAGE
-        parser.error(message)
+        raise fail(message) from None
     except OSError as e:
         where = f"{e.filename}: " if e.filename else ""
-        parser.error(f"{where}{e.strerror or e}")
+        raise fail(f"{where}{e.strerror or e}") from None

@@ -59,6 +59,13 @@ def batch_generate_command(args) -> int:
         raise ValueError("give either a PROMPT or --prompts FILE, not both")
     if args.output is None:
         raise ValueError("--prompts needs --output OUT.jsonl")
+    single = [flag for flag, given in (
+        ("--chat", args.chat), ("--compare-ar", args.compare_ar),
+        ("--repeats", args.repeats != 1), ("--no-stream", args.no_stream)) if given]
+    if single:
+        raise ValueError(f"{', '.join(single)} only apply to a single PROMPT; with --prompts "
+                         "FILE, chat prompts are JSONL records with 'messages'")
+    flags.check_writable(args.summary_json, "--summary-json")
     index, count = _process_shard(args)
     target_dir, drafter_dir, where = flags.checkpoint_dirs(args)
     job = serve.FileJob(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import sys
 
 from tev_jax.cli import flags
 from tev_jax.decode import DecodeConfig
@@ -30,25 +31,35 @@ def compare_command(args) -> int:
     from tev_jax.data.tokenizer import format_chat
     from tev_jax.models import load_drafter, load_target, load_tokenizer
     from tev_jax.models.bundled import bundled_paths
+    from tev_jax.prompts import check_context
     from tev_jax.serve import stop_token_ids
 
-    flags.at_least_one(args, "--repeats")
+    flags.at_least_one(args, "--repeats", "--budget", "--max-new-tokens")
     if any(not t for t in args.prompts):
         raise ValueError("an empty PROMPT: give some text to continue")
+    for i, t in enumerate(args.prompts):
+        flags.check_text(t, f"PROMPT {i + 1}")
     sampling = flags.sampling_from(args)
     paths = bundled_paths()
     target = load_target(paths.target)
     tokenizer = load_tokenizer(paths.target)
     texts = args.prompts or COMPARE_PROMPTS
     prompts = [tokenizer.encode(format_chat(t) if args.chat else t).ids for t in texts]
+    for i, p in enumerate(prompts):
+        check_context(len(p), args.max_new_tokens, target.config.max_position_embeddings,
+                      what=f"PROMPT {i + 1}")
     base = DecodeConfig(max_new_tokens=args.max_new_tokens, budget=args.budget,
                         sampling=sampling, stop_token_ids=stop_token_ids(target, tokenizer),
                         prompt_len=max(len(p) for p in prompts))
     methods = [(label, None if name is None else load_drafter(paths.drafters[name], target),
                 dataclasses.replace(base, builder=builder, verifier=verifier))
                for label, name, builder, verifier in COMPARE_METHODS]
+    def started(i, label):
+        print(f"[{i + 1}/{len(methods)}] {label}: compiling, then timing {len(prompts)} "
+              f"prompt(s) x {args.repeats} ...", file=sys.stderr, flush=True)
+
     rows = profile.compare_methods(target, methods, prompts, key=args.seed,
-                                   repeats=args.repeats)
+                                   repeats=args.repeats, on_method=started)
     ar_speed = rows[0].tokens_per_second
     print(f"bundled target, {len(prompts)} prompt(s), T={sampling.temperature:g}, "
           f"DDTree budget {args.budget}, at most {args.max_new_tokens} new tokens each")

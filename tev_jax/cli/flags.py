@@ -38,6 +38,39 @@ def at_least_one(args, *flags: str) -> None:
             raise ValueError(f"{flag} must be >= 1, got {v}")
 
 
+def check_text(text: str, what: str = "the PROMPT") -> str:
+    """``text`` if it is valid Unicode; a ValueError naming the first undecodable byte of
+    a command-line argument otherwise (Python keeps those as lone surrogates)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        bad = text[e.start]
+        byte = f"byte 0x{ord(bad) - 0xDC00:02x}" if 0xDC80 <= ord(bad) <= 0xDCFF else repr(bad)
+        raise ValueError(f"{what} is not valid UTF-8 text ({byte} at character {e.start})"
+                         ) from None
+    return text
+
+
+def check_writable(path: str | None, flag: str) -> None:
+    """Before any work: a ValueError naming ``flag`` unless ``path`` can be written
+    (its folder exists and is writable, and it is not a folder or a read-only file).
+    Nothing is created."""
+    import os
+    from pathlib import Path
+
+    if path is None or path == "-":
+        return
+    p = Path(path)
+    folder = p.parent if str(p.parent) else Path(".")
+    why = ("is a folder" if p.is_dir() else
+           f"its folder {folder} does not exist" if not folder.is_dir() else
+           "is not writable" if p.exists() and not os.access(p, os.W_OK) else
+           f"its folder {folder} is not writable" if not p.exists()
+           and not os.access(folder, os.W_OK | os.X_OK) else None)
+    if why:
+        raise ValueError(f"{flag} {path}: cannot write it ({why})")
+
+
 BUNDLED_PREFIX = "bundled:"
 
 
@@ -110,6 +143,9 @@ def decode_config(args, **fields) -> DecodeConfig:
     tree = {k: getattr(args, k) for k in ("builder", "budget", "tuning") if hasattr(args, k)}
     if tree.get("tuning") is not None and tree["budget"] != "auto":
         raise ValueError("--tuning is read with --budget auto")
+    if tree.get("budget") == "auto" and tree.get("tuning") is None:
+        raise ValueError("--budget auto needs --tuning FILE (the file that tev-jax tune "
+                         "--json FILE writes)")
     return DecodeConfig(**tree | {
         "max_new_tokens": args.max_new_tokens, "verifier": args.verifier,
         "sampling": sampling_from(args), "prefill_chunk": args.prefill_chunk} | fields)

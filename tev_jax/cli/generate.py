@@ -19,8 +19,8 @@ def generate_command(args) -> int:
     compile time, and with ``--compare-ar`` the AR speed and the speed-up) to stderr.
     First the pre-flight check (`tev_jax.plan.check_decode_fits`): a program that would
     not fit the device's free memory is refused with one line naming the setting to
-    lower, exit code 2. On a terminal a "compiling ..." line comes first and the text is
-    streamed round by round (`tev_jax.profile.streamed_generate`; the pre-flight check
+    lower, exit code 2. A "compiling ..." line comes first (on stderr); on a terminal the
+    text is streamed round by round (`tev_jax.profile.streamed_generate`; the pre-flight check
     is then the shapes-only `tev_jax.plan.check_decode_floor`); piped, or with
     ``--no-stream``, ``--compare-ar`` or ``--repeats``, it is printed at the end of the
     timed fused program.
@@ -42,6 +42,7 @@ def generate_command(args) -> int:
                          "(--prompts FILE); a single PROMPT's text goes to stdout")
     if not args.prompt:
         raise ValueError("the PROMPT is empty: give some text to continue")
+    flags.check_text(args.prompt)
     flags.at_least_one(args, "--repeats")
     from tev_jax import plan, profile
     from tev_jax.data.tokenizer import format_chat
@@ -67,11 +68,9 @@ def generate_command(args) -> int:
     config = resolve_budget(config, 1, target, drafter)
     stream = (sys.stdout.isatty() and not args.no_stream and not args.compare_ar
               and args.repeats == 1)
-    if stream or sys.stderr.isatty():
-        print("compiling the decode program (once per setting) ...", file=sys.stderr,
-              flush=True)
+    plan.check_decode_floor(target, drafter, config, 1, mesh=mesh)  # from shapes, at once
+    print("compiling the decode program (once per setting) ...", file=sys.stderr, flush=True)
     if stream:
-        plan.check_decode_floor(target, drafter, config, 1, mesh=mesh)
         shown = _Shown(tokenizer, prompt)
         gen = profile.streamed_generate(target, drafter, [prompt], config, args.seed,
                                         mesh=mesh, on_round=lambda rows: shown(rows[0]))
@@ -84,7 +83,7 @@ def generate_command(args) -> int:
                                   repeats=args.repeats, mesh=mesh)
         gen = timed(target, drafter, config=config)
         compile_s = gen.stats.compile_seconds + planned.compile_seconds
-        print(tokenizer.decode(prompt + gen.rows()[0]), flush=True)
+        print(text_of(tokenizer, prompt + gen.rows()[0]), flush=True)
         timing = "fused program" + (f", median of {args.repeats}" if args.repeats > 1 else "")
     n = int(gen.lengths[0])
     lines = [f"[{where}; {flags.method_label(config, auto)}; T={config.sampling.temperature:g}]"]
@@ -110,6 +109,12 @@ def generate_command(args) -> int:
     return 0
 
 
+def text_of(tokenizer, ids: list[int]) -> str:
+    """The decoded text without a last character whose UTF-8 bytes were cut off (by
+    max-new-tokens, or not generated yet while streaming)."""
+    return tokenizer.decode(ids).rstrip("\ufffd")
+
+
 class _Shown:
     """Streams ``decode(prompt + tokens)`` to stdout as the tokens grow; at the end stdout
     holds exactly what the unstreamed run prints."""
@@ -118,9 +123,7 @@ class _Shown:
         self.tokenizer, self.prompt, self.text = tokenizer, list(prompt), ""
 
     def __call__(self, tokens: list[int], *, final: bool = False) -> None:
-        text = self.tokenizer.decode(self.prompt + list(tokens))
-        if not final:  # hold back a character whose UTF-8 bytes are not all there yet
-            text = text.rstrip("\ufffd")
+        text = text_of(self.tokenizer, self.prompt + list(tokens))
         if text.startswith(self.text):
             sys.stdout.write(text[len(self.text):])
             self.text = text

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import jax.numpy as jnp
@@ -24,8 +25,15 @@ def _mesh_for_plan(args):
             raise ValueError(f"{e} (on CPU simulate devices with XLA_FLAGS="
                              "--xla_force_host_platform_device_count=8)") from e
         return mesh, topology.local_chip(), 1, "local devices"
-    mesh, tpu = topology.slice_mesh(args.topology, args.mesh_data, args.mesh_fsdp,
-                                    args.mesh_tensor)
+    try:
+        mesh, tpu = topology.slice_mesh(args.topology, args.mesh_data, args.mesh_fsdp,
+                                        args.mesh_tensor)
+    except AssertionError:  # jax's device-mesh layout of a partial slice
+        n = args.mesh_data * args.mesh_fsdp * args.mesh_tensor
+        raise ValueError(f"the mesh --mesh-data {args.mesh_data} x --mesh-fsdp "
+                         f"{args.mesh_fsdp} x --mesh-tensor {args.mesh_tensor} ({n} devices) "
+                         f"does not lay out over the slice {args.topology}: use axis sizes "
+                         "whose product is the slice's device count") from None
     hosts = f", {tpu.hosts} hosts" if tpu.hosts > 1 else ""
     return mesh, tpu.chip, tpu.devices_per_chip, f"{tpu.name} ({len(tpu.devices)} devices{hosts})"
 
@@ -37,11 +45,22 @@ def plan_command(args) -> int:
 
     if (args.model is None) == (args.config is None):
         raise ValueError("give exactly one of --model PRESET or --config path/config.json")
+    flags.at_least_one(args, "--batch", "--prompt-len", "--max-new-tokens",
+                       "--drafter-layers", "--mesh-data", "--mesh-fsdp", "--mesh-tensor")
+    if args.tau is not None and not 1 <= args.tau < float("inf"):
+        raise ValueError(f"--tau must be a number >= 1 (tokens per round, the bonus token "
+                         f"included), got {args.tau}")
     cfg = plan.model_config(args.model or args.config, num_layers=args.layers)
     config = flags.decode_config(args, prompt_len=args.prompt_len, max_cache_len=args.cache_len)
     mesh, chip, per_chip, where = _mesh_for_plan(args)
+    if args.tau is not None and chip is None:
+        raise ValueError("--tau needs a roofline to estimate tokens/s: give --topology "
+                         "(the local devices have no published peak figures)")
     dtype = jnp.dtype(args.dtype)
     programs = tuple(p.strip() for p in args.programs.split(","))
+    print(f"compiling {len(programs)} program(s) ({', '.join(programs)}) of "
+          f"{args.model or args.config} for {where} (minutes for a large model) ...",
+          file=sys.stderr, flush=True)
     result = plan.plan_decode_programs(
         cfg, config, args.batch, dtype=dtype, drafter_layers=args.drafter_layers, mesh=mesh,
         programs=programs, chip=chip, devices_per_chip=per_chip, ops=args.ops)

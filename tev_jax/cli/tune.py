@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.util
 import json
+import sys
 from pathlib import Path
 
 import jax.numpy as jnp
@@ -31,6 +33,12 @@ def tune_command(args) -> int:
     from tev_jax.models import load_drafter, load_target, load_tokenizer
     from tev_jax.serve import stop_token_ids
 
+    flags.at_least_one(args, "--repeats", "--max-new-tokens")
+    flags.check_writable(args.json, "--json")
+    flags.check_writable(args.figure, "--figure")
+    if args.figure and importlib.util.find_spec("matplotlib") is None:
+        raise ValueError(f"--figure {args.figure} needs matplotlib (pip install -e "
+                         "\".[plots]\"); nothing was tuned")
     target_dir, drafter_dir, where = flags.checkpoint_dirs(args)
     dtype = jnp.dtype(args.dtype)
     target = load_target(target_dir, dtype=dtype)
@@ -46,6 +54,10 @@ def tune_command(args) -> int:
     config = flags.decode_config(args, prompt_len=args.prompt_len,
                                  stop_token_ids=stop_token_ids(target, tokenizer))
     mesh_axes = (args.mesh_data, args.mesh_fsdp, args.mesh_tensor)
+    costs = (f"the {args.topology} roofline" if args.topology else
+             f"{args.repeats} timed rounds per budget and batch size")
+    print(f"tuning {len(requests)} prompt(s): one decode round at budget "
+          f"{max(args.budgets)} per position, then {costs} ...", file=sys.stderr, flush=True)
     result = tune.tune(target, drafter, [r.prompt_ids for r in requests], config,
                        budgets=args.budgets, batch_sizes=args.batch, repeats=args.repeats,
                        key=args.seed, topology=args.topology,

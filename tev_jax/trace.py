@@ -1,0 +1,143 @@
+"""The round trace: what every decode round did, row by row, for research.
+
+A round (DESIGN.md §7) drafts a block, builds a tree, verifies it with the target, decides
+and commits. Its `RoundRecord` keeps, per row: the tree, the drafter's log-probability of
+every node's token, the verdict (accepted path, its length, the bonus token, the exit
+node), the committed length before the round and whether the row was still decoding.
+`tev_jax.engine.Engine.trace`, ``generate(..., trace=True)`` and
+``profile_generate(..., trace=True)`` stack a generation's records per round into a
+`RoundTrace` (``Generation.trace``)::
+
+    gen = tj.generate(target, drafter, prompts, config, key, trace=True)
+    t = gen.trace                          # fields [R, B, ...], host numpy
+    t.verdict.length[r, b]                 # accepted draft tokens + 1 in round r
+    t.tree.tokens[r, b, t.verdict.path[r, b, :t.verdict.length[r, b]]]   # accepted path
+    t.blocks(b)                            # the output block of every round of row b
+
+The key schedule (`tev_jax.decode.round_keys`, its one implementation): the generation key
+``k`` splits into ``(k_0, s)``; ``s`` samples every row's first token from the prefill's
+logits. Round r splits ``k_r`` into ``(k_{r+1}, d_r)``; decide splits ``d_r`` into one
+key per row (``jax.random.split(d_r, B)``, row b's verifier gets the b-th), or, without
+a drafter, samples every row's token with ``d_r`` itself. So a round can be replayed
+from its state's key alone, and the traced, fused and profiled paths give the same
+tokens for the same key.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+from tev_jax.tree import DraftTree
+from tev_jax.verify import Verdict
+
+
+@struct.dataclass
+class RoundRecord:
+    """One round of B rows (device arrays; `RoundTrace` stacks them on the host).
+
+    Attributes:
+      tree: the `DraftTree` of every row, fields [B, N] (root = the pending token).
+      draft_logp_BN: float32 [B, N] ``log q_{depth(v)}(tokens[v])``, the drafter's
+        log-probability of each node's token in its depth's row; 0 at the root, on
+        padding and without draft logits (AR rounds).
+      verdict: the `tev_jax.verify.Verdict` of every row: path [B, H+1] (-1 padded),
+        length [B] (accepted draft tokens + 1), bonus [B], exit_node [B].
+      start_B: int32 [B] committed length before the round (the root's position).
+      active_B: bool [B] whether the row was still decoding (a finished row's verdict
+        is computed but not committed).
+    """
+
+    tree: DraftTree
+    draft_logp_BN: jax.Array
+    verdict: Verdict
+    start_B: jax.Array
+    active_B: jax.Array
+
+
+def round_record(start_B: jax.Array, done_B: jax.Array, draft_logits_BHV, tree: DraftTree,
+                 verdict: Verdict) -> RoundRecord:
+    """The `RoundRecord` of one round from its stages' outputs.
+
+    Args:
+      start_B, done_B: the state's committed lengths and finished rows before the round.
+      draft_logits_BHV: float [B, H, V] the draft stage's logits, or None.
+      tree: the build stage's `DraftTree` [B, N].
+      verdict: the decide stage's `Verdict` [B, ...].
+    """
+    b, n = tree.tokens.shape
+    if draft_logits_BHV is None:
+        draft_logp_BN = jnp.zeros((b, n), jnp.float32)
+    else:
+        h = draft_logits_BHV.shape[1]
+        logq_BHV = jax.nn.log_softmax(draft_logits_BHV.astype(jnp.float32), axis=-1)
+        row_BN = jnp.clip(tree.depths - 1, 0, h - 1)
+        logq_BNV = jnp.take_along_axis(logq_BHV, row_BN[:, :, None], axis=1)
+        picked_BN = jnp.take_along_axis(logq_BNV, tree.tokens[:, :, None], axis=2)[..., 0]
+        node_BN = tree.valid & (tree.depths > 0)
+        draft_logp_BN = jnp.where(node_BN, picked_BN, 0.0)
+    return RoundRecord(tree=tree, draft_logp_BN=draft_logp_BN, verdict=verdict,
+                       start_B=start_B, active_B=~done_B)
+
+
+@dataclasses.dataclass(frozen=True)
+class RoundTrace:
+    """The records of a generation's rounds, stacked (host numpy arrays, R rounds).
+
+    Attributes:
+      tree: `DraftTree` with fields [R, B, N].
+      draft_logp_RBN: float32 [R, B, N] (`RoundRecord.draft_logp_BN`).
+      verdict: `Verdict` with path [R, B, H+1], length [R, B], bonus [R, B],
+        exit_node [R, B].
+      start_RB: int32 [R, B] committed length before each round.
+      active_RB: bool [R, B] rows still decoding in each round.
+    """
+
+    tree: DraftTree
+    draft_logp_RBN: np.ndarray
+    verdict: Verdict
+    start_RB: np.ndarray
+    active_RB: np.ndarray
+
+    @property
+    def rounds(self) -> int:
+        return int(self.active_RB.shape[0])
+
+    @property
+    def block_lengths(self) -> np.ndarray:
+        """int [R, B] output-block length per round (0 where the row had finished), as
+        `tev_jax.generation.DecodeStats.block_lengths`."""
+        return np.where(self.active_RB, self.verdict.length, 0)
+
+    def blocks(self, row: int) -> list[list[int]]:
+        """The output block of each round in which ``row`` was active: the accepted
+        path's tokens after the root, then the bonus (before truncation at a stop
+        token or at max_new_tokens)."""
+        out = []
+        for r in range(self.rounds):
+            if not self.active_RB[r, row]:
+                continue
+            n = int(self.verdict.length[r, row])
+            path = self.verdict.path[r, row, 1:n]
+            out.append([int(t) for t in self.tree.tokens[r, row, path]]
+                       + [int(self.verdict.bonus[r, row])])
+        return out
+
+
+def stack_records(records: Sequence[RoundRecord]) -> RoundTrace | None:
+    """The `RoundTrace` of a generation's records in round order (None without rounds)."""
+    if not records:
+        return None
+    host = jax.device_get(list(records))
+    stacked = jax.tree.map(lambda *x: np.stack(x), *host)
+    return RoundTrace(tree=stacked.tree, draft_logp_RBN=stacked.draft_logp_BN,
+                      verdict=stacked.verdict, start_RB=stacked.start_B,
+                      active_RB=stacked.active_B)
+
+
+__all__ = ["RoundRecord", "RoundTrace", "round_record", "stack_records"]
