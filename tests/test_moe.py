@@ -257,3 +257,20 @@ def test_training_flops_count_the_experts_a_token_uses():
     dense_all = step_model_flops(_moe_config(num_experts=0, intermediate_size=8 * 32),
                                  drafter, **kw)
     assert wide < dense_all       # not every expert counted
+
+
+def test_rounds_report_the_experts_they_touch(models):
+    """`DecodeStats.experts_touched` [R, layers]: an AR step of one row runs exactly its
+    k experts in every sparse layer and none in a dense one; a tree round of 8 rows runs
+    between k and all E; a dense target reports nothing."""
+    target, drafter = models
+    mixed = init_target(_moe_config(num_layers=4, decoder_sparse_step=2), key=2)
+    ar = engine.generate_ar(mixed, PROMPTS[:1], _config())
+    touched = ar.stats.experts_touched
+    assert touched.shape == (ar.stats.rounds, 4)
+    np.testing.assert_array_equal(touched, np.tile([0, 2, 0, 2], (ar.stats.rounds, 1)))
+    spec = engine.generate(target, drafter, PROMPTS, _config()).stats.experts_touched
+    assert spec.shape[1] == 2 and (spec >= 2).all() and (spec <= 8).all()
+    assert spec.max() > 2              # many tokens: more than one token's experts
+    dense = init_target(ModelConfig("qwen3", 64, 32, 64, 1, 4, 2, 8, qk_norm=True))
+    assert engine.generate_ar(dense, [[1, 2]], _config()).stats.experts_touched is None

@@ -193,6 +193,9 @@ class DecodeState:
         that commit moved key/value entries.
       block_len_RB: int32 [M, B] block length per round (0 once finished).
       expected_len_RB: float32 [M, B] exit-law expected length (zeros unless tracked).
+      experts_RL: int32 [M, layers] distinct experts each layer's mixture ran per round
+        (the tree pass over all B rows; 0 for dense layers); [M, 0] for a target
+        without a mixture.
       bad_target: bool [] a target logit was NaN or +inf.
       bad_draft: bool [] a draft logit was NaN or +inf.
     """
@@ -213,6 +216,7 @@ class DecodeState:
     moved_B: jax.Array
     block_len_RB: jax.Array
     expected_len_RB: jax.Array
+    experts_RL: jax.Array
     bad_target: jax.Array
     bad_draft: jax.Array
 
@@ -235,7 +239,7 @@ def state_axes(st: DecodeState, drafter) -> DecodeState:
         start_B=b, root_B=b, new_tokens_BP=("batch", None),
         new_feats_BPF=("batch", None, None), new_count_B=b, out_BM=("batch", None),
         num_out_B=b, done_B=b, rounds_B=b, moved_B=b, block_len_RB=(None, "batch"),
-        expected_len_RB=(None, "batch"), bad_target=(), bad_draft=())
+        expected_len_RB=(None, "batch"), experts_RL=(), bad_target=(), bad_draft=())
 
 
 def _is_names(x) -> bool:
@@ -313,6 +317,8 @@ def prefill(graphdef, params, tokens_BT, lengths_B, key, *, spec: DecodeSpec) ->
         moved_B=zeros_B,
         block_len_RB=jnp.zeros((m, b), jnp.int32),
         expected_len_RB=jnp.zeros((m, b), jnp.float32),
+        experts_RL=jnp.zeros((m, target.config.num_layers if _has_experts(target) else 0),
+                             jnp.int32),
         bad_target=jnp.any(_not_finite(logits_BV)),
         bad_draft=jnp.zeros((), bool),
     )
@@ -345,12 +351,20 @@ def build_stage(draft_logits_BHV, root_B, *, spec: DecodeSpec) -> DraftTree:
     return extensions.batched(builder)(draft_logits_BHV, root_B)
 
 
+def _has_experts(target) -> bool:
+    return target.config.num_experts > 0
+
+
 def verify_stage(graphdef, params, cache, tree: DraftTree, start_B, *, spec: DecodeSpec):
-    """Target tree pass. -> (logits [B, N, V], taps [B, N, F] or None, cache)."""
+    """Target tree pass. -> (logits [B, N, V], taps [B, N, F] or None, cache, experts
+    int32 [layers] distinct experts each layer ran, or None without a mixture)."""
     target, _ = merge_models(graphdef, params)
     anc_BNN = jax.vmap(ancestor_mask)(tree)
+    if not _has_experts(target):
+        return target.verify_tree(cache, tree.tokens, tree.depths, anc_BNN, start_B,
+                                  taps=spec.taps) + (None,)
     return target.verify_tree(cache, tree.tokens, tree.depths, anc_BNN, start_B,
-                              taps=spec.taps)
+                              taps=spec.taps, experts_touched=True)
 
 
 def decide_stage(key, tree: DraftTree, logits_BNV, *, spec: DecodeSpec) -> verify_lib.Verdict:
@@ -369,9 +383,10 @@ def decide_stage(key, tree: DraftTree, logits_BNV, *, spec: DecodeSpec) -> verif
 
 
 def commit_stage(st: DecodeState, ctx, draft_logits_BHV, tree: DraftTree, logits_BNV,
-                 feats_BNF, cache, verdict: verify_lib.Verdict, key, *,
+                 feats_BNF, cache, verdict: verify_lib.Verdict, key, experts_L=None, *,
                  spec: DecodeSpec) -> DecodeState:
-    """Moves the accepted path's KV, emits the block, updates every active row."""
+    """Moves the accepted path's KV, emits the block, updates every active row
+    (``experts_L``: the verify stage's experts per layer, recorded for the round)."""
     cfg = spec.config
     b = st.start_B.shape[0]
     p = spec.horizon + 1
@@ -437,6 +452,8 @@ def commit_stage(st: DecodeState, ctx, draft_logits_BHV, tree: DraftTree, logits
         moved_B=st.moved_B + jnp.any(in_block_BP & (path_BP != j_P[None]), 1).astype(jnp.int32),
         block_len_RB=st.block_len_RB.at[st.round].set(length_B, mode="drop"),
         expected_len_RB=expected_RB,
+        experts_RL=(st.experts_RL if experts_L is None else
+                    st.experts_RL.at[st.round].set(experts_L, mode="drop")),
         bad_target=bad_target,
         bad_draft=bad_draft,
     )
@@ -464,14 +481,14 @@ def traced_round(graphdef, params, st: DecodeState, *, spec: DecodeSpec
     with jax.named_scope("build"):
         tree = build_stage(draft_logits, st.root_B, spec=spec)
     with jax.named_scope("verify"):
-        logits, feats, cache = verify_stage(graphdef, params, st.cache, tree, st.start_B,
-                                             spec=spec)
+        logits, feats, cache, experts = verify_stage(graphdef, params, st.cache, tree,
+                                                      st.start_B, spec=spec)
     with jax.named_scope("decide"):
         key, sub = round_keys(st.key)
         verdict = decide_stage(sub, tree, logits, spec=spec)
     with jax.named_scope("commit"):
         new = commit_stage(st, ctx, draft_logits, tree, logits, feats, cache, verdict, key,
-                           spec=spec)
+                           experts, spec=spec)
     return new, round_record(st.start_B, st.done_B, draft_logits, tree, verdict)
 
 

@@ -423,6 +423,8 @@ class Engine:
                 block_lengths=np.asarray(st.block_len_RB)[:rounds],
                 expected_lengths=(np.asarray(st.expected_len_RB)[:rounds]
                                   if self.config.track_exit_law else None),
+                experts_touched=(np.asarray(st.experts_RL)[:rounds]
+                                 if st.experts_RL.shape[1] else None),
                 **stats,
             ),
             trace=trace,
@@ -543,14 +545,15 @@ class Engine:
         else:
             draft_logits, ctx = None, st.ctx
         tree = shape("build", draft_logits, st.root_B)
-        logits, feats, cache = shape("verify", params, st.cache, tree, st.start_B)
+        logits, feats, cache, experts = shape("verify", params, st.cache, tree, st.start_B)
         verdict = shape("decide", key, tree, logits)
         return {
             "draft": (params, st),
             "build": (draft_logits, st.root_B),
             "verify": (params, st.cache, tree, st.start_B),
             "decide": (key, tree, logits),
-            "commit": (st, ctx, draft_logits, tree, logits, feats, cache, verdict, key),
+            "commit": (st, ctx, draft_logits, tree, logits, feats, cache, verdict, key,
+                       experts),
         }[program]
 
 

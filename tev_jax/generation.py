@@ -32,6 +32,9 @@ class DecodeStats:
       seconds: wall time of the timed call (`tev_jax.profile`), else None.
       compile_seconds: wall time of the first (compiling) call (`tev_jax.profile`),
         else None.
+      experts_touched: int [R, layers] for a target with a mixture of experts: how many
+        distinct experts each layer ran in each round's tree pass (over all rows; 0 for
+        dense layers), i.e. how much of its expert weights the round read; else None.
     """
 
     rounds: int
@@ -43,6 +46,7 @@ class DecodeStats:
     round_seconds: dict[str, np.ndarray] | None = None
     seconds: float | None = None
     compile_seconds: float | None = None
+    experts_touched: np.ndarray | None = None
 
     @property
     def tau(self) -> float:

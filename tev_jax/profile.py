@@ -155,13 +155,13 @@ def _profile(engine: Engine, prompts: Prompts, key, warmup: bool,
             if record:
                 times["draft"].append(0.0)
         tree = timed("build", draft_logits, st.root_B)
-        logits, feats, cache = timed("verify", params, st.cache, tree, st.start_B)
+        logits, feats, cache, experts = timed("verify", params, st.cache, tree, st.start_B)
         key, sub = _round_keys(st.key)
         verdict = timed("decide", sub, tree, logits)
         if record and records is not None:
             records.append(_round_record(st.start_B, st.done_B, draft_logits, tree, verdict))
         return timed("commit", st, ctx, draft_logits, tree, logits, feats, cache, verdict,
-                     key)
+                     key, experts)
 
     prefill = lambda: jax.block_until_ready(engine.prefill(prompts, key))
     if warmup:

@@ -204,7 +204,7 @@ def tree_reach(target, drafter, prompt_ids: Sequence[Sequence[int]],
             st = st.replace(root_B=jnp.asarray([r for _, r in chunk], jnp.int32))
             draft_BHV, _ = draft(engine.params, st)
             tree = build(draft_BHV, st.root_B)
-            logits_BNV, _, _ = verify(engine.params, st.cache, tree, st.start_B)
+            logits_BNV = verify(engine.params, st.cache, tree, st.start_B)[0]
             law = law_of(tree, logits_BNV)
             got = jax.device_get((law.reach, tree.depths, tree.valid))
             reach.append(np.where(got[2], got[0], 0.0)[:real])

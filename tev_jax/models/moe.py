@@ -35,6 +35,9 @@ Parameters (HF names in `tev_jax.models.checkpoint_io`)::
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -47,6 +50,21 @@ from tev_jax.models.layers import Linear, make_param, stack_index
 METHODS = ("auto", "ragged", "touched", "dense")
 EXPERT_AXES = ("experts", "embed", "moe_mlp")
 DOWN_AXES = ("experts", "moe_mlp", "embed")
+
+
+_SINK: contextvars.ContextVar = contextvars.ContextVar("tev_moe_sink", default=None)
+
+
+@contextlib.contextmanager
+def collect_usage():
+    """Collects, while tracing the block, each `MoE` call's pairs per expert (int32
+    [E]: how many of its (token, expert) pairs chose each expert) in a list."""
+    sink: list = []
+    token = _SINK.set(sink)
+    try:
+        yield sink
+    finally:
+        _SINK.reset(token)
 
 
 def route(x_MD: jax.Array, router_DE: jax.Array, spec: MoeSpec):
@@ -191,6 +209,9 @@ class MoE(nnx.Module):
     def __call__(self, x_BTD: jax.Array, method: str | None = None) -> jax.Array:
         b, t, d = x_BTD.shape
         w, idx = self.route(x_BTD)
+        sink = _SINK.get()
+        if sink is not None:
+            sink.append(jnp.zeros((self.spec.num_experts,), jnp.int32).at[idx].add(1))
         method = choose_method(self.method if method is None else method,
                                b * t * self.spec.top_k, self.spec.num_experts)
         y = sharded_experts(x_BTD, idx.reshape(b, t, -1), w.reshape(b, t, -1),

@@ -51,7 +51,11 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+import contextlib
+import contextvars
+
 from tev_jax.models import kv_cache as kvc
+from tev_jax.models import moe
 from tev_jax.models.attention import Mask, attention
 from tev_jax.models.config import ModelConfig
 from tev_jax.models.kv_cache import KVCache
@@ -59,6 +63,22 @@ from tev_jax.models.layers import (
     RMSNorm, jitted_initializer, make_param, rope_inv_freq, scan_layers, stacked_layers,
 )
 from tev_jax.sharding import constrain
+
+
+_USAGE: contextvars.ContextVar = contextvars.ContextVar("tev_expert_usage", default=None)
+
+
+@contextlib.contextmanager
+def expert_usage():
+    """Records the expert usage of the `Target.layer_stack` traced inside the block:
+    yields a dict whose 'usage' becomes int32 [layers, E] (pairs per expert and layer;
+    zero rows for dense layers), or None for a model without a mixture."""
+    out = {"usage": None}
+    token = _USAGE.set(out)
+    try:
+        yield out
+    finally:
+        _USAGE.reset(token)
 
 
 class Target(nnx.Module):
@@ -152,17 +172,27 @@ class Target(nnx.Module):
         slot_of = np.full(num_layers, len(kept), np.int32)
         slot_of[kept] = np.arange(len(kept))
         tapped = None if not taps else jnp.zeros((len(kept) + 1,) + x.shape, x.dtype)
+        recorder = _USAGE.get()
+        experts = max((s.moe.num_experts for s in self.config.layer_specs if s.moe), default=0)
+        usage = (None if recorder is None or not experts else
+                 jnp.zeros((self.config.num_layers, experts), jnp.int32))
 
         def body(layer, i, state):
-            x, tapped, carry = state
-            x, carry = layer(x, positions_BT, inv_freq,
-                             lambda q, k, v: attend(i, q, k, v, carry))
+            x, tapped, usage, carry = state
+            with moe.collect_usage() as sink:
+                x, carry = layer(x, positions_BT, inv_freq,
+                                 lambda q, k, v: attend(i, q, k, v, carry))
             if tapped is not None:
                 slot = jnp.asarray(slot_of)[i]
                 tapped = jax.lax.dynamic_update_index_in_dim(tapped, x, slot, 0)
-            return x, tapped, carry
+            if usage is not None and sink:
+                usage = jax.lax.dynamic_update_index_in_dim(usage, sink[0], i, 0)
+            return x, tapped, usage, carry
 
-        x, tapped, carry = scan_layers(self.layers, body, (x, tapped, carry), depth=depth)
+        x, tapped, usage, carry = scan_layers(self.layers, body, (x, tapped, usage, carry),
+                                              depth=depth)
+        if recorder is not None:
+            recorder["usage"] = usage
         h = self.norm(x)
         # HF's hidden_states[-1] is the final-normed output
         outs = [h if t == self.config.num_layers - 1 else tapped[slot_of[t]] for t in taps]
@@ -335,7 +365,8 @@ class Target(nnx.Module):
         return logits[:, 0], (None if feats is None else feats[:, 0]), cache
 
     def verify_tree(self, cache: KVCache, tokens_BN: jax.Array, depths_BN: jax.Array,
-                    anc_BNN: jax.Array, start_B: jax.Array, taps: Sequence[int] = ()):
+                    anc_BNN: jax.Array, start_B: jax.Array, taps: Sequence[int] = (),
+                    experts_touched: bool = False):
         """The tree verify pass.
 
         Args:
@@ -343,11 +374,20 @@ class Target(nnx.Module):
           depths_BN: int [B, N]; node i sits at position ``start + depths[i]``.
           anc_BNN: bool [B, N, N]; ``anc[i, j]`` = j is i or an ancestor of i.
           start_B: int [B]; the tree is written at slots ``start .. start+N-1``.
+          experts_touched: also return how many distinct experts each layer's mixture
+            ran for the pass's B x N tokens (what a round reads of it).
         Returns:
-          (logits float32 [B, N, V], taps [B, N, len(taps)*D] or None, new cache).
+          (logits float32 [B, N, V], taps [B, N, len(taps)*D] or None, new cache), and
+          with ``experts_touched`` int32 [layers] (0 for dense layers; None for a model
+          without a mixture) after them.
         """
         positions = start_B.astype(jnp.int32)[:, None] + depths_BN.astype(jnp.int32)
-        return self.extend(cache, tokens_BN, positions, start_B, anc_BNN, taps)
+        if not experts_touched:
+            return self.extend(cache, tokens_BN, positions, start_B, anc_BNN, taps)
+        with expert_usage() as rec:
+            out = self.extend(cache, tokens_BN, positions, start_B, anc_BNN, taps)
+        usage = rec["usage"]
+        return out + (None if usage is None else jnp.sum(usage > 0, axis=-1, dtype=jnp.int32),)
 
     def init_cache(self, batch: int, max_len: int) -> KVCache:
         """A zero cache in this model's dtype."""
