@@ -453,18 +453,18 @@ def _add_compare(sub) -> None:
 
 def _mesh_for_plan(args):
     """(mesh or None, chip, devices per chip, where) of the plan flags: over a TPU slice's
-    chips with ``--topology``, else over the local devices."""
+    chips with ``--topology``, GPUs with ``--gpu``, else over the local devices."""
     from tev_jax import topology
 
-    if args.topology is None:
+    if args.topology is None and args.gpu is None:
         try:
             mesh = _mesh_from(args)
         except ValueError as e:
             raise ValueError(f"{e} (on CPU simulate devices with XLA_FLAGS="
                              "--xla_force_host_platform_device_count=8)") from e
         return mesh, topology.local_chip(), 1, "local devices"
-    mesh, tpu = topology.slice_mesh(args.topology, args.mesh_data, args.mesh_fsdp,
-                                    args.mesh_tensor)
+    mesh, tpu = topology.plan_mesh(args.topology, args.gpu, args.mesh_data, args.mesh_fsdp,
+                                   args.mesh_tensor)
     hosts = f", {tpu.hosts} hosts" if tpu.hosts > 1 else ""
     return mesh, tpu.chip, tpu.devices_per_chip, f"{tpu.name} ({len(tpu.devices)} devices{hosts})"
 
@@ -495,7 +495,7 @@ def plan_command(args) -> int:
             "builder": args.builder, "budget": args.budget, "verifier": args.verifier,
             "prefill_chunk": args.prefill_chunk, "temperature": args.temperature,
             "dtype": args.dtype, "drafter_layers": args.drafter_layers, "mesh": axes,
-            "topology": args.topology, "fits": hbm is None}
+            "topology": args.topology, "gpu": args.gpu, "fits": hbm is None}
     record = what | result.as_dict(args.tau)
     if args.json == "-":
         print(json.dumps(record))
@@ -545,6 +545,9 @@ def _add_plan(sub) -> None:
     p.add_argument("--topology", default=None, metavar="NAME",
                    help="plan for a TPU slice (e.g. v5e:2x4, v5p:2x2x2, v5e:4x4; needs the "
                         "tpu extra) instead of the local devices; the mesh flags lay it out")
+    p.add_argument("--gpu", default=None, metavar="NAME",
+                   help="plan for NVIDIA GPUs (h100x8, h200x8, b200x8, a100x8, h100x16; needs "
+                        "the gpu extra) instead of the local devices; the mesh flags lay it out")
     p.add_argument("--programs", default=",".join(PROGRAMS_TO_PLAN),
                    help="comma-separated programs to compile (default: all of "
                         "%(default)s)")
