@@ -16,8 +16,10 @@ servers are named by their GPU count (``h100x16``: two hosts of 8).
 
 Needs the ``gpu`` extra (``pip install -e ".[gpu]"``: the CUDA plugin at the project's
 jax version, with only the NVIDIA compiler wheels). Without a GPU driver the plugin's
-version check must be skipped (`gpu_devices` sets ``JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1``
-unless set), and ``JAX_PLATFORMS`` must be unset or include ``cuda`` when jax starts.
+version check fails when jax starts (it calls ``cuInit``) unless ``JAX_PLATFORMS``
+leaves cuda out (``JAX_PLATFORMS=cpu``, as for TPU plans: the plugin still compiles) or
+``JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1`` is set (`gpu_devices` sets it, in time only when
+jax's backends have not started yet).
 """
 
 from __future__ import annotations
@@ -135,6 +137,14 @@ def parse_gpu_name(name: str) -> tuple[GpuSpec, int]:
     return spec, count
 
 
+def plugin_installed() -> bool:
+    """Whether jax's CUDA plugin (the ``gpu`` extra) is installed."""
+    try:
+        return importlib.util.find_spec("jax_plugins.xla_cuda12") is not None
+    except ModuleNotFoundError:  # no jax_plugins package at all
+        return False
+
+
 def gpu_devices(name: str) -> Slice:
     """The abstract devices of the GPU server ``name`` ('h100x8', 'h200x8', 'b200x8',
     'a100x8', 'h100x16' for two hosts), compiled for from this machine.
@@ -146,15 +156,11 @@ def gpu_devices(name: str) -> Slice:
         says how to get it), or the plugin refuses the description (its reason).
     """
     spec, count = parse_gpu_name(name)
-    if importlib.util.find_spec("jax_plugins.xla_cuda12") is None:
+    if not plugin_installed():
         raise ValueError(f"planning for the GPUs {name!r} needs the CUDA plugin: pip "
                          "install -e \".[gpu]\" (jax-cuda12-plugin at the installed jax's "
                          "version and the NVIDIA compiler wheels)")
     os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
-    platforms = os.environ.get("JAX_PLATFORMS", "")
-    if platforms and "cuda" not in platforms.split(","):
-        raise ValueError(f"JAX_PLATFORMS={platforms!r} leaves out the CUDA plugin: unset it, "
-                         "or add 'cuda' (e.g. JAX_PLATFORMS=cpu,cuda), to plan for GPUs")
     from jax.experimental import topologies
 
     hosts = max(count // GPUS_PER_HOST, 1)
@@ -162,6 +168,12 @@ def gpu_devices(name: str) -> Slice:
         desc = topologies.get_topology_desc(
             platform="cuda", target_config=spec.target_config(),
             topology=f"{hosts}x1x{min(count, GPUS_PER_HOST)}")
+    except NotImplementedError as e:  # the plugin did not register when jax started
+        raise ValueError(
+            f"the CUDA plugin is not running, so {name!r} cannot be compiled for: without a "
+            "GPU driver its version check fails when jax starts; start jax with "
+            "JAX_PLATFORMS=cpu (the plugin still compiles) or JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1"
+        ) from e
     except Exception as e:  # the plugin says what is wrong in its own words
         reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise ValueError(f"the CUDA plugin cannot describe {name!r}: {reason}") from e
@@ -186,4 +198,5 @@ def gpu_mesh(name: str, data: int = 1, fsdp: int | None = 1, tensor: int = 1):
     return mesh, gpus
 
 
-__all__ = ["GPUS", "GPUS_PER_HOST", "GpuSpec", "gpu_devices", "gpu_mesh", "parse_gpu_name"]
+__all__ = ["GPUS", "GPUS_PER_HOST", "GpuSpec", "gpu_devices", "gpu_mesh", "parse_gpu_name",
+           "plugin_installed"]

@@ -453,6 +453,10 @@ def _fusion_bytes(module: Module, instr: Instr, shapes: dict[str, str], hbm: boo
 def _sliced_bytes(module: Module, body: list[Instr], name: str) -> float | None:
     """Bytes read of fusion parameter ``name`` when every use only slices it (directly,
     through bitcasts or in a nested fusion), else None (the whole operand is read)."""
+    root = body[-1] if body else None
+    if root is not None and (root.name == name or (root.opcode == "tuple"
+                                                   and name in root.operands)):
+        return None  # flows out of the fusion whole (a bitcast of a weight, say)
     total = 0.0
     for u in body:
         if name not in u.operands:
@@ -564,11 +568,15 @@ def loop_factors(ops: list[Op]) -> tuple[float, float]:
 
 
 def totals(ops: list[Op]) -> dict[str, float]:
-    """Bytes, HBM bytes and FLOPs summed over ``ops``, and over the per-round ones."""
+    """Bytes, HBM bytes and FLOPs summed over ``ops``, and over the per-round ones
+    (``loop_``); ``on_chip_once``: the on-chip part of the once-per-call ops' bytes, what
+    they moved into on-chip memory (TPU: weights the compiler keeps there across rounds,
+    which the per-round HBM bytes then do not read again)."""
     out = {}
     for part, keep in (("", lambda o: True), ("loop_", lambda o: o.in_loop)):
         for field in ("bytes", "hbm_bytes", "flops"):
             out[part + field] = sum(getattr(o, field) for o in ops if keep(o))
+    out["on_chip_once"] = sum(o.bytes - o.hbm_bytes for o in ops if not o.in_loop)
     return out
 
 
@@ -599,7 +607,8 @@ def format_table(ops, top: int, stages=()) -> str:
     lines = [(f"  per round: {t['loop_bytes'] / 1e9:.3f} GB accessed "
               f"({t['loop_hbm_bytes'] / 1e9:.3f} GB in HBM), {t['loop_flops'] / 1e9:.2f} "
               f"GFLOP; once per call: {once['bytes'] / 1e9:.3f} GB "
-              f"({once['hbm_bytes'] / 1e9:.3f} GB in HBM), {once['flops'] / 1e9:.2f} GFLOP")]
+              f"({once['hbm_bytes'] / 1e9:.3f} GB in HBM, {t['on_chip_once'] / 1e9:.3f} GB "
+              f"on chip), {once['flops'] / 1e9:.2f} GFLOP")]
     stage_rows = by_stage(ops, stages)
     if len(stage_rows) > 1:
         lines.append("  per round by stage: " + ", ".join(
