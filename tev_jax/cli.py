@@ -525,7 +525,8 @@ def _add_plan(sub) -> None:
         description="Compiles the decode programs (the whole generation, an AR step, a "
                     "round, a prefill chunk, each stage) for a model config on abstract "
                     "parameters and prints the compiler's per-device argument / temporary / "
-                    "output bytes, FLOPs, bytes accessed and, on a TPU (--topology), the "
+                    "output bytes, FLOPs, bytes accessed and, on a TPU (--topology) or "
+                    "GPUs (--gpu), the "
                     "roofline time. For a mesh on CPU set XLA_FLAGS="
                     "--xla_force_host_platform_device_count=8. XLA:CPU copies bfloat16 "
                     "weights to float32, so bfloat16 temporary memory on CPU overstates.")

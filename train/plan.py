@@ -7,7 +7,8 @@ update with `train.step.lower` on a mesh and compiles it: the compiler's
 (target, drafter, optimiser state, batch) and of its temporaries (activations,
 scratch), its FLOPs and bytes accessed. With ``topology`` (a TPU slice name such as
 'v5p:2x2x2', `tev_jax.topology`) the mesh lies over that slice's chips and the real TPU
-compiler plans it from this machine; then the step's roofline time and an MFU estimate
+compiler plans it from this machine, with ``gpu`` ('h100x8', `tev_jax.gpu`) over NVIDIA
+GPUs and the real GPU compiler; then the step's roofline time and an MFU estimate
 (`step_model_flops` over chips x peak x roofline time) come with it. This is what
 ``python -m train plan`` prints.
 
