@@ -75,6 +75,18 @@ def test_the_blocked_top_k_equals_lax_top_k_with_ties():
 
 
 @needs_plugin
+def test_gpu_servers_and_a_mesh_that_does_not_fit():
+    """8 and 16 abstract GPUs (16: two hosts) with the GPU's figures; a mesh larger than
+    the server is refused, naming both."""
+    eight, sixteen = gpu.gpu_devices("h100x8"), gpu.gpu_devices("h100x16")
+    assert (len(eight.devices), eight.hosts, eight.chip.name) == (8, 1, "h100")
+    assert (len(sixteen.devices), sixteen.hosts) == (16, 2)
+    assert eight.devices[0].device_kind == gpu.GPUS["h100"].chip.device_kind
+    with pytest.raises(ValueError, match=r"needs 16 devices.*does not fit the GPUs h100x8"):
+        gpu.gpu_mesh("h100x8", tensor=16)
+
+
+@needs_plugin
 def test_a_long_top_k_compiles_without_a_long_sort():
     """[120, 18 992] (a Qwen3-8B vocabulary shard of a round's draft rows), k 64: no sort
     longer than TOP_K_WIDTH in the GPU program (the compiler warns it has no deviceless
