@@ -140,6 +140,28 @@ def test_vocab_top_k_is_exact_and_local(axes):
                             for line in gathered)
 
 
+@needs8
+@pytest.mark.parametrize("axes", [dict(tensor=8, fsdp=1), dict(data=2, tensor=4, fsdp=1)])
+def test_block_masses_stay_local_when_blocks_straddle_shards(axes):
+    """A vocabulary of 8 x 48 entries (as 151 936 / 8 is not a multiple of 128): each
+    shard sums its own shard-aligned sub-blocks and only those move, never a whole
+    [..., V] row (which the SPMD partitioner gathered for blocks that straddle shards);
+    the masses equal the unsharded ones."""
+    b, n, v = 8, 5, 8 * 48
+    x = 3 * jax.random.normal(jax.random.key(1), (b, n, v))
+    want = vocab.block_masses(vocab.Scores(x, 0.7))
+    mesh = shd.make_mesh(**axes)
+    fn = jax.jit(lambda a: vocab.block_masses(vocab.Scores(a, 0.7)))
+    with jax.set_mesh(mesh):
+        xs = jax.device_put(x, NamedSharding(mesh, shd.logical_to_spec(
+            ("batch", None, "act_vocab"), x.shape, mesh)))
+        got = fn(xs)
+        hlo = fn.lower(xs).compile().as_text()
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6)
+    gathered = [line for line in hlo.splitlines() if " all-gather(" in line]
+    assert all(f",{v}]" not in line.split("all-gather(")[0] for line in gathered)
+
+
 def test_lower_on_abstract_models_needs_prompt_len():
     abstract = nnx.eval_shape(lambda: Target(CFG, rngs=nnx.Rngs(0)))
     with pytest.raises(ValueError, match="prompt_len"):

@@ -11,7 +11,14 @@ per iteration and marked ``in_loop``; the ones outside run once per call (prefil
 layouts the compiler hoisted out of the loop). A loop whose trip count is known (the
 compiler's ``known_trip_count``, or a counted loop ``i = 0; i < N; i += 1`` such as the
 scan over the layers) multiplies the ops of its body, which ``cost_analysis`` does not
-do (it counts a loop body once).
+do (it counts a loop body once). A loop whose trip count depends on the data but has a
+bound, which its code names with the `bound_scope` ``jax.named_scope`` (the
+attention's loop over the key blocks a query may see: at most the cache's blocks),
+is counted at that bound and its ops marked ``bounded``: a step at a full cache.
+
+Reads the HLO of the TPU and GPU compilers (and XLA:CPU's). On GPU, matrix products are
+Triton fusions (their FLOPs are those of the ``dot`` inside) or cuBLAS custom calls
+(``__cublas$gemm``: FLOPs from the call's dimension numbers).
 
 The per-op figures follow XLA's own cost model, simplified: an op reads its operands and
 writes its output, except that a fusion operand which is only sliced inside the fusion
@@ -92,9 +99,10 @@ class Op:
       count: executions per call (or per round when ``in_loop``): the product of the
         known trip counts of the loops around it.
       in_loop: inside a loop of unknown trip count (a decode round), counted per iteration.
-      inner: inside a second loop of unknown trip count within that one (e.g. the
-        attention's loop over the visible key blocks): counted once per round although
-        it may run several times.
+      inner: inside a second loop of unknown trip count and no `bound_scope` within
+        that one: counted once per round although it may run several times.
+      bounded: inside a loop counted at its bound (`bound_scope`, e.g. the attention's
+        loop over key blocks): ``count`` is the most it runs (a full cache).
       scope: the ``jax.named_scope`` / transform path (``op_name`` metadata).
       source: ``file:line (function)`` of the innermost user frame, or ''.
     """
@@ -111,6 +119,7 @@ class Op:
     inner: bool
     scope: str
     source: str
+    bounded: bool = False
 
     def stage(self, stages) -> str | None:
         """The first of ``stages`` that names a component of ``scope``, else None."""
@@ -266,6 +275,16 @@ def parse_module(text: str) -> Module:
     return Module(computations, entry, frames)
 
 
+def bound_scope(n: int) -> str:
+    """The ``jax.named_scope`` name that tells the op table a loop of data-dependent trip
+    count (a ``fori_loop`` with traced bounds) runs at most ``n`` times; wrap the loop in
+    it: ``with jax.named_scope(bound_scope(n)): jax.lax.fori_loop(lo, hi, ...)``."""
+    return f"trips_upto_{int(n)}"
+
+
+_BOUND = re.compile(r'op_name="[^"]*\btrips_upto_(\d+)/while"')
+
+
 def _trip_count(module: Module, loop: Instr, defs: dict[str, Instr]) -> int | None:
     """The trip count of a ``while``: the compiler's ``known_trip_count``, else that of a
     counted loop (a ``lax.scan`` / ``fori_loop``): the condition is ``i < N`` on a tuple
@@ -352,6 +371,8 @@ def _flops(instr: Instr, shapes: dict[str, str]) -> float:
         return 2.0 * elements(instr.type) * k
     if instr.opcode == "convolution":
         return 2.0 * elements(instr.type) * _taps(instr, shapes)
+    if instr.opcode == "custom-call" and re.search(r'custom_call_target="__cublas', instr.attrs):
+        return _gemm_flops(instr, shapes)
     if instr.opcode in ("reduce", "reduce-window"):
         return float(sum(elements(shapes.get(o, "")) for o in instr.operands[:1]))
     if (instr.opcode in NO_FLOPS or instr.opcode in FREE
@@ -359,6 +380,16 @@ def _flops(instr: Instr, shapes: dict[str, str]) -> float:
             or instr.opcode.startswith(("all-", "reduce-scatter", "collective"))):
         return 0.0
     return float(elements(instr.type))
+
+
+def _gemm_flops(call: Instr, shapes: dict[str, str]) -> float:
+    """2 x output elements x contracted size of a cuBLAS GEMM custom call (its
+    ``dot_dimension_numbers`` in the backend config; the output is its first array)."""
+    m = re.search(r'"lhs_contracting_dimensions":\[([^\]]*)\]', call.attrs)
+    lhs = dims(shapes.get(call.operands[0], "")) if call.operands else []
+    k = (math.prod(lhs[int(d)] for d in re.findall(r"\d+", m.group(1)))
+         if m is not None and lhs else 1)
+    return 2.0 * elements(call.type) * k
 
 
 def _fused_flops(module: Module, fusion: Instr) -> float:
@@ -420,14 +451,24 @@ def _fusion_bytes(module: Module, instr: Instr, shapes: dict[str, str], hbm: boo
 
 
 def _sliced_bytes(module: Module, body: list[Instr], name: str) -> float | None:
-    """Bytes read of fusion parameter ``name`` when every use only slices it (directly or
-    in a nested fusion), else None (the whole operand is read)."""
+    """Bytes read of fusion parameter ``name`` when every use only slices it (directly,
+    through bitcasts or in a nested fusion), else None (the whole operand is read)."""
+    root = body[-1] if body else None
+    if root is not None and (root.name == name or (root.opcode == "tuple"
+                                                   and name in root.operands)):
+        return None  # flows out of the fusion whole (a bitcast of a weight, say)
     total = 0.0
     for u in body:
         if name not in u.operands:
             continue
         if u.opcode in SLICING and u.operands[0] == name and u.operands.count(name) == 1:
             total += array_bytes(u.type)
+            continue
+        if u.opcode == "bitcast":  # the GPU compiler bitcasts a cache before slicing it
+            inner = _sliced_bytes(module, body, u.name)
+            if inner is None:
+                return None
+            total += inner
             continue
         nested = module.fused(u) if u.opcode == "fusion" else []
         for index in (k for k, o in enumerate(u.operands) if o == name):
@@ -466,7 +507,7 @@ def op_costs(text: str) -> list[Op]:
     module = parse_module(text)
     ops: list[Op] = []
 
-    def walk(name: str, count: int, loops: int, seen: tuple[str, ...]):
+    def walk(name: str, count: int, loops: int, bounded: bool, seen: tuple[str, ...]):
         if name in seen or name not in module.computations:
             return
         body = module.computations[name]
@@ -475,7 +516,13 @@ def op_costs(text: str) -> list[Op]:
         for instr in body:
             if instr.opcode == "while":
                 n = _trip_count(module, instr, defs)
-                inner = (count * n, loops) if n is not None else (count, loops + 1)
+                bound = _BOUND.search(instr.attrs) if n is None else None
+                if n is not None:
+                    inner = (count * n, loops, bounded)
+                elif bound is not None:
+                    inner = (count * int(bound.group(1)), loops, True)
+                else:
+                    inner = (count, loops + 1, bounded)
                 for key in ("condition", "body"):
                     for c in _called(instr.attrs, key):
                         walk(c, *inner, seen + (name,))
@@ -484,7 +531,7 @@ def op_costs(text: str) -> list[Op]:
                 for key in ("branch_computations", "true_computation", "false_computation",
                             "to_apply"):
                     for c in _called(instr.attrs, key):
-                        walk(c, count, loops, seen + (name,))
+                        walk(c, count, loops, bounded, seen + (name,))
                 continue
             if (instr.opcode in FREE or instr.opcode.endswith("-done")
                     or FREE_CALLS.intersection(re.findall(r'custom_call_target="(\w+)"',
@@ -504,9 +551,10 @@ def op_costs(text: str) -> list[Op]:
                 shape=re.sub(r"\{[^{}]*(?:\([^)]*\)[^{}]*)*\}", "", instr.type),
                 bytes=nbytes[0] * count, hbm_bytes=nbytes[1] * count,
                 flops=flops * count, count=count, in_loop=loops > 0, inner=loops > 1,
-                scope=scope.group(1) if scope else "", source=module.source(instr.attrs)))
+                scope=scope.group(1) if scope else "", source=module.source(instr.attrs),
+                bounded=bounded))
 
-    walk(module.entry, 1, 0, ())
+    walk(module.entry, 1, 0, False, ())
     return ops
 
 
@@ -520,11 +568,15 @@ def loop_factors(ops: list[Op]) -> tuple[float, float]:
 
 
 def totals(ops: list[Op]) -> dict[str, float]:
-    """Bytes, HBM bytes and FLOPs summed over ``ops``, and over the per-round ones."""
+    """Bytes, HBM bytes and FLOPs summed over ``ops``, and over the per-round ones
+    (``loop_``); ``on_chip_once``: the on-chip part of the once-per-call ops' bytes, what
+    they moved into on-chip memory (TPU: weights the compiler keeps there across rounds,
+    which the per-round HBM bytes then do not read again)."""
     out = {}
     for part, keep in (("", lambda o: True), ("loop_", lambda o: o.in_loop)):
         for field in ("bytes", "hbm_bytes", "flops"):
             out[part + field] = sum(getattr(o, field) for o in ops if keep(o))
+    out["on_chip_once"] = sum(o.bytes - o.hbm_bytes for o in ops if not o.in_loop)
     return out
 
 
@@ -555,7 +607,8 @@ def format_table(ops, top: int, stages=()) -> str:
     lines = [(f"  per round: {t['loop_bytes'] / 1e9:.3f} GB accessed "
               f"({t['loop_hbm_bytes'] / 1e9:.3f} GB in HBM), {t['loop_flops'] / 1e9:.2f} "
               f"GFLOP; once per call: {once['bytes'] / 1e9:.3f} GB "
-              f"({once['hbm_bytes'] / 1e9:.3f} GB in HBM), {once['flops'] / 1e9:.2f} GFLOP")]
+              f"({once['hbm_bytes'] / 1e9:.3f} GB in HBM, {t['on_chip_once'] / 1e9:.3f} GB "
+              f"on chip), {once['flops'] / 1e9:.2f} GFLOP")]
     stage_rows = by_stage(ops, stages)
     if len(stage_rows) > 1:
         lines.append("  per round by stage: " + ", ".join(
@@ -568,12 +621,13 @@ def format_table(ops, top: int, stages=()) -> str:
             continue
         lines.append(f"  largest ops {title}:   MB   (HBM)   GFLOP  op, output, stage, source")
         for o in rows:
-            count = (f" x{o.count}" if o.count > 1 else "") + (" (inner loop)" if o.inner else "")
+            count = ((f" x{o.count}" if o.count > 1 else "") + (" (inner loop)" if o.inner else "")
+                     + (" (at most)" if o.bounded else ""))
             lines.append(f"    {o.bytes / 1e6:9.1f} {o.hbm_bytes / 1e6:7.1f} {o.flops / 1e9:7.2f}"
                          f"  {o.kind}{count} {o.shape[:48]} {o.stage(stages) or '-'} "
                          f"{o.source or o.scope[-48:]}")
     return "\n".join(lines)
 
 
-__all__ = ["Instr", "Module", "Op", "array_bytes", "by_stage", "format_table", "op_costs",
-           "parse_instr", "parse_module", "table_dict", "totals", "tuple_elements"]
+__all__ = ["Instr", "Module", "Op", "array_bytes", "bound_scope", "by_stage", "format_table",
+           "op_costs", "parse_instr", "parse_module", "table_dict", "totals", "tuple_elements"]

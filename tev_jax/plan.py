@@ -154,12 +154,14 @@ class ProgramReport:
       alias_bytes: outputs that reuse donated argument buffers (counted in both above).
       code_bytes: generated code (0 on CPU).
       compile_seconds: the compile time (None if not measured).
-      flops: floating-point operations of one call, None where the backend gives
-        none: ``cost_analysis``, which counts every loop body once, scaled by the
-        trip counts of counted loops (the layer scan) as the per-op table finds them
-        (`tev_jax.op_costs.loop_factors`); a loop of unknown trip count (the decode
-        rounds) stays counted once.
-      bytes_accessed: bytes read and written by one call, likewise, or None.
+      flops: floating-point operations of one call: ``cost_analysis``, which counts
+        every loop body once, scaled by the trip counts of counted loops (the layer
+        scan) and the bounds of bounded ones (the attention's key blocks, at a full
+        cache) as the per-op table finds them (`tev_jax.op_costs.loop_factors`); where
+        the compiler gives no cost analysis (GPU) the per-op table's own sum. A loop of
+        unknown trip count (the decode rounds) stays counted once.
+      bytes_accessed: bytes read and written by one call, likewise (on GPU the per-op
+        table's HBM bytes).
     """
 
     argument_bytes: int
@@ -184,6 +186,10 @@ class ProgramReport:
             cost = cost[0] if cost else {}
         ops = op_costs.op_costs(compiled.as_text())
         flops_factor, bytes_factor = op_costs.loop_factors(ops)
+        if not cost:  # the GPU compiler gives none: the per-op table's sums
+            sums = op_costs.totals(ops)
+            cost, flops_factor, bytes_factor = (
+                {"flops": sums["flops"], "bytes accessed": sums["hbm_bytes"]}, 1.0, 1.0)
         get = lambda k, factor: float(cost[k]) * factor if k in cost else None
         return cls(argument_bytes=int(m.argument_size_in_bytes),
                    output_bytes=int(m.output_size_in_bytes),

@@ -65,9 +65,12 @@ CHIPS: dict[str, Chip] = {c.name: c for c in (
 
 
 def chip_of(device_kind: str) -> Chip | None:
-    """The `Chip` of a ``device_kind`` ('TPU v5 lite'), or None (a CPU, a GPU, an
-    unknown TPU)."""
-    return next((c for c in CHIPS.values() if c.device_kind == device_kind), None)
+    """The `Chip` of a ``device_kind`` ('TPU v5 lite', 'NVIDIA H100 80GB HBM3'), or None
+    (a CPU, an unknown TPU or GPU)."""
+    from tev_jax.gpu import GPUS
+
+    chips = (*CHIPS.values(), *(g.chip for g in GPUS.values()))
+    return next((c for c in chips if c.device_kind == device_kind), None)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -149,10 +152,28 @@ def slice_mesh(name: str, data: int = 1, fsdp: int | None = 1, tensor: int = 1):
     return mesh, tpu
 
 
+def plan_mesh(topology: str | None = None, gpu: str | None = None, data: int = 1,
+              fsdp: int | None = 1, tensor: int = 1):
+    """The mesh of a plan for a TPU slice (``topology``, `slice_mesh`) or GPUs (``gpu``,
+    `tev_jax.gpu.gpu_mesh`); -> (mesh, `Slice`).
+
+    Raises:
+      ValueError: both or neither given, or as `slice_mesh` / `gpu_mesh`.
+    """
+    if (topology is None) == (gpu is None):
+        raise ValueError("plan for one of a TPU slice (--topology) or GPUs (--gpu), not "
+                         f"{'both' if topology else 'neither'}")
+    if gpu is not None:
+        from tev_jax.gpu import gpu_mesh
+
+        return gpu_mesh(gpu, data, fsdp, tensor)
+    return slice_mesh(topology, data, fsdp, tensor)
+
+
 def local_chip() -> Chip | None:
     """The `Chip` of this machine's first device, if it is a TPU in `CHIPS`."""
     return chip_of(jax.devices()[0].device_kind)
 
 
-__all__ = ["CHIPS", "Chip", "GB", "GiB", "Slice", "chip_of", "local_chip", "slice_devices",
-           "slice_mesh"]
+__all__ = ["CHIPS", "Chip", "GB", "GiB", "Slice", "chip_of", "local_chip", "plan_mesh",
+           "slice_devices", "slice_mesh"]

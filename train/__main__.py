@@ -323,7 +323,7 @@ def _plan(ns) -> None:
         mesh_shape=(ns.mesh_data, ns.mesh_fsdp, ns.mesh_tensor), target_dtype=ns.target_dtype,
         param_dtype=ns.param_dtype, compute_dtype=ns.compute_dtype,
         target_sharding=ns.target_sharding, remat=ns.remat,
-        score_capacities=capacities, topology=ns.topology)
+        score_capacities=capacities, topology=ns.topology, gpu=ns.gpu)
     print(json.dumps(plan.to_dict()) if ns.json else plan.format())
 
 
@@ -425,6 +425,9 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--topology", default=None, metavar="NAME",
                     help="plan for a TPU slice (e.g. v5p:2x2x2, v5e:4x4; needs the tpu "
                          "extra and JAX_PLATFORMS=cpu off TPU) instead of the local devices")
+    pl.add_argument("--gpu", default=None, metavar="NAME",
+                    help="plan for NVIDIA GPUs (e.g. h100x8, h200x8; needs the gpu extra) "
+                         "instead of the local devices")
     pl.add_argument("--host-devices", type=int, default=0,
                     help="simulate this many CPU devices (sets XLA_FLAGS; CPU only)")
     pl.add_argument("--json", action="store_true", help="print one JSON record")

@@ -7,7 +7,8 @@ update with `train.step.lower` on a mesh and compiles it: the compiler's
 (target, drafter, optimiser state, batch) and of its temporaries (activations,
 scratch), its FLOPs and bytes accessed. With ``topology`` (a TPU slice name such as
 'v5p:2x2x2', `tev_jax.topology`) the mesh lies over that slice's chips and the real TPU
-compiler plans it from this machine; then the step's roofline time and an MFU estimate
+compiler plans it from this machine, with ``gpu`` ('h100x8', `tev_jax.gpu`) over NVIDIA
+GPUs and the real GPU compiler; then the step's roofline time and an MFU estimate
 (`step_model_flops` over chips x peak x roofline time) come with it. This is what
 ``python -m train plan`` prints.
 
@@ -37,7 +38,7 @@ from tev_jax.plan import (
     model_config,
 )
 from tev_jax.sampling import Sampling
-from tev_jax.topology import Chip, local_chip, slice_mesh
+from tev_jax.topology import Chip, local_chip, plan_mesh
 from train.optimizer import OptimConfig
 from train.step import StepConfig, lower
 
@@ -161,7 +162,7 @@ def plan_step(target_config, *, drafter_layers: int = 1, num_taps: int = 5,
               param_dtype: str = "float32", compute_dtype: str | None = None,
               target_sharding: str = "fsdp", remat: str = "none",
               score_capacities: tuple[float, ...] = (),
-              topology: str | None = None) -> StepPlan:
+              topology: str | None = None, gpu: str | None = None) -> StepPlan:
     """Compiles one training step on abstract models and reads its memory.
 
     Args:
@@ -179,12 +180,14 @@ def plan_step(target_config, *, drafter_layers: int = 1, num_taps: int = 5,
         `tev_jax.exit_train.ExitTrainConfig`).
       topology: a TPU slice name ('v5p:2x2x2', `tev_jax.topology.slice_devices`): the
         mesh lies over its chips (needs the tpu extra); None: the local devices.
+      gpu: instead, NVIDIA GPUs by name ('h100x8', `tev_jax.gpu.gpu_devices`; needs
+        the gpu extra).
     Returns:
       The `StepPlan`; its report's ``compile_seconds`` is the XLA compile time.
     """
     data, fsdp, tensor = mesh_shape
-    if topology is not None:
-        mesh, tpu = slice_mesh(topology, data, fsdp, tensor)
+    if topology is not None or gpu is not None:
+        mesh, tpu = plan_mesh(topology, gpu, data, fsdp, tensor)
     elif math.prod(mesh_shape) > jax.device_count():
         raise ValueError(f"mesh {mesh_shape} needs {math.prod(mesh_shape)} devices, "
                          f"{jax.device_count()} available (on CPU set XLA_FLAGS="
@@ -211,7 +214,7 @@ def plan_step(target_config, *, drafter_layers: int = 1, num_taps: int = 5,
             "compute_dtype": compute_dtype or param_dtype,
             "target_sharding": target_sharding, "remat": remat}
     if tpu is not None:
-        info["topology"] = topology
+        info["topology" if gpu is None else "gpu"] = tpu.name
     return StepPlan(report, info, chip=local_chip() if tpu is None else tpu.chip,
                     devices_per_chip=1 if tpu is None else tpu.devices_per_chip,
                     devices=math.prod(mesh_shape),

@@ -15,10 +15,10 @@ from tev_jax.plan import PRESETS
 
 def _mesh_for_plan(args):
     """(mesh or None, chip, devices per chip, where) of the plan flags: over a TPU slice's
-    chips with ``--topology``, else over the local devices."""
+    chips with ``--topology``, GPUs with ``--gpu``, else over the local devices."""
     from tev_jax import topology
 
-    if args.topology is None:
+    if args.topology is None and args.gpu is None:
         try:
             mesh = flags.mesh_from(args)
         except ValueError as e:
@@ -26,8 +26,8 @@ def _mesh_for_plan(args):
                              "--xla_force_host_platform_device_count=8)") from e
         return mesh, topology.local_chip(), 1, "local devices"
     try:
-        mesh, tpu = topology.slice_mesh(args.topology, args.mesh_data, args.mesh_fsdp,
-                                        args.mesh_tensor)
+        mesh, tpu = topology.plan_mesh(args.topology, args.gpu, args.mesh_data,
+                                       args.mesh_fsdp, args.mesh_tensor)
     except AssertionError:  # jax's device-mesh layout of a partial slice
         n = args.mesh_data * args.mesh_fsdp * args.mesh_tensor
         raise ValueError(f"the mesh --mesh-data {args.mesh_data} x --mesh-fsdp "
@@ -75,7 +75,7 @@ def plan_command(args) -> int:
             "builder": args.builder, "budget": args.budget, "verifier": args.verifier,
             "prefill_chunk": args.prefill_chunk, "temperature": args.temperature,
             "dtype": args.dtype, "drafter_layers": args.drafter_layers, "mesh": axes,
-            "topology": args.topology, "fits": hbm is None}
+            "topology": args.topology, "gpu": args.gpu, "fits": hbm is None}
     record = what | result.as_dict(args.tau)
     if args.json == "-":
         print(json.dumps(record))
@@ -105,7 +105,8 @@ def add_parser(sub) -> None:
         description="Compiles the decode programs (the whole generation, an AR step, a "
                     "round, a prefill chunk, each stage) for a model config on abstract "
                     "parameters and prints the compiler's per-device argument / temporary / "
-                    "output bytes, FLOPs, bytes accessed and, on a TPU (--topology), the "
+                    "output bytes, FLOPs, bytes accessed and, on a TPU (--topology) or "
+                    "GPUs (--gpu), the "
                     "roofline time. For a mesh on CPU set XLA_FLAGS="
                     "--xla_force_host_platform_device_count=8. XLA:CPU copies bfloat16 "
                     "weights to float32, so bfloat16 temporary memory on CPU overstates.")
@@ -125,6 +126,9 @@ def add_parser(sub) -> None:
     p.add_argument("--topology", default=None, metavar="NAME",
                    help="plan for a TPU slice (e.g. v5e:2x4, v5p:2x2x2, v5e:4x4; needs the "
                         "tpu extra) instead of the local devices; the mesh flags lay it out")
+    p.add_argument("--gpu", default=None, metavar="NAME",
+                   help="plan for NVIDIA GPUs (h100x8, h200x8, b200x8, a100x8, h100x16; needs "
+                        "the gpu extra) instead of the local devices; the mesh flags lay it out")
     p.add_argument("--programs", default=",".join(PROGRAMS_TO_PLAN),
                    help="comma-separated programs to compile (default: all of "
                         "%(default)s)")

@@ -38,6 +38,8 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
+from tev_jax.op_costs import bound_scope
+
 KEY_BLOCK = 512
 QUERY_BLOCK = 512
 
@@ -234,7 +236,8 @@ def _over_key_blocks(lo, hi, nk: int, body, carry):
     """``body(j, carry)`` for key blocks lo..hi-1 (one block: always, it is masked)."""
     if nk == 1:
         return body(0, carry)
-    return jax.lax.fori_loop(lo, hi, body, carry)
+    with jax.named_scope(bound_scope(nk)):  # the plan's op table counts it nk times
+        return jax.lax.fori_loop(lo, hi, body, carry)
 
 
 def _over_query_blocks(static: _Static, body, carry):
