@@ -23,7 +23,7 @@ from tev_jax.models import ModelConfig, init_target, load_target, save_target
 from tev_jax.models.config import MoeSpec
 from tev_jax.models.drafter import Drafter
 from tev_jax.models.layers import jitted_initializer
-from tev_jax.models.moe import expert_mlp, route
+from tev_jax.models.moe import expected_touched, expert_mlp, route
 from tev_jax.sampling import Sampling
 
 torch = pytest.importorskip("torch")
@@ -86,6 +86,18 @@ def test_routing_renormalises_and_breaks_ties_to_the_lower_expert():
     np.testing.assert_allclose(np.asarray(w), [[0.5, 0.5]], atol=1e-7)
     w, _ = route(x, router, MoeSpec(4, 2, 4, norm_topk_prob=False))
     assert float(w.sum()) < 0.99
+
+
+def test_expected_touched_experts_matches_uniform_routing():
+    """The plan's count of the 'touched' loop: k for one token, every expert held for
+    many, and the mean of uniform top-k draws (2000 draws; within 1: it is rounded up)."""
+    assert expected_touched(128, 128, 8, 1) == 8
+    assert expected_touched(32, 128, 8, 4096) == 32
+    rng = np.random.default_rng(0)
+    held, total, k, tokens = 32, 128, 8, 8
+    draws = [len({e for _ in range(tokens) for e in rng.choice(total, k, replace=False)
+                  if e < held}) for _ in range(2000)]
+    assert abs(np.mean(draws) - expected_touched(held, total, k, tokens)) < 1.0
 
 
 # ------------------------------------------------ a mixed stack against transformers

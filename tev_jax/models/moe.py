@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import math
 
 import jax
 import jax.numpy as jnp
@@ -46,6 +47,7 @@ from jax.sharding import PartitionSpec
 from tev_jax import sharding as shd
 from tev_jax.models.config import MoeSpec
 from tev_jax.models.layers import Linear, make_param, stack_index
+from tev_jax.op_costs import bound_scope
 
 METHODS = ("auto", "ragged", "touched", "dense")
 EXPERT_AXES = ("experts", "embed", "moe_mlp")
@@ -92,7 +94,7 @@ def choose_method(method: str, pairs: int, num_experts: int) -> str:
 
 
 def expert_mlp(x_MD, idx_MK, w_MK, gate_EDF, up_EDF, down_EFD, *, method: str,
-               first_expert=0, stack=None):
+               first_expert=0, stack=None, total_experts: int | None = None):
     """``y[m] = sum_j w[m, j] · expert_{idx[m, j]}(x[m])`` over the experts held here.
 
     Args:
@@ -105,6 +107,8 @@ def expert_mlp(x_MD, idx_MK, w_MK, gate_EDF, up_EDF, down_EFD, *, method: str,
       stack: None, or an index (traced) into a leading stack axis of the three weights
         ([S, E, D, F]): entry ``stack`` is used, read in place by 'touched' (a slice
         handed to a loop would be copied out first).
+      total_experts: E over all devices (default: the E held); sizes the plan's count
+        of the 'touched' loop (`expected_touched`).
     Returns:
       [M, D] in x's dtype: the pairs on other experts contribute nothing.
     """
@@ -115,8 +119,9 @@ def expert_mlp(x_MD, idx_MK, w_MK, gate_EDF, up_EDF, down_EFD, *, method: str,
     w = jnp.where(here, w_MK, 0).astype(x_MD.dtype)
     x = x_MD.astype(gate_EDF.dtype)
     if method == "touched":
+        bound = expected_touched(e, total_experts or e, k, m)
         return _touched_experts(x, jnp.where(here, local, e), w, gate_EDF, up_EDF,
-                                down_EFD, stack).astype(x_MD.dtype)
+                                down_EFD, stack, bound).astype(x_MD.dtype)
     if stack is not None:
         gate_EDF, up_EDF, down_EFD = (jax.lax.dynamic_index_in_dim(a, stack, keepdims=False)
                                       for a in (gate_EDF, up_EDF, down_EFD))
@@ -142,11 +147,24 @@ def expert_mlp(x_MD, idx_MK, w_MK, gate_EDF, up_EDF, down_EFD, *, method: str,
     return jnp.zeros((m, o.shape[-1]), o.dtype).at[token].add(o).astype(x_MD.dtype)
 
 
-def _touched_experts(x_MD, key_MK, w_MK, gate_EDF, up_EDF, down_EFD, stack=None):
+def expected_touched(held: int, total: int, k: int, tokens: int) -> int:
+    """Experts of the ``held`` ones that ``tokens`` tokens, each picking k of ``total``
+    uniformly, touch on average (rounded up): ``held · (1 − (1 − k/total)^tokens)``.
+
+    Real routing is not uniform (and a round's count is in
+    `tev_jax.generation.DecodeStats.experts_touched`); this is what a plan, which has no
+    routing, counts the 'touched' loop's trips at.
+    """
+    return max(1, math.ceil(held * (1.0 - (1.0 - k / total) ** tokens) - 1e-9))
+
+
+def _touched_experts(x_MD, key_MK, w_MK, gate_EDF, up_EDF, down_EFD, stack=None,
+                     bound: int = 1):
     """The 'touched' method: a loop over the experts the pairs touch (``key`` < E), each
     applied to all M tokens with its routing weight (0 for tokens that did not pick
     it). Reads each touched expert's weights once, and no other's; its trip count is
-    the number of touched experts (at most M·k)."""
+    the number of touched experts (at most M·k); ``bound`` is the count the plan's op
+    table charges it (`tev_jax.op_costs.bound_scope`)."""
     m, k = key_MK.shape
     e = gate_EDF.shape[-3]
     lead = () if stack is None else (stack,)
@@ -166,7 +184,8 @@ def _touched_experts(x_MD, key_MK, w_MK, gate_EDF, up_EDF, down_EFD, stack=None)
         return y_MD + (h @ down) * coef[:, None].astype(h.dtype)
 
     y = jnp.zeros((m, down_EFD.shape[-1]), jnp.promote_types(x_MD.dtype, down_EFD.dtype))
-    return jax.lax.fori_loop(0, jnp.sum(touched), one, y)
+    with jax.named_scope(bound_scope(bound)):
+        return jax.lax.fori_loop(0, jnp.sum(touched), one, y)
 
 
 class Experts(nnx.Module):
@@ -230,7 +249,7 @@ def sharded_experts(x_BTD, idx_BTK, w_BTK, stacks, g, method: str) -> jax.Array:
     def local(x, idx, w, g, gate, up, down, first):
         y = expert_mlp(x.reshape(-1, d), idx.reshape(-1, idx.shape[-1]),
                        w.reshape(-1, w.shape[-1]), gate, up, down, method=method,
-                       first_expert=first, stack=g)
+                       first_expert=first, stack=g, total_experts=stacks[0].shape[1])
         return y.reshape(x.shape)
 
     mesh = jax.sharding.get_abstract_mesh()
