@@ -156,6 +156,11 @@ def test_mixed_stack_routes_and_matches_transformers(mixed_hf):
     logits, _ = ours(jnp.asarray(tokens))
     assert np.abs(ref).max() > 1.0
     np.testing.assert_allclose(np.asarray(logits), ref, atol=1e-4, rtol=0)
+    # every method of the whole model ('auto' took 'touched' for these 80 tokens)
+    for method in ("ragged", "dense"):
+        forced = _with_method(ours, method)
+        np.testing.assert_allclose(np.asarray(forced(jnp.asarray(tokens))[0]), ref,
+                                   atol=1e-4, rtol=0)
 
     # our export: one tensor per expert, read back by transformers and by us
     save_target(ours, path.parent / "ours", max_shard_bytes=60_000)
@@ -166,6 +171,16 @@ def test_mixed_stack_routes_and_matches_transformers(mixed_hf):
     assert again.config == c
     np.testing.assert_array_equal(np.asarray(again(jnp.asarray(tokens))[0]),
                                   np.asarray(logits))
+
+
+def _with_method(target, method: str):
+    """A copy of ``target`` whose mixtures compute by ``method``."""
+    copy = nnx.merge(*nnx.split(target))
+    layers = copy.layers
+    for layer in (layers.sublayers if hasattr(layers, "sublayers") else [layers]):
+        if hasattr(layer.mlp, "method"):
+            layer.mlp.method = method
+    return copy
 
 
 def test_config_reads_and_refuses():
@@ -227,18 +242,22 @@ def single_device(models):
 
 @needs8
 @pytest.mark.parametrize("mesh_name,temperature", [
-    ("tensor8", 0.0), ("tensor8", 1.0), ("2x2x2", 0.0), ("tensor8_expert_width", 0.0)])
+    ("tensor8", 0.0), ("tensor8", 1.0), ("2x2x2", 0.0), ("tensor8_expert_width", 0.0),
+    ("tensor8_ragged", 0.0)])
 def test_every_mesh_gives_single_device_tokens(models, single_device, mesh_name,
                                                temperature):
     """Experts split over tensor 8 (one per device) or 2 (with fsdp 2 splitting their
-    width's embed side and data 2 the batch), and the tensor-parallel alternative
-    (experts whole, the expert width split over tensor 8): the single-device tokens
-    (at T = 1 the same key gives the same draws)."""
+    width's embed side and data 2 the batch), the tensor-parallel alternative (experts
+    whole, the expert width split over tensor 8), and the grouped matmul forced on
+    tensor 8 ('auto' takes the touched-experts loop at these sizes): the single-device
+    tokens (at T = 1 the same key gives the same draws)."""
     target, drafter = models
     rules = shd.current_rules()
     if mesh_name == "tensor8_expert_width":
         rules = tuple((n, None) if n == "experts" else (n, a) for n, a in rules)
-    mesh = shd.make_mesh(**MESHES[mesh_name.removesuffix("_expert_width")])
+    if mesh_name == "tensor8_ragged":
+        target = _with_method(target, "ragged")
+    mesh = shd.make_mesh(**MESHES[mesh_name.split("_")[0]])
     with shd.axis_rules(rules):
         placed = shd.state_shardings(nnx.state(target), mesh, strict=True)
         gate = placed["layers"]["mlp"]["experts"]["gate_proj"].get_value()

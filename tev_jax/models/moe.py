@@ -10,13 +10,15 @@ the target's distribution is exactly the model's and the verifiers stay exact. T
 ways compute the same sum, picked by `expert_mlp`'s ``method``:
 
 - ``'ragged'``: the M·k (token, expert) pairs sorted by expert and two grouped matmuls
-  (``jax.lax.ragged_dot``, a Mosaic kernel on TPU); for the tree verify pass, prefill
-  and training, where most experts are hit;
+  (``jax.lax.ragged_dot``, a Mosaic kernel on TPU); for long passes (prefill, large
+  trees, training), where its FLOPs are the useful ones;
 - ``'touched'``: a loop over the experts the pairs touch, each applied to all M tokens;
-  reads only those experts' weights, once each, for small M·k (AR steps, small trees);
+  reads only those experts' weights, once each and in place, for short passes (AR
+  steps, trees of a few hundred tokens);
 - ``'dense'``: every expert on every token, weighted by the (mostly zero) routing: the
   test oracle.
-``'auto'`` takes 'touched' when M·k < E (fewer pairs than experts), else 'ragged'.
+``'auto'`` takes 'touched' when M·k < E (fewer pairs than experts) or M <=
+`TOUCHED_MAX_TOKENS`, else 'ragged' (`choose_method`).
 
 Sharding: the stacked expert weights carry the logical axes ``experts`` and
 ``moe_mlp`` (`tev_jax.sharding`). Under a mesh that splits either, each device computes
@@ -84,13 +86,23 @@ def route(x_MD: jax.Array, router_DE: jax.Array, spec: MoeSpec):
     return w.astype(x_MD.dtype), idx.astype(jnp.int32)
 
 
-def choose_method(method: str, pairs: int, num_experts: int) -> str:
-    """The concrete method for ``pairs`` = M·k (token, expert) pairs over E experts."""
+# Up to this many tokens per pass, 'auto' runs every touched expert on all the tokens
+# ('touched'): its extra FLOPs (E/k times the useful ones) cost less than the grouped
+# matmul's copy of the layer's experts out of the stacked weights (twice their bytes).
+# Measured crossover on TPU v5p, Qwen3-Coder-30B-A3B (experiments/tpu/moe.py): ~500.
+TOUCHED_MAX_TOKENS = 512
+
+
+def choose_method(method: str, pairs: int, num_experts: int, tokens: int = 0) -> str:
+    """The concrete method for ``pairs`` = M·k (token, expert) pairs of M = ``tokens``
+    tokens over E experts: 'touched' when the pairs are fewer than the experts or the
+    tokens at most `TOUCHED_MAX_TOKENS`, else 'ragged'."""
     if method not in METHODS:
         raise ValueError(f"MoE method must be one of {METHODS}, got {method!r}")
     if method != "auto":
         return method
-    return "touched" if pairs < num_experts else "ragged"
+    return ("touched" if pairs < num_experts or tokens <= TOUCHED_MAX_TOKENS
+            else "ragged")
 
 
 def expert_mlp(x_MD, idx_MK, w_MK, gate_EDF, up_EDF, down_EFD, *, method: str,
@@ -232,7 +244,7 @@ class MoE(nnx.Module):
         if sink is not None:
             sink.append(jnp.zeros((self.spec.num_experts,), jnp.int32).at[idx].add(1))
         method = choose_method(self.method if method is None else method,
-                               b * t * self.spec.top_k, self.spec.num_experts)
+                               b * t * self.spec.top_k, self.spec.num_experts, b * t)
         y = sharded_experts(x_BTD, idx.reshape(b, t, -1), w.reshape(b, t, -1),
                             self.experts.stacks(), stack_index(), method)
         return shd.constrain(y, ("batch", "seq", "act_embed"))

@@ -1,0 +1,161 @@
+"""Qwen3-Coder-30B-A3B (a mixture of 128 experts, top 8) compiled for TPU at full depth.
+
+Per program (the fused rounds loop of an AR step, and of a DDTree + TEV round at budget
+b, 1-layer DFlash drafter, bf16, prompt buffer 1024, cache 2048), per chip: memory, the
+compile time, the HBM bytes and FLOPs of one round from the per-op table
+(`tev_jax.op_costs`; the touched-experts loop charged at `moe.expected_touched` trips,
+the attention's key blocks at their count), and the round's floor of bytes:
+
+- the weights it reads: every parameter but the experts (and the untied embedding
+  table), per chip by its sharding, plus the experts the round's tokens touch under
+  uniform routing (`tev_jax.models.moe.expected_touched`: B tokens for an AR step,
+  B x N for a round), per chip;
+- both key/value caches, whole (the attention reads every block).
+
+    JAX_PLATFORMS=cpu python experiments/tpu/moe.py [--layers 48] [--batches 1 8 32]
+    python experiments/tpu/moe.py --report
+
+Results go to ``moe_results.json`` next to this file; reruns skip what is there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import time
+from pathlib import Path
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
+from tev_jax import op_costs, plan, topology  # noqa: E402
+from tev_jax import sharding as shd  # noqa: E402
+from tev_jax.decode import DecodeConfig  # noqa: E402
+from tev_jax.engine import Engine  # noqa: E402
+from tev_jax.models.kv_cache import CACHE_AXES  # noqa: E402
+from tev_jax.models.moe import expected_touched  # noqa: E402
+
+HERE = Path(__file__).resolve().parent
+MODEL = "qwen3-coder-30b-a3b"
+# 4 key/value heads: tensor parallelism up to 4 (v5p-8 is 4 chips); v5e-8 / v6e-8 would
+# need tensor 8, i.e. key/value heads replicated, which the strict engine refuses.
+SLICES = {"v5p": ("v5p:2x2x1", dict(tensor=4, fsdp=1))}
+
+
+def per_chip(x) -> int:
+    """Bytes of one device's shard of an abstract array."""
+    shape = x.sharding.shard_shape(x.shape) if x.sharding is not None else x.shape
+    return math.prod(shape) * jnp.dtype(x.dtype).itemsize
+
+
+def floor_bytes(engine: Engine, tokens: int) -> dict[str, int]:
+    """What a round of ``tokens`` target tokens must read per chip (module docstring)."""
+    target_cfg = plan.preset(MODEL)
+    dense = expert = 0
+    for path, x in jax.tree_util.tree_leaves_with_path(engine.params):
+        name = jax.tree_util.keystr(path)
+        if "embed_tokens" in name and name.startswith("[0]"):
+            continue                                     # untied: rows gathered only
+        if "experts" in name:
+            expert += per_chip(x)
+        else:
+            dense += per_chip(x)
+    spec = next(s.moe for s in target_cfg.layer_specs if s.moe is not None)
+    touched = expected_touched(spec.num_experts, spec.num_experts, spec.top_k, tokens)
+    st = engine.abstract_state()
+    mesh = engine.mesh
+    caches = [st.cache.k, st.cache.v] + ([st.ctx.k, st.ctx.v] if hasattr(st.ctx, "k") else [])
+    kv = sum(per_chip(jax.ShapeDtypeStruct(
+        c.shape, c.dtype, sharding=shd.logical_sharding(CACHE_AXES, c.shape, mesh)))
+        for c in caches)
+    return {"weights": dense, "experts": expert * touched // spec.num_experts, "kv": kv,
+            "experts_touched": touched}
+
+
+def measure(layers: int, chip_name: str, batch: int, budget: int | None) -> dict:
+    slice_name, axes = SLICES[chip_name]
+    mesh, tpu = topology.slice_mesh(slice_name, **axes)
+    cfg = plan.preset(MODEL, num_layers=layers)
+    config = DecodeConfig(builder="none" if budget is None else "ddtree",
+                          budget=budget or 16, verifier="tev", prompt_len=1024,
+                          max_cache_len=2048, max_new_tokens=256)
+    target, drafter = plan.abstract_models(cfg, config, dtype=jnp.bfloat16)
+    engine = Engine.create(target, None if budget is None else drafter, config, batch,
+                           mesh=mesh)
+    t0 = time.perf_counter()
+    compiled = engine.lower("run_rounds").compile()
+    seconds = time.perf_counter() - t0
+    mem = compiled.memory_analysis()
+    t = op_costs.totals(op_costs.op_costs(compiled.as_text()))
+    n = 1 if budget is None else engine.spec.num_slots
+    floor = floor_bytes(engine, batch * n)
+    floor_total = floor["weights"] + floor["experts"] + floor["kv"]
+    chip = tpu.chip
+    return {
+        "layers": layers, "chip": chip_name, "batch": batch, "budget": budget,
+        "compile_seconds": seconds,
+        "peak_bytes": (mem.argument_size_in_bytes + mem.output_size_in_bytes
+                       + mem.temp_size_in_bytes - mem.alias_size_in_bytes),
+        "temp_bytes": mem.temp_size_in_bytes,
+        "round_hbm_bytes": t["loop_hbm_bytes"], "round_flops": t["loop_flops"],
+        "floor": floor, "hbm_over_floor": t["loop_hbm_bytes"] / floor_total,
+        "roofline_seconds": max(t["loop_flops"] / chip.peak_flops,
+                                t["loop_hbm_bytes"] / chip.hbm_bandwidth),
+        "floor_seconds": floor_total / chip.hbm_bandwidth,
+    }
+
+
+def key(layers, chip, batch, budget) -> str:
+    return f"{layers}/{chip}/B{batch}/{'ar' if budget is None else f'b{budget}'}"
+
+
+def report(results: dict) -> str:
+    lines = ["| layers | chip | B | program | GiB / chip | compile s | round GB (HBM) | "
+             "floor GB (experts touched) | HBM / floor | roofline ms |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in sorted(results.values(), key=lambda r: (r["layers"], r["chip"], r["batch"],
+                                                     r["budget"] or 0)):
+        f = r["floor"]
+        total = f["weights"] + f["experts"] + f["kv"]
+        lines.append(
+            f"| {r['layers']} | {r['chip']} | {r['batch']} | "
+            f"{'AR' if r['budget'] is None else 'b ' + str(r['budget'])} | "
+            f"{r['peak_bytes'] / 2**30:.2f} | {r['compile_seconds']:.0f} | "
+            f"{r['round_hbm_bytes'] / 1e9:.2f} | {total / 1e9:.2f} ({f['experts_touched']}) | "
+            f"{r['hbm_over_floor']:.2f} | {r['roofline_seconds'] * 1e3:.2f} |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--layers", type=int, nargs="+", default=[48])
+    ap.add_argument("--chips", nargs="+", default=list(SLICES))
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
+    ap.add_argument("--budgets", type=int, nargs="+", default=[0, 16, 32, 64],
+                    help="0 = the AR step")
+    ap.add_argument("--out", default=str(HERE / "moe_results.json"))
+    ap.add_argument("--report", action="store_true", help="print the table and stop")
+    args = ap.parse_args(argv)
+    out = Path(args.out)
+    results = json.loads(out.read_text()) if out.is_file() else {}
+    if not args.report:
+        for layers in args.layers:
+            for chip in args.chips:
+                for batch in args.batches:
+                    for b in args.budgets:
+                        k = key(layers, chip, batch, b or None)
+                        if k in results:
+                            continue
+                        results[k] = measure(layers, chip, batch, b or None)
+                        print(k, f"{results[k]['compile_seconds']:.0f} s", flush=True)
+                        out.write_text(json.dumps(results, indent=1) + "\n")
+    print(report(results))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
