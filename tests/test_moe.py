@@ -305,3 +305,27 @@ def test_rounds_report_the_experts_they_touch(models):
     assert spec.max() > 2              # many tokens: more than one token's experts
     dense = init_target(ModelConfig("qwen3", 64, 32, 64, 1, 4, 2, 8, qk_norm=True))
     assert engine.generate_ar(dense, [[1, 2]], _config()).stats.experts_touched is None
+
+
+def test_plan_floor_counts_the_experts_a_round_touches():
+    """`plan.round_floor` (in every decode plan): an AR step of B rows reads the experts B
+    tokens touch, a round those of B x N; its weights exclude the experts, and a dense
+    target's floor has none."""
+    from tev_jax import plan
+
+    cfg = _moe_config()
+    config = decode.DecodeConfig(budget=8, verifier="tev", prompt_len=16, max_new_tokens=8)
+    got = plan.plan_decode_programs(cfg, config, 2, programs=("ar_step",)).floors
+    ar = got["ar_step"]
+    assert ar["experts_held"] == 8 and ar["experts_touched"] == expected_touched(8, 8, 2, 2)
+    expert_bytes = cfg.num_layers * 8 * 3 * 64 * 32 * 4            # float32, all experts
+    assert ar["experts"] == expert_bytes * ar["experts_touched"] // 8
+    target, drafter = plan.abstract_models(cfg, config)
+    round_ = plan.round_floor(engine.Engine.create(target, drafter, config, 2))
+    assert round_["experts_touched"] == expected_touched(8, 8, 2, 2 * 9) > ar["experts_touched"]
+    dense = plan.round_floor(engine.Engine.create(
+        *plan.abstract_models(_moe_config(num_experts=0), config), config, 2))
+    assert dense["experts"] == dense["experts_touched"] == 0
+    # the dense MLP is weights where the mixture had its router
+    assert dense["weights"] - round_["weights"] == cfg.num_layers * (3 * 64 * 128 - 64 * 8) * 4
+    assert dense["kv"] == round_["kv"]

@@ -288,6 +288,7 @@ class DecodePlan:
       ops: 'ar_step' / 'round' -> the `tev_jax.op_costs.Op` s of that loop
         (`loop_ops`); empty unless asked for.
       top: how many ops the tables show.
+      floors: 'ar_step' / 'round' -> `round_floor` of the planned ones.
     """
 
     programs: dict[str, ProgramReport]
@@ -296,6 +297,7 @@ class DecodePlan:
     devices_per_chip: int = 1
     ops: dict[str, tuple[op_costs.Op, ...]] = dataclasses.field(default_factory=dict)
     top: int = 10
+    floors: dict[str, dict[str, int]] = dataclasses.field(default_factory=dict)
 
     def seconds(self, name: str) -> float | None:
         """The roofline time of one program (None without it or a chip)."""
@@ -334,6 +336,8 @@ class DecodePlan:
         for name, ops in self.ops.items():
             out["programs"].setdefault(name, {})["ops"] = op_costs.table_dict(
                 ops, self.top, STAGES)
+        for name, floor in self.floors.items():
+            out["programs"].setdefault(name, {})["floor_bytes"] = floor
         return out
 
     def format(self, tau: float | None = None) -> str:
@@ -350,6 +354,12 @@ class DecodePlan:
                 f"{r.output_bytes / GiB:9.3f}{r.peak_bytes / GiB:9.3f}    "
                 f"{gf:>10}{gb:>9}{'-' if t is None else f'{t * 1e3:.3f} ms':>11}"
                 f"{r.compile_seconds or 0:8.1f}s")
+        for name, f in self.floors.items():
+            experts = ("" if not f["experts_touched"] else
+                       f", experts {f['experts'] / 1e9:.3f} ({f['experts_touched']} of "
+                       f"{f['experts_held']} per layer, uniform routing)")
+            lines.append(f"floor of bytes per {name}: {sum_floor(f) / 1e9:.3f} GB (weights "
+                         f"{f['weights'] / 1e9:.3f}{experts}, KV {f['kv'] / 1e9:.3f})")
         if self.break_even_tau is not None:
             lines.append(f"break-even tau (round / AR step) = {self.break_even_tau:.2f}")
         if tau is not None and self.estimate(tau) is not None:
@@ -408,8 +418,69 @@ def plan_decode_programs(target_cfg: ModelConfig, config, batch_size: int, *,
         lower = lowered.get(name) or (lambda name=name: engine.lower(name))
         reports[name] = compile_report(lower())
     tables = {} if ops <= 0 else {"ar_step": loop_ops(ar), "round": loop_ops(engine)}
+    floors = {name: round_floor(e) for name, e in (("ar_step", ar), ("round", engine))
+              if name in programs}
     return DecodePlan(programs=reports, batch_size=batch_size, chip=chip,
-                      devices_per_chip=devices_per_chip, ops=tables, top=max(ops, 1))
+                      devices_per_chip=devices_per_chip, ops=tables, top=max(ops, 1),
+                      floors=floors)
+
+
+def _device_bytes(x, sharding=None) -> int:
+    sharding = getattr(x, "sharding", None) if sharding is None else sharding
+    shape = x.shape if sharding is None else sharding.shard_shape(x.shape)
+    return math.prod(shape) * jnp.dtype(x.dtype).itemsize
+
+
+def round_floor(engine: Engine) -> dict[str, int]:
+    """What one round of ``engine`` must read per device (bytes): the floor its HBM
+    bytes are held against.
+
+    - weights: every parameter the round reads but the experts (an untied embedding
+      table only has its rows gathered: left out), each device's shard;
+    - experts: a mixture's experts the round's B x N tokens touch in every sparse layer
+      at uniform routing (`tev_jax.models.moe.expected_touched`; a real round's count is
+      `tev_jax.generation.DecodeStats.experts_touched`), each device's share;
+    - kv: both key/value caches, whole (the attention reads every key block).
+
+    Returns:
+      {'weights', 'experts', 'kv': bytes; 'experts_touched', 'experts_held': experts per
+      sparse layer on one device, touched and held (0 without a mixture)}.
+    """
+    from tev_jax import sharding as shd
+    from tev_jax.decode import merge_models
+    from tev_jax.models.kv_cache import CACHE_AXES
+    from tev_jax.models.moe import expected_touched
+
+    target_cfg = merge_models(engine.graphdef, engine.params)[0].config
+    tied = target_cfg.tie_word_embeddings
+    weights = experts = held = 0
+    for path, x in jax.tree_util.tree_leaves_with_path(engine.params):
+        name = jax.tree_util.keystr(path)
+        if name.startswith("[0]['embed_tokens']") and not tied:
+            continue
+        if name.startswith("[0]") and "['experts']" in name:
+            experts += _device_bytes(x)
+            held = (x.shape[1] if x.sharding is None
+                    else x.sharding.shard_shape(x.shape)[1])
+        else:
+            weights += _device_bytes(x)
+    touched = 0
+    moe = next((s.moe for s in target_cfg.layer_specs if s.moe is not None), None)
+    if moe is not None:
+        tokens = engine.spec.batch_size * engine.spec.num_slots
+        touched = expected_touched(held, moe.num_experts, moe.top_k, tokens)
+        experts = experts * touched // held
+    st = engine.abstract_state()
+    caches = [st.cache.k, st.cache.v] + ([st.ctx.k, st.ctx.v] if hasattr(st.ctx, "k") else [])
+    kv = sum(_device_bytes(c, None if engine.mesh is None else shd.logical_sharding(
+        CACHE_AXES, c.shape, engine.mesh)) for c in caches)
+    return {"weights": weights, "experts": experts, "kv": kv,
+            "experts_touched": touched, "experts_held": held}
+
+
+def sum_floor(floor: dict[str, int]) -> int:
+    """The bytes of a `round_floor`."""
+    return floor["weights"] + floor["experts"] + floor["kv"]
 
 
 def loop_ops(engine: Engine) -> tuple[op_costs.Op, ...]:
@@ -576,4 +647,5 @@ __all__ = ["DECODE_PROGRAMS", "DecodePlan", "GiB", "NotEnoughMemory", "PRESETS",
            "ProgramReport", "abstract_drafter", "abstract_models", "abstract_target",
            "available_bytes", "check_decode_fits", "check_decode_floor", "compile_report",
            "decode_floor", "drafter_config", "hbm_shortfall", "loop_ops", "model_config",
+           "round_floor", "sum_floor",
            "plan_decode", "plan_decode_programs", "preset", "shortfall", "with_layers"]

@@ -4,13 +4,11 @@ Per program (the fused rounds loop of an AR step, and of a DDTree + TEV round at
 b, 1-layer DFlash drafter, bf16, prompt buffer 1024, cache 2048), per chip: memory, the
 compile time, the HBM bytes and FLOPs of one round from the per-op table
 (`tev_jax.op_costs`; the touched-experts loop charged at `moe.expected_touched` trips,
-the attention's key blocks at their count), and the round's floor of bytes:
-
-- the weights it reads: every parameter but the experts (and the untied embedding
-  table), per chip by its sharding, plus the experts the round's tokens touch under
-  uniform routing (`tev_jax.models.moe.expected_touched`: B tokens for an AR step,
-  B x N for a round), per chip;
-- both key/value caches, whole (the attention reads every block).
+the attention's key blocks at their count), and the round's floor of bytes
+(`tev_jax.plan.round_floor`): the weights it reads (every parameter but the experts and
+the untied embedding table), the experts the round's tokens touch under uniform routing
+(`tev_jax.models.moe.expected_touched`: B tokens for an AR step, B x N for a round) and
+both key/value caches, whole (the attention reads every block), per chip.
 
     JAX_PLATFORMS=cpu python experiments/tpu/moe.py [--layers 48] [--batches 1 8 32]
     python experiments/tpu/moe.py --report
@@ -22,58 +20,23 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import time
 from pathlib import Path
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 from tev_jax import op_costs, plan, topology  # noqa: E402
-from tev_jax import sharding as shd  # noqa: E402
 from tev_jax.decode import DecodeConfig  # noqa: E402
 from tev_jax.engine import Engine  # noqa: E402
-from tev_jax.models.kv_cache import CACHE_AXES  # noqa: E402
-from tev_jax.models.moe import expected_touched  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 MODEL = "qwen3-coder-30b-a3b"
 # 4 key/value heads: tensor parallelism up to 4 (v5p-8 is 4 chips); v5e-8 / v6e-8 would
 # need tensor 8, i.e. key/value heads replicated, which the strict engine refuses.
 SLICES = {"v5p": ("v5p:2x2x1", dict(tensor=4, fsdp=1))}
-
-
-def per_chip(x) -> int:
-    """Bytes of one device's shard of an abstract array."""
-    shape = x.sharding.shard_shape(x.shape) if x.sharding is not None else x.shape
-    return math.prod(shape) * jnp.dtype(x.dtype).itemsize
-
-
-def floor_bytes(engine: Engine, tokens: int) -> dict[str, int]:
-    """What a round of ``tokens`` target tokens must read per chip (module docstring)."""
-    target_cfg = plan.preset(MODEL)
-    dense = expert = 0
-    for path, x in jax.tree_util.tree_leaves_with_path(engine.params):
-        name = jax.tree_util.keystr(path)
-        if "embed_tokens" in name and name.startswith("[0]"):
-            continue                                     # untied: rows gathered only
-        if "experts" in name:
-            expert += per_chip(x)
-        else:
-            dense += per_chip(x)
-    spec = next(s.moe for s in target_cfg.layer_specs if s.moe is not None)
-    touched = expected_touched(spec.num_experts, spec.num_experts, spec.top_k, tokens)
-    st = engine.abstract_state()
-    mesh = engine.mesh
-    caches = [st.cache.k, st.cache.v] + ([st.ctx.k, st.ctx.v] if hasattr(st.ctx, "k") else [])
-    kv = sum(per_chip(jax.ShapeDtypeStruct(
-        c.shape, c.dtype, sharding=shd.logical_sharding(CACHE_AXES, c.shape, mesh)))
-        for c in caches)
-    return {"weights": dense, "experts": expert * touched // spec.num_experts, "kv": kv,
-            "experts_touched": touched}
 
 
 def measure(layers: int, chip_name: str, batch: int, budget: int | None) -> dict:
@@ -91,9 +54,8 @@ def measure(layers: int, chip_name: str, batch: int, budget: int | None) -> dict
     seconds = time.perf_counter() - t0
     mem = compiled.memory_analysis()
     t = op_costs.totals(op_costs.op_costs(compiled.as_text()))
-    n = 1 if budget is None else engine.spec.num_slots
-    floor = floor_bytes(engine, batch * n)
-    floor_total = floor["weights"] + floor["experts"] + floor["kv"]
+    floor = plan.round_floor(engine)
+    floor_total = plan.sum_floor(floor)
     chip = tpu.chip
     return {
         "layers": layers, "chip": chip_name, "batch": batch, "budget": budget,
@@ -120,7 +82,7 @@ def report(results: dict) -> str:
     for r in sorted(results.values(), key=lambda r: (r["layers"], r["chip"], r["batch"],
                                                      r["budget"] or 0)):
         f = r["floor"]
-        total = f["weights"] + f["experts"] + f["kv"]
+        total = plan.sum_floor(f)
         lines.append(
             f"| {r['layers']} | {r['chip']} | {r['batch']} | "
             f"{'AR' if r['budget'] is None else 'b ' + str(r['budget'])} | "
