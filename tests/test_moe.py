@@ -23,7 +23,7 @@ from tev_jax.models import ModelConfig, init_target, load_target, save_target
 from tev_jax.models.config import MoeSpec
 from tev_jax.models.drafter import Drafter
 from tev_jax.models.layers import jitted_initializer
-from tev_jax.models.moe import expected_touched, expert_mlp, route
+from tev_jax.models.moe import expected_steps, expected_touched, expert_mlp, route
 from tev_jax.sampling import Sampling
 
 torch = pytest.importorskip("torch")
@@ -66,6 +66,9 @@ def test_expert_methods_equal_the_dense_oracle_and_split_over_experts(method):
     np.testing.assert_allclose(np.asarray(dense), want, atol=1e-5)
     got = jax.jit(lambda *a: expert_mlp(*a, method=method))(x, idx, w, gate, up, down)
     np.testing.assert_allclose(np.asarray(got), want, atol=1e-5)
+    # steps of 2 pairs (as if 64 experts shared the pairs): experts take several steps
+    got = expert_mlp(x, idx, w, gate, up, down, method=method, total_experts=64)
+    np.testing.assert_allclose(np.asarray(got), want, atol=1e-5)
     # the same experts as entry 1 of a stack (what the layer scan hands over), read in place
     stacked = [jnp.stack([a * 0.5, a, a * 2.0]) for a in (gate, up, down)]
     got = expert_mlp(x, idx, w, *stacked, method=method, stack=jnp.int32(1))
@@ -98,6 +101,14 @@ def test_expected_touched_experts_matches_uniform_routing():
     draws = [len({e for _ in range(tokens) for e in rng.choice(total, k, replace=False)
                   if e < held}) for _ in range(2000)]
     assert abs(np.mean(draws) - expected_touched(held, total, k, tokens)) < 1.0
+    # the loop's steps: ceil(pairs / rows) per held expert, here 40 tokens, rows 4
+    rows, tokens = 4, 40
+    picks = [np.stack([rng.choice(total, k, replace=False) for _ in range(tokens)])
+             for _ in range(500)]
+    steps = [sum(-(-int((p == e).sum()) // rows) for e in range(held)) for p in picks]
+    assert abs(np.mean(steps) - expected_steps(held, total, k, tokens, rows)) < 1.0
+    assert expected_steps(held, total, k, tokens, rows) > expected_touched(held, total, k,
+                                                                          tokens)
 
 
 # ------------------------------------------------ a mixed stack against transformers

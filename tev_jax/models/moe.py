@@ -12,9 +12,10 @@ ways compute the same sum, picked by `expert_mlp`'s ``method``:
 - ``'ragged'``: the M·k (token, expert) pairs sorted by expert and two grouped matmuls
   (``jax.lax.ragged_dot``, a Mosaic kernel on TPU); for long passes (prefill, large
   trees, training), where its FLOPs are the useful ones;
-- ``'touched'``: a loop over the experts the pairs touch, each applied to all M tokens;
-  reads only those experts' weights, once each and in place, for short passes (AR
-  steps, trees of a few hundred tokens);
+- ``'touched'``: a loop over the experts the pairs touch, each step one expert and up
+  to C of its pairs (tokens gathered, outputs added back); reads only those experts'
+  weights, about once each and in place, for passes of up to `TOUCHED_MAX_TOKENS`
+  (AR steps, trees);
 - ``'dense'``: every expert on every token, weighted by the (mostly zero) routing: the
   test oracle.
 ``'auto'`` takes 'touched' when M·k < E (fewer pairs than experts) or M <=
@@ -131,9 +132,8 @@ def expert_mlp(x_MD, idx_MK, w_MK, gate_EDF, up_EDF, down_EFD, *, method: str,
     w = jnp.where(here, w_MK, 0).astype(x_MD.dtype)
     x = x_MD.astype(gate_EDF.dtype)
     if method == "touched":
-        bound = expected_touched(e, total_experts or e, k, m)
         return _touched_experts(x, jnp.where(here, local, e), w, gate_EDF, up_EDF,
-                                down_EFD, stack, bound).astype(x_MD.dtype)
+                                down_EFD, stack, total_experts).astype(x_MD.dtype)
     if stack is not None:
         gate_EDF, up_EDF, down_EFD = (jax.lax.dynamic_index_in_dim(a, stack, keepdims=False)
                                       for a in (gate_EDF, up_EDF, down_EFD))
@@ -170,34 +170,68 @@ def expected_touched(held: int, total: int, k: int, tokens: int) -> int:
     return max(1, math.ceil(held * (1.0 - (1.0 - k / total) ** tokens) - 1e-9))
 
 
+def expected_steps(held: int, total: int, k: int, tokens: int, rows: int) -> int:
+    """Steps of the 'touched' loop on average (rounded up) at uniform routing: each held
+    expert's pairs are Binomial(tokens, k/total) and take ``ceil(pairs / rows)`` steps,
+    so ``held · sum_j Pr(pairs > j·rows)``. What the plan's op table charges the loop."""
+    p = k / total
+    if p >= 1:
+        return held * -(-tokens // rows)
+    logs = [math.lgamma(tokens + 1) - math.lgamma(i + 1) - math.lgamma(tokens - i + 1)
+            + i * math.log(p) + (tokens - i) * math.log1p(-p) for i in range(tokens + 1)]
+    pmf = [math.exp(v) for v in logs]
+    steps = sum(sum(pmf[j * rows + 1:]) for j in range(-(-tokens // rows) + 1))
+    return max(1, math.ceil(held * steps - 1e-9))
+
+
+def chunk_rows(tokens: int, k: int, total: int) -> int:
+    """Rows of one step of the 'touched' loop: twice an expert's mean share of the
+    pairs (``2·M·k/E``) and at least 8, as a power of two, at most M·k: most experts'
+    pairs fit one step, so each touched expert's weights are read about once."""
+    want = max(8, math.ceil(2 * tokens * k / total))
+    return min(1 << (want - 1).bit_length(), tokens * k)
+
+
 def _touched_experts(x_MD, key_MK, w_MK, gate_EDF, up_EDF, down_EFD, stack=None,
-                     bound: int = 1):
-    """The 'touched' method: a loop over the experts the pairs touch (``key`` < E), each
-    applied to all M tokens with its routing weight (0 for tokens that did not pick
-    it). Reads each touched expert's weights once, and no other's; its trip count is
-    the number of touched experts (at most M·k); ``bound`` is the count the plan's op
-    table charges it (`tev_jax.op_costs.bound_scope`)."""
+                     total: int | None = None):
+    """The 'touched' method: a loop over the experts the pairs touch (``key`` < E, the
+    held ones), each step one expert and up to C of its pairs (`chunk_rows`): their
+    tokens gathered, the expert's weights read in place (one dynamic slice of the
+    stack), the outputs added back. An expert with more than C pairs takes several
+    steps. Reads each touched expert's weights about once and no other's; the plan's
+    op table charges the loop its expected steps (`tev_jax.op_costs.bound_scope`)."""
     m, k = key_MK.shape
     e = gate_EDF.shape[-3]
+    total = total or e
+    c = chunk_rows(m, k, total)
     lead = () if stack is None else (stack,)
-    rows = jnp.broadcast_to(jnp.arange(m)[:, None], (m, k))
-    coef_ME = jnp.zeros((m, e + 1), w_MK.dtype).at[rows, key_MK].add(w_MK)[:, :e]
-    touched = jnp.zeros((e + 1,), bool).at[key_MK].set(True)[:e]
-    ids = jnp.nonzero(touched, size=min(e, m * k), fill_value=0)[0]
+    key_P = key_MK.reshape(-1)
+    order_P = jnp.argsort(key_P, stable=True)          # pairs by expert, others last
+    token_P = order_P // k
+    w_P = w_MK.reshape(-1)[order_P]
+    sizes_E = jnp.bincount(key_P, length=e).astype(jnp.int32)
+    first_E = jnp.cumsum(sizes_E) - sizes_E            # each expert's first sorted pair
+    steps_E = -(-sizes_E // c)
+    ends_E = jnp.cumsum(steps_E)                       # steps up to and with expert e
 
-    def one(j, y_MD):
-        ex = ids[j]
-        # one dynamic slice of the (stacked) weights: read in place, not copied
+    def one(t, y_MD):
+        ex = jnp.searchsorted(ends_E, t, side="right")
+        j = t - (ends_E[ex] - steps_E[ex])              # this expert's j-th step
+        r_C = first_E[ex] + j * c + jnp.arange(c)
+        keep_C = r_C < first_E[ex] + sizes_E[ex]
+        r_C = jnp.minimum(r_C, key_P.shape[0] - 1)
+        tok_C = token_P[r_C]
         gate, up, down = (jax.lax.dynamic_slice(
             a, lead + (ex, 0, 0), (1,) * len(lead) + (1,) + a.shape[-2:]).reshape(a.shape[-2:])
             for a in (gate_EDF, up_EDF, down_EFD))
-        h = jax.nn.silu(x_MD @ gate) * (x_MD @ up)
-        coef = jax.lax.dynamic_index_in_dim(coef_ME, ex, axis=1, keepdims=False)
-        return y_MD + (h @ down) * coef[:, None].astype(h.dtype)
+        x_CD = x_MD[tok_C]
+        h = jax.nn.silu(x_CD @ gate) * (x_CD @ up)
+        o = (h @ down) * jnp.where(keep_C, w_P[r_C], 0).astype(h.dtype)[:, None]
+        return y_MD.at[tok_C].add(o.astype(y_MD.dtype))
 
     y = jnp.zeros((m, down_EFD.shape[-1]), jnp.promote_types(x_MD.dtype, down_EFD.dtype))
-    with jax.named_scope(bound_scope(bound)):
-        return jax.lax.fori_loop(0, jnp.sum(touched), one, y)
+    with jax.named_scope(bound_scope(expected_steps(e, total, k, m, c))):
+        return jax.lax.fori_loop(0, ends_E[-1], one, y)
 
 
 class Experts(nnx.Module):
