@@ -295,6 +295,20 @@ def test_tev_jax_nits(capsys):
         ["generate", "hi", "--temperature", "inf"], capsys)
 
 
+def test_printed_text_drops_a_cut_character():
+    """Nit: the printed text does not end in a character whose UTF-8 bytes were cut off
+    (by max-new-tokens): the byte-level bundled tokenizer, an emoji cut after 2 bytes."""
+    from tev_jax.cli.generate import text_of
+    from tev_jax.models import load_tokenizer
+    from tev_jax.models.bundled import bundled_paths
+
+    tok = load_tokenizer(bundled_paths().target)
+    ids = tok.encode("a \U0001F642 b", add_special_tokens=False).ids
+    cut = next(k for k in range(len(ids)) if tok.decode(ids[:k]).endswith("\ufffd"))
+    assert text_of(tok, ids[:cut]) == tok.decode(ids[:cut])[:-1]
+    assert text_of(tok, ids) == tok.decode(ids) == "a \U0001F642 b"
+
+
 def test_prompt_file_nits(tmp_path):
     """Nits: a JSON id 1.5 is named as a bad id (not a missing one); a .json array file
     is told it should be JSONL."""
