@@ -190,6 +190,7 @@ def test_plan_flags_are_checked(capsys):
     assert "--tau must be a number >= 1" in _refused(base + ["--tau", "-1"], capsys)
     assert "--tau needs a roofline" in _refused(base + ["--tau", "4"], capsys)
     assert "--batch must be >= 1" in _refused(base + ["--batch", "0"], capsys)
+    assert "--layers must be >= 1" in _refused(base[:3] + ["--layers", "0"], capsys)  # nit
 
 
 @pytest.mark.parametrize("flags, named", [
