@@ -190,6 +190,7 @@ def test_plan_flags_are_checked(capsys):
     assert "--tau must be a number >= 1" in _refused(base + ["--tau", "-1"], capsys)
     assert "--tau needs a roofline" in _refused(base + ["--tau", "4"], capsys)
     assert "--batch must be >= 1" in _refused(base + ["--batch", "0"], capsys)
+    assert "--layers must be >= 1" in _refused(base[:3] + ["--layers", "0"], capsys)  # nit
 
 
 @pytest.mark.parametrize("flags, named", [
@@ -293,6 +294,20 @@ def test_tev_jax_nits(capsys):
                                                             "auto"], capsys)
     assert "temperature must be a finite number >= 0, got inf" in _refused(
         ["generate", "hi", "--temperature", "inf"], capsys)
+
+
+def test_printed_text_drops_a_cut_character():
+    """Nit: the printed text does not end in a character whose UTF-8 bytes were cut off
+    (by max-new-tokens): the byte-level bundled tokenizer, an emoji cut after 2 bytes."""
+    from tev_jax.cli.generate import text_of
+    from tev_jax.models import load_tokenizer
+    from tev_jax.models.bundled import bundled_paths
+
+    tok = load_tokenizer(bundled_paths().target)
+    ids = tok.encode("a \U0001F642 b", add_special_tokens=False).ids
+    cut = next(k for k in range(len(ids)) if tok.decode(ids[:k]).endswith("\ufffd"))
+    assert text_of(tok, ids[:cut]) == tok.decode(ids[:cut])[:-1]
+    assert text_of(tok, ids) == tok.decode(ids) == "a \U0001F642 b"
 
 
 def test_prompt_file_nits(tmp_path):

@@ -177,8 +177,9 @@ def _json_record(path: Path, n: int, line: str, line_ids: bool = False) -> Promp
     if rid is None:
         raise ValueError(f"{where}: missing id (a non-empty string or an integer)")
     if isinstance(rid, bool) or not isinstance(rid, (str, int)) or rid == "":
+        got = "an empty string" if rid == "" else type(rid).__name__
         raise ValueError(f"{where}: id {rid!r} must be a non-empty string or an integer, "
-                         f"got {type(rid).__name__}" + (" (an empty string)" if rid == "" else ""))
+                         f"got {got}")
     kinds = [k for k in PROMPT_FIELDS if k in obj]
     if len(kinds) != 1:
         raise ValueError(f"{where}: id {rid!r} needs exactly one of {PROMPT_FIELDS}, "

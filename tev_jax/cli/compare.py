@@ -54,6 +54,7 @@ def compare_command(args) -> int:
     methods = [(label, None if name is None else load_drafter(paths.drafters[name], target),
                 dataclasses.replace(base, builder=builder, verifier=verifier))
                for label, name, builder, verifier in COMPARE_METHODS]
+
     def started(i, label):
         print(f"[{i + 1}/{len(methods)}] {label}: compiling, then timing {len(prompts)} "
               f"prompt(s) x {args.repeats} ...", file=sys.stderr, flush=True)

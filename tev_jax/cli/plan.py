@@ -47,6 +47,8 @@ def plan_command(args) -> int:
         raise ValueError("give exactly one of --model PRESET or --config path/config.json")
     flags.at_least_one(args, "--batch", "--prompt-len", "--max-new-tokens",
                        "--drafter-layers", "--mesh-data", "--mesh-fsdp", "--mesh-tensor")
+    if args.layers is not None and args.layers < 1:
+        raise ValueError(f"--layers must be >= 1, got {args.layers}")
     if args.tau is not None and not 1 <= args.tau < float("inf"):
         raise ValueError(f"--tau must be a number >= 1 (tokens per round, the bonus token "
                          f"included), got {args.tau}")
