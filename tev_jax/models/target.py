@@ -1,4 +1,6 @@
-"""The target model: one NNX decoder for the Qwen3 and Llama-3 families (DESIGN.md §6).
+"""The target model: one NNX decoder for the Qwen3, Llama-3 and Qwen3-MoE families
+(DESIGN.md §6, §14): each layer what `ModelConfig.layer_specs` says (its MLP dense or a
+mixture of experts, `tev_jax.models.moe`).
 
 All cached modes go through one general forward, `Target.extend`: T new tokens per row
 at given absolute positions are written at cache slots ``start[b] .. start[b]+T-1``;
@@ -44,15 +46,14 @@ Use the model functionally in hot loops: split once, jit a function of
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-
-import contextlib
-import contextvars
 
 from tev_jax.models import kv_cache as kvc
 from tev_jax.models import moe
@@ -82,7 +83,7 @@ def expert_usage():
 
 
 class Target(nnx.Module):
-    """A Qwen3 / Llama-3 decoder with a static KV cache.
+    """A Qwen3 / Llama-3 / Qwen3-MoE decoder with a static KV cache.
 
     Attributes:
       config: the frozen `ModelConfig`.
