@@ -7,6 +7,8 @@ MLP and the vocabulary, and data / fsdp 8 shard the batch of 8.
 
 from __future__ import annotations
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -160,6 +162,33 @@ def test_block_masses_stay_local_when_blocks_straddle_shards(axes):
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6)
     gathered = [line for line in hlo.splitlines() if " all-gather(" in line]
     assert all(f",{v}]" not in line.split("all-gather(")[0] for line in gathered)
+
+
+@needs8
+@pytest.mark.parametrize("axes", [dict(tensor=8, fsdp=1), dict(data=2, tensor=4, fsdp=1),
+                                  dict(fsdp=2, tensor=4)])
+def test_embedding_rows_of_a_vocabulary_sharded_table(axes):
+    """`vocab.embed_rows` on a table sharded by ('vocab', 'embed'): the rows of
+    ``jnp.take`` exactly, ids of every shard (and the first and last rows) included, and
+    no collective in the program moves a [V, ...] array (the table stays in place)."""
+    v, d = 512, 64
+    table = jax.random.normal(jax.random.key(2), (v, d)).astype(jnp.bfloat16)
+    ids = jnp.asarray([[0, 511, 64, 65], [130, 255, 256, 1], [7, 7, 300, 450],
+                       [511, 0, 1, 2], [100, 200, 300, 400], [63, 64, 127, 128],
+                       [5, 6, 7, 8], [500, 501, 502, 503]], jnp.int32)
+    mesh = shd.make_mesh(**axes)
+    fn = jax.jit(vocab.embed_rows)
+    with jax.set_mesh(mesh):
+        t = jax.device_put(table, NamedSharding(mesh, shd.logical_to_spec(
+            ("vocab", "embed"), table.shape, mesh)))
+        i = jax.device_put(ids, NamedSharding(mesh, shd.logical_to_spec(
+            ("batch", None), ids.shape, mesh)))
+        got = fn(t, i)
+        hlo = fn.lower(t, i).compile().as_text()
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(jnp.take(table, ids, axis=0)))
+    moved = [line for line in hlo.splitlines()
+             if re.search(r" (all-gather|all-reduce|all-to-all)(-start)?\(", line)]
+    assert moved and not any(f"[{v}," in line.split("=")[1].split("(")[0] for line in moved)
 
 
 def test_lower_on_abstract_models_needs_prompt_len():

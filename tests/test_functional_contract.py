@@ -175,6 +175,8 @@ CASES = {
                                        (KEYS, LOGITS_NV)),
     "tev_jax.vocab.vocab_top_k": Case(lambda x: vocab.vocab_top_k(x, 3), (LOGITS_NV,)),
     "tev_jax.vocab.top_k": Case(lambda x: vocab.top_k(x, 3), (LOGITS_NV,)),
+    "tev_jax.vocab.embed_rows": Case(lambda x: vocab.embed_rows(x, jnp.arange(3) * 2),
+                                     (LOGITS_NV,)),
     "tev_jax.vocab.cpu_barrier": Case(lambda x: vocab.cpu_barrier(x) * 2.0, (LOGITS_NV,)),
     "tev_jax.verify.tev": Case(lambda k, t, x: verify.tev(k, t, x, T1, horizon=H),
                                (KEYS, TREES, LOGITS_NV)),

@@ -238,6 +238,8 @@ def main(argv=None) -> int:
     ap.add_argument("--checks", action="store_true",
                     help="also the issue's 4-layer configuration and its full depth")
     ap.add_argument("--only", default=None, help="only keys containing this text")
+    ap.add_argument("--gpus", default=",".join(GPUS),
+                    help="GPUs of the decode grid (default %(default)s; b200 and a100 too)")
     ap.add_argument("--out", default=str(HERE / "results.json"))
     ap.add_argument("--report", default=None, metavar="JSON", help="print the tables")
     args = ap.parse_args(argv)
@@ -247,7 +249,7 @@ def main(argv=None) -> int:
     out = Path(args.out)
     results = json.loads(out.read_text()) if out.exists() else {}
     grid = ([("qwen3-8b", "h100", "tensor8")] if args.quick else
-            [(m, g, mesh) for mesh in MESHES for g in GPUS for m in MODELS])
+            [(m, g, mesh) for mesh in MESHES for g in args.gpus.split(",") for m in MODELS])
     items = (check_items() if args.checks else []) + decode_items(grid)
     items += train_items() if args.train else []
     for key, thunk in items:

@@ -64,6 +64,7 @@ from tev_jax.models.layers import (
     RMSNorm, jitted_initializer, make_param, rope_inv_freq, scan_layers, stacked_layers,
 )
 from tev_jax.sharding import constrain
+from tev_jax.vocab import embed_rows
 
 
 _USAGE: contextvars.ContextVar = contextvars.ContextVar("tev_expert_usage", default=None)
@@ -111,7 +112,7 @@ class Target(nnx.Module):
         a NaN key in an unused cache slot would poison later rows through ``0 * NaN``.
         """
         tokens = jnp.clip(tokens, 0, self.config.vocab_size - 1)
-        x = jnp.take(self.embed_tokens[...], tokens, axis=0)
+        x = embed_rows(self.embed_tokens[...], tokens)  # no gather of a sharded table
         if x.ndim == 3:
             x = constrain(x, ("batch", "seq", "act_embed"))
         return x
