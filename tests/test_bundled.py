@@ -22,6 +22,7 @@ from flax import nnx
 from decode_fixtures import greedy_reference
 from drafter_fixtures import _numpy_build
 from tev_jax import cli
+from tev_jax.cli.compare import COMPARE_METHODS
 from tev_jax.data import tokenizer as tok_lib
 from tev_jax.models import Target, bundled, load_target, save_target, score
 from tev_jax.models.checkpoint_io import read_headers
@@ -260,7 +261,7 @@ def test_cli_compare_runs_the_three_methods_on_the_same_prompts(bundle, monkeypa
     assert cli.main(["compare", PROMPT, "def add(a, b):", "--max-new-tokens", "8"]) == 0
     out = capsys.readouterr().out
     lines = {line.split("  ")[0]: line.split() for line in out.splitlines()}
-    for label, *_ in cli.COMPARE_METHODS:
+    for label, *_ in COMPARE_METHODS:
         assert label in lines, out
     ar = lines["AR (target alone)"]
     assert ar[-4:-1] == ["1.00", ar[-3], "1.00x"] and 2 <= int(ar[-1]) <= 16  # 2 x <= 8

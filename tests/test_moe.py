@@ -253,8 +253,8 @@ def single_device(models):
 
 @needs8
 @pytest.mark.parametrize("mesh_name,temperature", [
-    ("tensor8", 0.0), ("tensor8", 1.0), ("2x2x2", 0.0), ("tensor8_expert_width", 0.0),
-    ("tensor8_ragged", 0.0)])
+    ("tensor8", 0.0), ("2x2x2", 0.0), ("tensor8_expert_width", 0.0),
+    ("tensor8_ragged", 1.0)])
 def test_every_mesh_gives_single_device_tokens(models, single_device, mesh_name,
                                                temperature):
     """Experts split over tensor 8 (one per device) or 2 (with fsdp 2 splitting their

@@ -380,3 +380,14 @@ def test_bad_numbers_are_refused_before_training(capsys, flags, named):
     """Item 7 (and the nits on --max-minutes, --until-update and new-drafter flags with
     --drafter-path): one line naming the flag, before any model is loaded."""
     assert named in _train_refused(["run", *flags], capsys)
+
+
+def test_target_layer_ids_outside_the_target_name_the_flag():
+    """A new drafter's taps beyond the target's layers: one line naming the flag."""
+    from tev_jax.models.bundled import bundle_root
+    from train.config import TrainConfig
+    from train.loop import load_models
+
+    cfg = TrainConfig(target_path=str(bundle_root() / "target"), target_layer_ids=(0, 99))
+    with pytest.raises(ValueError, match=r"^--target-layer-ids 99: the target .* has layers 0\.\.3$"):
+        load_models(cfg)

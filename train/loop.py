@@ -91,6 +91,11 @@ def load_models(cfg: TrainConfig, mesh=None):
     if cfg.drafter_path is not None:
         drafter = load_drafter(cfg.drafter_path, target, dtype=param_dtype, mesh=mesh)
     else:
+        layers = target.config.num_layers
+        bad = [i for i in cfg.target_layer_ids or () if not 0 <= i < layers]
+        if bad:
+            raise ValueError(f"--target-layer-ids {','.join(map(str, bad))}: the target "
+                             f"{cfg.target_path} has layers 0..{layers - 1}")
         mask = cfg.mask_token_id if cfg.mask_token_id is not None else _mask_id(cfg.target_path)
         drafter = init_drafter(target, num_layers=cfg.drafter_layers, block_size=cfg.block_size,
                                mask_token_id=mask, key=cfg.seed,
