@@ -401,7 +401,7 @@ def scan_layers(layers: nnx.Module, body, carry, *, depth: int | None = None, re
         ``i`` its index (traced int32).
       carry: any pytree.
       depth: run only the first ``depth`` layers (static; default all); a stack of
-        `LayerPeriod`s runs whole periods, up to the first period boundary >= depth.
+        `LayerPeriod` modules runs whole periods, up to the first period boundary >= depth.
       remat: None, or a ``jax.checkpoint_policies`` policy: each scan step is then
         rematerialised in the backward pass, saving what the policy allows.
     Returns:

@@ -18,6 +18,7 @@ ways compute the same sum, picked by `expert_mlp`'s ``method``:
   (AR steps, trees);
 - ``'dense'``: every expert on every token, weighted by the (mostly zero) routing: the
   test oracle.
+
 ``'auto'`` takes 'touched' when M·k < E (fewer pairs than experts) or M <=
 `TOUCHED_MAX_TOKENS`, else 'ragged' (`choose_method`).
 
