@@ -29,7 +29,7 @@ import importlib.util
 import os
 import re
 
-from tev_jax.topology import GB, Chip, Slice
+from tev_jax.topology import GB, Chip, Slice, mesh_over
 
 GPUS_PER_HOST = 8
 
@@ -188,14 +188,7 @@ def gpu_mesh(name: str, data: int = 1, fsdp: int | None = 1, tensor: int = 1):
     Raises:
       ValueError: as `gpu_devices`, or a mesh larger than the server (named).
     """
-    from tev_jax import sharding as shd
-
-    gpus = gpu_devices(name)
-    try:
-        mesh = shd.make_mesh(data, fsdp, tensor, devices=gpus.devices)
-    except ValueError as e:
-        raise ValueError(f"{e}: the mesh does not fit the GPUs {name}") from e
-    return mesh, gpus
+    return mesh_over(gpu_devices(name), f"the GPUs {name}", data, fsdp, tensor)
 
 
 __all__ = ["GPUS", "GPUS_PER_HOST", "GpuSpec", "gpu_devices", "gpu_mesh", "parse_gpu_name",

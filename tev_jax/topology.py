@@ -142,14 +142,23 @@ def slice_mesh(name: str, data: int = 1, fsdp: int | None = 1, tensor: int = 1):
     Raises:
       ValueError: as `slice_devices`, or a mesh larger than the slice (named).
     """
+    return mesh_over(slice_devices(name), f"the slice {name}", data, fsdp, tensor)
+
+
+def mesh_over(devices: Slice, what: str, data: int = 1, fsdp: int | None = 1,
+              tensor: int = 1):
+    """A ('data', 'fsdp', 'tensor') mesh over a `Slice`'s devices; -> (mesh, the `Slice`).
+
+    Raises:
+      ValueError: a mesh larger than the devices, naming ``what`` they are.
+    """
     from tev_jax import sharding as shd
 
-    tpu = slice_devices(name)
     try:
-        mesh = shd.make_mesh(data, fsdp, tensor, devices=tpu.devices)
+        mesh = shd.make_mesh(data, fsdp, tensor, devices=devices.devices)
     except ValueError as e:
-        raise ValueError(f"{e}: the mesh does not fit the slice {name}") from e
-    return mesh, tpu
+        raise ValueError(f"{e}: the mesh does not fit {what}") from e
+    return mesh, devices
 
 
 def plan_mesh(topology: str | None = None, gpu: str | None = None, data: int = 1,
@@ -175,5 +184,5 @@ def local_chip() -> Chip | None:
     return chip_of(jax.devices()[0].device_kind)
 
 
-__all__ = ["CHIPS", "Chip", "GB", "GiB", "Slice", "chip_of", "local_chip", "plan_mesh",
-           "slice_devices", "slice_mesh"]
+__all__ = ["CHIPS", "Chip", "GB", "GiB", "Slice", "chip_of", "local_chip", "mesh_over",
+           "plan_mesh", "slice_devices", "slice_mesh"]
