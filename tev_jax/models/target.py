@@ -181,7 +181,9 @@ class Target(nnx.Module):
 
         def body(layer, i, state):
             x, tapped, usage, carry = state
-            with moe.collect_usage() as sink:
+            # routing is collected only when a recorder asks for it
+            collect = moe.collect_usage() if usage is not None else contextlib.nullcontext([])
+            with collect as sink:
                 x, carry = layer(x, positions_BT, inv_freq,
                                  lambda q, k, v: attend(i, q, k, v, carry))
             if tapped is not None:
