@@ -8,6 +8,8 @@ tests/test_target.py with the other families.
 
 from __future__ import annotations
 
+import importlib.util
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -17,12 +19,14 @@ from jax.sharding import PartitionSpec as P
 
 from decode_fixtures import greedy_reference
 from test_decode_mesh import DCFG, MESHES, PROMPTS, needs8
-from tev_jax import decode, engine
+from tev_jax import decode, engine, op_costs, plan, topology
 from tev_jax import sharding as shd
 from tev_jax.models import ModelConfig, init_target, load_target, save_target
 from tev_jax.models.config import MoeSpec
 from tev_jax.models.drafter import Drafter
 from tev_jax.models.layers import jitted_initializer
+from tev_jax.models.expert_kernel import grouped_expert_mlp, tile_rows, visits
+from tev_jax.models import moe
 from tev_jax.models.moe import expected_steps, expected_touched, expert_mlp, route
 from tev_jax.sampling import Sampling
 
@@ -43,7 +47,7 @@ def _moe_config(**kw) -> ModelConfig:
 # --------------------------------------------------------------- the expert MLP
 
 
-@pytest.mark.parametrize("method", ["ragged", "touched"])
+@pytest.mark.parametrize("method", ["grouped", "ragged", "touched"])
 def test_expert_methods_equal_the_dense_oracle_and_split_over_experts(method):
     """Every method gives the all-experts oracle; experts split in blocks (what a device
     holds under expert parallelism) sum to the whole."""
@@ -79,6 +83,39 @@ def test_expert_methods_equal_the_dense_oracle_and_split_over_experts(method):
     # one block alone is not the whole (the split is not vacuous)
     assert np.abs(np.asarray(parts - expert_mlp(
         x, idx, w, gate[:2], up[:2], down[:2], method=method))).max() > 1e-2
+
+
+@pytest.mark.parametrize("sizes", [[0, 37, 5, 0, 20, 18], [3, 0, 0, 0, 0, 0], [0] * 6,
+                                   [100, 0, 0, 0, 0, 0]])
+def test_grouped_kernel_visits_every_tile_of_every_group(sizes):
+    """The Pallas kernel (interpreted) against each row's expert MLP by hand: empty groups,
+    a group across several tiles of 16 rows, tiles shared by groups, rows past the groups
+    (zero), entry 1 of a stack of 3; the visit list names each (tile, expert) pair whose
+    rows meet exactly once, in tile order."""
+    rng = np.random.default_rng(1)
+    p, d, f, e = 100, 16, 8, 6
+    xs = jnp.asarray(rng.normal(size=(p, d)), jnp.float32)
+    gate, up = (jnp.asarray(rng.normal(size=(3, e, d, f)) / 4, jnp.float32) for _ in range(2))
+    down = jnp.asarray(rng.normal(size=(3, e, f, d)) / 4, jnp.float32)
+    sizes_E = jnp.asarray(sizes, jnp.int32)
+    got = np.asarray(grouped_expert_mlp(xs, sizes_E, gate, up, down, jnp.int32(1),
+                                        total_experts=e, interpret=True))
+    owner = np.repeat(np.arange(e), sizes)
+    want = np.zeros((p, d), np.float32)
+    for r, ex in enumerate(owner):
+        h = jax.nn.silu(xs[r] @ gate[1, ex]) * (xs[r] @ up[1, ex])
+        want[r] = np.asarray(h @ down[1, ex])
+    np.testing.assert_allclose(got, want, atol=1e-5)
+
+    tm = tile_rows(p, e)
+    count = -(-p // tm) + e - 1
+    expert, tile, _, _, real = (np.asarray(a) for a in visits(sizes_E, tm, count))
+    pairs = sorted({(r // tm, int(ex)) for r, ex in enumerate(owner)})
+    n = int(real[0])
+    assert n == len(pairs) <= count
+    assert list(zip(tile[:n].tolist(), expert[:n].tolist())) == pairs
+    if n:   # the rest repeat the last visit: no new block to fetch
+        assert (tile[n:] == tile[n - 1]).all() and (expert[n:] == expert[n - 1]).all()
 
 
 def test_routing_renormalises_and_breaks_ties_to_the_lower_expert():
@@ -254,20 +291,20 @@ def single_device(models):
 @needs8
 @pytest.mark.parametrize("mesh_name,temperature", [
     ("tensor8", 0.0), ("2x2x2", 0.0), ("tensor8_expert_width", 0.0),
-    ("tensor8_ragged", 1.0)])
+    ("tensor8_grouped", 1.0)])
 def test_every_mesh_gives_single_device_tokens(models, single_device, mesh_name,
                                                temperature):
     """Experts split over tensor 8 (one per device) or 2 (with fsdp 2 splitting their
     width's embed side and data 2 the batch), the tensor-parallel alternative (experts
-    whole, the expert width split over tensor 8), and the grouped matmul forced on
-    tensor 8 ('auto' takes the touched-experts loop at these sizes): the single-device
-    tokens (at T = 1 the same key gives the same draws)."""
+    whole, the expert width split over tensor 8), and the grouped kernel (interpreted)
+    forced on tensor 8 ('auto' takes the touched-experts loop at these sizes): the
+    single-device tokens (at T = 1 the same key gives the same draws)."""
     target, drafter = models
     rules = shd.current_rules()
     if mesh_name == "tensor8_expert_width":
         rules = tuple((n, None) if n == "experts" else (n, a) for n, a in rules)
-    if mesh_name == "tensor8_ragged":
-        target = _with_method(target, "ragged")
+    if mesh_name == "tensor8_grouped":
+        target = _with_method(target, "grouped")
     mesh = shd.make_mesh(**MESHES[mesh_name.split("_")[0]])
     with shd.axis_rules(rules):
         placed = shd.state_shardings(nnx.state(target), mesh, strict=True)
@@ -340,3 +377,37 @@ def test_plan_floor_counts_the_experts_a_round_touches():
     # the dense MLP is weights where the mixture had its router
     assert dense["weights"] - round_["weights"] == cfg.num_layers * (3 * 64 * 128 - 64 * 8) * 4
     assert dense["kv"] == round_["kv"]
+
+
+# ------------------------------------------------------------ compiled for TPU
+
+@pytest.mark.skipif(importlib.util.find_spec("libtpu") is None,
+                    reason="libtpu is not installed (pip install -e '.[tpu]')")
+def test_long_passes_read_the_stacked_experts_in_place_on_tpu(monkeypatch):
+    """A bf16 prefill of 2 x 1024 tokens (a long pass: the grouped kernel) of a 4-layer
+    mixture compiled for v5e:2x4 (data 2 x tensor 4: 4 of 16 experts per chip): one
+    kernel call per layer and prefill chunk, and per chip at least a copy of every layer's experts fewer
+    HBM bytes than the same program through ``ragged_dot`` (the control), which copies
+    each layer's experts out of the stacked weights first."""
+    cfg = _moe_config(vocab_size=4096, hidden_size=256, intermediate_size=256, num_layers=4,
+                      num_heads=16, num_kv_heads=4, head_dim=64, num_experts=16,
+                      moe_intermediate_size=128)
+    config = decode.DecodeConfig(max_new_tokens=32, budget=16, prompt_len=1024)
+    mesh, _ = topology.slice_mesh("v5e:2x4", data=2, tensor=4)
+    target, drafter = plan.abstract_models(cfg, config, dtype=jnp.bfloat16)
+
+    def prefill_ops():
+        compiled = engine.Engine.create(target, drafter, config, 2, mesh=mesh).lower(
+            "prefill").compile()
+        return op_costs.op_costs(compiled.as_text())
+
+    ops = prefill_ops()
+    kernel = [o for o in ops if o.opcode == "custom-call" and "expert_kernel" in o.source]
+    assert len(kernel) == 1 and kernel[0].count % cfg.num_layers == 0   # per layer (and chunk)
+    monkeypatch.setattr(moe, "choose_method", lambda *a, **k: "ragged")
+    jax.clear_caches()   # trace again
+    control = prefill_ops()
+    assert not any(o.opcode == "custom-call" and "expert_kernel" in o.source for o in control)
+    layer_experts = 3 * 4 * 256 * 128 * 2           # gate, up, down of 4 experts, bf16
+    hbm = lambda ops: op_costs.totals(ops)["hbm_bytes"]
+    assert hbm(ops) <= hbm(control) - cfg.num_layers * layer_experts

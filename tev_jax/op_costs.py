@@ -18,7 +18,9 @@ is counted at that bound and its ops marked ``bounded``: a step at a full cache.
 
 Reads the HLO of the TPU and GPU compilers (and XLA:CPU's). On GPU, matrix products are
 Triton fusions (their FLOPs are those of the ``dot`` inside) or cuBLAS custom calls
-(``__cublas$gemm``: FLOPs from the call's dimension numbers).
+(``__cublas$gemm``: FLOPs from the call's dimension numbers). A Pallas kernel counts
+what its own cost estimate says (it may take a whole stack of weights and read a few
+blocks).
 
 The per-op figures follow XLA's own cost model, simplified: an op reads its operands and
 writes its output, except that a fusion operand which is only sliced inside the fusion
@@ -60,6 +62,11 @@ FREE = frozenset({
 FREE_CALLS = frozenset({"ConcatBitcast"})
 """Custom calls that only reinterpret buffers (the TPU compiler joins prefetched slices of
 a weight with ``ConcatBitcast``)."""
+
+_KERNEL_ESTIMATE = re.compile(r'"cost_estimate":\{"flops":"(\d+)","transcendentals":"\d+",'
+                              r'"bytes_accessed":"(\d+)"')
+"""A Pallas kernel's own count (``pl.CostEstimate``) in its custom call's backend
+config: its operands may be whole stacks of which it reads a few blocks."""
 
 SLICING = frozenset({"dynamic-slice", "slice", "gather"})
 NO_FLOPS = frozenset({
@@ -537,9 +544,12 @@ def op_costs(text: str) -> list[Op]:
                     or FREE_CALLS.intersection(re.findall(r'custom_call_target="(\w+)"',
                                                           instr.attrs))):
                 continue
+            estimate = _KERNEL_ESTIMATE.search(instr.attrs)
             if instr.opcode == "fusion":
                 nbytes = [_fusion_bytes(module, instr, shapes, hbm) for hbm in (False, True)]
                 flops = _fused_flops(module, instr)
+            elif instr.opcode == "custom-call" and estimate is not None:
+                flops, nbytes = float(estimate.group(1)), [float(estimate.group(2))] * 2
             else:
                 nbytes = [_plain_bytes(instr, shapes, hbm) for hbm in (False, True)]
                 flops = _flops(instr, shapes)

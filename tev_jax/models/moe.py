@@ -6,12 +6,16 @@ dtype, a float32 softmax over the E experts, the top k (ties to the lower index,
 ``sum_j w_j · down_e(silu(gate_e(x)) * up_e(x))`` over its k experts ``e = idx_j``.
 
 Every token reaches every expert it selects (no capacity factor, nothing dropped), so
-the target's distribution is exactly the model's and the verifiers stay exact. Three
+the target's distribution is exactly the model's and the verifiers stay exact. Four
 ways compute the same sum, picked by `expert_mlp`'s ``method``:
 
-- ``'ragged'``: the M·k (token, expert) pairs sorted by expert and two grouped matmuls
-  (``jax.lax.ragged_dot``, a Mosaic kernel on TPU); for long passes (prefill, large
-  trees, training), where its FLOPs are the useful ones;
+- ``'grouped'``: the M·k (token, expert) pairs sorted by expert through one Pallas TPU
+  kernel that reads the layer's touched experts in place from the stacked weights
+  (`tev_jax.models.expert_kernel`; interpreted off TPU); for long passes (prefill,
+  large trees, training) on TPU;
+- ``'ragged'``: the same sorted pairs through three grouped matmuls
+  (``jax.lax.ragged_dot``); long passes elsewhere (under the layer scan XLA copies the
+  layer's experts out of the stack before them);
 - ``'touched'``: a loop over the experts the pairs touch, each step one expert and up
   to C of its pairs (tokens gathered, outputs added back); reads only those experts'
   weights, about once each and in place, for passes of up to `TOUCHED_MAX_TOKENS`
@@ -20,7 +24,8 @@ ways compute the same sum, picked by `expert_mlp`'s ``method``:
   test oracle.
 
 ``'auto'`` takes 'touched' when M·k < E (fewer pairs than experts) or M <=
-`TOUCHED_MAX_TOKENS`, else 'ragged' (`choose_method`).
+`TOUCHED_MAX_TOKENS`, else 'long': 'grouped' when lowered for TPU, 'ragged' elsewhere
+(`choose_method`, ``jax.lax.platform_dependent``).
 
 Sharding: the stacked expert weights carry the logical axes ``experts`` and
 ``moe_mlp`` (`tev_jax.sharding`). Under a mesh that splits either, each device computes
@@ -50,10 +55,11 @@ from jax.sharding import PartitionSpec
 
 from tev_jax import sharding as shd
 from tev_jax.models.config import MoeSpec
+from tev_jax.models.expert_kernel import grouped_expert_mlp
 from tev_jax.models.layers import Linear, make_param, stack_index
 from tev_jax.op_costs import bound_scope
 
-METHODS = ("auto", "ragged", "touched", "dense")
+METHODS = ("auto", "grouped", "ragged", "touched", "dense", "long")
 EXPERT_AXES = ("experts", "embed", "moe_mlp")
 DOWN_AXES = ("experts", "moe_mlp", "embed")
 
@@ -88,23 +94,22 @@ def route(x_MD: jax.Array, router_DE: jax.Array, spec: MoeSpec):
     return w.astype(x_MD.dtype), idx.astype(jnp.int32)
 
 
-# Up to this many tokens per pass, 'auto' runs every touched expert on all the tokens
-# ('touched'): its extra FLOPs (E/k times the useful ones) cost less than the grouped
-# matmul's copy of the layer's experts out of the stacked weights (twice their bytes).
-# Measured crossover on TPU v5p, Qwen3-Coder-30B-A3B (experiments/tpu/moe.py): ~500.
+# Up to this many tokens per pass 'auto' loops over the touched experts ('touched'),
+# above it the sorted pairs go through a grouped matmul ('long').
 TOUCHED_MAX_TOKENS = 512
 
 
 def choose_method(method: str, pairs: int, num_experts: int, tokens: int = 0) -> str:
     """The concrete method for ``pairs`` = M·k (token, expert) pairs of M = ``tokens``
     tokens over E experts: 'touched' when the pairs are fewer than the experts or the
-    tokens at most `TOUCHED_MAX_TOKENS`, else 'ragged'."""
+    tokens at most `TOUCHED_MAX_TOKENS`, else 'long' ('grouped' when lowered for TPU,
+    'ragged' elsewhere)."""
     if method not in METHODS:
         raise ValueError(f"MoE method must be one of {METHODS}, got {method!r}")
     if method != "auto":
         return method
     return ("touched" if pairs < num_experts or tokens <= TOUCHED_MAX_TOKENS
-            else "ragged")
+            else "long")
 
 
 def expert_mlp(x_MD, idx_MK, w_MK, gate_EDF, up_EDF, down_EFD, *, method: str,
@@ -116,13 +121,13 @@ def expert_mlp(x_MD, idx_MK, w_MK, gate_EDF, up_EDF, down_EFD, *, method: str,
       idx_MK, w_MK: routing (`route`): expert ids in the full [0, E_all) range, weights.
       gate_EDF, up_EDF, down_EFD: E experts' weights, experts ``first_expert ..
         first_expert + E - 1`` (all of them, or one device's block).
-      method: 'ragged', 'touched' or 'dense' (see the module docstring).
+      method: 'grouped', 'ragged', 'long', 'touched' or 'dense' (module docstring).
       first_expert: id of the first expert held (traced under a shard_map).
       stack: None, or an index (traced) into a leading stack axis of the three weights
-        ([S, E, D, F]): entry ``stack`` is used, read in place by 'touched' (a slice
-        handed to a loop would be copied out first).
+        ([S, E, D, F]): entry ``stack`` is used, read in place by 'touched' and
+        'grouped' (a slice handed to a loop or a custom call would be copied out first).
       total_experts: E over all devices (default: the E held); sizes the plan's count
-        of the 'touched' loop (`expected_touched`).
+        of the 'touched' loop and the kernel's cost estimate (`expected_touched`).
     Returns:
       [M, D] in x's dtype: the pairs on other experts contribute nothing.
     """
@@ -135,29 +140,55 @@ def expert_mlp(x_MD, idx_MK, w_MK, gate_EDF, up_EDF, down_EFD, *, method: str,
     if method == "touched":
         return _touched_experts(x, jnp.where(here, local, e), w, gate_EDF, up_EDF,
                                 down_EFD, stack, total_experts).astype(x_MD.dtype)
+    if method in ("grouped", "ragged", "long"):
+        return _sorted_pairs(x, jnp.where(here, local, e), w, gate_EDF, up_EDF, down_EFD,
+                             stack, method, total_experts).astype(x_MD.dtype)
+    if method != "dense":
+        raise ValueError(f"MoE method must be one of {METHODS[1:]}, got {method!r}")
     if stack is not None:
         gate_EDF, up_EDF, down_EFD = (jax.lax.dynamic_index_in_dim(a, stack, keepdims=False)
                                       for a in (gate_EDF, up_EDF, down_EFD))
-    if method == "dense":
-        h = jax.nn.silu(jnp.einsum("md,edf->mef", x, gate_EDF)) * jnp.einsum(
-            "md,edf->mef", x, up_EDF)
-        o = jnp.einsum("mef,efd->med", h, down_EFD)
-        combine = jnp.zeros((m, e), w.dtype).at[
-            jnp.arange(m)[:, None], jnp.where(here, local, e)].add(w, mode="drop")
-        return jnp.einsum("med,me->md", o, combine.astype(o.dtype)).astype(x_MD.dtype)
-    if method != "ragged":
-        raise ValueError(f"MoE method must be 'ragged', 'touched' or 'dense', got {method!r}")
-    # Pairs on other devices' experts sort last, past every group: ragged_dot leaves
-    # rows beyond the groups' total at zero.
-    key = jnp.where(here, local, e).reshape(-1)
+    h = jax.nn.silu(jnp.einsum("md,edf->mef", x, gate_EDF)) * jnp.einsum(
+        "md,edf->mef", x, up_EDF)
+    o = jnp.einsum("mef,efd->med", h, down_EFD)
+    combine = jnp.zeros((m, e), w.dtype).at[
+        jnp.arange(m)[:, None], jnp.where(here, local, e)].add(w, mode="drop")
+    return jnp.einsum("med,me->md", o, combine.astype(o.dtype)).astype(x_MD.dtype)
+
+
+def _sorted_pairs(x_MD, key_MK, w_MK, gate_EDF, up_EDF, down_EFD, stack, method: str,
+                  total: int | None):
+    """'grouped' / 'ragged' / 'long': the M·k pairs sorted by expert (pairs on other
+    devices' experts, ``key`` = E, last and not computed), each through its expert's MLP,
+    weighted and added back to its token."""
+    m, k = key_MK.shape
+    e = gate_EDF.shape[-3]
+    key = key_MK.reshape(-1)
     order = jnp.argsort(key, stable=True)
     sizes = jnp.bincount(key, length=e).astype(jnp.int32)
     token = order // k
-    xs = x[token]
-    h = jax.nn.silu(jax.lax.ragged_dot(xs, gate_EDF, sizes)) * jax.lax.ragged_dot(
-        xs, up_EDF, sizes)
-    o = jax.lax.ragged_dot(h, down_EFD, sizes) * w.reshape(-1)[order][:, None]
-    return jnp.zeros((m, o.shape[-1]), o.dtype).at[token].add(o).astype(x_MD.dtype)
+    stacks = [a if stack is not None else a[None] for a in (gate_EDF, up_EDF, down_EFD)]
+    args = (x_MD[token], sizes, *stacks, jnp.int32(0) if stack is None else stack)
+
+    def grouped(interpret: bool):
+        return lambda *a: grouped_expert_mlp(
+            *a, total_experts=total, interpret=interpret,
+            expected_experts=expected_touched(e, total or e, k, m))
+
+    def ragged(xs, sizes, gate, up, down, g):
+        gate, up, down = (jax.lax.dynamic_index_in_dim(a, g, keepdims=False)
+                          for a in (gate, up, down))
+        h = jax.nn.silu(jax.lax.ragged_dot(xs, gate, sizes)) * jax.lax.ragged_dot(
+            xs, up, sizes)
+        return jax.lax.ragged_dot(h, down, sizes)   # rows past the groups stay zero
+
+    if method == "ragged":
+        o = ragged(*args)
+    else:
+        o = jax.lax.platform_dependent(
+            *args, tpu=grouped(False), default=grouped(True) if method == "grouped" else ragged)
+    o = o * w_MK.reshape(-1)[order][:, None].astype(o.dtype)
+    return jnp.zeros((m, o.shape[-1]), o.dtype).at[token].add(o)
 
 
 def expected_touched(held: int, total: int, k: int, tokens: int) -> int:
