@@ -89,8 +89,8 @@ def test_expert_methods_equal_the_dense_oracle_and_split_over_experts(method):
                                    [100, 0, 0, 0, 0, 0]])
 def test_grouped_kernel_visits_every_tile_of_every_group(sizes):
     """The Pallas kernel (interpreted) against each row's expert MLP by hand: empty groups,
-    a group across several tiles of 16 rows, tiles shared by groups, rows past the groups
-    (zero), entry 1 of a stack of 3; the visit list names each (tile, expert) pair whose
+    a group across several tiles of 16 rows, tiles shared by groups, row weights, entry 1
+    of a stack of 3; the visit list names each (tile, expert) pair whose
     rows meet exactly once, in tile order."""
     rng = np.random.default_rng(1)
     p, d, f, e = 100, 16, 8, 6
@@ -98,14 +98,15 @@ def test_grouped_kernel_visits_every_tile_of_every_group(sizes):
     gate, up = (jnp.asarray(rng.normal(size=(3, e, d, f)) / 4, jnp.float32) for _ in range(2))
     down = jnp.asarray(rng.normal(size=(3, e, f, d)) / 4, jnp.float32)
     sizes_E = jnp.asarray(sizes, jnp.int32)
+    w = rng.uniform(0.5, 2.0, size=p).astype(np.float32)
     got = np.asarray(grouped_expert_mlp(xs, sizes_E, gate, up, down, jnp.int32(1),
-                                        total_experts=e, interpret=True))
+                                        jnp.asarray(w), total_experts=e, interpret=True))
     owner = np.repeat(np.arange(e), sizes)
-    want = np.zeros((p, d), np.float32)
+    want = np.zeros((len(owner), d), np.float32)
     for r, ex in enumerate(owner):
         h = jax.nn.silu(xs[r] @ gate[1, ex]) * (xs[r] @ up[1, ex])
-        want[r] = np.asarray(h @ down[1, ex])
-    np.testing.assert_allclose(got, want, atol=1e-5)
+        want[r] = w[r] * np.asarray(h @ down[1, ex])
+    np.testing.assert_allclose(got[:len(owner)], want, atol=1e-5)
 
     tm = tile_rows(p, e)
     count = -(-p // tm) + e - 1

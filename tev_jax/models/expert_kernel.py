@@ -62,7 +62,7 @@ def visits(sizes_E: jax.Array, tm: int, count: int):
 
 
 def _kernel(stack_ref, expert_ref, tile_ref, start_ref, end_ref, real_ref,
-            x_ref, gate_ref, up_ref, down_ref, out_ref, acc_ref):
+            x_ref, gate_ref, up_ref, down_ref, w_ref, out_ref, acc_ref):
     v = pl.program_id(0)
     tile, expert = tile_ref[v], expert_ref[v]
 
@@ -81,16 +81,17 @@ def _kernel(stack_ref, expert_ref, tile_ref, start_ref, end_ref, real_ref,
         h = jnp.where(mine, h, 0.0).astype(down_ref.dtype)
         acc_ref[...] += jnp.dot(h, down_ref[...], preferred_element_type=jnp.float32)
 
-    out_ref[...] = acc_ref[...].astype(out_ref.dtype)
+    out_ref[...] = (acc_ref[...] * w_ref[...]).astype(out_ref.dtype)
 
 
 def grouped_expert_mlp(xs_PD: jax.Array, sizes_E: jax.Array, gate_SEDF: jax.Array,
-                       up_SEDF: jax.Array, down_SEFD: jax.Array, stack=0, *,
+                       up_SEDF: jax.Array, down_SEFD: jax.Array, stack=0,
+                       weights_P: jax.Array | None = None, *,
                        total_experts: int | None = None,
                        expected_experts: int | None = None,
                        interpret: bool = False) -> jax.Array:
-    """``out[p] = down_e(silu(gate_e(xs[p])) * up_e(xs[p]))`` for the row p of each
-    group e, with the experts of entry ``stack`` of the stacked weights.
+    """``out[p] = w[p] · down_e(silu(gate_e(xs[p])) * up_e(xs[p]))`` for the row p of
+    each group e, with the experts of entry ``stack`` of the stacked weights.
 
     Args:
       xs_PD: [P, D] rows sorted by expert: group e is rows ``sum(sizes[:e]) ..``;
@@ -98,12 +99,14 @@ def grouped_expert_mlp(xs_PD: jax.Array, sizes_E: jax.Array, gate_SEDF: jax.Arra
       sizes_E: int32 [E] rows per expert (their sum at most P).
       gate_SEDF, up_SEDF: [S, E, D, F]; down_SEFD: [S, E, F, D].
       stack: index (traced) of the stack entry used.
+      weights_P: [P] row weights w (default 1), applied in the kernel's last step.
       total_experts: experts over all devices (sizes the tiles; default E).
       expected_experts: experts a pass touches on average, for the cost estimate XLA and
         `tev_jax.op_costs` read (default E).
       interpret: run in Pallas' interpreter (any backend; tests).
     Returns:
-      [P, D] in xs's dtype; rows past ``sum(sizes)`` are zero.
+      [P, D] in xs's dtype; rows past ``sum(sizes)`` are undefined (tiles no group
+      reaches are never written: drop them).
     """
     p, d = xs_PD.shape
     _, e, _, f = gate_SEDF.shape
@@ -112,6 +115,8 @@ def grouped_expert_mlp(xs_PD: jax.Array, sizes_E: jax.Array, gate_SEDF: jax.Arra
     count = tiles + e - 1
     expert, tile, starts, ends, real = visits(sizes_E.astype(jnp.int32), tm, count)
     xs = jnp.pad(xs_PD, ((0, tiles * tm - p), (0, 0)))
+    w = jnp.ones((p,), jnp.float32) if weights_P is None else weights_P.astype(jnp.float32)
+    w = jnp.pad(w, (0, tiles * tm - p))[:, None]
 
     def rows(v, g, expert, tile, *_):
         return tile[v], 0
@@ -130,7 +135,8 @@ def grouped_expert_mlp(xs_PD: jax.Array, sizes_E: jax.Array, gate_SEDF: jax.Arra
             in_specs=[pl.BlockSpec((tm, d), rows),
                       pl.BlockSpec((None, None, d, f), weights),
                       pl.BlockSpec((None, None, d, f), weights),
-                      pl.BlockSpec((None, None, f, d), weights)],
+                      pl.BlockSpec((None, None, f, d), weights),
+                      pl.BlockSpec((tm, 1), rows)],
             out_specs=pl.BlockSpec((tm, d), rows),
             scratch_shapes=[pltpu.VMEM((tm, d), jnp.float32)]),
         out_shape=jax.ShapeDtypeStruct(xs.shape, xs.dtype),
@@ -141,7 +147,6 @@ def grouped_expert_mlp(xs_PD: jax.Array, sizes_E: jax.Array, gate_SEDF: jax.Arra
             flops=6 * visited * tm * d * f, transcendentals=visited * tm * f,
             bytes_accessed=touched * w_bytes + 2 * xs.size * xs.dtype.itemsize),
         interpret=interpret)
-    out = call(jnp.reshape(stack, (1,)).astype(jnp.int32), expert, tile, starts, ends, real,
-               xs, gate_SEDF, up_SEDF, down_SEFD)[:p]
-    return jnp.where((jnp.arange(p) < ends[-1])[:, None], out, 0)
+    return call(jnp.reshape(stack, (1,)).astype(jnp.int32), expert, tile, starts, ends, real,
+                xs, gate_SEDF, up_SEDF, down_SEFD, w)[:p]
 

@@ -168,27 +168,29 @@ def _sorted_pairs(x_MD, key_MK, w_MK, gate_EDF, up_EDF, down_EFD, stack, method:
     sizes = jnp.bincount(key, length=e).astype(jnp.int32)
     token = order // k
     stacks = [a if stack is not None else a[None] for a in (gate_EDF, up_EDF, down_EFD)]
-    args = (x_MD[token], sizes, *stacks, jnp.int32(0) if stack is None else stack)
+    args = (x_MD[token], sizes, *stacks, jnp.int32(0) if stack is None else stack,
+            w_MK.reshape(-1)[order])
 
     def grouped(interpret: bool):
         return lambda *a: grouped_expert_mlp(
             *a, total_experts=total, interpret=interpret,
             expected_experts=expected_touched(e, total or e, k, m))
 
-    def ragged(xs, sizes, gate, up, down, g):
+    def ragged(xs, sizes, gate, up, down, g, w):
         gate, up, down = (jax.lax.dynamic_index_in_dim(a, g, keepdims=False)
                           for a in (gate, up, down))
         h = jax.nn.silu(jax.lax.ragged_dot(xs, gate, sizes)) * jax.lax.ragged_dot(
             xs, up, sizes)
-        return jax.lax.ragged_dot(h, down, sizes)   # rows past the groups stay zero
+        return jax.lax.ragged_dot(h, down, sizes) * w[:, None].astype(xs.dtype)
 
     if method == "ragged":
         o = ragged(*args)
     else:
         o = jax.lax.platform_dependent(
             *args, tpu=grouped(False), default=grouped(True) if method == "grouped" else ragged)
-    o = o * w_MK.reshape(-1)[order][:, None].astype(o.dtype)
-    return jnp.zeros((m, o.shape[-1]), o.dtype).at[token].add(o)
+    # rows past the pairs held here (other devices' experts) are dropped
+    token = jnp.where(jnp.arange(m * k) < jnp.sum(sizes), token, m)
+    return jnp.zeros((m, o.shape[-1]), o.dtype).at[token].add(o, mode="drop")
 
 
 def expected_touched(held: int, total: int, k: int, tokens: int) -> int:
