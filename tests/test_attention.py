@@ -12,6 +12,7 @@ import pytest
 from reference_attention import attend_segments, dense_mask
 from tev_jax.models import ModelConfig, init_target
 from tev_jax.models.attention import Mask, attention
+from tev_jax.models.cache_attention import cache_attention_state, merge_states
 
 
 def _normal(key, shape, dtype=jnp.float32):
@@ -148,6 +149,34 @@ def test_stacked_layer_reads_like_its_slice():
     _assert_close((got, grads[0], grads[1][1], grads[2][1]), (want,) + ref, 1e-4)
     for g in grads[1:]:
         np.testing.assert_array_equal(np.asarray(g)[[0, 2]], 0.0)
+
+
+@pytest.mark.parametrize("kv_heads", [1, 2])
+def test_cache_kernel_state_joins_into_the_joint_softmax(kv_heads):
+    """The TPU kernel over a stacked cache (interpreted): its state over layer 1 seen up
+    to each row's end (a row that sees nothing, one ending inside a key block, one at a
+    block edge), joined with the state over a second segment (`merge_states`) and
+    normalised, is attention over both segments (the dense reference)."""
+    rng = np.random.default_rng(3)
+    b, t, h, hd, s, n = 3, 5, 4, 16, 48, 7
+    f32 = lambda *shape: jnp.asarray(rng.normal(size=shape), jnp.float32)
+    q = f32(b, t, h, hd)
+    k, v = f32(3, b, s, kv_heads, hd), f32(3, b, s, kv_heads, hd)
+    kn, vn = f32(b, n, kv_heads, hd), f32(b, n, kv_heads, hd)
+    end = jnp.asarray([0, 21, 32], jnp.int32)
+    g = h // kv_heads
+    q_grouped = q.reshape(b, t, kv_heads, g, hd).transpose(0, 2, 1, 3, 4).reshape(
+        b, kv_heads, t * g, hd)
+    state = lambda *a: cache_attention_state(q_grouped, *a, scale=hd ** -0.5, key_block=16,
+                                             interpret=True)
+    cache = state(k, v, jnp.int32(1), end)
+    m, l, o = merge_states(cache, state(kn[None], vn[None], jnp.int32(0),
+                                        jnp.full((b,), n, jnp.int32)))
+    got = (o / l[..., None]).reshape(b, kv_heads, t, g, hd).transpose(0, 2, 1, 3, 4)
+    want = attend_segments(q, ((k[1], v[1], Mask.prefix(end)), (kn, vn, Mask())))
+    np.testing.assert_allclose(np.asarray(got.reshape(b, t, h, hd)), np.asarray(want),
+                               atol=1e-5)
+    assert np.isneginf(np.asarray(cache[0][0])).all() and not np.asarray(cache[1][0]).any()
 
 
 def test_refusals():

@@ -38,6 +38,11 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
+from jax.sharding import PartitionSpec
+
+from tev_jax import sharding as shd
+from tev_jax.models.cache_attention import cache_attention_state, merge_states
+from tev_jax.models.kv_cache import CACHE_AXES
 from tev_jax.op_costs import bound_scope
 
 KEY_BLOCK = 512
@@ -90,6 +95,7 @@ class _Static(NamedTuple):
     key_blocks: tuple[int, ...]      # per segment
     num_key_blocks: tuple[int, ...]
     scale: float
+    row_ends: tuple[bool, ...] = ()  # per segment: a cache seen up to a per-row end
 
 
 def attention(q_BTHd: jax.Array, segments: Sequence[tuple],
@@ -129,8 +135,12 @@ def attention(q_BTHd: jax.Array, segments: Sequence[tuple],
     nq = -(-t // query_block)
     qb = -(-t // nq)  # balanced: the padding is less than one query per block
     pad = nq * qb - t
-    kvs, masks, layers, kbs, nks = [], [], [], [], []
+    kvs, masks, layers, kbs, nks, row_ends = [], [], [], [], [], []
     for k, v, mask, *layer in segments:
+        mask = _as_mask(mask)
+        # a stacked cache seen up to each row's length: on TPU, one kernel per segment
+        row_ends.append(bool(layer) and nq == 1 and mask.start is None and mask.dense is None
+                        and mask.end is not None and jnp.shape(mask.end)[-1:] == (1,))
         if not layer:
             k, v, layer = k[None], v[None], [0]
         s = k.shape[2]
@@ -138,16 +148,17 @@ def attention(q_BTHd: jax.Array, segments: Sequence[tuple],
             raise ValueError(f"segment keys {k.shape} / values {v.shape} do not match "
                              f"queries {q_BTHd.shape} with {kh} key/value heads")
         if s == 0:
+            row_ends.pop()
             continue
         kvs.append((k, v))
         layers.append(jnp.asarray(layer[0], jnp.int32))
-        masks.append(_padded(_as_mask(mask), b, t, s, pad))
+        masks.append(_padded(mask, b, t, s, pad))
         nks.append(-(-s // key_block))
         kbs.append(-(-s // nks[-1]))
     if not kvs:
         return jnp.zeros_like(q_BTHd)
     static = _Static(qb, nq, tuple(kbs), tuple(nks),
-                     float(hd ** -0.5 if scale is None else scale))
+                     float(hd ** -0.5 if scale is None else scale), tuple(row_ends))
     q = jnp.pad(q_BTHd, ((0, 0), (0, pad), (0, 0), (0, 0))) if pad else q_BTHd
     out = _flash(static, q, tuple(kvs), tuple(masks), tuple(layers))
     return out[:, :t]
@@ -246,6 +257,33 @@ def _over_query_blocks(static: _Static, body, carry):
     return jax.lax.fori_loop(0, static.num_query_blocks, body, carry)
 
 
+def _cache_kernel(q_BQKGd, k, v, layer, end_B, scale, unsplit):
+    """`cache_attention_state` in the (max, denominator, output) layout of `_forward`,
+    on each device's rows and key/value heads of the active mesh (``unsplit()``, the
+    blocked loop, where the mesh splits the cache's length)."""
+    def state(q_BQKGd, k, v, layer, end_B):
+        b, q, kh, g, hd = q_BQKGd.shape
+        m, l, o = cache_attention_state(
+            q_BQKGd.transpose(0, 2, 1, 3, 4).reshape(b, kh, q * g, hd), k, v, layer, end_B,
+            scale=scale)
+        return m.reshape(b, kh, q, g), l.reshape(b, kh, q, g), o.reshape(b, kh, q, g, hd)
+
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return state(q_BQKGd, k, v, layer, end_B)
+    cache = shd.logical_to_spec(CACHE_AXES, k.shape, mesh)
+    if len(cache) > 2 and cache[2] is not None:
+        return unsplit()
+    rows, heads = (cache[i] if i < len(cache) else None for i in (1, 3))
+    kv = PartitionSpec(None, rows, None, heads)
+    out = PartitionSpec(rows, heads)
+    return jax.shard_map(state, mesh=mesh,
+                         in_specs=(PartitionSpec(rows, None, heads), kv, kv, PartitionSpec(),
+                                   PartitionSpec(rows)),
+                         out_specs=(out, out, out), check_vma=False)(
+        q_BQKGd, k, v, layer, end_B)
+
+
 def _grouped(x_BTHd, kh):
     b, t, h, hd = x_BTHd.shape
     return x_BTHd.reshape(b, t, kh, h // kh, hd)
@@ -266,8 +304,9 @@ def _forward(static: _Static, q, kvs, masks, layers):
         q_blk = _query_rows(qg, i, qb)
         m = jnp.full((b, kh, qb, g), -jnp.inf, jnp.float32)
         carry = (m, jnp.zeros_like(m), jnp.zeros((b, kh, qb, g, hd), jnp.float32))
-        for (k, v), mask, layer, kb, nk in zip(kvs, masks, layers, static.key_blocks,
-                                               static.num_key_blocks):
+        for (k, v), mask, layer, kb, nk, row_end in zip(
+                kvs, masks, layers, static.key_blocks, static.num_key_blocks,
+                static.row_ends or (False,) * len(kvs)):
             mask_q = tuple(_query_rows(x, i, qb) for x in mask)
 
             def body(j, carry, k=k, v=v, mask_q=mask_q, layer=layer, kb=kb):
@@ -281,7 +320,21 @@ def _forward(static: _Static, q, kvs, masks, layers):
                                 preferred_element_type=jnp.float32)
                 return m_new, alpha * l + p.sum(-1), alpha[..., None] * o + pv
 
-            carry = _over_key_blocks(*_key_range(mask_q, k.shape[2], kb, nk), nk, body, carry)
+            def blocked(carry, body=body, mask_q=mask_q, k=k, kb=kb, nk=nk):
+                return _over_key_blocks(*_key_range(mask_q, k.shape[2], kb, nk), nk, body,
+                                        carry)
+
+            if row_end:
+                fresh = (jnp.full_like(carry[0], -jnp.inf), jnp.zeros_like(carry[1]),
+                         jnp.zeros_like(carry[2]))
+                state = jax.lax.platform_dependent(
+                    q_blk, k, v, layer, mask_q[1][:, 0],
+                    tpu=lambda *a, fresh=fresh, blocked=blocked: _cache_kernel(
+                        *a, static.scale, lambda: blocked(fresh)),
+                    default=lambda *a, fresh=fresh, blocked=blocked: blocked(fresh))
+                carry = merge_states(carry, state)
+            else:
+                carry = blocked(carry)
         m, l, o = carry
         seen = l > 0
         o = o / jnp.where(seen, l, 1.0)[..., None]
