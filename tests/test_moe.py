@@ -119,6 +119,17 @@ def test_grouped_kernel_visits_every_tile_of_every_group(sizes):
         assert (tile[n:] == tile[n - 1]).all() and (expert[n:] == expert[n - 1]).all()
 
 
+def test_auto_method_by_pass_size():
+    """'auto': the touched-experts loop below one pair per expert; otherwise the grouped
+    kernel on TPU and, elsewhere, the loop up to 512 tokens, ragged_dot above."""
+    assert moe.choose_method("auto", 64, 128, 8) == "touched"
+    assert moe.choose_method("auto", 256, 128, 32) == ("grouped", "touched")
+    assert moe.choose_method("auto", 8 * 2080, 128, 2080) == ("grouped", "ragged")
+    assert moe.choose_method("dense", 8 * 2080, 128, 2080) == "dense"
+    with pytest.raises(ValueError, match="MoE method must be one of"):
+        moe.choose_method("long", 1, 8)
+
+
 def test_routing_renormalises_and_breaks_ties_to_the_lower_expert():
     x = jnp.ones((1, 2))
     router = jnp.array([[1.0, 3.0, 3.0, 0.0], [0.0, 0.0, 0.0, 0.0]])

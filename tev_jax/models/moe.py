@@ -10,22 +10,21 @@ the target's distribution is exactly the model's and the verifiers stay exact. F
 ways compute the same sum, picked by `expert_mlp`'s ``method``:
 
 - ``'grouped'``: the M·k (token, expert) pairs sorted by expert through one Pallas TPU
-  kernel that reads the layer's touched experts in place from the stacked weights
-  (`tev_jax.models.expert_kernel`; interpreted off TPU); for long passes (prefill,
-  large trees, training) on TPU;
+  kernel that reads each touched expert of the layer once, in place in the stacked
+  weights (`tev_jax.models.expert_kernel`; interpreted off TPU);
 - ``'ragged'``: the same sorted pairs through three grouped matmuls
-  (``jax.lax.ragged_dot``); long passes elsewhere (under the layer scan XLA copies the
-  layer's experts out of the stack before them);
+  (``jax.lax.ragged_dot``; under the layer scan XLA copies the layer's experts out of
+  the stack before them);
 - ``'touched'``: a loop over the experts the pairs touch, each step one expert and up
   to C of its pairs (tokens gathered, outputs added back); reads only those experts'
-  weights, about once each and in place, for passes of up to `TOUCHED_MAX_TOKENS`
-  (AR steps, trees);
+  weights, about once each and in place;
 - ``'dense'``: every expert on every token, weighted by the (mostly zero) routing: the
   test oracle.
 
-``'auto'`` takes 'touched' when M·k < E (fewer pairs than experts) or M <=
-`TOUCHED_MAX_TOKENS`, else 'long': 'grouped' when lowered for TPU, 'ragged' elsewhere
-(`choose_method`, ``jax.lax.platform_dependent``).
+``'auto'`` (`choose_method`) takes 'touched' when M·k < E (fewer pairs than experts, as
+in a small AR step); otherwise 'grouped' when lowered for TPU and, elsewhere, 'touched'
+up to `TOUCHED_MAX_TOKENS` tokens and 'ragged' above (``jax.lax.platform_dependent``
+decides when the program is lowered).
 
 Sharding: the stacked expert weights carry the logical axes ``experts`` and
 ``moe_mlp`` (`tev_jax.sharding`). Under a mesh that splits either, each device computes
@@ -59,7 +58,7 @@ from tev_jax.models.expert_kernel import grouped_expert_mlp
 from tev_jax.models.layers import Linear, make_param, stack_index
 from tev_jax.op_costs import bound_scope
 
-METHODS = ("auto", "grouped", "ragged", "touched", "dense", "long")
+METHODS = ("auto", "grouped", "ragged", "touched", "dense")
 EXPERT_AXES = ("experts", "embed", "moe_mlp")
 DOWN_AXES = ("experts", "moe_mlp", "embed")
 
@@ -94,26 +93,30 @@ def route(x_MD: jax.Array, router_DE: jax.Array, spec: MoeSpec):
     return w.astype(x_MD.dtype), idx.astype(jnp.int32)
 
 
-# Up to this many tokens per pass 'auto' loops over the touched experts ('touched'),
-# above it the sorted pairs go through a grouped matmul ('long').
+# Off TPU, up to this many tokens per pass 'auto' loops over the touched experts
+# ('touched'); above it the sorted pairs go through ragged_dot ('ragged').
 TOUCHED_MAX_TOKENS = 512
 
 
-def choose_method(method: str, pairs: int, num_experts: int, tokens: int = 0) -> str:
-    """The concrete method for ``pairs`` = M·k (token, expert) pairs of M = ``tokens``
-    tokens over E experts: 'touched' when the pairs are fewer than the experts or the
-    tokens at most `TOUCHED_MAX_TOKENS`, else 'long' ('grouped' when lowered for TPU,
-    'ragged' elsewhere)."""
+def choose_method(method: str, pairs: int, num_experts: int,
+                  tokens: int = 0) -> str | tuple[str, str]:
+    """The method for ``pairs`` = M·k (token, expert) pairs of M = ``tokens`` tokens
+    over E experts: ``method`` itself unless 'auto'; 'touched' when the pairs are fewer
+    than the experts; else (the method on TPU, the method elsewhere): ('grouped',
+    'touched' up to `TOUCHED_MAX_TOKENS` tokens, else 'ragged'), which `expert_mlp`
+    resolves when the program is lowered."""
     if method not in METHODS:
         raise ValueError(f"MoE method must be one of {METHODS}, got {method!r}")
     if method != "auto":
         return method
-    return ("touched" if pairs < num_experts or tokens <= TOUCHED_MAX_TOKENS
-            else "long")
+    if pairs < num_experts:
+        return "touched"
+    return "grouped", ("touched" if tokens <= TOUCHED_MAX_TOKENS else "ragged")
 
 
-def expert_mlp(x_MD, idx_MK, w_MK, gate_EDF, up_EDF, down_EFD, *, method: str,
-               first_expert=0, stack=None, total_experts: int | None = None):
+def expert_mlp(x_MD, idx_MK, w_MK, gate_EDF, up_EDF, down_EFD, *,
+               method: str | tuple[str, str], first_expert=0, stack=None,
+               total_experts: int | None = None):
     """``y[m] = sum_j w[m, j] · expert_{idx[m, j]}(x[m])`` over the experts held here.
 
     Args:
@@ -121,7 +124,8 @@ def expert_mlp(x_MD, idx_MK, w_MK, gate_EDF, up_EDF, down_EFD, *, method: str,
       idx_MK, w_MK: routing (`route`): expert ids in the full [0, E_all) range, weights.
       gate_EDF, up_EDF, down_EFD: E experts' weights, experts ``first_expert ..
         first_expert + E - 1`` (all of them, or one device's block).
-      method: 'grouped', 'ragged', 'long', 'touched' or 'dense' (module docstring).
+      method: 'grouped', 'ragged', 'touched' or 'dense' (module docstring), or a pair
+        (the method on TPU, the method elsewhere) taken when the program is lowered.
       first_expert: id of the first expert held (traced under a shard_map).
       stack: None, or an index (traced) into a leading stack axis of the three weights
         ([S, E, D, F]): entry ``stack`` is used, read in place by 'touched' and
@@ -131,6 +135,12 @@ def expert_mlp(x_MD, idx_MK, w_MK, gate_EDF, up_EDF, down_EFD, *, method: str,
     Returns:
       [M, D] in x's dtype: the pairs on other experts contribute nothing.
     """
+    if isinstance(method, tuple):
+        on_tpu, elsewhere = method
+        call = lambda name: lambda: expert_mlp(
+            x_MD, idx_MK, w_MK, gate_EDF, up_EDF, down_EFD, method=name,
+            first_expert=first_expert, stack=stack, total_experts=total_experts)
+        return jax.lax.platform_dependent(tpu=call(on_tpu), default=call(elsewhere))
     m, k = idx_MK.shape
     e = gate_EDF.shape[-3]
     local = idx_MK - first_expert
@@ -140,7 +150,7 @@ def expert_mlp(x_MD, idx_MK, w_MK, gate_EDF, up_EDF, down_EFD, *, method: str,
     if method == "touched":
         return _touched_experts(x, jnp.where(here, local, e), w, gate_EDF, up_EDF,
                                 down_EFD, stack, total_experts).astype(x_MD.dtype)
-    if method in ("grouped", "ragged", "long"):
+    if method in ("grouped", "ragged"):
         return _sorted_pairs(x, jnp.where(here, local, e), w, gate_EDF, up_EDF, down_EFD,
                              stack, method, total_experts).astype(x_MD.dtype)
     if method != "dense":
@@ -158,7 +168,7 @@ def expert_mlp(x_MD, idx_MK, w_MK, gate_EDF, up_EDF, down_EFD, *, method: str,
 
 def _sorted_pairs(x_MD, key_MK, w_MK, gate_EDF, up_EDF, down_EFD, stack, method: str,
                   total: int | None):
-    """'grouped' / 'ragged' / 'long': the M·k pairs sorted by expert (pairs on other
+    """'grouped' / 'ragged': the M·k pairs sorted by expert (pairs on other
     devices' experts, ``key`` = E, last and not computed), each through its expert's MLP,
     weighted and added back to its token."""
     m, k = key_MK.shape
@@ -183,11 +193,8 @@ def _sorted_pairs(x_MD, key_MK, w_MK, gate_EDF, up_EDF, down_EFD, stack, method:
             xs, up, sizes)
         return jax.lax.ragged_dot(h, down, sizes) * w[:, None].astype(xs.dtype)
 
-    if method == "ragged":
-        o = ragged(*args)
-    else:
-        o = jax.lax.platform_dependent(
-            *args, tpu=grouped(False), default=grouped(True) if method == "grouped" else ragged)
+    o = (ragged(*args) if method == "ragged" else
+         jax.lax.platform_dependent(*args, tpu=grouped(False), default=grouped(True)))
     # rows past the pairs held here (other devices' experts) are dropped
     token = jnp.where(jnp.arange(m * k) < jnp.sum(sizes), token, m)
     return jnp.zeros((m, o.shape[-1]), o.dtype).at[token].add(o, mode="drop")
@@ -318,7 +325,7 @@ class MoE(nnx.Module):
         return shd.constrain(y, ("batch", "seq", "act_embed"))
 
 
-def sharded_experts(x_BTD, idx_BTK, w_BTK, stacks, g, method: str) -> jax.Array:
+def sharded_experts(x_BTD, idx_BTK, w_BTK, stacks, g, method) -> jax.Array:
     """`expert_mlp` of stack entry ``g`` of the expert weights (`Experts.stacks`), on
     the active mesh's layout of them (module docstring).
 
