@@ -154,16 +154,17 @@ def test_stacked_layer_reads_like_its_slice():
 @pytest.mark.parametrize("kv_heads", [1, 2])
 def test_cache_kernel_state_joins_into_the_joint_softmax(kv_heads):
     """The TPU kernel over a stacked cache (interpreted): its state over layer 1 seen up
-    to each row's end (a row that sees nothing, one ending inside a key block, one at a
-    block edge), joined with the state over a second segment (`merge_states`) and
-    normalised, is attention over both segments (the dense reference)."""
+    to each row's end (a row that sees nothing, one ending inside a key block, one seeing
+    all 44 keys, in blocks of 16: the last runs past the cache), joined with the state
+    over a second segment (`merge_states`) and normalised, is attention over both
+    segments (the dense reference)."""
     rng = np.random.default_rng(3)
-    b, t, h, hd, s, n = 3, 5, 4, 16, 48, 7
+    b, t, h, hd, s, n = 3, 5, 4, 16, 44, 7
     f32 = lambda *shape: jnp.asarray(rng.normal(size=shape), jnp.float32)
     q = f32(b, t, h, hd)
     k, v = f32(3, b, s, kv_heads, hd), f32(3, b, s, kv_heads, hd)
     kn, vn = f32(b, n, kv_heads, hd), f32(b, n, kv_heads, hd)
-    end = jnp.asarray([0, 21, 32], jnp.int32)
+    end = jnp.asarray([0, 21, 44], jnp.int32)
     g = h // kv_heads
     q_grouped = q.reshape(b, t, kv_heads, g, hd).transpose(0, 2, 1, 3, 4).reshape(
         b, kv_heads, t * g, hd)

@@ -27,9 +27,11 @@ KEY_BLOCK = 512
 
 
 def _kernel(layer_ref, end_ref, q_ref, k_ref, v_ref, m_ref, l_ref, o_ref, *, kb: int,
-            scale: float, heads: int):
+            length: int, scale: float, heads: int):
     """One key block of one row: of one key/value head (``heads`` 0: blocks [kb, hd]) or
-    of all ``heads`` (blocks [kb, K, hd], the heads in turn)."""
+    of all ``heads`` (blocks [kb, K, hd], the heads in turn). A last block that runs past
+    the cache's ``length`` holds undefined rows there: their scores are masked and their
+    values zeroed (0 x NaN would not be 0)."""
     b, j = pl.program_id(0), pl.program_id(2 if heads == 0 else 1)
 
     @pl.when(j == 0)
@@ -54,6 +56,9 @@ def _kernel(layer_ref, end_ref, q_ref, k_ref, v_ref, m_ref, l_ref, o_ref, *, kb:
             p = jnp.exp(s - m_safe)
             alpha = jnp.exp(m_old - m_safe)
             v = v_ref[kv]
+            if length % kb:
+                row = j * kb + jax.lax.broadcasted_iota(jnp.int32, v.shape, 0)
+                v = jnp.where(row < length, v, 0)
             m_ref[at] = m_new
             l_ref[at] = alpha * l_ref[at] + p.sum(axis=-1, keepdims=True)
             o_ref[at] = alpha * o_ref[at] + jnp.dot(p.astype(v.dtype), v,
@@ -73,7 +78,7 @@ def cache_attention_state(q_BKQd: jax.Array, k_LBSKd: jax.Array, v_LBSKd: jax.Ar
       layer: the layer read (traced).
       end_B: int32 [B] visible keys per row.
       scale: score scale.
-      key_block: keys per step (S is a multiple of it, or the whole S is one block).
+      key_block: keys per step (at most; a shorter cache is one block).
       interpret: run in Pallas' interpreter (tests off TPU).
     Returns:
       (running max [B, K, Q], denominator [B, K, Q], unnormalised output [B, K, Q, hd]),
@@ -81,8 +86,8 @@ def cache_attention_state(q_BKQd: jax.Array, k_LBSKd: jax.Array, v_LBSKd: jax.Ar
     """
     b, kh, qg, hd = q_BKQd.shape
     s = k_LBSKd.shape[2]
-    kb = key_block if s % key_block == 0 else s
-    nk = s // kb
+    kb = min(key_block, s)
+    nk = -(-s // kb)
     end = jnp.clip(end_B.astype(jnp.int32), 0, s)
 
     last = lambda i, end: jax.lax.div(jnp.maximum(end[i] - 1, 0), kb)  # later: not fetched
@@ -103,7 +108,7 @@ def cache_attention_state(q_BKQd: jax.Array, k_LBSKd: jax.Array, v_LBSKd: jax.Ar
         kv_spec = (None, None, kb, kh, hd)
         state = lambda i, j, *_: (i, 0, 0, 0)
         blocks = lambda *shape: (None, kh) + shape
-    kernel = lambda *refs: _kernel(*refs, kb=kb, scale=scale, heads=heads)
+    kernel = lambda *refs: _kernel(*refs, kb=kb, length=s, scale=scale, heads=heads)
     itemsize = k_LBSKd.dtype.itemsize
     m, l, o = pl.pallas_call(
         kernel,
