@@ -74,15 +74,17 @@ def test_ar_fused_equals_reference(target, reference):
 @pytest.mark.parametrize("quality", ["random", "oracle"])
 def test_every_builder_and_verifier_is_greedy_exact(target, drafter, reference, quality):
     drafter.use_oracle[...] = jnp.asarray(quality == "oracle")
+    # the random drafter's rounds are short: its first 64 tokens take ~50 rounds per run
+    m = M if quality == "oracle" else 64
     for builder in ("chain", "ddtree"):
         for verifier in extensions.VERIFIERS:
             gen = profile.profile_generate(
                 target, drafter, PROMPTS,
-                _config(builder=builder, verifier=verifier, track_exit_law=True), key=3,
-                warmup=False)
-            assert gen.rows() == reference, (builder, verifier)
+                _config(builder=builder, verifier=verifier, track_exit_law=True,
+                        max_new_tokens=m), key=3, warmup=False)
+            assert gen.rows() == [r[:m] for r in reference], (builder, verifier)
             s = gen.stats
-            assert (s.block_lengths.sum(0) >= M - 1).all()  # the last block may pass M
+            assert (s.block_lengths.sum(0) >= m - 1).all()  # the last block may pass m
             # At T = 0 the exit law is a point mass: 1 + coverage is the block length.
             np.testing.assert_allclose(s.expected_lengths, s.block_lengths, atol=1e-5)
             tau = s.tau
