@@ -234,7 +234,7 @@ def state_axes(st: DecodeState, drafter) -> DecodeState:
     b = ("batch",)
     ctx_axes = getattr(drafter, "context_axes", None)
     return DecodeState(
-        key=(), round=(), cache=kvc.KVCache(k=kvc.CACHE_AXES, v=kvc.CACHE_AXES),
+        key=(), round=(), cache=kvc.cache_axes(st.cache),
         ctx=None if ctx_axes is None else ctx_axes(st.ctx),
         start_B=b, root_B=b, new_tokens_BP=("batch", None),
         new_feats_BPF=("batch", None, None), new_count_B=b, out_BM=("batch", None),

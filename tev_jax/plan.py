@@ -471,7 +471,8 @@ def round_floor(engine: Engine) -> dict[str, int]:
         touched = expected_touched(held, moe.num_experts, moe.top_k, tokens)
         experts = experts * touched // held
     st = engine.abstract_state()
-    caches = [st.cache.k, st.cache.v] + ([st.ctx.k, st.ctx.v] if hasattr(st.ctx, "k") else [])
+    caches = jax.tree.leaves((st.cache.k, st.cache.v)) + (
+        [st.ctx.k, st.ctx.v] if hasattr(st.ctx, "k") else [])
     kv = sum(_device_bytes(c, None if engine.mesh is None else shd.logical_sharding(
         CACHE_AXES, c.shape, engine.mesh)) for c in caches)
     return {"weights": weights, "experts": experts, "kv": kv,

@@ -1,0 +1,248 @@
+"""Gemma 4 (tev_jax.models.gemma4) against transformers' Gemma4UnifiedForCausalLM.
+
+Tiny random configs: window 8, sliding head dim 16 with 2 key/value heads, global head
+dim 32 with one k = v head and proportional RoPE, soft-cap 30; every norm weight and
+layer scalar is randomised (a ``1 + w`` or a dropped scalar cannot hide), embeddings
+are large enough that the soft-cap bends the logits. Prompts are longer than the
+window, in the native (sliding) and the full (every layer global) attention.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from tev_jax.models import ModelConfig, load_target, save_target
+from tev_jax.models.config import AttentionSpec
+from tev_jax.tree import ancestor_mask
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+W = 8
+ATOL = 1e-4
+NATIVE, FULL = "native", "full"
+
+
+def hf_text_config(layers=6, vocab=96, window=W, softcap=30.0, **kw):
+    return transformers.Gemma4UnifiedTextConfig(
+        vocab_size=vocab, hidden_size=32, intermediate_size=48, num_hidden_layers=layers,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, global_head_dim=32,
+        num_global_key_value_heads=1, attention_k_eq_v=True, sliding_window=window,
+        final_logit_softcapping=softcap, max_position_embeddings=256, **kw)
+
+
+def randomise(model, seed=0):
+    """Norm weights and layer scalars in [0.5, 1.5]; embeddings std 1.5."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(0.5 + torch.rand(p.shape, generator=g))
+            if "embed_tokens" in name:
+                p.copy_(1.5 * torch.randn(p.shape, generator=g))
+        for name, b in model.named_buffers():
+            if name.endswith("layer_scalar"):
+                b.copy_(0.5 + torch.rand(b.shape, generator=g))
+    return model
+
+
+@functools.lru_cache(maxsize=None)
+def hf_pair(layers=6, seed=0):
+    """(HF ForCausalLM, its checkpoint directory) of a tiny random Gemma 4."""
+    import tempfile
+
+    torch.manual_seed(seed)
+    cfg = hf_text_config(layers)
+    cfg._attn_implementation = "eager"
+    model = randomise(transformers.Gemma4UnifiedForCausalLM(cfg).eval(), seed)
+    path = tempfile.mkdtemp(prefix="gemma4-")
+    model.save_pretrained(path)
+    return model, path
+
+
+@functools.lru_cache(maxsize=None)
+def ours(layers=6, window=NATIVE):
+    target = load_target(hf_pair(layers)[1])
+    if window == FULL:
+        target = with_window(target, FULL)
+    return target
+
+
+def with_window(target, window):
+    """The target with ``attention_window`` set (a config of the same parameters)."""
+    from tev_jax.models.target import Target
+
+    config = dataclasses.replace(target.config, attention_window=window)
+    graphdef, state = nnx.split(nnx.eval_shape(lambda: Target(config, rngs=nnx.Rngs(0))))
+    return nnx.merge(graphdef, nnx.state(target))
+
+
+def hf_logits(model, tokens, window=NATIVE):
+    """HF float32 logits [B, T, V]; ``full``: sliding layers see the whole prefix."""
+    old = model.config.sliding_window
+    if window == FULL:
+        model.config.sliding_window = 10 ** 6
+    try:
+        with torch.no_grad():
+            out = model(torch.as_tensor(np.asarray(tokens), dtype=torch.long))
+    finally:
+        model.config.sliding_window = old
+    return out.logits.float().numpy()
+
+
+def prompts(b, t, vocab=96, seed=1):
+    return np.random.default_rng(seed).integers(0, vocab, (b, t)).astype(np.int32)
+
+
+# ------------------------------------------------------------------ config / layout
+
+
+def test_config_is_read_as_transformers_builds_it():
+    c = ours().config
+    assert c.model_type == "gemma4_unified_text" and c.period == 6
+    specs = c.layer_specs
+    assert [s.attention.window for s in specs] == [W] * 5 + [None]
+    assert specs[5].attention == AttentionSpec(32, 1, None, True, 1e6, 0.25)
+    assert specs[0].attention == AttentionSpec(16, 2, W, False, 1e4, 1.0)
+    assert c.final_logit_softcap == 30.0 and c.embed_scale == 32 ** 0.5
+    full = dataclasses.replace(c, attention_window=FULL)
+    assert all(s.attention.window is None for s in full.layer_specs)
+    # parameter count = transformers' (tied head counted once)
+    assert c.num_params == sum(p.numel() for p in hf_pair()[0].parameters()) + 6
+
+
+def test_bad_configs_name_the_problem(tmp_path):
+    base = hf_text_config().to_dict()
+    with pytest.raises(ValueError, match="unknown layer type"):
+        ModelConfig.from_hf({**base, "layer_types": ["sliding_attention"] * 5 + ["chunked"]})
+    with pytest.raises(ValueError, match="text_config"):
+        ModelConfig.from_hf({"model_type": "gemma4_unified"})
+    with pytest.raises(ValueError, match="num_kv_shared_layers"):
+        ModelConfig.from_hf({**base, "num_kv_shared_layers": 2})
+    with pytest.raises(ValueError, match="attention_window"):
+        dataclasses.replace(ours().config, attention_window="wide")
+    with pytest.raises(ValueError, match="rope type"):
+        ModelConfig.from_hf({**base, "rope_parameters": {
+            "sliding_attention": {"rope_type": "yarn", "rope_theta": 1e4},
+            "full_attention": {"rope_type": "default", "rope_theta": 1e6}}})
+
+
+# ------------------------------------------------------------------------- parity
+
+
+@pytest.mark.parametrize("window", [NATIVE, FULL])
+def test_logits_match_transformers_past_the_window(window):
+    """Whole-sequence float32 logits of a 20-token prompt (window 8), 6 and 12 layers."""
+    tokens = prompts(2, 20)
+    for layers in (6, 12):
+        want = hf_logits(hf_pair(layers)[0], tokens, window)
+        got = np.asarray(jax.jit(lambda t, m=ours(layers, window): m(t)[0])(tokens))
+        assert np.abs(got - want).max() < ATOL
+        assert np.abs(want).max() > 15   # the soft-cap bends these logits
+    # the window matters: native and full differ past it, agree before it
+    nat, full = (hf_logits(hf_pair(6)[0], tokens, w) for w in (NATIVE, FULL))
+    assert np.abs(nat[:, :W] - full[:, :W]).max() < ATOL
+    assert np.abs(nat[:, W:] - full[:, W:]).max() > 1e-2
+
+
+@pytest.mark.parametrize("window", [NATIVE, FULL])
+def test_prefill_and_ar_steps_across_the_window_edge(window):
+    """Chunked prefill of 5 tokens, then 12 single-token steps (positions 5..16)."""
+    model = ours(6, window)
+    tokens = prompts(2, 17, seed=2)
+    want = hf_logits(hf_pair(6)[0], tokens, window)
+    graphdef, state = nnx.split(model)
+
+    @jax.jit
+    def run(state, tokens):
+        m = nnx.merge(graphdef, state)
+        cache = m.init_cache(2, 32)
+        logits, _, cache = m.prefill(cache, tokens[:, :5], jnp.full((2,), 5), chunk=3)
+
+        def step(cache, t):
+            logits, _, cache = m.decode(cache, tokens[:, t], jnp.full((2,), t))
+            return cache, logits
+
+        _, steps = jax.lax.scan(step, cache, jnp.arange(5, 17))
+        return jnp.concatenate([logits[:, None], steps.swapaxes(0, 1)], 1)
+
+    got = np.asarray(run(state, jnp.asarray(tokens)))
+    assert np.abs(got - want[:, 4:]).max() < ATOL
+
+
+@pytest.mark.parametrize("window", [NATIVE, FULL])
+def test_tree_verify_equals_a_forward_of_each_path(window):
+    """A 7-node tree after 11 committed tokens (> W): node logits = the last logits of a
+    transformers forward of prefix + the node's root path."""
+    model = ours(6, window)
+    prefix = prompts(1, 11, seed=3)[0]
+    parents = [-1, 0, 0, 1, 1, 3, 5]
+    depths = [0, 1, 1, 2, 2, 3, 4]
+    tokens = np.random.default_rng(4).integers(0, 96, 7).astype(np.int32)
+    from tev_jax.tree import DraftTree
+
+    tree = DraftTree(tokens=jnp.asarray(tokens), parents=jnp.asarray(parents, jnp.int32),
+                     depths=jnp.asarray(depths, jnp.int32), valid=jnp.ones(7, bool))
+    anc = ancestor_mask(tree)
+    graphdef, state = nnx.split(model)
+
+    @jax.jit
+    def run(state):
+        m = nnx.merge(graphdef, state)
+        cache = m.init_cache(1, 32)
+        _, _, cache = m.prefill(cache, jnp.asarray(prefix)[None], jnp.array([11]))
+        logits, _, _ = m.verify_tree(cache, tree.tokens[None], tree.depths[None],
+                                     anc[None], jnp.array([11]))
+        return logits[0]
+
+    got = np.asarray(run(state))
+    hf = hf_pair(6)[0]
+    for i in range(7):
+        path, j = [], i
+        while j >= 0:
+            path.append(int(tokens[j]))
+            j = parents[j]
+        seq = np.concatenate([prefix, path[::-1]])[None]
+        want = hf_logits(hf, seq, window)[0, -1]
+        assert np.abs(got[i] - want).max() < ATOL, i
+
+
+# -------------------------------------------------------------------- checkpoints
+
+
+def test_unified_checkpoint_and_round_trip(tmp_path):
+    """The text part of a Gemma4UnifiedForConditionalGeneration (vision / audio
+    embedders skipped) loads to the same logits; our text-only save loads back in
+    transformers."""
+    hf, _ = hf_pair(6)
+    text = hf_text_config()
+    vision = transformers.Gemma4UnifiedVisionConfig(
+        patch_size=2, pooling_kernel_size=1, mm_embed_dim=8, mm_posemb_size=4,
+        output_proj_dims=32)
+    cfg = transformers.Gemma4UnifiedConfig(text_config=text.to_dict(),
+                                           vision_config=vision.to_dict())
+    full = transformers.Gemma4UnifiedForConditionalGeneration(cfg).eval()
+    full.model.language_model.load_state_dict(hf.model.state_dict())
+    full.save_pretrained(tmp_path / "unified")
+    names = json.loads((tmp_path / "unified" / "config.json").read_text())
+    assert names["model_type"] == "gemma4_unified"
+    tokens = prompts(1, 12, seed=5)
+    want = hf_logits(hf, tokens)
+    got = np.asarray(load_target(tmp_path / "unified")(jnp.asarray(tokens))[0])
+    assert np.abs(got - want).max() < ATOL
+
+    save_target(ours(), tmp_path / "ours")
+    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "ours",
+                                                             attn_implementation="eager")
+    assert type(back).__name__ == "Gemma4UnifiedForCausalLM"
+    assert not any("v_proj" in n for n, _ in back.named_parameters()
+                   if ".5." in n)  # the k = v layer has none
+    assert np.abs(hf_logits(back, tokens) - want).max() < ATOL
