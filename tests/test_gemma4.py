@@ -246,3 +246,139 @@ def test_unified_checkpoint_and_round_trip(tmp_path):
     assert not any("v_proj" in n for n, _ in back.named_parameters()
                    if ".5." in n)  # the k = v layer has none
     assert np.abs(hf_logits(back, tokens) - want).max() < ATOL
+
+
+# ------------------------------------------------------------ speculative decoding
+
+
+def gemma_config(**kw) -> ModelConfig:
+    """A Gemma 4 config built directly (sharding-friendly widths: 16 heads, 8 kv heads
+    in sliding layers, one k = v head of twice the width in the global one)."""
+    base = dict(model_type="gemma4_unified_text", vocab_size=512, hidden_size=64,
+                intermediate_size=128, num_layers=6, num_heads=16, num_kv_heads=8,
+                head_dim=8, qk_norm=True, tie_word_embeddings=True,
+                layer_types=("sliding_attention",) * 5 + ("full_attention",),
+                sliding_window=W,
+                global_attention=AttentionSpec(16, 1, None, True, 1e6, 0.25),
+                norm_style="float32", sandwich_norms=True, v_norm=True,
+                attention_scale=1.0, hidden_act="gelu_tanh", embed_scale=8.0,
+                final_logit_softcap=30.0)
+    return ModelConfig(**{**base, **kw})
+
+
+def gemma_target(config, seed=0, embed_std=1.0):
+    from tev_jax.models import init_target
+
+    target = init_target(config, key=seed)
+    target.embed_tokens[...] = target.embed_tokens[...] * (embed_std / 0.02)
+    return target
+
+
+@pytest.fixture(scope="module")
+def decode_models():
+    from test_decode_mesh import DCFG
+    from tev_jax import sharding as shd
+    from tev_jax.models.drafter import Drafter
+    from tev_jax.models.layers import jitted_initializer
+
+    dcfg = dataclasses.replace(DCFG, num_target_layers=6, target_layer_ids=(1, 5))
+    graphdef, init = jitted_initializer(Drafter, dcfg, jnp.dtype(jnp.float32), None,
+                                        shd.current_rules())
+    return gemma_target(gemma_config()), nnx.merge(graphdef, init(jax.random.key(1)))
+
+
+def _decode_config(**kw):
+    from tev_jax import decode
+
+    return decode.DecodeConfig(**{"max_new_tokens": 10, "budget": 8, "verifier": "tev",
+                                  **kw})
+
+
+def test_speculative_tokens_equal_ar_greedy_past_the_window(decode_models):
+    """T = 0: prompts of 1..7 tokens + 10 new ones cross the window of 8."""
+    from decode_fixtures import greedy_reference
+    from test_decode_mesh import PROMPTS
+    from tev_jax import engine
+
+    target, drafter = decode_models
+    want = greedy_reference(target, PROMPTS, 10)
+    assert len({tuple(w) for w in want}) > 4
+    assert engine.generate(target, drafter, PROMPTS, _decode_config()).rows() == want
+    assert engine.generate_ar(target, PROMPTS, _decode_config()).rows() == want
+
+
+@pytest.mark.skipif(len(jax.devices()) < 8, reason="needs 8 devices")
+def test_mesh_gives_single_device_tokens(decode_models):
+    """T = 1, key 3: a 2 x 2 x 2 (data, fsdp, tensor) mesh gives the single-device
+    tokens (the global layer's single key/value head cannot split: it is replicated)."""
+    from test_decode_mesh import MESHES, PROMPTS
+    from tev_jax import engine
+    from tev_jax import sharding as shd
+    from tev_jax.sampling import Sampling
+
+    target, drafter = decode_models
+    cfg = _decode_config(sampling=Sampling(1.0))
+    ref = engine.generate(target, drafter, PROMPTS, cfg, key=3)
+    out = engine.generate(target, drafter, PROMPTS, cfg, key=3,
+                          mesh=shd.make_mesh(**MESHES["2x2x2"]))
+    assert out.rows() == ref.rows()
+    np.testing.assert_array_equal(out.stats.block_lengths, ref.stats.block_lengths)
+
+
+def test_first_three_tokens_follow_the_soft_capped_target():
+    """T = 1 exactness with the soft-cap, as tests/test_decode_stats.py: V = 8, a
+    sliding layer of window 2 and a global one, prompt of 3 (the window edge is
+    crossed), soft-cap 3 on logits up to ~10 (the cap changes the law: total variation
+    > 0.05 from the uncapped one). Seed 11: 50 000 TEV generations, chi-square over the
+    512 three-token sequences at significance 1e-3 (cells below 5 expected pooled); the
+    negative control (TEV with the bonus from the exit's full distribution; seed 12,
+    50 000) is rejected at the same level."""
+    import test_decode_stats as st
+    from decode_fixtures import TableDrafter, jit_score, oracle_table
+    from tev_jax.sampling import log_probs
+
+    config = gemma_config(vocab_size=st.V, hidden_size=16, intermediate_size=32,
+                          num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8,
+                          layer_types=("sliding_attention", "full_attention"),
+                          sliding_window=2, embed_scale=4.0, final_logit_softcap=3.0,
+                          global_attention=AttentionSpec(16, 1, None, True, 1e6, 0.5))
+    target = gemma_target(config, seed=4, embed_std=1.0)
+    p = len(st.PROMPT)
+    pairs = np.stack(np.meshgrid(np.arange(st.V), np.arange(st.V), indexing="ij"),
+                     -1).reshape(-1, 2)
+    seqs = np.concatenate([np.tile(st.PROMPT, (st.V * st.V, 1)), pairs], axis=1)
+
+    def law_of(logits):
+        lp = np.asarray(log_probs(jnp.asarray(logits), st.SAMPLING),
+                        np.float64).reshape(st.V, st.V, p + 2, st.V)
+        law = np.exp(lp[0, 0, p - 1][:, None, None] + lp[:, 0, p][:, :, None]
+                     + lp[:, :, p + 1])
+        return law / law.sum()
+
+    law = law_of(jit_score(target)(seqs))
+    raw = np.asarray(target.unembed(jax.jit(lambda t: target.layer_stack(
+        t, jnp.broadcast_to(jnp.arange(t.shape[1]), t.shape),
+        lambda layer, q, k, v, c: (_plain_attention(target, layer, q, k, v), c))[0])(
+        jnp.asarray(seqs)), softcap=False))
+    assert 0.5 * np.abs(law_of(raw) - law).sum() > 0.05     # the cap matters
+    assert np.sort(law.reshape(-1))[-1] < 0.5 and (law > 1e-3).sum() > 20
+    drafter = TableDrafter(oracle_table(target, st.PROMPT, st.H))
+    for name, verifier, seeds in (("tev", "tev", st.SEEDS[:1]),
+                                  ("control", st.tev_full_bonus, st.SEEDS[1:])):
+        counts = np.zeros(st.V ** 3, np.int64)
+        for seed in seeds:
+            gen = st._generate(target, drafter, verifier, seed)
+            t = gen.tokens
+            np.add.at(counts, t[:, 0] * st.V * st.V + t[:, 1] * st.V + t[:, 2], 1)
+        pvalue = st._chi2_pvalue(counts.reshape(st.V, st.V, st.V), law)
+        assert (pvalue > st.ALPHA) if name == "tev" else (pvalue < st.ALPHA), name
+
+
+def _plain_attention(target, layer, q, k, v):
+    """Causal windowed self-attention (the uncapped reference's layers)."""
+    from tev_jax.models.attention import Mask, attention, windowed
+
+    b, t = q.shape[:2]
+    pos = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+    return attention(q, ((k, v, windowed(Mask.causal(t), layer.window, pos)),),
+                     scale=target.config.attention_scale)

@@ -268,10 +268,12 @@ class Attention(nnx.Module):
         bias = c.attention_bias
         self.q_proj = Linear((d,), (h, hd), ("embed",), ("heads", "head_dim"),
                              use_bias=bias, dtype=dtype, rngs=rngs)
-        self.k_proj = Linear((d,), (kh, hd), ("embed",), ("kv_heads", "head_dim"),
+        # a single key/value head (Gemma 4's global layers) is replicated, never split
+        kv_axis = "kv_heads" if kh > 1 else None
+        self.k_proj = Linear((d,), (kh, hd), ("embed",), (kv_axis, "head_dim"),
                              use_bias=bias, dtype=dtype, rngs=rngs)
         self.v_proj = (None if a.k_eq_v else
-                       Linear((d,), (kh, hd), ("embed",), ("kv_heads", "head_dim"),
+                       Linear((d,), (kh, hd), ("embed",), (kv_axis, "head_dim"),
                               use_bias=bias, dtype=dtype, rngs=rngs))
         self.o_proj = Linear((h, hd), (d,), ("heads", "head_dim"), ("embed",),
                              use_bias=bias, dtype=dtype, rngs=rngs)
