@@ -382,3 +382,25 @@ def _plain_attention(target, layer, q, k, v):
     pos = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
     return attention(q, ((k, v, windowed(Mask.causal(t), layer.window, pos)),),
                      scale=target.config.attention_scale)
+
+
+def test_plan_floor_counts_each_sliding_layer_window():
+    """`plan.round_floor` of an AR step (N = 1) with a cache of L = 1024: a sliding
+    layer's key/value bytes count W + N of the L slots, a global layer's all of them;
+    with ``attention_window='full'`` every layer counts L."""
+    from tev_jax import plan
+    from tev_jax.decode import DecodeConfig
+    from tev_jax.engine import Engine
+
+    config = DecodeConfig(builder="none", prompt_len=960, max_cache_len=1024,
+                          max_new_tokens=32)
+    kv = {}
+    for window in (NATIVE, FULL):
+        target = plan.abstract_target(dataclasses.replace(gemma_config(),
+                                                          attention_window=window))
+        kv[window] = plan.round_floor(Engine.create(target, None, config, 2))["kv"]
+    # float32, B = 2, one layer per period sub-layer; k and v
+    sliding = 2 * 1024 * 8 * 8 * 4          # one sliding array: [1, B, L, 8, 8]
+    glob = 2 * 1024 * 1 * 16 * 4            # the global array: [1, B, L, 1, 16]
+    assert kv[FULL] == 2 * (5 * sliding + glob)
+    assert kv[NATIVE] == 2 * (5 * sliding * (W + 1) // 1024 + glob)

@@ -237,10 +237,8 @@ class Target(nnx.Module):
                 # Written before the read (the new slots are outside prefix_mask), so
                 # the cache is updated in place.
                 cache = kvc.write_layer(cache, layer, k, v, start_B)
-                ck, cv, row = kvc.layer_kv(cache, layer)
-                prefix = windowed(prefix_mask, layer.window, positions_BT)
-                return attention(q, ((ck, cv, prefix, row), (k, v, own(layer))),
-                                 scale=scale), cache
+                segment = _cache_segment(cache, layer, prefix_mask, positions_BT)
+                return attention(q, (segment, (k, v, own(layer))), scale=scale), cache
         return self.layer_stack(tokens_BT, positions_BT, attend, cache, taps)
 
     def __call__(self, tokens_BT: jax.Array, positions_BT: jax.Array | None = None,
@@ -419,6 +417,34 @@ class Target(nnx.Module):
     def init_cache(self, batch: int, max_len: int) -> KVCache:
         """A zero cache in this model's dtype."""
         return kvc.init_cache(self.config, batch, max_len, self.dtype)
+
+
+def _cache_segment(cache: KVCache, layer: LayerRef, prefix: Mask, positions_BT):
+    """The attention segment of a layer's cache for T new tokens at ``positions``.
+
+    A global layer reads its whole cache (the key blocks past ``prefix`` are skipped at
+    run time). A sliding layer of window W reads a static slice of S = W + T - 1 slots
+    per row, from ``lo = min(positions) - W + 1``: the new tokens' positions lie within
+    T - 1 of each other (consecutive, or a tree at start + depth) and the cache slots
+    they may see, ``< start``, within the slice, so its bytes are bounded by the window
+    whatever the context.
+    """
+    ck, cv, row = kvc.layer_kv(cache, layer)
+    w, (b, t) = layer.window, positions_BT.shape
+    size = None if w is None else w + t - 1
+    if size is None or size >= ck.shape[2]:
+        return ck, cv, windowed(prefix, w, positions_BT), row
+    lo_B = jnp.clip(jnp.min(positions_BT, axis=1) - w + 1, 0, ck.shape[2] - size)
+
+    def rows(x):
+        take = lambda x_b, lo: jax.lax.dynamic_slice(  # noqa: E731
+            x_b, (row, lo, 0, 0), (1, size) + x_b.shape[2:])[0]
+        return jax.vmap(take, in_axes=(1, 0))(x, lo_B)                 # [B, S, K, hd]
+
+    lo = lo_B[:, None]
+    shifted = prefix.replace(end=None if prefix.end is None else prefix.end - lo,
+                             start=None if prefix.start is None else prefix.start - lo)
+    return rows(ck), rows(cv), windowed(shifted, w, positions_BT, first_key_position=lo)
 
 
 def init_target(config: ModelConfig, *, key: jax.Array | int = 0, dtype=jnp.float32,
