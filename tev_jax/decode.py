@@ -393,7 +393,8 @@ def commit_stage(st: DecodeState, ctx, draft_logits_BHV, tree: DraftTree, logits
     m = cfg.max_new_tokens
     active_B = ~st.done_B
     length_B = jnp.where(active_B, verdict.length, 0)
-    cache = kvc.commit(cache, st.start_B, verdict.path, length_B)
+    if tree.tokens.shape[-1] > 1:  # a one-slot tree (AR) is already where it belongs
+        cache = kvc.commit(cache, st.start_B, verdict.path, length_B)
 
     path_BP = verdict.path
     on_path_BP = path_BP >= 0
