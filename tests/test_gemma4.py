@@ -404,3 +404,55 @@ def test_plan_floor_counts_each_sliding_layer_window():
     glob = 2 * 1024 * 1 * 16 * 4            # the global array: [1, B, L, 1, 16]
     assert kv[FULL] == 2 * (5 * sliding + glob)
     assert kv[NATIVE] == 2 * (5 * sliding * (W + 1) // 1024 + glob)
+
+
+def test_drafter_logits_are_the_raw_head_or_the_drafter_cap(decode_models):
+    """A DFlash drafter for Gemma takes the target's head without the target's cap
+    (the authors' drafter); z-lab's ``final_logit_softcapping`` gives it its own, in
+    decoding (`draft_unembed`) and in training's blocked head (`draft_head`)."""
+    import types
+
+    from tev_jax.models import lm_head
+    from tev_jax.models.drafter import DrafterConfig, draft_head, draft_unembed
+
+    target, drafter = decode_models
+    h = jnp.asarray(np.random.default_rng(6).normal(size=(3, 64)), jnp.float32)
+    raw = np.asarray(target.unembed(h, softcap=False))
+    assert np.abs(raw - np.asarray(target.unembed(h))).max() > 1.0   # the cap bites
+    np.testing.assert_allclose(np.asarray(draft_unembed(drafter, target, h)), raw)
+    hf = drafter.config.to_hf()
+    hf["dflash_config"]["final_logit_softcapping"] = 5.0
+    cfg = DrafterConfig.from_hf(hf)
+    assert cfg.logit_softcap == 5.0 and DrafterConfig.from_hf(cfg.to_hf()) == cfg
+    capped = types.SimpleNamespace(config=cfg)
+    want = 5.0 * np.tanh(raw / 5.0)
+    np.testing.assert_allclose(np.asarray(draft_unembed(capped, target, h)), want, rtol=1e-5)
+    lse = lm_head.logsumexp(h, draft_head(capped, target), block=128)
+    np.testing.assert_allclose(np.asarray(lse), np.log(np.exp(want).sum(-1)), rtol=1e-5)
+    with pytest.raises(ValueError, match="output_multiplier"):
+        DrafterConfig.from_hf({**hf, "dflash_config": {**hf["dflash_config"],
+                                                       "output_multiplier": 2.0}})
+
+
+def test_blocked_head_is_soft_capped_with_its_gradient():
+    """The blocked LM head (training's exit law) equals the capped dense logits: the
+    logsumexp, its gradient in the hidden states, the logit of a token, the top-k."""
+    from tev_jax.models import lm_head
+
+    rng = np.random.default_rng(7)
+    w = jnp.asarray(rng.normal(size=(300, 16)) * 3, jnp.float32)
+    h = jnp.asarray(rng.normal(size=(4, 16)), jnp.float32)
+    head = lm_head.Head(w, True, 30.0)
+    dense = lambda h: 30.0 * jnp.tanh(h @ w.T / 30.0)  # noqa: E731
+    assert float(jnp.abs(dense(h) - h @ w.T).max()) > 1.0
+    lse = lambda h: lm_head.logsumexp(h, head, 0.5, block=128).sum()  # noqa: E731
+    ref = lambda h: jax.nn.logsumexp(0.5 * dense(h), axis=-1).sum()  # noqa: E731
+    np.testing.assert_allclose(float(lse(h)), float(ref(h)), rtol=1e-5)
+    np.testing.assert_allclose(np.asarray(jax.grad(lse)(h)), np.asarray(jax.grad(ref)(h)),
+                               rtol=1e-4, atol=1e-6)
+    tok = jnp.array([0, 5, 299, 17])
+    np.testing.assert_allclose(np.asarray(lm_head.logits_at(h, head, tok)),
+                               np.asarray(dense(h)[jnp.arange(4), tok]), rtol=1e-5)
+    vals, ids, _ = lm_head.top_k(h, head, 3, block=128)
+    np.testing.assert_allclose(np.asarray(vals), np.sort(np.asarray(dense(h)), -1)[:, ::-1][:, :3],
+                               rtol=1e-5)
