@@ -456,3 +456,45 @@ def test_blocked_head_is_soft_capped_with_its_gradient():
     vals, ids, _ = lm_head.top_k(h, head, 3, block=128)
     np.testing.assert_allclose(np.asarray(vals), np.sort(np.asarray(dense(h)), -1)[:, ::-1][:, :3],
                                rtol=1e-5)
+
+
+def test_exittrain_scoring_passes_see_the_window():
+    """ExitTrain's scoring passes (`tev_jax.tree_scoring`) of a 20-token sequence with
+    anchors past the window: every tree node's logits (the one-pass scoring and the
+    pooled pass over parents) equal transformers' forward of the sequence before its
+    anchor and its root path, in the native and the full window."""
+    from tev_jax.tree import DraftTree
+    from tev_jax.tree_scoring import score_parent_nodes, score_tree_nodes, target_context
+
+    parents = np.array([-1, 0, 0, 1, 3], np.int32)
+    depths = np.array([0, 1, 1, 2, 3], np.int32)
+    seq = prompts(1, 20, seed=8)
+    anchors = np.array([[9, 15]], np.int32)
+    extra = np.random.default_rng(9).integers(0, 96, (1, 2, 5)).astype(np.int32)
+    extra[:, :, 0] = seq[0, anchors[0]]                  # slot 0 holds tokens[anchor]
+    trees = DraftTree(tokens=jnp.asarray(extra), parents=jnp.broadcast_to(parents, (1, 2, 5)),
+                      depths=jnp.broadcast_to(depths, (1, 2, 5)),
+                      valid=jnp.ones((1, 2, 5), bool))
+    for window in (NATIVE, FULL):
+        model = ours(6, window)
+        graphdef, state = nnx.split(model)
+
+        @jax.jit
+        def run(state):
+            m = nnx.merge(graphdef, state)
+            _, cache = target_context(m, jnp.asarray(seq), ())
+            return (score_tree_nodes(m, cache, trees, jnp.asarray(anchors)),
+                    score_parent_nodes(m, cache, trees, jnp.asarray(anchors), 6))
+
+        every, parent = (np.asarray(x) for x in run(state))
+        for a, anchor in enumerate(anchors[0]):
+            for v in range(5):
+                path, j = [], v
+                while j >= 0:
+                    path.append(int(extra[0, a, j]))
+                    j = parents[j]
+                want = hf_logits(hf_pair(6)[0], np.concatenate([seq[0, :anchor],
+                                                                 path[::-1]])[None], window)
+                assert np.abs(every[0, a, v] - want[0, -1]).max() < ATOL, (window, a, v)
+                if v in (0, 1, 3):                        # the nodes with children
+                    assert np.abs(parent[0, a, v] - want[0, -1]).max() < ATOL
