@@ -295,6 +295,11 @@ class Target(nnx.Module):
           taps: layer indices whose outputs to return.
         Returns:
           (logits float32 [B, T, V], taps [B, T, len(taps)*D] or None, new cache)
+
+        Sliding-window layers (Gemma 4) take their windows from the positions; they
+        need a row's T positions to lie within T - 1 of each other (consecutive tokens,
+        or a tree at start + depth: every mode above) and, with a `Mask` block mask
+        without a dense part, consecutive.
         """
         h, feats, cache = self.extend_hidden(cache, tokens_BT, positions_BT, start_B,
                                              block_mask_BTT, taps)
