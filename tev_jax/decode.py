@@ -234,7 +234,7 @@ def state_axes(st: DecodeState, drafter) -> DecodeState:
     b = ("batch",)
     ctx_axes = getattr(drafter, "context_axes", None)
     return DecodeState(
-        key=(), round=(), cache=kvc.KVCache(k=kvc.CACHE_AXES, v=kvc.CACHE_AXES),
+        key=(), round=(), cache=kvc.cache_axes(st.cache),
         ctx=None if ctx_axes is None else ctx_axes(st.ctx),
         start_B=b, root_B=b, new_tokens_BP=("batch", None),
         new_feats_BPF=("batch", None, None), new_count_B=b, out_BM=("batch", None),
@@ -393,7 +393,8 @@ def commit_stage(st: DecodeState, ctx, draft_logits_BHV, tree: DraftTree, logits
     m = cfg.max_new_tokens
     active_B = ~st.done_B
     length_B = jnp.where(active_B, verdict.length, 0)
-    cache = kvc.commit(cache, st.start_B, verdict.path, length_B)
+    if tree.tokens.shape[-1] > 1:  # a one-slot tree (AR) is already where it belongs
+        cache = kvc.commit(cache, st.start_B, verdict.path, length_B)
 
     path_BP = verdict.path
     on_path_BP = path_BP >= 0

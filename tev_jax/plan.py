@@ -33,7 +33,7 @@ from tev_jax.drafters import as_drafter
 from tev_jax.engine import Engine, decode_spec
 from tev_jax.topology import Chip, chip_of
 from tev_jax.models.checkpoint_io import read_config
-from tev_jax.models.config import ModelConfig, RopeScaling
+from tev_jax.models.config import AttentionSpec, ModelConfig, RopeScaling
 from tev_jax.models.drafter import Drafter, DrafterConfig, default_target_layer_ids
 from tev_jax.models.target import Target
 
@@ -67,6 +67,25 @@ PRESETS: dict[str, ModelConfig] = {
         moe_intermediate_size=768, norm_topk_prob=True),
 }
 
+# Gemma 4-12B-IT: 5 sliding (window 1024, 8 kv heads of 256) + 1 global layer (one k = v
+# head of 512, proportional RoPE), tied head with soft-cap 30 (google/gemma-4-12B-it).
+PRESETS["gemma-4-12b"] = ModelConfig(
+    model_type="gemma4_unified_text", vocab_size=262_144, hidden_size=3840,
+    intermediate_size=15_360, num_layers=48, num_heads=16, num_kv_heads=8, head_dim=256,
+    rope_theta=10_000.0, rms_norm_eps=1e-6, tie_word_embeddings=True, qk_norm=True,
+    max_position_embeddings=131_072, bos_token_id=2, eos_token_ids=(1,),
+    layer_types=tuple("full_attention" if (i + 1) % 6 == 0 else "sliding_attention"
+                      for i in range(48)),
+    sliding_window=1024, global_attention=AttentionSpec(512, 1, None, True, 1e6, 0.25),
+    norm_style="float32", sandwich_norms=True, v_norm=True, attention_scale=1.0,
+    hidden_act="gelu_tanh", embed_scale=3840 ** 0.5, final_logit_softcap=30.0)
+
+# A DFlash drafter's layers are Qwen3's whatever the target family (DESIGN.md §6).
+QWEN3_LAYERS = dict(layer_types=(), sliding_window=None, global_attention=None,
+                    attention_window="native", norm_style="cast", sandwich_norms=False,
+                    v_norm=False, attention_scale=None, hidden_act="silu", embed_scale=None,
+                    final_logit_softcap=None)
+
 GiB = 2**30
 
 
@@ -82,12 +101,16 @@ def preset(name: str, *, num_layers: int | None = None) -> ModelConfig:
 
 
 def with_layers(cfg: ModelConfig, num_layers: int | None) -> ModelConfig:
-    """``cfg`` with ``num_layers`` decoder layers (unchanged for None)."""
+    """``cfg`` with ``num_layers`` decoder layers (unchanged for None); per-layer
+    attention types keep their pattern (Gemma 4: 5 sliding, 1 global)."""
     if num_layers is None:
         return cfg
     if not isinstance(num_layers, int) or num_layers < 1:
         raise ValueError(f"num_layers must be a positive int, got {num_layers!r}")
-    return dataclasses.replace(cfg, num_layers=num_layers)
+    types = cfg.layer_types
+    if types:  # the first num_layers of the repeating pattern
+        types = tuple(types[i % len(types)] for i in range(num_layers))
+    return dataclasses.replace(cfg, num_layers=num_layers, layer_types=types)
 
 
 def model_config(name_or_path: str, *, num_layers: int | None = None) -> ModelConfig:
@@ -124,7 +147,7 @@ def drafter_config(target_cfg: ModelConfig, *, num_layers: int = 1, block_size: 
     """
     model = dataclasses.replace(target_cfg, model_type="qwen3", qk_norm=True,
                                 num_layers=num_layers, rope_scaling=None, num_experts=0,
-                                mlp_only_layers=())
+                                mlp_only_layers=(), **QWEN3_LAYERS)
     taps = (default_target_layer_ids(target_cfg.num_layers, num_layers)
             if target_layer_ids is None else tuple(target_layer_ids))
     return DrafterConfig(
@@ -440,7 +463,8 @@ def round_floor(engine: Engine) -> dict[str, int]:
     - experts: a mixture's experts the round's B x N tokens touch in every sparse layer
       at uniform routing (`tev_jax.models.moe.expected_touched`; a real round's count is
       `tev_jax.generation.DecodeStats.experts_touched`), each device's share;
-    - kv: both key/value caches, whole (the attention reads every key block).
+    - kv: both key/value caches, whole (the attention reads every key block), but a
+      sliding layer of window W only its last ``min(L, W + N)`` of L slots.
 
     Returns:
       {'weights', 'experts', 'kv': bytes; 'experts_touched', 'experts_held': experts per
@@ -471,11 +495,29 @@ def round_floor(engine: Engine) -> dict[str, int]:
         touched = expected_touched(held, moe.num_experts, moe.top_k, tokens)
         experts = experts * touched // held
     st = engine.abstract_state()
-    caches = [st.cache.k, st.cache.v] + ([st.ctx.k, st.ctx.v] if hasattr(st.ctx, "k") else [])
-    kv = sum(_device_bytes(c, None if engine.mesh is None else shd.logical_sharding(
-        CACHE_AXES, c.shape, engine.mesh)) for c in caches)
+    seen = _visible_fractions(target_cfg, engine.spec.max_len, engine.spec.num_slots)
+    caches = [(c, f) for kv in (st.cache.k, st.cache.v)
+              for c, f in zip(jax.tree.leaves(kv), seen)]
+    caches += [(c, 1.0) for c in ([st.ctx.k, st.ctx.v] if hasattr(st.ctx, "k") else [])]
+    kv = sum(round(f * _device_bytes(c, None if engine.mesh is None else
+                                     shd.logical_sharding(CACHE_AXES, c.shape, engine.mesh)))
+             for c, f in caches)
     return {"weights": weights, "experts": experts, "kv": kv,
             "experts_touched": touched, "experts_held": held}
+
+
+def _visible_fractions(config, max_len: int, num_slots: int) -> list[float]:
+    """Per target cache array (`tev_jax.models.kv_cache.cache_shapes`), the fraction of
+    its L slots a pass of N new tokens reads: 1 for a global layer, ``(W + N) / L`` (at
+    most 1) for a sliding one, averaged over the array's layers."""
+    def frac(spec):
+        w = spec.attention.window
+        return 1.0 if w is None else min(1.0, (w + num_slots) / max_len)
+
+    specs = config.layer_specs
+    if config.uniform_attention_shapes:
+        return [sum(map(frac, specs)) / len(specs)]
+    return [frac(s) for s in specs[:config.period]]
 
 
 def sum_floor(floor: dict[str, int]) -> int:

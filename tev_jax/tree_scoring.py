@@ -34,19 +34,25 @@ import jax.numpy as jnp
 
 from tev_jax.exit_law import ExitLaw, exit_law_from_edges
 from tev_jax.models import lm_head
-from tev_jax.models.attention import Mask, attention
+from tev_jax.models import kv_cache as kvc
+from tev_jax.models.attention import Mask, attention, windowed
 from tev_jax.models.kv_cache import KVCache
 from tev_jax.models.lm_head import Head
 from tev_jax.sampling import Sampling
 from tev_jax.tree import DraftTree, ancestor_mask, children_mask
 
 
-def _causal_attention(q_BTHd, k_BTKd, v_BTKd):
-    """Causal GQA self-attention of a whole sequence."""
-    return attention(q_BTHd, ((k_BTKd, v_BTKd, Mask.causal(q_BTHd.shape[1])),))
+def _causal_attention(q_BTHd, k_BTKd, v_BTKd, layer, scale):
+    """Causal GQA self-attention of a whole sequence (in the layer's window)."""
+    b, t = q_BTHd.shape[:2]
+    positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+    return attention(q_BTHd, ((k_BTKd, v_BTKd,
+                               windowed(Mask.causal(t), layer.window, positions)),),
+                     scale=scale)
 
 
-def _anchor_attention(q_BTHd, k_BTKd, v_BTKd, cache, layer, anchors_BA, anc_BANN):
+def _anchor_attention(q_BTHd, k_BTKd, v_BTKd, cache, layer, anchors_BA, anc_BANN,
+                      positions_BT, scale):
     """GQA attention of T = A * N tree queries: prefix ``< anchor`` + own ancestors.
 
     One joint softmax over two key segments: the sequence's cached keys (layer
@@ -57,16 +63,22 @@ def _anchor_attention(q_BTHd, k_BTKd, v_BTKd, cache, layer, anchors_BA, anc_BANN
     b, a, n, _ = anc_BANN.shape
     own = jnp.eye(a, dtype=bool)[None, :, None, :, None]
     tree = (anc_BANN[:, :, :, None, :] & own).reshape(b, a * n, a * n)
-    prefix = Mask(end=jnp.repeat(anchors_BA, n, axis=1))
-    return attention(q_BTHd, ((cache.k, cache.v, prefix, layer),
-                              (k_BTKd, v_BTKd, Mask.blocks(a * n, n).replace(dense=tree))))
+    prefix = windowed(Mask(end=jnp.repeat(anchors_BA, n, axis=1)), layer.window,
+                      positions_BT)
+    tree = windowed(Mask.blocks(a * n, n).replace(dense=tree), layer.window, positions_BT,
+                    key_positions_BS=positions_BT)
+    k, v, row = kvc.layer_kv(cache, layer)
+    return attention(q_BTHd, ((k, v, prefix, row), (k_BTKd, v_BTKd, tree)), scale=scale)
 
 
-def _pooled_attention(q_BMHd, k_BMKd, v_BMKd, cache, layer, prefix_end_BM, tree_BMM):
+def _pooled_attention(q_BMHd, k_BMKd, v_BMKd, cache, layer, prefix_end_BM, tree_BMM,
+                      positions_BM, scale):
     """GQA attention of M queries of any anchors: prefix ``< prefix_end`` of layer
-    ``layer`` of ``cache`` + the ``tree`` mask over their own keys."""
-    return attention(q_BMHd, ((cache.k, cache.v, Mask(end=prefix_end_BM), layer),
-                              (k_BMKd, v_BMKd, tree_BMM)))
+    ``layer`` of ``cache`` + the ``tree`` mask over their own keys (in the window)."""
+    k, v, row = kvc.layer_kv(cache, layer)
+    prefix = windowed(Mask(end=prefix_end_BM), layer.window, positions_BM)
+    tree = windowed(tree_BMM, layer.window, positions_BM, key_positions_BS=positions_BM)
+    return attention(q_BMHd, ((k, v, prefix, row), (k_BMKd, v_BMKd, tree)), scale=scale)
 
 
 def target_context(target, tokens_BL: jax.Array, taps: Sequence[int], *,
@@ -93,10 +105,10 @@ def target_context(target, tokens_BL: jax.Array, taps: Sequence[int], *,
     positions = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (b, length))
     cache = target.init_cache(b, length) if with_cache else None
 
-    def attend(i, q, k, v, cache):
+    def attend(layer, q, k, v, cache):
         if cache is not None:
-            cache = KVCache(k=cache.k.at[i].set(k), v=cache.v.at[i].set(v))
-        return _causal_attention(q, k, v), cache
+            cache = kvc.set_layer(cache, layer, k, v)
+        return _causal_attention(q, k, v, layer, target.config.attention_scale), cache
 
     last = target.config.num_layers - 1
     depth = None if with_cache or last in taps else max(taps, default=-1) + 1
@@ -131,8 +143,9 @@ def score_tree_hidden(target, cache: KVCache, trees: DraftTree, anchors_BA: jax.
     tokens = trees.tokens.reshape(b, a * n).astype(jnp.int32)
     positions = (anchors[:, :, None] + trees.depths.astype(jnp.int32)).reshape(b, a * n)
 
-    def attend(i, q, k, v, carry):
-        return _anchor_attention(q, k, v, cache, i, anchors, anc_BANN), carry
+    def attend(layer, q, k, v, carry):
+        return _anchor_attention(q, k, v, cache, layer, anchors, anc_BANN, positions,
+                                 target.config.attention_scale), carry
 
     hidden, _, _ = target.layer_stack(tokens, positions, attend)
     return jax.lax.stop_gradient(hidden.reshape(b, a, n, -1))
@@ -190,11 +203,13 @@ def score_window_hidden(target, tokens_BL: jax.Array, trees: DraftTree,
                                  jax.vmap(jax.vmap(ancestor_mask))(trees)], axis=2)
     mask_XLL = jnp.concatenate([sees_window, sees_tree], axis=-1).reshape(b * a, w + n, w + n)
 
-    def attend(i, q, k, v, carry):
-        return attention(q, ((k, v, mask_XLL),)), carry
+    positions_XL = positions.reshape(b * a, w + n)
 
-    hidden, _, _ = target.layer_stack(tokens.reshape(b * a, w + n),
-                                      positions.reshape(b * a, w + n), attend)
+    def attend(layer, q, k, v, carry):
+        mask = windowed(mask_XLL, layer.window, positions_XL, key_positions_BS=positions_XL)
+        return attention(q, ((k, v, mask),), scale=target.config.attention_scale), carry
+
+    hidden, _, _ = target.layer_stack(tokens.reshape(b * a, w + n), positions_XL, attend)
     return jax.lax.stop_gradient(hidden.reshape(b, a, w + n, -1)[:, :, w:])
 
 
@@ -235,8 +250,9 @@ def _score_pooled(target, cache: KVCache, trees: DraftTree, anchors_BA, needed_B
     tree_BMM = tree_BMM | jnp.eye(capacity, dtype=bool)
     prefix_end = jnp.where(ok_BM, start_BM, 0)
 
-    def attend(i, q, k, v, carry):
-        return _pooled_attention(q, k, v, cache, i, prefix_end, tree_BMM), carry
+    def attend(layer, q, k, v, carry):
+        return _pooled_attention(q, k, v, cache, layer, prefix_end, tree_BMM, positions,
+                                 target.config.attention_scale), carry
 
     hidden_BMD, _, _ = target.layer_stack(flat(trees.tokens), positions, attend)
     # Row of slot t in the compact order (needed slots come first, in slot order), or

@@ -194,7 +194,7 @@ def _rollouts(ns) -> None:
 
         jax.distributed.initialize()
         index, count = jax.process_index(), jax.process_count()
-    target = load_target(ns.target)
+    target = load_target(ns.target, attention_window=ns.attention_window)
     tokenizer = load_tokenizer(ns.tokenizer or ns.target)
     prompts = _read_prompts(ns, tokenizer, target)
     stop = tuple(target.config.eos_token_ids) if stop is None else stop
@@ -342,6 +342,9 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--target", help="Hugging Face target directory, or 'bundled' (the "
                                     "bundled demo target)")
     r.add_argument("--tokenizer", help="tokenizer.json or its directory (default: --target)")
+    r.add_argument("--attention-window", choices=("native", "full"), default="native",
+                   help="a sliding-window target's (Gemma 4) sliding layers: 'native' as "
+                        "trained, or 'full' every layer global (default %(default)s)")
     r.add_argument("--prompts-file",
                    help="a prompts file as for tev-jax generate --prompts: JSONL records "
                         "with prompt / messages / prompt_ids (ids optional here) or plain "

@@ -55,6 +55,8 @@ class TrainConfig:
         weights; float32 unless memory forces otherwise).
       compute_dtype: the dtype the drafter's parameters are cast to for its forward
         ('auto': as target_dtype).
+      attention_window: the target's sliding layers 'native' (as trained) or 'full'
+        (every layer global, as the DFlash authors ran Gemma 4).
 
     Data:
       data_dir: target rollouts written by ``python -m train rollouts``.
@@ -135,6 +137,7 @@ class TrainConfig:
     target_dtype: str = "auto"
     param_dtype: str = "float32"
     compute_dtype: str = "auto"
+    attention_window: str = "native"
 
     data_dir: str | None = None
     batch_size: int = 4
@@ -185,6 +188,7 @@ class TrainConfig:
             raise ValueError(f"loss must be one of {LOSSES}, got {self.loss!r}")
         for name, allowed in (("target_dtype", DTYPES + ("auto",)), ("param_dtype", DTYPES),
                               ("compute_dtype", DTYPES + ("auto",)),
+                              ("attention_window", ("native", "full")),
                               ("target_sharding", TARGET_SHARDINGS), ("remat", tuple(REMAT))):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name} must be one of {allowed}, got "

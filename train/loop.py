@@ -87,7 +87,8 @@ def load_models(cfg: TrainConfig, mesh=None):
     target_dtype, param_dtype, _ = (jnp.dtype(d) for d in cfg.dtypes)
     target = load_target(cfg.target_path, dtype=target_dtype, mesh=mesh,
                          rules=None if mesh is None else
-                         shd.frozen_target_rules(cfg.target_sharding))
+                         shd.frozen_target_rules(cfg.target_sharding),
+                         attention_window=cfg.attention_window)
     if cfg.drafter_path is not None:
         drafter = load_drafter(cfg.drafter_path, target, dtype=param_dtype, mesh=mesh)
     else:

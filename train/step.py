@@ -58,7 +58,7 @@ from tev_jax import ddtree
 from tev_jax import sharding as shd
 from tev_jax.exit_train import ExitTrainConfig, block_labels, exit_targets, objective
 from tev_jax.models import lm_head
-from tev_jax.models.drafter import anchor_hidden
+from tev_jax.models.drafter import anchor_hidden, draft_head
 from tev_jax.tree_scoring import target_context
 from train.optimizer import OptimConfig, make_optimizer
 from train.placement import Placement, abstract_state, placement
@@ -119,7 +119,7 @@ def loss_and_grads(params, graphs: Graphs, frozen: Frozen, batch: Batch, cfg: St
     target = nnx.merge(graphs.target, frozen.target)
     feats, cache = target_context(target, batch.tokens, cfg.taps,
                                   with_cache=ocfg.needs_cache)
-    head = lm_head.head_of(target)
+    head = draft_head(merge_drafter(graphs, frozen, params), target)
 
     def drafter_forward(p):
         if cfg.compute_dtype is not None:

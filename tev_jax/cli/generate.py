@@ -54,7 +54,8 @@ def generate_command(args) -> int:
     target_dir, drafter_dir, where = flags.checkpoint_dirs(args)
     mesh = flags.mesh_from(args)
     dtype = jnp.dtype(args.dtype)
-    target = load_target(target_dir, dtype=dtype, mesh=mesh)
+    target = load_target(target_dir, dtype=dtype, mesh=mesh,
+                         attention_window=getattr(args, "attention_window", "native"))
     tokenizer = load_tokenizer(target_dir)
     drafter = (None if drafter_dir is None
                else load_drafter(drafter_dir, target, dtype=dtype, mesh=mesh))
@@ -162,6 +163,10 @@ def add_parser(sub) -> None:
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
                    help="parameter and KV-cache dtype (logits, exit law and verifier stay "
                         "float32; default %(default)s)")
+    p.add_argument("--attention-window", choices=("native", "full"), default="native",
+                   help="a sliding-window target's (Gemma 4) sliding layers: 'native' as "
+                        "trained, or 'full' every layer global, as the DFlash authors ran "
+                        "it (default %(default)s)")
     flags.add_mesh_flags(p)
     batch.add_batch_options(p)
     p.set_defaults(func=generate_command)

@@ -15,6 +15,7 @@ causal, keys ``< len_b`` only   ``Mask.causal(T, len_B)``
 blocks of ``n`` queries          ``Mask.blocks(T, n)`` (DFlash training)
 tree ancestors                  ``Mask(dense=anc_BNN)``
 everything                      ``Mask()``
+a sliding window of W           `windowed` (from positions)
 ==============================  ===========================================
 
 A plain boolean array broadcastable to [B, T, S] is accepted too (a dense mask).
@@ -85,6 +86,39 @@ class Mask:
         """Query t sees the keys of its own block ``t // size`` (block-diagonal)."""
         first = jnp.arange(num_queries, dtype=jnp.int32) // size * size
         return Mask(start=first[None, :], end=first[None, :] + size)
+
+
+def windowed(mask, window: int | None, positions_BT: jax.Array, *,
+             key_positions_BS: jax.Array | None = None, first_key_position=0) -> Mask:
+    """``mask`` and a sliding window: a query at position p sees keys at positions
+    ``> p - window`` (transformers' ``kv_idx > q_idx - sliding_window``).
+
+    The keys' positions are ``key_positions`` where the mask is dense (a tree: node i
+    of a tree rooted after L tokens sits at L + depth[i]); otherwise key s sits at
+    ``first_key_position + s`` (a cache, slot = position: 0; a chunk of consecutive new
+    tokens: the first one's position), and the window is a key range, so the key blocks
+    before it are never read (`attention`).
+
+    Args:
+      mask: a `Mask` or bool array broadcastable to [B, T, S].
+      window: W, or None (the mask unchanged).
+      positions_BT: int [B, T] the queries' positions.
+      key_positions_BS: int [B, S], needed with a dense mask.
+      first_key_position: int, broadcastable to [B, 1].
+    """
+    mask = _as_mask(mask)
+    if window is None:
+        return mask
+    pos = jnp.asarray(positions_BT, jnp.int32)
+    if mask.dense is not None:
+        if key_positions_BS is None:
+            raise ValueError("a windowed dense mask needs the keys' positions")
+        kpos = jnp.asarray(key_positions_BS, jnp.int32)
+        near = (pos[:, :, None] - kpos[:, None, :]) < window
+        return mask.replace(dense=jnp.asarray(mask.dense, bool) & near)
+    first = pos - jnp.asarray(first_key_position, jnp.int32) - window + 1
+    start = first if mask.start is None else jnp.maximum(mask.start, first)
+    return mask.replace(start=start)
 
 
 class _Static(NamedTuple):

@@ -15,6 +15,11 @@ Tensor names: ``model.embed_tokens.weight``, ``model.layers.{i}.self_attn.{q,k,v
 ``lm_head.weight`` (untied only); mixture-of-experts layers (Qwen3-MoE) hold
 ``model.layers.{i}.mlp.gate.weight`` (the router) and each expert's own
 ``model.layers.{i}.mlp.experts.{e}.{gate,up,down}_proj.weight`` instead of the dense MLP.
+Gemma 4 adds ``model.layers.{i}.{pre,post}_feedforward_layernorm.weight`` and
+``model.layers.{i}.layer_scalar`` and has no ``v_proj`` in its k = v layers; its unified
+checkpoint (``gemma4_unified``) holds the text weights under ``model.language_model.*``
+(read; the vision / audio embedders beside them are skipped), and we write the
+text-only layout (`UNIFIED_TEXT_PREFIX`).
 
 Loading first reads every file's header and checks names and shapes against the
 config, so a missing, extra or misshapen tensor fails before anything is loaded. Then
@@ -33,6 +38,7 @@ module only supplies ``name_of``, its parameter path -> (tensor name, n_in) map.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 import itertools
@@ -80,6 +86,7 @@ axis is the layer, stored as one tensor per layer (``model.layers.0.…``, ``…
 P layers); an ``{expert}`` field after it stacks the next axis over experts.
 """
 
+UNIFIED_TEXT_PREFIX = "model.language_model."
 LAYER_FIELD = "{layer}"
 EXPERT_FIELD = "{expert}"
 _STACK_FIELD = re.compile(r"\{(?:layer|expert)(?::(\d+)\+(\d+))?\}")
@@ -143,9 +150,19 @@ def hf_name(path: tuple, period: int = 1) -> tuple[str, int]:
     raise ValueError(f"no Hugging Face name for parameter {'/'.join(map(str, path))}")
 
 
-def hf_name_of(config: ModelConfig) -> NameOf:
-    """`hf_name` for a config's targets."""
-    return functools.partial(hf_name, period=config.period)
+def hf_name_of(config: ModelConfig, *, unified: bool = False) -> NameOf:
+    """`hf_name` for a config's targets; ``unified``: the text weights of a Gemma 4
+    unified checkpoint (``model.`` read as ``model.language_model.``)."""
+    name_of = functools.partial(hf_name, period=config.period)
+    if not unified:
+        return name_of
+
+    def unified_name(path):
+        name, n_in = name_of(path)
+        return UNIFIED_TEXT_PREFIX + name[len("model."):] if name.startswith("model.") \
+            else name, n_in
+
+    return unified_name
 
 
 def _hf_shape(shape: tuple[int, ...], n_in: int) -> tuple[int, ...]:
@@ -550,7 +567,8 @@ def save_params(module: nnx.Module, path: str | os.PathLike, hf_config: Mapping[
 
 
 def load_target(path: str | os.PathLike, *, dtype=jnp.float32, mesh: Mesh | None = None,
-                rules: shd.Rules | None = None, check_tokenizer: bool = True) -> Target:
+                rules: shd.Rules | None = None, check_tokenizer: bool = True,
+                attention_window: str = "native") -> Target:
     """Loads a local Hugging Face checkpoint directory into a `Target`.
 
     Args:
@@ -561,6 +579,8 @@ def load_target(path: str | os.PathLike, *, dtype=jnp.float32, mesh: Mesh | None
         for (`tev_jax.sharding`); otherwise on the default device.
       rules: logical -> mesh axis rules (default `tev_jax.sharding.DEFAULT_RULES`).
       check_tokenizer: if ``tokenizer.json`` exists, require its ids < vocab_size.
+      attention_window: 'native' (sliding layers slide, as trained) or 'full' (every
+        layer global, as the DFlash authors ran Gemma 4; `ModelConfig.attention_window`).
     Returns:
       The model (config at ``.config``).
     Raises:
@@ -571,15 +591,21 @@ def load_target(path: str | os.PathLike, *, dtype=jnp.float32, mesh: Mesh | None
     path = Path(path)
     if not path.is_dir():
         raise ValueError(f"{path}: not a directory")
-    config = read_config(path)
+    hf = read_hf_config(path)
+    config = ModelConfig.from_hf(hf)
+    if attention_window != "native":
+        config = dataclasses.replace(config, attention_window=attention_window)
     if check_tokenizer and (path / "tokenizer.json").is_file():
         check_vocab(config, load_tokenizer(path))
     where = read_headers(path)
     abstract = nnx.eval_shape(lambda: Target(config, dtype=dtype, rngs=nnx.Rngs(0)))
     # Some tied checkpoints store the shared matrix twice.
-    skip = ("lm_head.weight",) if config.tie_word_embeddings else ()
-    name_of = hf_name_of(config)
-    check_tensors(expected_shapes(abstract, name_of), where, skip=skip)
+    skip = ["lm_head.weight"] if config.tie_word_embeddings else []
+    unified = hf.get("model_type") == "gemma4_unified"
+    if unified:  # the vision / audio parts of a multimodal checkpoint
+        skip += [n for n in where if not n.startswith(UNIFIED_TEXT_PREFIX)]
+    name_of = hf_name_of(config, unified=unified)
+    check_tensors(expected_shapes(abstract, name_of), where, skip=tuple(skip))
     return load_params(path, abstract, name_of, where, mesh=mesh, rules=rules)
 
 

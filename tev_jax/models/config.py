@@ -6,9 +6,12 @@ argument. It is built from a Hugging Face ``config.json`` dict with `ModelConfig
 spelling ``rope_parameters`` are accepted) and written back with `ModelConfig.to_hf`.
 
 A family is data, not a branch: `ModelConfig.layer_specs` gives each decoder layer's
-`LayerSpec` (today its MLP: dense SwiGLU or a mixture of experts, `MoeSpec`), and
-`ModelConfig.period` the shortest repeating run of specs, which is what the scanned
-layer stack scans over (`tev_jax.models.layers.stacked_layers`).
+`LayerSpec` (its attention, `AttentionSpec`: window, head dim, key/value heads, k = v,
+RoPE; its MLP: dense or a mixture of experts, `MoeSpec`), and `ModelConfig.period` the
+shortest repeating run of specs, which is what the scanned layer stack scans over
+(`tev_jax.models.layers.stacked_layers`). Model-wide choices (norm style, activation,
+embedding scale, logit soft-cap, sandwich norms with a layer scalar) are fields of
+`ModelConfig`. Gemma 4's ``config.json`` is read in `tev_jax.models.gemma4`.
 """
 
 from __future__ import annotations
@@ -16,7 +19,10 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-SUPPORTED_MODEL_TYPES = ("qwen3", "llama", "qwen3_moe")
+SUPPORTED_MODEL_TYPES = ("qwen3", "llama", "qwen3_moe", "gemma4_unified_text")
+GEMMA4_MODEL_TYPES = ("gemma4_unified", "gemma4_unified_text")
+ATTENTION_WINDOWS = ("native", "full")
+LAYER_TYPES = ("full_attention", "sliding_attention")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 _ARCHITECTURES = {"qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM",
                   "qwen3_moe": "Qwen3MoeForCausalLM"}
@@ -40,14 +46,36 @@ class MoeSpec:
 
 
 @dataclasses.dataclass(frozen=True)
-class LayerSpec:
-    """What one decoder layer is: its MLP, a dense SwiGLU (``moe`` None) or a `MoeSpec`.
+class AttentionSpec:
+    """One layer's attention.
 
-    Attention is the same in every layer of the supported families and stays on
-    `ModelConfig`; a family whose layers differ there adds its fields here.
+    Attributes:
+      head_dim: per-head width hd.
+      num_kv_heads: key/value heads K.
+      window: None (global) or W: a query at position p sees keys at positions
+        ``> p - W`` (itself and the W - 1 before it; transformers' sliding window).
+      k_eq_v: no value projection; values are the (un-normed, un-roped) key projection.
+      rope_theta: RoPE base.
+      rotary_fraction: the fraction of the hd/2 frequencies that rotate ('proportional'
+        RoPE: the others have frequency 0, with exponents over the whole hd).
     """
 
+    head_dim: int
+    num_kv_heads: int
+    window: int | None = None
+    k_eq_v: bool = False
+    rope_theta: float = 10000.0
+    rotary_fraction: float = 1.0
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerSpec:
+    """What one decoder layer is: its attention (an `AttentionSpec`; None = the
+    config's default, `ModelConfig.attention_spec`) and its MLP, dense (``moe`` None)
+    or a `MoeSpec`."""
+
     moe: MoeSpec | None = None
+    attention: AttentionSpec | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,6 +128,22 @@ class ModelConfig:
       decoder_sparse_step, mlp_only_layers: which layers have the mixture (HF's rule:
         layer i unless i is in ``mlp_only_layers`` or (i + 1) % step != 0); the others
         a dense MLP of ``intermediate_size``.
+      layer_types: per layer 'full_attention' or 'sliding_attention' (empty: all full).
+      sliding_window: W of the sliding layers.
+      global_attention: the `AttentionSpec` of 'full_attention' layers when it is not
+        the default one (Gemma 4: wider heads, one k = v head, partial RoPE).
+      attention_window: 'native' (sliding layers slide) or 'full' (every layer global,
+        as the DFlash authors ran Gemma); a runtime choice, not written to config.json.
+      norm_style: 'cast' (normalise in float32, cast, then scale: Qwen3 / Llama) or
+        'float32' (scale in float32, then cast: Gemma 4); the scale is ``w`` either way.
+      sandwich_norms: Gemma 4's four norms per layer (input, post-attention on the
+        attention output, pre- and post-feed-forward) and a learned ``layer_scalar``
+        multiplying the layer's output (`tev_jax.models.gemma4`).
+      v_norm: a weightless RMSNorm on the values.
+      attention_scale: score scale (None: hd ** -0.5).
+      hidden_act: the gated MLP's activation, 'silu' (SwiGLU) or 'gelu_tanh' (GeGLU).
+      embed_scale: embeddings multiplied by it (cast to the model dtype; None: 1).
+      final_logit_softcap: logits become ``c * tanh(logits / c)`` (None: none).
     """
 
     model_type: str
@@ -125,6 +169,17 @@ class ModelConfig:
     norm_topk_prob: bool = False
     decoder_sparse_step: int = 1
     mlp_only_layers: tuple[int, ...] = ()
+    layer_types: tuple[str, ...] = ()
+    sliding_window: int | None = None
+    global_attention: AttentionSpec | None = None
+    attention_window: str = "native"
+    norm_style: str = "cast"
+    sandwich_norms: bool = False
+    v_norm: bool = False
+    attention_scale: float | None = None
+    hidden_act: str = "silu"
+    embed_scale: float | None = None
+    final_logit_softcap: float | None = None
 
     def __post_init__(self):
         if self.model_type not in SUPPORTED_MODEL_TYPES:
@@ -166,17 +221,68 @@ class ModelConfig:
                 raise ValueError(f"mlp_only_layers {bad} outside [0, {self.num_layers})")
         elif self.num_experts < 0:
             raise ValueError(f"num_experts must be >= 0, got {self.num_experts}")
+        self._check_attention()
+
+    def _check_attention(self):
+        if self.attention_window not in ATTENTION_WINDOWS:
+            raise ValueError(f"attention_window must be one of {ATTENTION_WINDOWS}, got "
+                             f"{self.attention_window!r}")
+        if self.layer_types and len(self.layer_types) != self.num_layers:
+            raise ValueError(f"layer_types has {len(self.layer_types)} entries for "
+                             f"{self.num_layers} layers")
+        bad = sorted(set(self.layer_types) - set(LAYER_TYPES))
+        if bad:
+            raise ValueError(f"unknown layer type(s) {bad}; supported: {', '.join(LAYER_TYPES)}")
+        if "sliding_attention" in self.layer_types and not (
+                isinstance(self.sliding_window, int) and self.sliding_window >= 1):
+            raise ValueError("sliding_attention layers need a sliding_window >= 1, got "
+                             f"{self.sliding_window!r}")
+        if self.norm_style not in ("cast", "float32"):
+            raise ValueError(f"norm_style must be 'cast' or 'float32', got {self.norm_style!r}")
+        if self.hidden_act not in ("silu", "gelu_tanh"):
+            raise ValueError(f"hidden_act must be 'silu' or 'gelu_tanh', got "
+                             f"{self.hidden_act!r}")
+        if self.final_logit_softcap is not None and not self.final_logit_softcap > 0:
+            raise ValueError(f"final_logit_softcap must be > 0 or None, got "
+                             f"{self.final_logit_softcap!r}")
+        for a in {s.attention for s in self.layer_specs}:
+            if a.head_dim <= 0 or a.head_dim % 2 or a.num_kv_heads <= 0 \
+                    or self.num_heads % a.num_kv_heads:
+                raise ValueError(f"attention {a}: head_dim must be even and positive and "
+                                 f"num_kv_heads divide num_heads ({self.num_heads})")
+            if not 0.0 < a.rotary_fraction <= 1.0:
+                raise ValueError(f"rotary_fraction must be in (0, 1], got {a.rotary_fraction}")
+
+    @property
+    def attention_spec(self) -> AttentionSpec:
+        """The default (global) attention: the config's head_dim, kv heads and θ."""
+        return AttentionSpec(self.head_dim, self.num_kv_heads, None, False,
+                             float(self.rope_theta), 1.0)
+
+    def layer_attention(self, i: int) -> AttentionSpec:
+        """Layer i's `AttentionSpec` (with ``attention_window='full'`` never a window)."""
+        kind = self.layer_types[i] if self.layer_types else "full_attention"
+        if kind == "full_attention":
+            return self.global_attention or self.attention_spec
+        window = None if self.attention_window == "full" else self.sliding_window
+        return dataclasses.replace(self.attention_spec, window=window)
 
     @property
     def layer_specs(self) -> tuple[LayerSpec, ...]:
         """Each decoder layer's `LayerSpec`, in order."""
-        if not self.num_experts:
-            return (LayerSpec(),) * self.num_layers
-        moe = LayerSpec(MoeSpec(self.num_experts, self.num_experts_per_tok,
-                                self.moe_intermediate_size, self.norm_topk_prob))
-        return tuple(moe if i not in self.mlp_only_layers
-                     and (i + 1) % self.decoder_sparse_step == 0 else LayerSpec()
+        moe = (None if not self.num_experts else
+               MoeSpec(self.num_experts, self.num_experts_per_tok,
+                       self.moe_intermediate_size, self.norm_topk_prob))
+        return tuple(LayerSpec(moe if moe is not None and i not in self.mlp_only_layers
+                               and (i + 1) % self.decoder_sparse_step == 0 else None,
+                               self.layer_attention(i))
                      for i in range(self.num_layers))
+
+    @property
+    def uniform_attention_shapes(self) -> bool:
+        """Whether every layer's keys/values have one shape (one stacked cache array)."""
+        return len({(s.attention.num_kv_heads, s.attention.head_dim)
+                    for s in self.layer_specs}) == 1
 
     @property
     def period(self) -> int:
@@ -188,13 +294,17 @@ class ModelConfig:
                     if n % p == 0 and all(specs[i] == specs[i % p] for i in range(n)))
 
     def _param_counts(self, active: bool) -> int:
-        d, f, hd = self.hidden_size, self.intermediate_size, self.head_dim
-        attn = d * hd * (2 * self.num_heads + 2 * self.num_kv_heads)
-        if self.attention_bias:
-            attn += hd * (self.num_heads + 2 * self.num_kv_heads) + d
-        norms = 2 * d + (2 * hd if self.qk_norm else 0)
+        d, f = self.hidden_size, self.intermediate_size
         total = 0
         for spec in self.layer_specs:
+            a = spec.attention
+            hd, kv = a.head_dim, a.num_kv_heads
+            projections = 2 * self.num_heads + (1 if a.k_eq_v else 2) * kv
+            attn = d * hd * projections
+            if self.attention_bias:
+                attn += hd * (self.num_heads + (1 if a.k_eq_v else 2) * kv) + d
+            norms = ((4 * d + 1) if self.sandwich_norms else 2 * d) + (
+                2 * hd if self.qk_norm else 0)
             if spec.moe is None:
                 mlp = 3 * d * f
             else:
@@ -224,6 +334,10 @@ class ModelConfig:
             activation, or a missing required field (named in the message).
         """
         model_type = hf.get("model_type")
+        if model_type in GEMMA4_MODEL_TYPES:
+            from tev_jax.models.gemma4 import config_from_hf  # the family's own file
+
+            return config_from_hf(hf)
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise ValueError(
                 f"unsupported model_type {model_type!r}; supported: "
@@ -304,7 +418,12 @@ class ModelConfig:
         )
 
     def to_hf(self, *, dtype: str = "float32") -> dict[str, Any]:
-        """A ``config.json`` dict that transformers 4.x and 5.x both read."""
+        """A ``config.json`` dict that transformers 4.x and 5.x both read (Gemma 4:
+        the text-only ``gemma4_unified_text`` config, 5.x)."""
+        if self.model_type == "gemma4_unified_text":
+            from tev_jax.models.gemma4 import config_to_hf
+
+            return config_to_hf(self, dtype=dtype)
         rope_params: dict[str, Any] = {"rope_type": "default", "rope_theta": self.rope_theta}
         if self.rope_scaling is not None:
             rope_params = {**self.rope_scaling.to_hf(), "rope_theta": self.rope_theta}

@@ -9,7 +9,8 @@ it borrows both from the target. One forward proposes a whole block::
               with the target's embedding
     layers    queries from the block; keys/values from [context ; block]; keys of
               both q/k-normed and roped at their absolute positions; non-causal
-    logits    target.unembed(norm(block hidden)) at block positions 1..H -> [B, H, V]
+    logits    target's head (norm(block hidden)) at block positions 1..H -> [B, H, V],
+              without the target's soft-cap; with the drafter's own if it has one
 
 The context keys/values of every layer depend only on the context features, so they
 are computed once per context position and cached (`DrafterCache`): each decode round
@@ -43,8 +44,7 @@ from tev_jax.sharding import constrain
 # Keys of DFlash-2 / variant drafters that change the architecture or the logits.
 _UNSUPPORTED_DFLASH_KEYS = ("conv_kernel_size", "conv_group_size", "selector_rank",
                             "selector_top_k")
-_NEUTRAL_DFLASH_VALUES = {"input_embedding_scale": 1.0, "output_multiplier": 1.0,
-                          "final_logit_softcapping": None}
+_NEUTRAL_DFLASH_VALUES = {"input_embedding_scale": 1.0, "output_multiplier": 1.0}
 
 
 def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> tuple[int, ...]:
@@ -73,6 +73,11 @@ class DrafterConfig:
       mask_token_id: token id of the MASK placeholder (a target token id).
       target_layer_ids: target layers whose outputs form the context features, in
         feature order (layer id ``i`` = output of target decoder layer ``i``).
+      logit_softcap: the draft logits' soft-cap c (``c * tanh(x / c)``; z-lab's DFlash
+        key ``final_logit_softcapping``), or None: the target's head without its cap,
+        as the DFlash authors' Gemma drafter takes its logits (the block input is the
+        target's embedding, scaled as the target scales it). Draft logits only shape
+        the trees: the verifiers stay exact either way.
     """
 
     model: ModelConfig
@@ -80,6 +85,7 @@ class DrafterConfig:
     num_target_layers: int
     mask_token_id: int
     target_layer_ids: tuple[int, ...]
+    logit_softcap: float | None = None
 
     def __post_init__(self):
         if not self.model.qk_norm:
@@ -100,6 +106,8 @@ class DrafterConfig:
             if not isinstance(i, int) or not 0 <= i < self.num_target_layers:
                 raise ValueError(f"target layer id {i!r} is outside [0, "
                                  f"{self.num_target_layers}) (num_target_layers)")
+        if self.logit_softcap is not None and not self.logit_softcap > 0:
+            raise ValueError(f"final_logit_softcapping must be > 0, got {self.logit_softcap!r}")
 
     @property
     def horizon(self) -> int:
@@ -159,9 +167,10 @@ class DrafterConfig:
         ids = get("target_layer_ids")
         ids = (default_target_layer_ids(num_target_layers, model.num_layers) if ids is None
                else tuple(int(i) for i in ids))
+        cap = get("final_logit_softcapping")
         return cls(model=model, block_size=int(get("block_size", 16)),
                    num_target_layers=num_target_layers, mask_token_id=int(mask),
-                   target_layer_ids=ids)
+                   target_layer_ids=ids, logit_softcap=None if not cap else float(cap))
 
     def to_hf(self, *, dtype: str = "float32") -> dict[str, Any]:
         """A ``config.json`` dict that the original ``dflash`` package reads."""
@@ -171,6 +180,8 @@ class DrafterConfig:
         hf["num_target_layers"] = self.num_target_layers
         hf["dflash_config"] = {"mask_token_id": self.mask_token_id,
                                "target_layer_ids": list(self.target_layer_ids)}
+        if self.logit_softcap is not None:
+            hf["dflash_config"]["final_logit_softcapping"] = self.logit_softcap
         return hf
 
     def check_target(self, target_config: ModelConfig) -> None:
@@ -327,6 +338,22 @@ def _layers(drafter: Drafter, x_BQD, positions_BQ, block_mask, ctx_k, ctx_v, ctx
     return drafter.norm(x)
 
 
+def draft_unembed(drafter: Drafter, target, hidden: jax.Array) -> jax.Array:
+    """float32 draft logits [..., V]: the target's head on the drafter's final-normed
+    hidden states, with the drafter's soft-cap (`DrafterConfig.logit_softcap`), not
+    the target's."""
+    logits = target.unembed(hidden, softcap=False)
+    cap = drafter.config.logit_softcap
+    return logits if cap is None else cap * jnp.tanh(logits / cap)
+
+
+def draft_head(drafter: Drafter, target):
+    """The `tev_jax.models.lm_head.Head` of the draft rows (the drafter's soft-cap)."""
+    from tev_jax.models import lm_head
+
+    return lm_head.head_of(target).replace(softcap=drafter.config.logit_softcap)
+
+
 def block_tokens(config: DrafterConfig, roots_B: jax.Array) -> jax.Array:
     """int32 [B, H + 1]: each root followed by H mask tokens."""
     b = roots_B.shape[0]
@@ -360,7 +387,7 @@ def draft_hidden(drafter: Drafter, target, cache: DrafterCache, roots_B: jax.Arr
 def draft_logits(drafter: Drafter, target, cache: DrafterCache, roots_B: jax.Array
                  ) -> jax.Array:
     """float32 draft logits [B, H, V] of one block (see `draft_hidden`)."""
-    return target.unembed(draft_hidden(drafter, target, cache, roots_B))
+    return draft_unembed(drafter, target, draft_hidden(drafter, target, cache, roots_B))
 
 
 def draft_step(drafter: Drafter, target, cache: DrafterCache, features_BTF: jax.Array,
@@ -418,12 +445,13 @@ def anchor_hidden(drafter: Drafter, target, features_BLF: jax.Array, tokens_BL: 
 def anchor_logits(drafter: Drafter, target, features_BLF: jax.Array, tokens_BL: jax.Array,
                   anchors_BA: jax.Array) -> jax.Array:
     """float32 draft logits [B, A, H, V] of A anchors per sequence (`anchor_hidden`)."""
-    return target.unembed(anchor_hidden(drafter, target, features_BLF, tokens_BL, anchors_BA))
+    return draft_unembed(drafter, target,
+                         anchor_hidden(drafter, target, features_BLF, tokens_BL, anchors_BA))
 
 
 __all__ = [
     "Drafter", "DrafterCache", "DrafterConfig", "anchor_hidden", "anchor_logits",
     "append_context", "block_tokens", "context_kv", "default_target_layer_ids",
-    "draft_hidden", "draft_logits", "draft_step", "drafter_cache_shardings",
-    "init_drafter_cache",
+    "draft_head", "draft_hidden", "draft_logits", "draft_step", "draft_unembed",
+    "drafter_cache_shardings", "init_drafter_cache",
 ]

@@ -4,6 +4,11 @@ The cache holds, for every layer, roped keys and values at fixed slots::
 
     k, v : [layers, B, L, kv_heads, head_dim]   (model dtype)
 
+A model whose layers' keys differ in shape (Gemma 4: sliding and global layers) holds
+one such array per sub-layer j of its period p (`ModelConfig.period`): ``k`` is a tuple
+of p arrays ``[layers / p, B, L, K_j, hd_j]``, layer ``g·p + j`` at row g of array j.
+A `LayerRef` names a layer both ways; `layer_kv` and `write_layer` take one.
+
 It does not store lengths: the decode state carries ``start_B`` (number of committed
 tokens per row). Slot ``s`` of row ``b`` is meaningful only for ``s < start[b]``;
 everything at or beyond ``start[b]`` is scratch that the next forward overwrites.
@@ -11,13 +16,37 @@ everything at or beyond ``start[b]`` is scratch that the next forward overwrites
 
 from __future__ import annotations
 
+import dataclasses
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 from flax import struct
 
-from tev_jax.models.config import ModelConfig
+from tev_jax.models.config import LayerSpec, ModelConfig
 
 CACHE_AXES = ("layers", "batch", "cache_len", "act_kv_heads", "head_dim")
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerRef:
+    """A decoder layer inside a layer scan (`tev_jax.models.target.Target.layer_stack`).
+
+    Attributes:
+      index: the model layer i (traced int32).
+      stack: its scan step g (traced int32), i = g·p + sub.
+      sub: its place j in the period (static).
+      spec: its `LayerSpec` (static; the attention window is ``spec.attention.window``).
+    """
+
+    index: Any
+    stack: Any
+    sub: int
+    spec: LayerSpec
+
+    @property
+    def window(self) -> int | None:
+        return self.spec.attention.window
 
 
 @struct.dataclass
@@ -34,26 +63,71 @@ class KVCache:
 
     @property
     def max_len(self) -> int:
-        return self.k.shape[2]
+        return jax.tree.leaves(self.k)[0].shape[2]
 
     @property
     def batch(self) -> int:
-        return self.k.shape[1]
+        return jax.tree.leaves(self.k)[0].shape[1]
+
+
+def cache_shapes(config: ModelConfig, batch: int, max_len: int):
+    """The shape of ``k`` (and ``v``): one tuple, or a tuple of them per sub-layer of
+    the period when the layers' key shapes differ."""
+    if config.uniform_attention_shapes:
+        a = config.layer_specs[0].attention
+        return (config.num_layers, batch, max_len, a.num_kv_heads, a.head_dim)
+    p = config.period
+    return tuple((config.num_layers // p, batch, max_len, s.attention.num_kv_heads,
+                  s.attention.head_dim) for s in config.layer_specs[:p])
+
+
+def _shape_map(fn, shapes):
+    if isinstance(shapes[0], int):
+        return fn(shapes)
+    return tuple(fn(s) for s in shapes)
 
 
 def init_cache(config: ModelConfig, batch: int, max_len: int, dtype=jnp.float32) -> KVCache:
     """A zero cache for ``batch`` rows of ``max_len`` slots."""
-    shape = (config.num_layers, batch, max_len, config.num_kv_heads, config.head_dim)
-    return KVCache(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype))
+    shapes = cache_shapes(config, batch, max_len)
+    return KVCache(k=_shape_map(lambda s: jnp.zeros(s, dtype), shapes),
+                   v=_shape_map(lambda s: jnp.zeros(s, dtype), shapes))
 
 
 def cache_shardings(config: ModelConfig, batch: int, max_len: int, mesh):
     """NamedShardings (a KVCache of them) for a cache on ``mesh``."""
     from tev_jax.sharding import logical_sharding
 
-    shape = (config.num_layers, batch, max_len, config.num_kv_heads, config.head_dim)
-    s = logical_sharding(CACHE_AXES, shape, mesh)
+    s = _shape_map(lambda shape: logical_sharding(CACHE_AXES, shape, mesh),
+                   cache_shapes(config, batch, max_len))
     return KVCache(k=s, v=s)
+
+
+def cache_axes(cache: KVCache) -> KVCache:
+    """`CACHE_AXES` for every array of a cache (a `KVCache` of name tuples)."""
+    names = (CACHE_AXES if not isinstance(cache.k, tuple)
+             else tuple(CACHE_AXES for _ in cache.k))
+    return KVCache(k=names, v=names)
+
+
+def layer_kv(cache: KVCache, layer) -> tuple[jax.Array, jax.Array, Any]:
+    """(stacked k, stacked v, row) holding a layer (a `LayerRef`, or an int index of a
+    single-array cache): what an `tev_jax.models.attention.attention` cache segment
+    ``(k, v, mask, row)`` reads."""
+    if isinstance(cache.k, tuple):
+        return cache.k[layer.sub], cache.v[layer.sub], layer.stack
+    return cache.k, cache.v, getattr(layer, "index", layer)
+
+
+def set_layer(cache: KVCache, layer, k_BLKd: jax.Array, v_BLKd: jax.Array) -> KVCache:
+    """The cache with a layer's (`layer_kv`) whole keys / values replaced."""
+    def put(x, new):
+        if isinstance(x, tuple):
+            return tuple(a.at[layer.stack].set(new) if j == layer.sub else a
+                         for j, a in enumerate(x))
+        return x.at[getattr(layer, "index", layer)].set(new)
+
+    return KVCache(k=put(cache.k, k_BLKd), v=put(cache.v, v_BLKd))
 
 
 def _each_layer(x_LBS: jax.Array, update) -> jax.Array:
@@ -110,14 +184,21 @@ def write_layer(cache: KVCache, layer, k_BTKd: jax.Array, v_BTKd: jax.Array,
     """Writes layer ``layer``'s T new entries per row at slots ``start[b] ..``.
 
     Args:
-      layer: the layer index (may be traced: the body of a layer scan).
+      layer: a `LayerRef`, or the layer index of a single-array cache (may be traced:
+        the body of a layer scan).
       k_BTKd, v_BTKd: [B, T, kv_heads, head_dim].
       start_B: int [B]. Slots past the end of the cache are dropped.
     """
     t = k_BTKd.shape[1]
     slots_BT = start_B.astype(jnp.int32)[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
-    return KVCache(k=set_layer_slots(cache.k, layer, slots_BT, k_BTKd),
-                   v=set_layer_slots(cache.v, layer, slots_BT, v_BTKd))
+    if isinstance(cache.k, tuple):
+        def put(x, new):
+            return tuple(set_layer_slots(a, layer.stack, slots_BT, new)
+                         if j == layer.sub else a for j, a in enumerate(x))
+    else:
+        def put(x, new):
+            return set_layer_slots(x, getattr(layer, "index", layer), slots_BT, new)
+    return KVCache(k=put(cache.k, k_BTKd), v=put(cache.v, v_BTKd))
 
 
 def commit(cache: KVCache, start_B: jax.Array, path_BP: jax.Array,
@@ -143,4 +224,5 @@ def commit(cache: KVCache, start_B: jax.Array, path_BP: jax.Array,
     keep = j < length_B.astype(jnp.int32)[:, None]
     src = start + jnp.where(keep, path_BP.astype(jnp.int32), j)     # [B, P]
     dst = start + j
-    return KVCache(k=move_slots(cache.k, src, dst), v=move_slots(cache.v, src, dst))
+    move = lambda x: move_slots(x, src, dst)  # noqa: E731
+    return KVCache(k=jax.tree.map(move, cache.k), v=jax.tree.map(move, cache.v))

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import dataclasses
 import functools
 import math
 from collections.abc import Sequence
@@ -48,7 +49,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from tev_jax.models.config import LayerSpec, ModelConfig
+from tev_jax.models.config import AttentionSpec, LayerSpec, ModelConfig
 from tev_jax.sharding import constrain
 
 _INIT_STD = 0.02
@@ -141,24 +142,45 @@ class Linear(nnx.Module):
 
 
 class RMSNorm(nnx.Module):
-    """HF RMSNorm: normalise in float32, cast back to the input dtype, scale."""
+    """HF RMSNorm ``x * rsqrt(mean(x^2) + eps) * w``, normalised in float32.
 
-    def __init__(self, dim: int, *, eps: float, dtype, rngs: nnx.Rngs | None = None):
+    ``style`` 'cast' (Qwen3 / Llama) casts the normalised x back to the input dtype
+    before the scale; 'float32' (Gemma 4) scales in float32, then casts. ``with_scale``
+    False: no weight (Gemma 4's v-norm).
+    """
+
+    def __init__(self, dim: int, *, eps: float, dtype, rngs: nnx.Rngs | None = None,
+                 style: str = "cast", with_scale: bool = True):
         self.eps = float(eps)
-        self.weight = make_param(rngs, (dim,), dtype, ("norm",), "ones")
+        self.style = style
+        self.weight = (make_param(rngs, (dim,), dtype, ("norm",), "ones") if with_scale
+                       else None)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         xf = x.astype(jnp.float32)
         var = jnp.mean(xf * xf, axis=-1, keepdims=True)
-        y = (xf * jax.lax.rsqrt(var + self.eps)).astype(x.dtype)
-        return self.weight[...] * y
+        y = xf * jax.lax.rsqrt(var + self.eps)
+        if self.weight is None:
+            return y.astype(x.dtype)
+        if self.style == "float32":
+            return (y * self.weight[...].astype(jnp.float32)).astype(x.dtype)
+        return self.weight[...] * y.astype(x.dtype)
+
+
+def norm(config: ModelConfig, dim: int, *, dtype, rngs: nnx.Rngs | None) -> RMSNorm:
+    """An `RMSNorm` of the config's style and epsilon."""
+    return RMSNorm(dim, eps=config.rms_norm_eps, dtype=dtype, rngs=rngs,
+                   style=config.norm_style)
 
 
 class MLP(nnx.Module):
-    """SwiGLU: ``down(silu(gate(x)) * up(x))``."""
+    """Gated MLP ``down(act(gate(x)) * up(x))``: SwiGLU (``act`` 'silu') or GeGLU
+    ('gelu_tanh', the tanh approximation: transformers' gelu_pytorch_tanh)."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int, *, dtype, rngs: nnx.Rngs):
+    def __init__(self, hidden_size: int, intermediate_size: int, *, dtype, rngs: nnx.Rngs,
+                 act: str = "silu"):
         d, f = hidden_size, intermediate_size
+        self.act = act
         self.gate_proj = Linear((d,), (f,), ("embed",), ("mlp",), use_bias=False,
                                 dtype=dtype, rngs=rngs)
         self.up_proj = Linear((d,), (f,), ("embed",), ("mlp",), use_bias=False,
@@ -167,7 +189,9 @@ class MLP(nnx.Module):
                                 dtype=dtype, rngs=rngs)
 
     def __call__(self, x_BTD: jax.Array) -> jax.Array:
-        h = jax.nn.silu(self.gate_proj(x_BTD)) * self.up_proj(x_BTD)
+        g = self.gate_proj(x_BTD)
+        g = jax.nn.silu(g) if self.act == "silu" else jax.nn.gelu(g, approximate=True)
+        h = g * self.up_proj(x_BTD)
         h = constrain(h, ("batch", "seq", "act_mlp"))
         return self.down_proj(h)
 
@@ -175,11 +199,24 @@ class MLP(nnx.Module):
 # ----------------------------------------------------------------------------- RoPE
 
 
-def rope_inv_freq(config: ModelConfig) -> np.ndarray:
-    """Inverse frequencies float32 [hd/2], with linear or llama3 scaling (as in HF)."""
-    hd = config.head_dim
+def rope_inv_freq(config: ModelConfig, attention: AttentionSpec | None = None
+                  ) -> np.ndarray:
+    """Inverse frequencies float32 [hd/2] of a layer's attention (default: the config's),
+    with linear or llama3 scaling (as in HF).
+
+    A ``rotary_fraction`` f < 1 is transformers' 'proportional' RoPE: the first
+    ``int(f * hd / 2)`` frequencies ``theta ** (-2j / hd)`` (exponents over the whole
+    head), the rest 0 (those dims pass unrotated; rotate-half pairs dim i with i + hd/2).
+    """
+    a = config.attention_spec if attention is None else attention
+    hd = a.head_dim
+    if a.rotary_fraction < 1.0:
+        angles = int(a.rotary_fraction * hd // 2)
+        exponent = np.arange(0, 2 * angles, 2, dtype=np.int64).astype(np.float32) / np.float32(hd)
+        inv = (np.float32(1.0) / (np.float32(a.rope_theta) ** exponent)).astype(np.float32)
+        return np.concatenate([inv, np.zeros(hd // 2 - angles, np.float32)])
     exponent = np.arange(0, hd, 2, dtype=np.int64).astype(np.float32) / np.float32(hd)
-    inv = (np.float32(1.0) / (np.float32(config.rope_theta) ** exponent)).astype(np.float32)
+    inv = (np.float32(1.0) / (np.float32(a.rope_theta) ** exponent)).astype(np.float32)
     rs = config.rope_scaling
     if rs is None:
         return inv
@@ -218,27 +255,36 @@ def apply_rope(x_BTHd: jax.Array, positions_BT: jax.Array, inv_freq) -> jax.Arra
 
 
 class Attention(nnx.Module):
-    """q/k/v/o projections with optional per-head q/k RMSNorm and optional biases."""
+    """q/k/v/o projections with optional per-head q/k RMSNorm and optional biases, of
+    one layer's `AttentionSpec` (head dim, kv heads; k = v: no v_proj, values are the
+    key projection) and an optional weightless v-norm (``config.v_norm``)."""
 
-    def __init__(self, config: ModelConfig, *, dtype, rngs: nnx.Rngs):
+    def __init__(self, config: ModelConfig, spec: AttentionSpec | None = None, *, dtype,
+                 rngs: nnx.Rngs):
         c = config
-        d, h, kh, hd = c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim
+        a = c.attention_spec if spec is None else spec
+        d, h, kh, hd = c.hidden_size, c.num_heads, a.num_kv_heads, a.head_dim
         self.num_heads, self.num_kv_heads, self.head_dim = h, kh, hd
         bias = c.attention_bias
         self.q_proj = Linear((d,), (h, hd), ("embed",), ("heads", "head_dim"),
                              use_bias=bias, dtype=dtype, rngs=rngs)
-        self.k_proj = Linear((d,), (kh, hd), ("embed",), ("kv_heads", "head_dim"),
+        # a single key/value head (Gemma 4's global layers) is replicated, never split
+        kv_axis = "kv_heads" if kh > 1 else None
+        self.k_proj = Linear((d,), (kh, hd), ("embed",), (kv_axis, "head_dim"),
                              use_bias=bias, dtype=dtype, rngs=rngs)
-        self.v_proj = Linear((d,), (kh, hd), ("embed",), ("kv_heads", "head_dim"),
-                             use_bias=bias, dtype=dtype, rngs=rngs)
+        self.v_proj = (None if a.k_eq_v else
+                       Linear((d,), (kh, hd), ("embed",), (kv_axis, "head_dim"),
+                              use_bias=bias, dtype=dtype, rngs=rngs))
         self.o_proj = Linear((h, hd), (d,), ("heads", "head_dim"), ("embed",),
                              use_bias=bias, dtype=dtype, rngs=rngs)
         if c.qk_norm:
-            self.q_norm = RMSNorm(hd, eps=c.rms_norm_eps, dtype=dtype, rngs=rngs)
-            self.k_norm = RMSNorm(hd, eps=c.rms_norm_eps, dtype=dtype, rngs=rngs)
+            self.q_norm = norm(c, hd, dtype=dtype, rngs=rngs)
+            self.k_norm = norm(c, hd, dtype=dtype, rngs=rngs)
         else:
             self.q_norm = None
             self.k_norm = None
+        self.v_norm = (RMSNorm(hd, eps=c.rms_norm_eps, dtype=dtype, with_scale=False)
+                       if c.v_norm else None)
 
     def project_q(self, x_BTD: jax.Array) -> jax.Array:
         """Queries [B, T, H, hd], q-normed (if the family has it), not roped."""
@@ -250,9 +296,11 @@ class Attention(nnx.Module):
     def project_kv(self, x_BSD: jax.Array) -> tuple[jax.Array, jax.Array]:
         """Keys and values [B, S, K, hd]; keys k-normed, not roped."""
         k = self.k_proj(x_BSD)
+        v = k if self.v_proj is None else self.v_proj(x_BSD)
         if self.k_norm is not None:
             k = self.k_norm(k)
-        v = self.v_proj(x_BSD)
+        if self.v_norm is not None:
+            v = self.v_norm(v)
         names = ("batch", "seq", "act_kv_heads", "head_dim")
         return constrain(k, names), constrain(v, names)
 
@@ -271,18 +319,24 @@ class Attention(nnx.Module):
 class DecoderLayer(nnx.Module):
     """Pre-norm decoder layer (HF names: input_layernorm, self_attn, mlp, ...).
 
-    Its MLP is the `LayerSpec`'s: a SwiGLU `MLP`, or a `tev_jax.models.moe.MoE`.
+    Its attention and MLP are the `LayerSpec`'s: an `Attention` of its `AttentionSpec`;
+    a gated `MLP`, or a `tev_jax.models.moe.MoE`. ``spec`` (with the attention filled
+    in) and ``sub`` (its place in a `LayerPeriod`, 0 outside one) are kept as static
+    attributes: a pass reads the layer's window and cache from them.
     """
 
     def __init__(self, config: ModelConfig, spec: LayerSpec = LayerSpec(), *, dtype,
-                 rngs: nnx.Rngs):
+                 rngs: nnx.Rngs, sub: int = 0):
         c = config
-        self.input_layernorm = RMSNorm(c.hidden_size, eps=c.rms_norm_eps, dtype=dtype, rngs=rngs)
-        self.self_attn = Attention(c, dtype=dtype, rngs=rngs)
-        self.post_attention_layernorm = RMSNorm(c.hidden_size, eps=c.rms_norm_eps,
-                                                dtype=dtype, rngs=rngs)
+        if spec.attention is None:
+            spec = dataclasses.replace(spec, attention=c.attention_spec)
+        self.spec, self.sub = spec, sub
+        self.input_layernorm = norm(c, c.hidden_size, dtype=dtype, rngs=rngs)
+        self.self_attn = Attention(c, spec.attention, dtype=dtype, rngs=rngs)
+        self.post_attention_layernorm = norm(c, c.hidden_size, dtype=dtype, rngs=rngs)
         if spec.moe is None:
-            self.mlp = MLP(c.hidden_size, c.intermediate_size, dtype=dtype, rngs=rngs)
+            self.mlp = MLP(c.hidden_size, c.intermediate_size, dtype=dtype, rngs=rngs,
+                           act=c.hidden_act)
         else:
             from tev_jax.models.moe import MoE  # moe builds on this module's pieces
 
@@ -322,8 +376,19 @@ class LayerPeriod(nnx.Module):
 
     def __init__(self, config: ModelConfig, specs: Sequence[LayerSpec], *, dtype,
                  rngs: nnx.Rngs):
-        self.sublayers = nnx.List([DecoderLayer(config, s, dtype=dtype, rngs=rngs)
-                                   for s in specs])
+        self.sublayers = nnx.List([decoder_layer(config, s, dtype=dtype, rngs=rngs, sub=j)
+                                   for j, s in enumerate(specs)])
+
+
+def decoder_layer(config: ModelConfig, spec: LayerSpec, *, dtype, rngs: nnx.Rngs,
+                  sub: int = 0) -> DecoderLayer:
+    """The config's decoder layer of ``spec``: a `DecoderLayer`, or Gemma 4's
+    sandwich-norm layer (`tev_jax.models.gemma4.SandwichLayer`)."""
+    if config.sandwich_norms:
+        from tev_jax.models.gemma4 import SandwichLayer  # gemma4 builds on this module
+
+        return SandwichLayer(config, spec, dtype=dtype, rngs=rngs, sub=sub)
+    return DecoderLayer(config, spec, dtype=dtype, rngs=rngs, sub=sub)
 
 
 def stacked_layers(config: ModelConfig, *, dtype, rngs: nnx.Rngs
@@ -345,7 +410,7 @@ def stacked_layers(config: ModelConfig, *, dtype, rngs: nnx.Rngs
               transform_metadata={nnx.PARTITION_NAME: "layers"})
     def create(rngs):
         if p == 1:
-            return DecoderLayer(config, specs[0], dtype=dtype, rngs=rngs)
+            return decoder_layer(config, specs[0], dtype=dtype, rngs=rngs)
         return LayerPeriod(config, specs, dtype=dtype, rngs=rngs)
 
     return create(rngs)

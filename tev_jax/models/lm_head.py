@@ -12,6 +12,9 @@ few head columns::
     logits_at(h, head, y)  h . w_y                              [..]   plain autodiff
     top_k(h, head, k)      the k largest h . w_v, their ids, lse [.., k]  no gradient
 
+A soft-capped head (Gemma 4: ``c * tanh(h . w / c)``, `Head.softcap`) caps every block's
+logits first, so all three see the target's distribution.
+
 Peak scratch is one [rows, V_b] block instead of [rows, V]; with the head sharded over
 fsdp only one block of it is gathered at a time. V need not be a multiple of V_b: the
 last block starts at ``V - V_b`` and masks the entries an earlier block counted.
@@ -40,10 +43,12 @@ class Head:
     Attributes:
       w: [V, D] (tied embedding, ``vocab_major``) or [D, V] (``lm_head``).
       vocab_major: static, which of the two layouts ``w`` has.
+      softcap: static, the final logit soft-cap c (logits ``c * tanh(x / c)``) or None.
     """
 
     w: jax.Array
     vocab_major: bool = struct.field(pytree_node=False)
+    softcap: float | None = struct.field(pytree_node=False, default=None)
 
     @property
     def vocab(self) -> int:
@@ -52,9 +57,14 @@ class Head:
 
 def head_of(target) -> Head:
     """The `Head` that `Target.unembed` multiplies by (the embedding when tied)."""
+    cap = target.config.final_logit_softcap
     if target.lm_head is None:
-        return Head(target.embed_tokens[...], True)
-    return Head(target.lm_head[...], False)
+        return Head(target.embed_tokens[...], True, cap)
+    return Head(target.lm_head[...], False, cap)
+
+
+def _capped(x, head: Head):
+    return x if head.softcap is None else head.softcap * jnp.tanh(x / head.softcap)
 
 
 def _num_blocks(vocab: int, block: int) -> tuple[int, int]:
@@ -72,7 +82,7 @@ def _block_logits(h_XD: jax.Array, head: Head, i, block: int):
     spec = "...d,vd->...v" if head.vocab_major else "...d,dv->...v"
     x = jnp.einsum(spec, h_XD.astype(w.dtype), w, preferred_element_type=jnp.float32)
     ids = start + jnp.arange(block)
-    return x.astype(jnp.float32), ids, ids >= i * block, w
+    return _capped(x.astype(jnp.float32), head), ids, ids >= i * block, w
 
 
 def _lse_forward(h_XD, head: Head, scale: float, block: int) -> jax.Array:
@@ -112,6 +122,8 @@ def _lse_bwd(scale, block, res, g):
     def body(acc, i):
         x, _, fresh, w = _block_logits(h_XD, head, i, block)
         p = jnp.where(fresh, jnp.exp(x * scale - lse[..., None]), 0.0)
+        if head.softcap is not None:  # d(c tanh(u / c)) / du = 1 - tanh^2
+            p = p * (1.0 - jnp.square(x / head.softcap))
         return acc + jnp.einsum(spec, p, w.astype(jnp.float32)), None
 
     acc, _ = jax.lax.scan(body, jnp.zeros(h_XD.shape, jnp.float32), jnp.arange(n))
@@ -139,7 +151,8 @@ def logsumexp(h_XD: jax.Array, head: Head, scale: float = 1.0, block: int = BLOC
 
 
 def logits_at(h_XD: jax.Array, head: Head, tokens_X: jax.Array) -> jax.Array:
-    """The logit of token ``tokens[x]`` in row x, ``h[x] . w_tokens[x]``; float32 [...].
+    """The logit of token ``tokens[x]`` in row x, ``h[x] . w_tokens[x]`` (soft-capped
+    with the head's cap); float32 [...].
 
     Gathers one head column per row (rows x D), never a row of logits.
     """
@@ -149,8 +162,8 @@ def logits_at(h_XD: jax.Array, head: Head, tokens_X: jax.Array) -> jax.Array:
     else:
         w_XD = jnp.moveaxis(jnp.take(head.w, tokens, axis=1), 0, -1)
     h = h_XD.astype(head.w.dtype)
-    return jnp.einsum("...d,...d->...", h, w_XD, preferred_element_type=jnp.float32
-                      ).astype(jnp.float32)
+    return _capped(jnp.einsum("...d,...d->...", h, w_XD, preferred_element_type=jnp.float32
+                              ).astype(jnp.float32), head)
 
 
 def top_k(h_XD: jax.Array, head: Head, k: int, block: int = BLOCK):

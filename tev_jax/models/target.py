@@ -57,11 +57,12 @@ from flax import nnx
 
 from tev_jax.models import kv_cache as kvc
 from tev_jax.models import moe
-from tev_jax.models.attention import Mask, attention
+from tev_jax.models.attention import Mask, attention, windowed
 from tev_jax.models.config import ModelConfig
-from tev_jax.models.kv_cache import KVCache
+from tev_jax.models.kv_cache import KVCache, LayerRef
 from tev_jax.models.layers import (
-    RMSNorm, jitted_initializer, make_param, rope_inv_freq, scan_layers, stacked_layers,
+    jitted_initializer, make_param, norm, rope_inv_freq, scan_layers, stack_index,
+    stacked_layers,
 )
 from tev_jax.sharding import constrain
 from tev_jax.vocab import embed_rows
@@ -98,7 +99,7 @@ class Target(nnx.Module):
         self.embed_tokens = make_param(rngs, (c.vocab_size, c.hidden_size), dtype,
                                    ("vocab", "embed"), "normal")
         self.layers = stacked_layers(c, dtype=dtype, rngs=rngs)
-        self.norm = RMSNorm(c.hidden_size, eps=c.rms_norm_eps, dtype=dtype, rngs=rngs)
+        self.norm = norm(c, c.hidden_size, dtype=dtype, rngs=rngs)
         self.lm_head = (None if c.tie_word_embeddings else
                         make_param(rngs, (c.hidden_size, c.vocab_size), dtype,
                                ("embed", "vocab"), "normal"))
@@ -113,14 +114,19 @@ class Target(nnx.Module):
         """
         tokens = jnp.clip(tokens, 0, self.config.vocab_size - 1)
         x = embed_rows(self.embed_tokens[...], tokens)  # no gather of a sharded table
+        if self.config.embed_scale is not None:
+            # as transformers: the float32 scale cast to the weights' dtype first
+            x = x * jnp.asarray(self.config.embed_scale, jnp.float32).astype(x.dtype)
         if x.ndim == 3:
             x = constrain(x, ("batch", "seq", "act_embed"))
         return x
 
-    def unembed(self, hidden: jax.Array) -> jax.Array:
+    def unembed(self, hidden: jax.Array, softcap: bool = True) -> jax.Array:
         """float32 logits ``[..., V]`` of (already final-normed) hidden states.
 
-        Uses ``lm_head`` or, with tied embeddings, the embedding matrix.
+        Uses ``lm_head`` or, with tied embeddings, the embedding matrix, then the
+        config's final soft-cap ``c * tanh(x / c)`` (the target's distribution; drop it
+        with ``softcap=False``, e.g. for a drafter trained on the raw head).
         """
         h = hidden.astype(self.dtype)
         if self.lm_head is None:
@@ -131,7 +137,11 @@ class Target(nnx.Module):
                                 preferred_element_type=jnp.float32)
         if logits.ndim == 3:
             logits = constrain(logits, ("batch", "seq", "act_vocab"))
-        return logits.astype(jnp.float32)
+        logits = logits.astype(jnp.float32)
+        cap = self.config.final_logit_softcap
+        if softcap and cap is not None:
+            logits = cap * jnp.tanh(logits / cap)
+        return logits
 
     # ------------------------------------------------------------------ the stack
 
@@ -148,10 +158,12 @@ class Target(nnx.Module):
         Args:
           tokens_BT: int [B, T] new tokens.
           positions_BT: int [B, T] their absolute (RoPE) positions.
-          attend: ``attend(i, q [B,T,H,hd], k [B,T,K,hd], v, carry) -> (out [B,T,H,hd],
-            carry)``: layer i's (traced index) attention of the new tokens' roped
-            queries over keys/values of its choosing (the new tokens' own ``k, v`` and,
-            e.g., layer i of a cache it carries and writes).
+          attend: ``attend(layer, q [B,T,H,hd], k [B,T,K,hd], v, carry) -> (out
+            [B,T,H,hd], carry)``: the attention of one layer (a
+            `tev_jax.models.kv_cache.LayerRef`: its traced index, its static spec and
+            window) of the new tokens' roped queries over keys/values of its choosing
+            (the new tokens' own ``k, v`` and, e.g., that layer of a cache it carries
+            and writes, `tev_jax.models.kv_cache.layer_kv`).
           carry: the pytree ``attend`` threads through the layers (e.g. a `KVCache`).
           taps: layer indices whose outputs to return (see the module docstring).
           depth: run only the layers below ``depth`` (static; default all). The
@@ -166,7 +178,6 @@ class Target(nnx.Module):
         for t in taps:
             if not 0 <= t < num_layers:
                 raise ValueError(f"tap layer {t} out of range [0, {num_layers})")
-        inv_freq = rope_inv_freq(self.config)
         x = self.embed(tokens_BT)
         # Tapped outputs go to their slot of a buffer, every other layer's to a spare
         # last slot: one in-place write per layer, no branch.
@@ -183,9 +194,11 @@ class Target(nnx.Module):
             x, tapped, usage, carry = state
             # routing is collected only when a recorder asks for it
             collect = moe.collect_usage() if usage is not None else contextlib.nullcontext([])
+            ref = LayerRef(i, stack_index(), layer.sub, layer.spec)
+            inv_freq = rope_inv_freq(self.config, layer.spec.attention)
             with collect as sink:
                 x, carry = layer(x, positions_BT, inv_freq,
-                                 lambda q, k, v: attend(i, q, k, v, carry))
+                                 lambda q, k, v: attend(ref, q, k, v, carry))
             if tapped is not None:
                 slot = jnp.asarray(slot_of)[i]
                 tapped = jax.lax.dynamic_update_index_in_dim(tapped, x, slot, 0)
@@ -208,16 +221,24 @@ class Target(nnx.Module):
         """`layer_stack` attending to the new tokens (``block_mask``, a `Mask` or bool
         array over their keys) and, with a ``cache``, to its slots (``prefix_mask``),
         each layer writing its new keys/values to the cache at slots ``start ..``."""
+        scale = self.config.attention_scale
+
+        def own(layer):
+            # the new tokens' keys: consecutive positions unless the mask is dense
+            return windowed(block_mask, layer.window, positions_BT,
+                            key_positions_BS=positions_BT,
+                            first_key_position=positions_BT[:, :1])
+
         if cache is None:
-            def attend(i, q, k, v, carry):
-                return attention(q, ((k, v, block_mask),)), carry
+            def attend(layer, q, k, v, carry):
+                return attention(q, ((k, v, own(layer)),), scale=scale), carry
         else:
-            def attend(i, q, k, v, cache):
+            def attend(layer, q, k, v, cache):
                 # Written before the read (the new slots are outside prefix_mask), so
                 # the cache is updated in place.
-                cache = kvc.write_layer(cache, i, k, v, start_B)
-                return attention(q, ((cache.k, cache.v, prefix_mask, i),
-                                     (k, v, block_mask))), cache
+                cache = kvc.write_layer(cache, layer, k, v, start_B)
+                segment = _cache_segment(cache, layer, prefix_mask, positions_BT)
+                return attention(q, (segment, (k, v, own(layer))), scale=scale), cache
         return self.layer_stack(tokens_BT, positions_BT, attend, cache, taps)
 
     def __call__(self, tokens_BT: jax.Array, positions_BT: jax.Array | None = None,
@@ -274,6 +295,11 @@ class Target(nnx.Module):
           taps: layer indices whose outputs to return.
         Returns:
           (logits float32 [B, T, V], taps [B, T, len(taps)*D] or None, new cache)
+
+        Sliding-window layers (Gemma 4) take their windows from the positions; they
+        need a row's T positions to lie within T - 1 of each other (consecutive tokens,
+        or a tree at start + depth: every mode above) and, with a `Mask` block mask
+        without a dense part, consecutive.
         """
         h, feats, cache = self.extend_hidden(cache, tokens_BT, positions_BT, start_B,
                                              block_mask_BTT, taps)
@@ -396,6 +422,34 @@ class Target(nnx.Module):
     def init_cache(self, batch: int, max_len: int) -> KVCache:
         """A zero cache in this model's dtype."""
         return kvc.init_cache(self.config, batch, max_len, self.dtype)
+
+
+def _cache_segment(cache: KVCache, layer: LayerRef, prefix: Mask, positions_BT):
+    """The attention segment of a layer's cache for T new tokens at ``positions``.
+
+    A global layer reads its whole cache (the key blocks past ``prefix`` are skipped at
+    run time). A sliding layer of window W reads a static slice of S = W + T - 1 slots
+    per row, from ``lo = min(positions) - W + 1``: the new tokens' positions lie within
+    T - 1 of each other (consecutive, or a tree at start + depth) and the cache slots
+    they may see, ``< start``, within the slice, so its bytes are bounded by the window
+    whatever the context.
+    """
+    ck, cv, row = kvc.layer_kv(cache, layer)
+    w, (b, t) = layer.window, positions_BT.shape
+    size = None if w is None else w + t - 1
+    if size is None or size >= ck.shape[2]:
+        return ck, cv, windowed(prefix, w, positions_BT), row
+    lo_B = jnp.clip(jnp.min(positions_BT, axis=1) - w + 1, 0, ck.shape[2] - size)
+
+    def rows(x):
+        take = lambda x_b, lo: jax.lax.dynamic_slice(  # noqa: E731
+            x_b, (row, lo, 0, 0), (1, size) + x_b.shape[2:])[0]
+        return jax.vmap(take, in_axes=(1, 0))(x, lo_B)                 # [B, S, K, hd]
+
+    lo = lo_B[:, None]
+    shifted = prefix.replace(end=None if prefix.end is None else prefix.end - lo,
+                             start=None if prefix.start is None else prefix.start - lo)
+    return rows(ck), rows(cv), windowed(shifted, w, positions_BT, first_key_position=lo)
 
 
 def init_target(config: ModelConfig, *, key: jax.Array | int = 0, dtype=jnp.float32,
