@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import importlib.util
 import json
 
 import jax
@@ -498,3 +499,34 @@ def test_exittrain_scoring_passes_see_the_window():
                 assert np.abs(every[0, a, v] - want[0, -1]).max() < ATOL, (window, a, v)
                 if v in (0, 1, 3):                        # the nodes with children
                     assert np.abs(parent[0, a, v] - want[0, -1]).max() < ATOL
+
+
+@pytest.mark.skipif(importlib.util.find_spec("libtpu") is None,
+                    reason="libtpu is not installed (pip install -e '.[tpu]')")
+def test_bf16_ar_step_compiles_for_tpu_with_windowed_sliding_layers():
+    """The AR step of a 6-layer Gemma 4 (5 sliding + 1 global), bf16, cache 2048, window 8,
+    compiled for v5e:2x4 (tensor 8): the sliding layers' attention reads its window (no
+    attention or cache op reads a whole sliding cache array), the global layer's cache is
+    read by the TPU cache kernel, and the step's HBM bytes are within 1.25x of its floor
+    (which counts each sliding layer's window), which HBM and on-chip memory cover."""
+    from tev_jax import op_costs, plan, topology
+    from tev_jax.decode import DecodeConfig
+    from tev_jax.engine import Engine
+
+    cfg = gemma_config(vocab_size=4096, hidden_size=256, intermediate_size=512, head_dim=64,
+                       global_attention=AttentionSpec(128, 1, None, True, 1e6, 0.25))
+    config = DecodeConfig(builder="none", prompt_len=1024, max_cache_len=2048,
+                          max_new_tokens=256)
+    mesh, _ = topology.slice_mesh("v5e:2x4", tensor=8)
+    engine = Engine.create(plan.abstract_target(cfg, jnp.bfloat16), None, config, 8,
+                           mesh=mesh)
+    ops = plan.loop_ops(engine)
+    kernel = [o for o in ops if o.opcode == "custom-call" and "cache_attention" in o.source]
+    assert kernel and all(o.in_loop for o in kernel)
+    sliding_cache = 8 * 2048 * 1 * 64 * 2          # one sliding array per chip: 1 of 8 heads
+    assert not [o for o in ops if o.in_loop and o not in kernel
+                and ("attention" in o.source or "kv_cache" in o.source)
+                and o.bytes / o.count >= sliding_cache], "a sliding layer reads its whole cache"
+    floor = plan.sum_floor(plan.round_floor(engine))
+    t = op_costs.totals(ops)   # (weights this small stay on chip across steps: on_chip_once)
+    assert t["loop_hbm_bytes"] <= 1.25 * floor <= 1.25 * (t["loop_hbm_bytes"] + t["on_chip_once"])
