@@ -73,7 +73,9 @@ def test_config_from_dflash_json_and_back(pair):
     ({"num_target_layers": None}, "num_target_layers"),
     ({"dflash_config": {"mask_token_id": 1, "target_layer_ids": [0, 6]}}, "outside"),
     ({"dflash_config": {"mask_token_id": 1, "conv_kernel_size": 4}}, "DFlash-2"),
-    ({"dflash_config": {"mask_token_id": 1, "output_multiplier": 2.0}}, "output_multiplier"),
+    ({"dflash_config": {"mask_token_id": 1, "output_multiplier": 0.0}}, "output_multiplier"),
+    ({"dflash_config": {"mask_token_id": 1, "input_embedding_scale": float("nan")}},
+     "input_embedding_scale"),
     ({"block_size": 1}, "block_size"),
     ({"model_type": "llama"}, "q/k norm"),
 ])

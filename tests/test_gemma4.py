@@ -409,8 +409,9 @@ def test_plan_floor_counts_each_sliding_layer_window():
 
 def test_drafter_logits_are_the_raw_head_or_the_drafter_cap(decode_models):
     """A DFlash drafter for Gemma takes the target's head without the target's cap
-    (the authors' drafter); z-lab's ``final_logit_softcapping`` gives it its own, in
-    decoding (`draft_unembed`) and in training's blocked head (`draft_head`)."""
+    (the authors' drafter); z-lab's ``final_logit_softcapping`` gives it its own and
+    ``output_multiplier`` scales the logits before it, in decoding (`draft_unembed`)
+    and in training's blocked head (`draft_head`, its gradient included)."""
     import types
 
     from tev_jax.models import lm_head
@@ -430,9 +431,40 @@ def test_drafter_logits_are_the_raw_head_or_the_drafter_cap(decode_models):
     np.testing.assert_allclose(np.asarray(draft_unembed(capped, target, h)), want, rtol=1e-5)
     lse = lm_head.logsumexp(h, draft_head(capped, target), block=128)
     np.testing.assert_allclose(np.asarray(lse), np.log(np.exp(want).sum(-1)), rtol=1e-5)
-    with pytest.raises(ValueError, match="output_multiplier"):
-        DrafterConfig.from_hf({**hf, "dflash_config": {**hf["dflash_config"],
-                                                       "output_multiplier": 2.0}})
+    # z-lab's output_multiplier scales the logits before the cap, in both heads
+    hf["dflash_config"]["output_multiplier"] = 0.5
+    cfg = DrafterConfig.from_hf(hf)
+    assert cfg.output_multiplier == 0.5 and DrafterConfig.from_hf(cfg.to_hf()) == cfg
+    scaled = types.SimpleNamespace(config=cfg)
+    want = 5.0 * np.tanh(0.5 * raw / 5.0)
+    np.testing.assert_allclose(np.asarray(draft_unembed(scaled, target, h)), want, rtol=1e-5)
+    lse = lambda h: lm_head.logsumexp(h, draft_head(scaled, target), block=128)  # noqa: E731
+    np.testing.assert_allclose(np.asarray(lse(h)), np.log(np.exp(want).sum(-1)), rtol=1e-5)
+    direct = lambda h: jax.nn.logsumexp(draft_unembed(scaled, target, h), -1)  # noqa: E731
+    np.testing.assert_allclose(np.asarray(jax.grad(lambda h: lse(h).sum())(h)),
+                               np.asarray(jax.grad(lambda h: direct(h).sum())(h)), atol=1e-5)
+
+
+def test_drafter_input_embedding_scale_scales_the_block_embeddings(decode_models):
+    """z-lab's ``input_embedding_scale``: the block's target embeddings (with the
+    target's own sqrt(D) scale) times s, in decoding (`draft_hidden`) and training
+    (`anchor_hidden`): equal to a target whose embedding table is s times larger."""
+    from tev_jax.models import drafter as dr
+
+    target, drafter = decode_models
+    scaled = nnx.clone(drafter)
+    scaled.config = dataclasses.replace(drafter.config, input_embedding_scale=2.5)
+    bigger = nnx.clone(target)
+    bigger.embed_tokens[...] = target.embed_tokens[...] * 2.5
+    rng = np.random.default_rng(7)
+    feats = jnp.asarray(rng.normal(size=(2, 6, drafter.config.feature_size)), jnp.float32)
+    tokens = jnp.asarray(rng.integers(0, 500, (2, 6)), jnp.int32)
+    anchors = jnp.asarray([[0, 2], [1, 3]], jnp.int32)
+    got = dr.anchor_hidden(scaled, target, feats, tokens, anchors)
+    want = dr.anchor_hidden(drafter, bigger, feats, tokens, anchors)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5)
+    plain = dr.anchor_hidden(drafter, target, feats, tokens, anchors)
+    assert np.abs(np.asarray(got) - np.asarray(plain)).max() > 1e-3
 
 
 def test_blocked_head_is_soft_capped_with_its_gradient():

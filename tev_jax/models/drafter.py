@@ -27,6 +27,7 @@ forward with one attention mask (static shapes).
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 import jax
@@ -44,7 +45,6 @@ from tev_jax.sharding import constrain
 # Keys of DFlash-2 / variant drafters that change the architecture or the logits.
 _UNSUPPORTED_DFLASH_KEYS = ("conv_kernel_size", "conv_group_size", "selector_rank",
                             "selector_top_k")
-_NEUTRAL_DFLASH_VALUES = {"input_embedding_scale": 1.0, "output_multiplier": 1.0}
 
 
 def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> tuple[int, ...]:
@@ -78,6 +78,10 @@ class DrafterConfig:
         as the DFlash authors' Gemma drafter takes its logits (the block input is the
         target's embedding, scaled as the target scales it). Draft logits only shape
         the trees: the verifiers stay exact either way.
+      input_embedding_scale: the block's token embeddings (the target's, with the
+        target's own scale) are multiplied by it (z-lab's key of that name; 1: none).
+      output_multiplier: the draft logits are multiplied by it before the soft-cap
+        (z-lab's key of that name; 1: none).
     """
 
     model: ModelConfig
@@ -86,6 +90,8 @@ class DrafterConfig:
     mask_token_id: int
     target_layer_ids: tuple[int, ...]
     logit_softcap: float | None = None
+    input_embedding_scale: float = 1.0
+    output_multiplier: float = 1.0
 
     def __post_init__(self):
         if not self.model.qk_norm:
@@ -108,6 +114,10 @@ class DrafterConfig:
                                  f"{self.num_target_layers}) (num_target_layers)")
         if self.logit_softcap is not None and not self.logit_softcap > 0:
             raise ValueError(f"final_logit_softcapping must be > 0, got {self.logit_softcap!r}")
+        for name in ("input_embedding_scale", "output_multiplier"):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+                raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
 
     @property
     def horizon(self) -> int:
@@ -149,11 +159,6 @@ class DrafterConfig:
             if get(key) is not None:
                 raise ValueError(f"unsupported DFlash variant: field {key!r} (DFlash-2 "
                                  "convolutions / candidate selector) is not implemented")
-        for key, neutral in _NEUTRAL_DFLASH_VALUES.items():
-            value = get(key, neutral)
-            if value != neutral and not (neutral is None and not value):
-                raise ValueError(f"unsupported DFlash field {key}={value!r}; supported: "
-                                 f"{neutral!r}")
         if hf.get("is_causal"):
             raise ValueError("unsupported DFlash field is_causal=True; supported: "
                              "non-causal block attention")
@@ -168,9 +173,12 @@ class DrafterConfig:
         ids = (default_target_layer_ids(num_target_layers, model.num_layers) if ids is None
                else tuple(int(i) for i in ids))
         cap = get("final_logit_softcapping")
+        scale, mult = get("input_embedding_scale"), get("output_multiplier")
         return cls(model=model, block_size=int(get("block_size", 16)),
                    num_target_layers=num_target_layers, mask_token_id=int(mask),
-                   target_layer_ids=ids, logit_softcap=None if not cap else float(cap))
+                   target_layer_ids=ids, logit_softcap=None if not cap else float(cap),
+                   input_embedding_scale=1.0 if scale is None else scale,
+                   output_multiplier=1.0 if mult is None else mult)
 
     def to_hf(self, *, dtype: str = "float32") -> dict[str, Any]:
         """A ``config.json`` dict that the original ``dflash`` package reads."""
@@ -182,6 +190,9 @@ class DrafterConfig:
                                "target_layer_ids": list(self.target_layer_ids)}
         if self.logit_softcap is not None:
             hf["dflash_config"]["final_logit_softcapping"] = self.logit_softcap
+        for name in ("input_embedding_scale", "output_multiplier"):
+            if getattr(self, name) != 1:
+                hf["dflash_config"][name] = getattr(self, name)
         return hf
 
     def check_target(self, target_config: ModelConfig) -> None:
@@ -338,20 +349,30 @@ def _layers(drafter: Drafter, x_BQD, positions_BQ, block_mask, ctx_k, ctx_v, ctx
     return drafter.norm(x)
 
 
+def _block_embeddings(drafter: Drafter, target, tokens):
+    """The target's embeddings of the block tokens, times the drafter's
+    ``input_embedding_scale``."""
+    x = target.embed(tokens)
+    scale = drafter.config.input_embedding_scale
+    return x if scale == 1 else (x * scale).astype(x.dtype)
+
+
 def draft_unembed(drafter: Drafter, target, hidden: jax.Array) -> jax.Array:
     """float32 draft logits [..., V]: the target's head on the drafter's final-normed
-    hidden states, with the drafter's soft-cap (`DrafterConfig.logit_softcap`), not
-    the target's."""
-    logits = target.unembed(hidden, softcap=False)
+    hidden states, times the drafter's ``output_multiplier``, with the drafter's
+    soft-cap (`DrafterConfig.logit_softcap`), not the target's."""
+    logits = target.unembed(hidden, softcap=False) * drafter.config.output_multiplier
     cap = drafter.config.logit_softcap
     return logits if cap is None else cap * jnp.tanh(logits / cap)
 
 
 def draft_head(drafter: Drafter, target):
-    """The `tev_jax.models.lm_head.Head` of the draft rows (the drafter's soft-cap)."""
+    """The `tev_jax.models.lm_head.Head` of the draft rows (the drafter's multiplier and
+    soft-cap)."""
     from tev_jax.models import lm_head
 
-    return lm_head.head_of(target).replace(softcap=drafter.config.logit_softcap)
+    return lm_head.head_of(target).replace(softcap=drafter.config.logit_softcap,
+                                           multiplier=drafter.config.output_multiplier)
 
 
 def block_tokens(config: DrafterConfig, roots_B: jax.Array) -> jax.Array:
@@ -379,8 +400,8 @@ def draft_hidden(drafter: Drafter, target, cache: DrafterCache, roots_B: jax.Arr
     b, q = tokens.shape
     lengths = cache.lengths.astype(jnp.int32)
     positions = lengths[:, None] + jnp.arange(q, dtype=jnp.int32)[None, :]
-    h = _layers(drafter, target.embed(tokens), positions, Mask(), cache.k, cache.v,
-                Mask.prefix(lengths))
+    h = _layers(drafter, _block_embeddings(drafter, target, tokens), positions, Mask(),
+                cache.k, cache.v, Mask.prefix(lengths))
     return h[:, 1:]
 
 
@@ -437,8 +458,8 @@ def anchor_hidden(drafter: Drafter, target, features_BLF: jax.Array, tokens_BL: 
     offs = jnp.arange(q, dtype=jnp.int32)
     positions = (anchors[:, :, None] + offs).reshape(b, a * q)
     ctx_mask = Mask(end=jnp.repeat(anchors, q, axis=1))                  # [B, AQ]
-    h = _layers(drafter, target.embed(tokens), positions, Mask.blocks(a * q, q), ctx_k,
-                ctx_v, ctx_mask, remat)
+    h = _layers(drafter, _block_embeddings(drafter, target, tokens), positions,
+                Mask.blocks(a * q, q), ctx_k, ctx_v, ctx_mask, remat)
     return h.reshape(b, a, q, -1)[:, :, 1:]
 
 

@@ -44,11 +44,13 @@ class Head:
       w: [V, D] (tied embedding, ``vocab_major``) or [D, V] (``lm_head``).
       vocab_major: static, which of the two layouts ``w`` has.
       softcap: static, the final logit soft-cap c (logits ``c * tanh(x / c)``) or None.
+      multiplier: static, m: the logits are ``m * h . w`` (before the cap).
     """
 
     w: jax.Array
     vocab_major: bool = struct.field(pytree_node=False)
     softcap: float | None = struct.field(pytree_node=False, default=None)
+    multiplier: float = struct.field(pytree_node=False, default=1.0)
 
     @property
     def vocab(self) -> int:
@@ -82,7 +84,8 @@ def _block_logits(h_XD: jax.Array, head: Head, i, block: int):
     spec = "...d,vd->...v" if head.vocab_major else "...d,dv->...v"
     x = jnp.einsum(spec, h_XD.astype(w.dtype), w, preferred_element_type=jnp.float32)
     ids = start + jnp.arange(block)
-    return _capped(x.astype(jnp.float32), head), ids, ids >= i * block, w
+    x = x.astype(jnp.float32) * head.multiplier
+    return _capped(x, head), ids, ids >= i * block, w
 
 
 def _lse_forward(h_XD, head: Head, scale: float, block: int) -> jax.Array:
@@ -127,7 +130,7 @@ def _lse_bwd(scale, block, res, g):
         return acc + jnp.einsum(spec, p, w.astype(jnp.float32)), None
 
     acc, _ = jax.lax.scan(body, jnp.zeros(h_XD.shape, jnp.float32), jnp.arange(n))
-    dh = (g[..., None] * scale * acc).astype(h_XD.dtype)
+    dh = (g[..., None] * scale * head.multiplier * acc).astype(h_XD.dtype)
     return dh, jax.tree.map(jnp.zeros_like, head)
 
 
