@@ -51,8 +51,8 @@ def _bound(n_devices: int) -> int:
 
 @needs_libtpu
 @pytest.mark.parametrize("name,axes,programs", [
-    # tensor 8 on v5e:2x4: every program, in test_plan_command_json_for_a_topology
-    ("v5e:2x4", dict(data=2, tensor=4, fsdp=1), ("generation",)),
+    # tensor 8 on v5e:2x4: every program, in test_plan_command_json_for_a_topology; data 2
+    # x tensor 4 there: the rounds, in test_continuous_batching_rounds_compile_for_a_tpu_slice
     ("v5e:4x4", dict(data=2, tensor=8, fsdp=1), ("generation",))])
 def test_decode_programs_compile_for_a_tpu_slice(name, axes, programs):
     mesh, tpu = topology.slice_mesh(name, **axes)
