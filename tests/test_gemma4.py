@@ -308,24 +308,6 @@ def test_speculative_tokens_equal_ar_greedy_past_the_window(decode_models):
     assert engine.generate_ar(target, PROMPTS, _decode_config()).rows() == want
 
 
-@pytest.mark.skipif(len(jax.devices()) < 8, reason="needs 8 devices")
-def test_mesh_gives_single_device_tokens(decode_models):
-    """T = 1, key 3: every 8-device mesh of the suite gives the single-device tokens
-    (the global layer's single key/value head cannot split: it is replicated)."""
-    from test_decode_mesh import MESHES, PROMPTS
-    from tev_jax import engine
-    from tev_jax import sharding as shd
-    from tev_jax.sampling import Sampling
-
-    target, drafter = decode_models
-    cfg = _decode_config(sampling=Sampling(1.0))
-    ref = engine.generate(target, drafter, PROMPTS, cfg, key=3)
-    for name, axes in MESHES.items():
-        out = engine.generate(target, drafter, PROMPTS, cfg, key=3, mesh=shd.make_mesh(**axes))
-        assert out.rows() == ref.rows(), name
-        np.testing.assert_array_equal(out.stats.block_lengths, ref.stats.block_lengths)
-
-
 def test_first_three_tokens_follow_the_soft_capped_target():
     """T = 1 exactness with the soft-cap, as tests/test_decode_stats.py: V = 8, a
     sliding layer of window 2 and a global one, prompt of 3 (the window edge is

@@ -1,0 +1,27 @@
+"""Gemma 4 on every 8-device mesh of the suite (its own file so that pytest-xdist's
+per-file scheduling runs it beside tests/test_gemma4.py, not after it)."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+
+from test_decode_mesh import MESHES, PROMPTS
+from test_gemma4 import _decode_config, decode_models  # noqa: F401  (a fixture)
+from tev_jax import engine
+from tev_jax import sharding as shd
+from tev_jax.sampling import Sampling
+
+
+@pytest.mark.skipif(len(jax.devices()) < 8, reason="needs 8 devices")
+def test_mesh_gives_single_device_tokens(decode_models):  # noqa: F811
+    """T = 1, key 3: every 8-device mesh of the suite gives the single-device tokens
+    (the global layer's single key/value head cannot split: it is replicated)."""
+    target, drafter = decode_models
+    cfg = _decode_config(sampling=Sampling(1.0))
+    ref = engine.generate(target, drafter, PROMPTS, cfg, key=3)
+    for name, axes in MESHES.items():
+        out = engine.generate(target, drafter, PROMPTS, cfg, key=3, mesh=shd.make_mesh(**axes))
+        assert out.rows() == ref.rows(), name
+        np.testing.assert_array_equal(out.stats.block_lengths, ref.stats.block_lengths)
