@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import time
 from pathlib import Path
 
@@ -26,9 +27,12 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax.numpy as jnp  # noqa: E402
 
-from tev_jax import op_costs, plan, topology  # noqa: E402
+from tev_jax import plan, topology  # noqa: E402
 from tev_jax.decode import DecodeConfig  # noqa: E402
 from tev_jax.engine import Engine  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from moe import round_record  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 MODEL = "gemma-4-12b"
@@ -59,23 +63,9 @@ def measure(layers: int, chip_name: str, batch: int, budget: int | None, ctx: in
             raise
         return {"layers": layers, "chip": chip_name, "batch": batch, "budget": budget,
                 "ctx": ctx, "window": window, "does_not_fit": str(e).split("\n")[0][:200]}
-    seconds = time.perf_counter() - t0
-    mem = compiled.memory_analysis()
-    t = op_costs.totals(op_costs.op_costs(compiled.as_text()))
-    floor = plan.round_floor(engine)
-    floor_total = plan.sum_floor(floor)
-    chip = tpu.chip
-    return {
-        "layers": layers, "chip": chip_name, "batch": batch, "budget": budget, "ctx": ctx,
-        "window": window, "compile_seconds": seconds,
-        "peak_bytes": (mem.argument_size_in_bytes + mem.output_size_in_bytes
-                       + mem.temp_size_in_bytes - mem.alias_size_in_bytes),
-        "round_hbm_bytes": t["loop_hbm_bytes"], "round_flops": t["loop_flops"],
-        "floor": floor, "hbm_over_floor": t["loop_hbm_bytes"] / floor_total,
-        "roofline_seconds": max(t["loop_flops"] / chip.peak_flops,
-                                t["loop_hbm_bytes"] / chip.hbm_bandwidth),
-        "floor_seconds": floor_total / chip.hbm_bandwidth,
-    }
+    return {"layers": layers, "chip": chip_name, "batch": batch, "budget": budget, "ctx": ctx,
+            "window": window, "compile_seconds": time.perf_counter() - t0,
+            **round_record(engine, compiled, tpu.chip)}
 
 
 def key(layers, chip, batch, budget, ctx, window="native") -> str:

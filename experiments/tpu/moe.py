@@ -59,15 +59,20 @@ def measure(layers: int, chip_name: str, batch: int, budget: int | None) -> dict
                            mesh=mesh)
     t0 = time.perf_counter()
     compiled = engine.lower("run_rounds").compile()
-    seconds = time.perf_counter() - t0
+    return {"layers": layers, "chip": chip_name, "batch": batch, "budget": budget,
+            "compile_seconds": time.perf_counter() - t0,
+            **round_record(engine, compiled, tpu.chip)}
+
+
+def round_record(engine: Engine, compiled, chip) -> dict:
+    """Per chip, of a compiled rounds loop (``engine.lower("run_rounds")``): its memory,
+    one round's HBM bytes and FLOPs (`op_costs`), its floor of bytes
+    (`plan.round_floor`) and both rooflines. Shared with gemma4.py."""
     mem = compiled.memory_analysis()
     t = op_costs.totals(op_costs.op_costs(compiled.as_text()))
     floor = plan.round_floor(engine)
     floor_total = plan.sum_floor(floor)
-    chip = tpu.chip
     return {
-        "layers": layers, "chip": chip_name, "batch": batch, "budget": budget,
-        "compile_seconds": seconds,
         "peak_bytes": (mem.argument_size_in_bytes + mem.output_size_in_bytes
                        + mem.temp_size_in_bytes - mem.alias_size_in_bytes),
         "temp_bytes": mem.temp_size_in_bytes,

@@ -129,7 +129,7 @@ class _Static(NamedTuple):
     key_blocks: tuple[int, ...]      # per segment
     num_key_blocks: tuple[int, ...]
     scale: float
-    row_ends: tuple[bool, ...] = ()  # per segment: a cache seen up to a per-row end
+    row_ends: tuple[bool, ...]       # per segment: a stacked cache seen up to each row's end
 
 
 def attention(q_BTHd: jax.Array, segments: Sequence[tuple],
@@ -172,9 +172,7 @@ def attention(q_BTHd: jax.Array, segments: Sequence[tuple],
     kvs, masks, layers, kbs, nks, row_ends = [], [], [], [], [], []
     for k, v, mask, *layer in segments:
         mask = _as_mask(mask)
-        # a stacked cache seen up to each row's length: on TPU, one kernel per segment
-        row_ends.append(bool(layer) and nq == 1 and mask.start is None and mask.dense is None
-                        and mask.end is not None and jnp.shape(mask.end)[-1:] == (1,))
+        stacked = bool(layer)
         if not layer:
             k, v, layer = k[None], v[None], [0]
         s = k.shape[2]
@@ -182,8 +180,10 @@ def attention(q_BTHd: jax.Array, segments: Sequence[tuple],
             raise ValueError(f"segment keys {k.shape} / values {v.shape} do not match "
                              f"queries {q_BTHd.shape} with {kh} key/value heads")
         if s == 0:
-            row_ends.pop()
             continue
+        # a stacked cache seen up to each row's length: on TPU, one kernel per segment
+        row_ends.append(stacked and nq == 1 and mask.start is None and mask.dense is None
+                        and mask.end is not None and jnp.shape(mask.end)[-1:] == (1,))
         kvs.append((k, v))
         layers.append(jnp.asarray(layer[0], jnp.int32))
         masks.append(_padded(mask, b, t, s, pad))
@@ -291,10 +291,11 @@ def _over_query_blocks(static: _Static, body, carry):
     return jax.lax.fori_loop(0, static.num_query_blocks, body, carry)
 
 
-def _cache_kernel(q_BQKGd, k, v, layer, end_B, scale, unsplit):
-    """`cache_attention_state` in the (max, denominator, output) layout of `_forward`,
-    on each device's rows and key/value heads of the active mesh (``unsplit()``, the
-    blocked loop, where the mesh splits the cache's length)."""
+def _cache_kernel(carry, q_BQKGd, k, v, layer, end_B, scale, blocked):
+    """``carry`` (`_forward`'s max, denominator, output) joined with
+    `cache_attention_state` over the segment, on each device's rows and key/value heads
+    of the active mesh (``blocked(carry)``, the XLA loop, where the mesh splits the
+    cache's length)."""
     def state(q_BQKGd, k, v, layer, end_B):
         b, q, kh, g, hd = q_BQKGd.shape
         m, l, o = cache_attention_state(
@@ -304,18 +305,17 @@ def _cache_kernel(q_BQKGd, k, v, layer, end_B, scale, unsplit):
 
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty:
-        return state(q_BQKGd, k, v, layer, end_B)
+        return merge_states(carry, state(q_BQKGd, k, v, layer, end_B))
     cache = shd.logical_to_spec(CACHE_AXES, k.shape, mesh)
     if len(cache) > 2 and cache[2] is not None:
-        return unsplit()
+        return blocked(carry)
     rows, heads = (cache[i] if i < len(cache) else None for i in (1, 3))
     kv = PartitionSpec(None, rows, None, heads)
     out = PartitionSpec(rows, heads)
-    return jax.shard_map(state, mesh=mesh,
-                         in_specs=(PartitionSpec(rows, None, heads), kv, kv, PartitionSpec(),
-                                   PartitionSpec(rows)),
-                         out_specs=(out, out, out), check_vma=False)(
-        q_BQKGd, k, v, layer, end_B)
+    return merge_states(carry, jax.shard_map(
+        state, mesh=mesh,
+        in_specs=(PartitionSpec(rows, None, heads), kv, kv, PartitionSpec(), PartitionSpec(rows)),
+        out_specs=(out, out, out), check_vma=False)(q_BQKGd, k, v, layer, end_B))
 
 
 def _grouped(x_BTHd, kh):
@@ -339,8 +339,7 @@ def _forward(static: _Static, q, kvs, masks, layers):
         m = jnp.full((b, kh, qb, g), -jnp.inf, jnp.float32)
         carry = (m, jnp.zeros_like(m), jnp.zeros((b, kh, qb, g, hd), jnp.float32))
         for (k, v), mask, layer, kb, nk, row_end in zip(
-                kvs, masks, layers, static.key_blocks, static.num_key_blocks,
-                static.row_ends or (False,) * len(kvs)):
+                kvs, masks, layers, static.key_blocks, static.num_key_blocks, static.row_ends):
             mask_q = tuple(_query_rows(x, i, qb) for x in mask)
 
             def body(j, carry, k=k, v=v, mask_q=mask_q, layer=layer, kb=kb):
@@ -358,15 +357,11 @@ def _forward(static: _Static, q, kvs, masks, layers):
                 return _over_key_blocks(*_key_range(mask_q, k.shape[2], kb, nk), nk, body,
                                         carry)
 
-            if row_end:
-                fresh = (jnp.full_like(carry[0], -jnp.inf), jnp.zeros_like(carry[1]),
-                         jnp.zeros_like(carry[2]))
-                state = jax.lax.platform_dependent(
-                    q_blk, k, v, layer, mask_q[1][:, 0],
-                    tpu=lambda *a, fresh=fresh, blocked=blocked: _cache_kernel(
-                        *a, static.scale, lambda: blocked(fresh)),
-                    default=lambda *a, fresh=fresh, blocked=blocked: blocked(fresh))
-                carry = merge_states(carry, state)
+            if row_end:   # lowered for TPU: the kernel's state, joined to the carry
+                carry = jax.lax.platform_dependent(
+                    carry, q_blk, k, v, layer, mask_q[1][:, 0],
+                    tpu=lambda *a, blocked=blocked: _cache_kernel(*a, static.scale, blocked),
+                    default=lambda c, *_, blocked=blocked: blocked(c))
             else:
                 carry = blocked(carry)
         m, l, o = carry

@@ -462,6 +462,11 @@ class ModelConfig:
                      norm_topk_prob=self.norm_topk_prob,
                      decoder_sparse_step=self.decoder_sparse_step,
                      mlp_only_layers=list(self.mlp_only_layers))
+        return d | self.special_tokens_hf()
+
+    def special_tokens_hf(self) -> dict[str, Any]:
+        """The ``bos_token_id`` / ``eos_token_id`` fields of a ``config.json`` (those set)."""
+        d: dict[str, Any] = {}
         if self.bos_token_id is not None:
             d["bos_token_id"] = self.bos_token_id
         if self.eos_token_ids:

@@ -261,9 +261,4 @@ def config_to_hf(config: ModelConfig, *, dtype: str = "float32") -> dict[str, An
         "dtype": dtype,
         "use_cache": True,
     }
-    if c.bos_token_id is not None:
-        d["bos_token_id"] = c.bos_token_id
-    if c.eos_token_ids:
-        d["eos_token_id"] = (c.eos_token_ids[0] if len(c.eos_token_ids) == 1
-                             else list(c.eos_token_ids))
-    return d
+    return d | c.special_tokens_hf()
