@@ -13,6 +13,7 @@ from reference_attention import attend_segments, dense_mask
 from tev_jax.models import ModelConfig, init_target
 from tev_jax.models.attention import Mask, attention
 from tev_jax.models.cache_attention import cache_attention_state, merge_states
+from tev_jax.models.cache_attention import fits as cache_fits
 
 
 def _normal(key, shape, dtype=jnp.float32):
@@ -178,6 +179,14 @@ def test_cache_kernel_state_joins_into_the_joint_softmax(kv_heads):
     np.testing.assert_allclose(np.asarray(got.reshape(b, t, h, hd)), np.asarray(want),
                                atol=1e-5)
     assert np.isneginf(np.asarray(cache[0][0])).all() and not np.asarray(cache[1][0]).any()
+
+
+def test_cache_kernel_fits_rounds_not_prefill_chunks():
+    """Which passes take the TPU cache kernel: a round's 65 queries x 8 query heads per
+    key/value head fit its VMEM budget, a 512-token prefill chunk's do not (a scores
+    block of 4096 x 512 float32 alone is 8 MiB) and keep the blocked XLA attention."""
+    assert cache_fits(65 * 8, 128, 2048) and cache_fits(1, 128, 2048)
+    assert not cache_fits(512 * 8, 128, 2048)
 
 
 def test_refusals():

@@ -43,6 +43,7 @@ from jax.sharding import PartitionSpec
 
 from tev_jax import sharding as shd
 from tev_jax.models.cache_attention import cache_attention_state, merge_states
+from tev_jax.models.cache_attention import fits as cache_fits
 from tev_jax.models.kv_cache import CACHE_AXES
 from tev_jax.op_costs import bound_scope
 
@@ -183,7 +184,8 @@ def attention(q_BTHd: jax.Array, segments: Sequence[tuple],
             continue
         # a stacked cache seen up to each row's length: on TPU, one kernel per segment
         row_ends.append(stacked and nq == 1 and mask.start is None and mask.dense is None
-                        and mask.end is not None and jnp.shape(mask.end)[-1:] == (1,))
+                        and mask.end is not None and jnp.shape(mask.end)[-1:] == (1,)
+                        and cache_fits(t * (h // kh), hd, s, k.dtype.itemsize))
         kvs.append((k, v))
         layers.append(jnp.asarray(layer[0], jnp.int32))
         masks.append(_padded(mask, b, t, s, pad))

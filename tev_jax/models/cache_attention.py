@@ -24,6 +24,20 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 KEY_BLOCK = 512
+VMEM_BUDGET = 12 * 2**20   # of the 16 MiB scoped VMEM a kernel gets by default (v5e)
+
+
+def fits(rows: int, head_dim: int, length: int, itemsize: int = 2,
+         key_block: int = KEY_BLOCK) -> bool:
+    """Whether one kernel step of ``rows`` query rows per key/value head (queries x
+    query heads per key/value head) fits `VMEM_BUDGET`: double-buffered queries, key and
+    value blocks and float32 outputs (the running max and denominator padded to 128
+    lanes), and the float32 scores and probabilities of a key block. A prefill chunk of
+    512 queries does not: it takes the blocked XLA attention."""
+    kb = min(key_block, length)
+    buffers = 2 * (rows * head_dim * itemsize + 2 * kb * head_dim * itemsize
+                   + rows * (2 * 128 + head_dim) * 4)
+    return buffers + 2 * rows * kb * 4 <= VMEM_BUDGET
 
 
 def _kernel(layer_ref, end_ref, q_ref, k_ref, v_ref, m_ref, l_ref, o_ref, *, kb: int,
