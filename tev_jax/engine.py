@@ -46,6 +46,7 @@ from tev_jax.budget import AutoBudget, resolve_budget
 from tev_jax.decode import DecodeConfig, DecodeSpec, DecodeState
 from tev_jax.drafters import DrafterProtocol, as_drafter
 from tev_jax.generation import DecodeStats, Generation
+from tev_jax.models import kv_heads
 from tev_jax.prompts import Prompts, check_prompts
 from tev_jax.trace import RoundRecord, RoundTrace, stack_records
 
@@ -81,6 +82,12 @@ def _abstract(tree):
 def _mesh_scope(mesh):
     """``jax.set_mesh(mesh)`` (activates the models' activation constraints), or nothing."""
     return contextlib.nullcontext() if mesh is None else jax.set_mesh(mesh)
+
+
+def _heads_for(target, drafter, mesh):
+    """Target and drafter with key/value heads the mesh splits (`kv_heads.for_mesh`)."""
+    return (kv_heads.for_mesh(target, mesh),
+            None if drafter is None else kv_heads.for_mesh(drafter, mesh))
 
 
 def _spec_of(target, drafter, config: DecodeConfig, batch_size: int, prompt_len: int,
@@ -298,12 +305,17 @@ class Engine:
             caches and the loop state get explicit shardings: batch rows over data and
             fsdp; heads, MLP and vocabulary over tensor; parameters' ``embed`` axis over
             fsdp (gathered when used: use ``data`` to keep weights whole per device).
+            Where the tensor axis is wider than the models' key/value heads, each head
+            is taken as often as it needs to split (`tev_jax.models.kv_heads`: the same
+            models, a larger cache).
 
         Raises:
           ValueError: a bad config, batch size or prompt buffer; a cache too short for
             P + M + N; a missing or malformed drafter, builder or verifier; a mesh that
             does not divide a dimension (named in the message).
         """
+        if mesh is not None:
+            target, drafter = _heads_for(target, drafter, mesh)
         drafter, spec = _spec_of(target, drafter, config, batch_size,
                                  _width(config, prompt_len), mesh)
         graphdef, params = nnx.split((target,) if drafter is None else (target, drafter))
@@ -315,6 +327,8 @@ class Engine:
     def with_models(self, target, drafter=None) -> Engine:
         """The same engine (same spec and compilations) over other weights of the same
         architecture; a ValueError if the architecture differs."""
+        if self.mesh is not None:
+            target, drafter = _heads_for(target, drafter, self.mesh)
         drafter = None if self.drafter is None else as_drafter(drafter)
         graphdef, params = nnx.split((target,) if drafter is None else (target, drafter))
         if graphdef != self.graphdef:
