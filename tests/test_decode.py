@@ -265,3 +265,34 @@ def test_cli_generate(tmp_path, target, drafter, capsys):
     with pytest.raises(SystemExit):
         cli.main(["generate", prompt, "--target", str(tmp_path / "target")])
     assert "--drafter is required" in capsys.readouterr().err
+
+
+def test_trace_records_the_targets_log_probabilities_of_its_tokens(target, drafter):
+    """The trace's target log-probabilities (T = 1) of the accepted path and the bonus
+    equal a teacher-forced forward over the generated sequence; rejected nodes get their
+    own (finite, <= 0), the root and padding 0."""
+    drafter.use_oracle[...] = jnp.asarray(False)
+    config = _config(builder="ddtree", max_new_tokens=24, sampling=Sampling(1.0))
+    gen = engine.generate(target, drafter, PROMPTS, config, key=5, trace=True)
+    t = gen.trace
+    node = t.tree.valid & (t.tree.depths > 0)
+    assert (t.target_logp_RBN[node] <= 0).all() and (t.target_logp_RBN[~node] == 0).all()
+    checked = 0
+    for b, (prompt, row) in enumerate(zip(PROMPTS, gen.rows())):
+        seq = jnp.asarray([prompt + row])
+        want = jax.nn.log_softmax(target(seq)[0][0], axis=-1)   # [T, V]: next-token law
+        for r in range(t.rounds):
+            n, start = int(t.verdict.length[r, b]), int(t.start_RB[r, b])
+            if not t.active_RB[r, b] or start + n >= seq.shape[1]:
+                continue
+            path = t.verdict.path[r, b, :n]
+            for d in range(1, n):          # path node at depth d is the token at start + d
+                tok = int(t.tree.tokens[r, b, path[d]])
+                np.testing.assert_allclose(t.target_logp_RBN[r, b, path[d]],
+                                           want[start + d - 1, tok], atol=2e-4)
+            np.testing.assert_allclose(t.bonus_logp_RB[r, b],
+                                       want[start + n - 1, int(t.verdict.bonus[r, b])],
+                                       atol=2e-4)
+            checked += n
+    assert checked > 20
+    assert np.isfinite(t.target_logp_RBN).all() and np.isfinite(t.bonus_logp_RB).all()

@@ -490,7 +490,7 @@ def traced_round(graphdef, params, st: DecodeState, *, spec: DecodeSpec
     with jax.named_scope("commit"):
         new = commit_stage(st, ctx, draft_logits, tree, logits, feats, cache, verdict, key,
                            experts, spec=spec)
-    return new, round_record(st.start_B, st.done_B, draft_logits, tree, verdict)
+    return new, round_record(st.start_B, st.done_B, draft_logits, tree, logits, verdict)
 
 
 def decode_round(graphdef, params, st: DecodeState, *, spec: DecodeSpec) -> DecodeState:

@@ -159,7 +159,8 @@ def _profile(engine: Engine, prompts: Prompts, key, warmup: bool,
         key, sub = _round_keys(st.key)
         verdict = timed("decide", sub, tree, logits)
         if record and records is not None:
-            records.append(_round_record(st.start_B, st.done_B, draft_logits, tree, verdict))
+            records.append(_round_record(st.start_B, st.done_B, draft_logits, tree, logits,
+                                             verdict))
         return timed("commit", st, ctx, draft_logits, tree, logits, feats, cache, verdict,
                      key, experts)
 

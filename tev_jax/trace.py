@@ -1,8 +1,9 @@
 """The round trace: what every decode round did, row by row, for research.
 
 A round (DESIGN.md §7) drafts a block, builds a tree, verifies it with the target, decides
-and commits. Its `RoundRecord` keeps, per row: the tree, the drafter's log-probability of
-every node's token, the verdict (accepted path, its length, the bonus token, the exit
+and commits. Its `RoundRecord` keeps, per row: the tree, the drafter's and the target's
+log-probabilities of every node's token (the target's under the node's tree ancestors,
+at T = 1: what on-policy drafter training, `train.opd`, supervises with), the verdict (accepted path, its length, the bonus token, the exit
 node), the committed length before the round and whether the row was still decoding.
 `tev_jax.engine.Engine.trace`, ``generate(..., trace=True)`` and
 ``profile_generate(..., trace=True)`` stack a generation's records per round into a
@@ -46,6 +47,12 @@ class RoundRecord:
       draft_logp_BN: float32 [B, N] ``log q_{depth(v)}(tokens[v])``, the drafter's
         log-probability of each node's token in its depth's row; 0 at the root, on
         padding and without draft logits (AR rounds).
+      target_logp_BN: float32 [B, N] ``log p(tokens[v] | context, ancestors of v)``, the
+        target's log-probability (T = 1, no sampling transform) of each node's token
+        given the committed context and the node's tree ancestors; 0 at the root and
+        on padding.
+      bonus_logp_B: float32 [B] the target's log-probability (T = 1) of the bonus token
+        after the exit node.
       verdict: the `tev_jax.verify.Verdict` of every row: path [B, H+1] (-1 padded),
         length [B] (accepted draft tokens + 1), bonus [B], exit_node [B].
       start_B: int32 [B] committed length before the round (the root's position).
@@ -55,19 +62,23 @@ class RoundRecord:
 
     tree: DraftTree
     draft_logp_BN: jax.Array
+    target_logp_BN: jax.Array
+    bonus_logp_B: jax.Array
     verdict: Verdict
     start_B: jax.Array
     active_B: jax.Array
 
 
 def round_record(start_B: jax.Array, done_B: jax.Array, draft_logits_BHV, tree: DraftTree,
-                 verdict: Verdict) -> RoundRecord:
+                 target_logits_BNV: jax.Array, verdict: Verdict) -> RoundRecord:
     """The `RoundRecord` of one round from its stages' outputs.
 
     Args:
       start_B, done_B: the state's committed lengths and finished rows before the round.
       draft_logits_BHV: float [B, H, V] the draft stage's logits, or None.
       tree: the build stage's `DraftTree` [B, N].
+      target_logits_BNV: float [B, N, V] the verify stage's logits (row v: the target's
+        next-token logits after node v).
       verdict: the decide stage's `Verdict` [B, ...].
     """
     b, n = tree.tokens.shape
@@ -81,8 +92,17 @@ def round_record(start_B: jax.Array, done_B: jax.Array, draft_logits_BHV, tree: 
         picked_BN = jnp.take_along_axis(logq_BNV, tree.tokens[:, :, None], axis=2)[..., 0]
         node_BN = tree.valid & (tree.depths > 0)
         draft_logp_BN = jnp.where(node_BN, picked_BN, 0.0)
-    return RoundRecord(tree=tree, draft_logp_BN=draft_logp_BN, verdict=verdict,
-                       start_B=start_B, active_B=~done_B)
+    logp_BNV = jax.nn.log_softmax(target_logits_BNV.astype(jnp.float32), axis=-1)
+    node_BN = tree.valid & (tree.depths > 0)
+    parent_BN = jnp.maximum(tree.parents, 0)
+    at_parent_BNV = jnp.take_along_axis(logp_BNV, parent_BN[:, :, None], axis=1)
+    picked_BN = jnp.take_along_axis(at_parent_BNV, tree.tokens[:, :, None], axis=2)[..., 0]
+    target_logp_BN = jnp.where(node_BN, picked_BN, 0.0)
+    at_exit_BV = jnp.take_along_axis(logp_BNV, verdict.exit_node[:, None, None], axis=1)[:, 0]
+    bonus_logp_B = jnp.take_along_axis(at_exit_BV, verdict.bonus[:, None], axis=1)[:, 0]
+    return RoundRecord(tree=tree, draft_logp_BN=draft_logp_BN,
+                       target_logp_BN=target_logp_BN, bonus_logp_B=bonus_logp_B,
+                       verdict=verdict, start_B=start_B, active_B=~done_B)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,6 +112,8 @@ class RoundTrace:
     Attributes:
       tree: `DraftTree` with fields [R, B, N].
       draft_logp_RBN: float32 [R, B, N] (`RoundRecord.draft_logp_BN`).
+      target_logp_RBN: float32 [R, B, N] (`RoundRecord.target_logp_BN`).
+      bonus_logp_RB: float32 [R, B] (`RoundRecord.bonus_logp_B`).
       verdict: `Verdict` with path [R, B, H+1], length [R, B], bonus [R, B],
         exit_node [R, B].
       start_RB: int32 [R, B] committed length before each round.
@@ -100,6 +122,8 @@ class RoundTrace:
 
     tree: DraftTree
     draft_logp_RBN: np.ndarray
+    target_logp_RBN: np.ndarray
+    bonus_logp_RB: np.ndarray
     verdict: Verdict
     start_RB: np.ndarray
     active_RB: np.ndarray
@@ -136,7 +160,8 @@ def stack_records(records: Sequence[RoundRecord]) -> RoundTrace | None:
     host = jax.device_get(list(records))
     stacked = jax.tree.map(lambda *x: np.stack(x), *host)
     return RoundTrace(tree=stacked.tree, draft_logp_RBN=stacked.draft_logp_BN,
-                      verdict=stacked.verdict, start_RB=stacked.start_B,
+                      target_logp_RBN=stacked.target_logp_BN,
+                      bonus_logp_RB=stacked.bonus_logp_B, verdict=stacked.verdict, start_RB=stacked.start_B,
                       active_RB=stacked.active_B)
 
 
