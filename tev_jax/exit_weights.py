@@ -30,7 +30,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from tev_jax.exit_law import ExitLaw, exit_law, floored_reach
-from tev_jax.models.lm_head import DenseRows, HeadRows
+from tev_jax.models.lm_head import as_rows
 from tev_jax.sampling import Sampling
 from tev_jax.tree import DraftTree
 
@@ -168,11 +168,6 @@ class LossParts:
         return jnp.where(self.weight > 0, self.total / safe, 0.0)
 
 
-def _rows(draft):
-    """`HeadRows` as given, a logits array as `DenseRows`."""
-    return draft if isinstance(draft, (HeadRows, DenseRows)) else DenseRows(draft)
-
-
 def token_loss(draft_logits_XHV, labels_XH: jax.Array, mask_XH: jax.Array,
                decay_gamma: float | None = None) -> LossParts:
     """The DFlash token objective: cross-entropy of each block row vs its label.
@@ -186,7 +181,7 @@ def token_loss(draft_logits_XHV, labels_XH: jax.Array, mask_XH: jax.Array,
     Returns:
       `LossParts` of the weighted cross-entropy (``.mean`` is the loss).
     """
-    rows = _rows(draft_logits_XHV)
+    rows = as_rows(draft_logits_XHV)
     h = labels_XH.shape[-1]
     row_XH = jnp.broadcast_to(jnp.arange(h, dtype=jnp.int32), labels_XH.shape)
     picked = rows.at(row_XH, labels_XH)
@@ -210,7 +205,7 @@ def exit_loss(draft_logits_XHV, trees: DraftTree, weights_XN: jax.Array) -> Loss
     Returns:
       `LossParts` (``.mean`` is the loss normalised by the total weight).
     """
-    rows = _rows(draft_logits_XHV)
+    rows = as_rows(draft_logits_XHV)
     lse_XH = rows.lse
     h = lse_XH.shape[-1]
     weights_XN = jax.lax.stop_gradient(weights_XN.astype(jnp.float32))

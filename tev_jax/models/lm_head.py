@@ -258,10 +258,15 @@ class HeadRows:
         return logits_at(h_XMD, self.head, tokens_XM)
 
 
+def as_rows(draft) -> "HeadRows | DenseRows":
+    """Draft rows as given (`HeadRows`, `DenseRows`), a logits array as `DenseRows`."""
+    return draft if isinstance(draft, (HeadRows, DenseRows)) else DenseRows(draft)
+
+
 def head_rows(hidden_XHD: jax.Array, head: Head, block: int = BLOCK) -> HeadRows:
     """`HeadRows` of hidden states, with their blocked log-normalisers."""
     return HeadRows(hidden_XHD, head, logsumexp(hidden_XHD, head, 1.0, block))
 
 
-__all__ = ["BLOCK", "DenseRows", "Head", "HeadRows", "head_of", "head_rows", "logits_at",
+__all__ = ["BLOCK", "DenseRows", "Head", "HeadRows", "as_rows", "head_of", "head_rows", "logits_at",
            "logsumexp", "top_k"]
