@@ -1,5 +1,6 @@
-"""The arithmetic of experiments/tpu/run.py: depth extrapolation, interpolation in the
-tree slots and in B, and the tables built from the committed results."""
+"""The arithmetic of experiments/tpu/run.py: interpolation in the tree slots and in B,
+today's full-depth compiles against the old extrapolation, and the tables built from the
+committed results."""
 
 import importlib.util
 import json
@@ -18,20 +19,18 @@ def run():
     return module
 
 
-def _program(flops, bytes_accessed, temp=10.0, seconds=1.0):
-    return {"flops": flops, "bytes_accessed": bytes_accessed, "argument_bytes": 2 * flops,
-            "output_bytes": 3.0, "alias_bytes": 1.0, "code_bytes": 4.0, "temp_bytes": temp,
-            "compile_seconds": seconds}
-
-
-def test_extrapolation_is_linear_in_layers_and_keeps_the_larger_temporaries(run):
-    one, two = _program(10.0, 100.0, temp=7.0), _program(13.0, 120.0, temp=5.0)
-    full = run.extrapolate(one, two, 36)
-    assert full["flops"] == 10.0 + 35 * 3.0
-    assert full["bytes_accessed"] == 100.0 + 35 * 20.0
-    assert full["temp_bytes"] == 7.0
-    assert full["peak_bytes"] == (full["argument_bytes"] + full["output_bytes"] + 7.0
-                                  - full["alias_bytes"] + full["code_bytes"])
+def test_extrapolation_table_gives_median_ratios_per_layout_and_kind(run):
+    full = lambda f, b, p: {"compiler_flops": f, "compiler_bytes_accessed": b,
+                            "peak_bytes": p}
+    entry = lambda budget, f: {"mesh": "tensor8", "budget": budget, "full": f}
+    today = {f"decode/m/B{i}/b16": entry(16, full(2.0 * i, 1.0, 3.0)) for i in (1, 2, 3)}
+    today["decode/m/B1/ar"] = entry(None, full(1.0, 1.0, 1.0))
+    today["decode/m/B9/b16"] = entry(16, full(1.0, 1.0, 1.0))    # nothing to compare
+    old = {k: {"full": {"flops": 2.0, "bytes_accessed": 4.0, "peak_bytes": 3.0}}
+           for k in today if "B9" not in k}
+    rows = run.extrapolation_table(today, old).splitlines()[2:]
+    assert rows == ["| tensor8 | AR | 1 | 0.50x | 0.25x | 0.33x |",
+                    "| tensor8 | round | 3 | 2.00x | 0.25x | 1.00x |"]
 
 
 def test_interpolation_in_tree_slots_and_in_batch(run):
@@ -71,4 +70,5 @@ def test_tables_of_the_committed_results(run):
                / run._seconds(results[base + f"b{b}"], "v5e"))
     assert cells[11] == str(best)
     assert "| qwen3-8b | 1 | v5p:2x2x2 | 8 |" in run.train_table(results)
-    assert "4 layers" in run.validation_table(results)
+    extrapolated = json.loads((ROOT / "experiments/tpu/results_extrapolated.json").read_text())
+    assert "| tensor8 | round | " in run.extrapolation_table(results, extrapolated)

@@ -32,7 +32,7 @@ from tev_jax.decode import DecodeConfig  # noqa: E402
 from tev_jax.engine import Engine  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from moe import round_record  # noqa: E402
+from run import round_record  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 MODEL = "gemma-4-12b"

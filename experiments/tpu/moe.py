@@ -27,30 +27,29 @@ from pathlib import Path
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-import dataclasses  # noqa: E402
-
 import jax.numpy as jnp  # noqa: E402
 
-from tev_jax import op_costs, plan, topology  # noqa: E402
+from run import round_record  # noqa: E402
+from tev_jax import plan, topology  # noqa: E402
 from tev_jax.decode import DecodeConfig  # noqa: E402
 from tev_jax.engine import Engine  # noqa: E402
 from tev_jax.tune import best_budgets  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 MODEL = "qwen3-coder-30b-a3b"
-# slice, mesh, key/value heads planned with. The model has 4 key/value heads: tensor 4 on
-# v5p-8 (4 chips); on the 8 chips of v5e-8 / v6e-8 (16 GB / 32 GB each: the 61 GB of
-# weights need all 8) tensor 8 takes each head twice (a copy of its k/v projections: the
-# same model, twice the cache), which is the program planned there.
-SLICES = {"v5p": ("v5p:2x2x1", dict(tensor=4, fsdp=1), 4),
-          "v5e": ("v5e:2x4", dict(tensor=8, fsdp=1), 8),
-          "v6e": ("v6e:2x4", dict(tensor=8, fsdp=1), 8)}
+# slice, mesh. The model has 4 key/value heads: tensor 4 on v5p-8 (4 chips); on the 8
+# chips of v5e-8 / v6e-8 (16 GB / 32 GB each: the 61 GB of weights need all 8) the
+# engine takes each head twice for tensor 8 (`tev_jax.models.kv_heads`: the same model,
+# twice the cache).
+SLICES = {"v5p": ("v5p:2x2x1", dict(tensor=4, fsdp=1)),
+          "v5e": ("v5e:2x4", dict(tensor=8, fsdp=1)),
+          "v6e": ("v6e:2x4", dict(tensor=8, fsdp=1))}
 
 
 def measure(layers: int, chip_name: str, batch: int, budget: int | None) -> dict:
-    slice_name, axes, kv_heads = SLICES[chip_name]
+    slice_name, axes = SLICES[chip_name]
     mesh, tpu = topology.slice_mesh(slice_name, **axes)
-    cfg = dataclasses.replace(plan.preset(MODEL, num_layers=layers), num_kv_heads=kv_heads)
+    cfg = plan.preset(MODEL, num_layers=layers)
     config = DecodeConfig(builder="none" if budget is None else "ddtree",
                           budget=budget or 16, verifier="tev", prompt_len=1024,
                           max_cache_len=2048, max_new_tokens=256)
@@ -62,26 +61,6 @@ def measure(layers: int, chip_name: str, batch: int, budget: int | None) -> dict
     return {"layers": layers, "chip": chip_name, "batch": batch, "budget": budget,
             "compile_seconds": time.perf_counter() - t0,
             **round_record(engine, compiled, tpu.chip)}
-
-
-def round_record(engine: Engine, compiled, chip) -> dict:
-    """Per chip, of a compiled rounds loop (``engine.lower("run_rounds")``): its memory,
-    one round's HBM bytes and FLOPs (`op_costs`), its floor of bytes
-    (`plan.round_floor`) and both rooflines. Shared with gemma4.py."""
-    mem = compiled.memory_analysis()
-    t = op_costs.totals(op_costs.op_costs(compiled.as_text()))
-    floor = plan.round_floor(engine)
-    floor_total = plan.sum_floor(floor)
-    return {
-        "peak_bytes": (mem.argument_size_in_bytes + mem.output_size_in_bytes
-                       + mem.temp_size_in_bytes - mem.alias_size_in_bytes),
-        "temp_bytes": mem.temp_size_in_bytes,
-        "round_hbm_bytes": t["loop_hbm_bytes"], "round_flops": t["loop_flops"],
-        "floor": floor, "hbm_over_floor": t["loop_hbm_bytes"] / floor_total,
-        "roofline_seconds": max(t["loop_flops"] / chip.peak_flops,
-                                t["loop_hbm_bytes"] / chip.hbm_bandwidth),
-        "floor_seconds": floor_total / chip.hbm_bandwidth,
-    }
 
 
 def key(layers, chip, batch, budget) -> str:

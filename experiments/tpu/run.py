@@ -9,18 +9,20 @@ at the τ DDTree reports. Training: one ExitTrain update for 4B / 8B targets wit
 5-layer drafters on v5p-8 (fsdp 8), v5e-16 (fsdp 16, 4 hosts) and v5p-64 (fsdp 64, 16
 hosts): per-chip memory, step roofline time, MFU estimate, compile time.
 
-Full depth by extrapolation: every layer of a model is the same program, so each
-program is compiled with 1 and with 2 target layers and its FLOPs, bytes accessed,
-argument and output bytes are extended linearly to the full depth
-(``v(L) = v(1) + (L - 1) * (v(2) - v(1))``); temporaries are reused across layers, so
-the larger of the two compiles is taken. ``--validate N`` compiles one configuration with
-N layers to check that. Every budget is compiled for Qwen3-8B on tensor 8; elsewhere
-budgets 16 / 64 / 256, with 32 and 128 interpolated in the tree slots (and, where B 32 is
-not compiled, B 32 between B 8 and 64); `interpolation_checks` measures both on the full
-grids. Results are cached in the output JSON (reruns skip what is there); ``--claim DIR``
-lets several workers share the grid; ``--report`` prints the README tables.
+Every program is compiled at full depth (the layers are one scan, so a 36-layer program
+compiles about as fast as a 1-layer one). A decode program is the fused rounds loop
+(`Engine.lower("run_rounds")`); per chip its memory, and one round's HBM bytes and FLOPs
+from the per-op table (`tev_jax.op_costs`) against its floor of bytes
+(`tev_jax.plan.round_floor`: the weights and both caches it must read). Every budget is
+compiled for Qwen3-8B on tensor 8; elsewhere budgets 16 / 64 / 256, with 32 and 128
+interpolated in the tree slots (and, where B 32 is not compiled, B 32 between B 8 and
+64); `interpolation_checks` measures both on the full grids. Results are cached in the
+output JSON (reruns skip what is there); ``--claim DIR`` lets several workers share the
+grid; ``--report`` prints the README tables. Until session 35 the grid was extrapolated
+from 1- and 2-layer compiles; those figures are kept in ``results_extrapolated.json``
+and ``--report`` sets them beside today's (`extrapolation_table`).
 
-    JAX_PLATFORMS=cpu python experiments/tpu/run.py [--quick] [--validate 4] [--train]
+    JAX_PLATFORMS=cpu python experiments/tpu/run.py [--quick] [--train]
     python experiments/tpu/run.py --report experiments/tpu/results.json
 """
 
@@ -29,7 +31,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import math
 import os
 import time
 from pathlib import Path
@@ -38,9 +39,9 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax.numpy as jnp  # noqa: E402
 
-from tev_jax import plan, topology  # noqa: E402
-from tev_jax import sharding as shd  # noqa: E402
+from tev_jax import op_costs, plan, topology  # noqa: E402
 from tev_jax.decode import DecodeConfig  # noqa: E402
+from tev_jax.engine import Engine  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 FIELDS = ("flops", "bytes_accessed", "argument_bytes", "output_bytes", "alias_bytes",
@@ -71,40 +72,55 @@ SEQ_LEN, ANCHORS, TRAIN_BUDGET = 2048, 32, 32
 QUICK_GRID = {("qwen3-8b", "v5e", "tensor8"): ((8,), (64,))}
 
 
-def extrapolate(one: dict, two: dict, layers: int) -> dict:
-    """Full-depth figures from the 1- and 2-layer compiles (see the module docstring)."""
-    out = {k: one[k] + (layers - 1) * (two[k] - one[k]) for k in FIELDS}
-    out["temp_bytes"] = max(one["temp_bytes"], two["temp_bytes"])
-    out["compile_seconds"] = one["compile_seconds"] + two["compile_seconds"]
-    out["peak_bytes"] = (out["argument_bytes"] + out["output_bytes"] + out["temp_bytes"]
-                         - out["alias_bytes"] + out["code_bytes"])
-    return out
+def round_record(engine: Engine, compiled, chip) -> dict:
+    """Per chip, of a compiled rounds loop (``engine.lower("run_rounds")``): its memory,
+    one round's HBM bytes and FLOPs (`op_costs`), its floor of bytes
+    (`plan.round_floor`) and both rooflines. Shared with moe.py and gemma4.py."""
+    mem = compiled.memory_analysis()
+    t = op_costs.totals(op_costs.op_costs(compiled.as_text()))
+    floor = plan.round_floor(engine)
+    floor_total = plan.sum_floor(floor)
+    return {
+        "peak_bytes": (mem.argument_size_in_bytes + mem.output_size_in_bytes
+                       + mem.temp_size_in_bytes - mem.alias_size_in_bytes),
+        "temp_bytes": mem.temp_size_in_bytes,
+        "round_hbm_bytes": t["loop_hbm_bytes"], "round_flops": t["loop_flops"],
+        "floor": floor, "hbm_over_floor": t["loop_hbm_bytes"] / floor_total,
+        "roofline_seconds": max(t["loop_flops"] / chip.peak_flops,
+                                t["loop_hbm_bytes"] / chip.hbm_bandwidth),
+        "floor_seconds": floor_total / chip.hbm_bandwidth,
+    }
 
 
-def _report_dict(r: plan.ProgramReport) -> dict:
-    return dataclasses.asdict(r)
-
-
-def decode_programs(model: str, chip: str, mesh_name: str, batch: int, budget: int | None,
-                    layers: int) -> dict:
-    """Compiles the round (or, with ``budget`` None, the AR step) at ``layers`` layers."""
-    tpu = topology.slice_devices(SLICES[chip])
-    mesh = shd.make_mesh(**MESHES[mesh_name], devices=tpu.devices)
-    cfg = plan.preset(model, num_layers=layers)
+def decode_program(model: str, chip: str, mesh_name: str, batch: int,
+                   budget: int | None, cache_len: int | None = CACHE_LEN) -> dict:
+    """Compiles the rounds loop of a DDTree + TEV round at ``budget`` (None: the AR step)
+    at full depth (``cache_len`` None: the cache the program needs, P + M + N); -> its
+    `round_record` as the entry's ``full`` figures (``flops`` and ``bytes_accessed`` of
+    one round: FLOPs and HBM bytes) and the compiler's own (`plan.ProgramReport`: its
+    bytes accessed count on-chip reads too). Shared with tune.py."""
+    mesh, tpu = topology.slice_mesh(SLICES[chip], **MESHES[mesh_name])
     config = DecodeConfig(max_new_tokens=MAX_NEW, budget=budget or 1, verifier="tev",
-                          prompt_len=PROMPT_LEN, max_cache_len=CACHE_LEN,
+                          prompt_len=PROMPT_LEN, max_cache_len=cache_len,
                           builder="ddtree" if budget else "none")
-    name = "round" if budget else "ar_step"
-    result = plan.plan_decode_programs(cfg, config, batch, dtype=jnp.bfloat16, mesh=mesh,
-                                       programs=("round",))
-    return _report_dict(result.programs["round"]) | {"program": name}
+    target, drafter = plan.abstract_models(plan.preset(model), config, dtype=jnp.bfloat16)
+    engine = Engine.create(target, drafter if budget else None, config, batch, mesh=mesh)
+    t0 = time.perf_counter()
+    compiled = engine.lower("run_rounds").compile()
+    seconds = time.perf_counter() - t0
+    record = round_record(engine, compiled, tpu.chip)
+    compiler = plan.ProgramReport.of(compiled, seconds)
+    return record | {"flops": record["round_flops"],
+                     "bytes_accessed": record["round_hbm_bytes"],
+                     "compiler_flops": compiler.flops,
+                     "compiler_bytes_accessed": compiler.bytes_accessed,
+                     "compile_seconds": seconds}
 
 
 def decode_items(grid: dict) -> list[tuple[str, callable]]:
     """(results key, thunk) per program of the grid: the AR step and each budget."""
     items = []
     for (model, chip, mesh_name), (batches, budgets) in grid.items():
-        full = plan.PRESETS[model].num_layers
         for batch in batches:
             if mesh_name.startswith("data2") and batch % 2:
                 continue  # the batch must split over data 2
@@ -113,28 +129,28 @@ def decode_items(grid: dict) -> list[tuple[str, callable]]:
                     f"b{budget}" if budget else "ar")
 
                 def thunk(model=model, chip=chip, mesh_name=mesh_name, batch=batch,
-                          budget=budget, full=full):
+                          budget=budget):
                     entry = {"model": model, "chip": chip, "mesh": mesh_name,
-                             "batch": batch, "budget": budget, "layers": full}
+                             "batch": batch, "budget": budget,
+                             "layers": plan.PRESETS[model].num_layers}
                     try:
-                        one, two = (decode_programs(model, chip, mesh_name, batch, budget, n)
-                                    for n in (1, 2))
+                        return entry | {"full": decode_program(model, chip, mesh_name,
+                                                               batch, budget)}
                     except Exception as e:  # the compiler's own words (out of HBM)
                         return entry | {"error": str(e).strip().splitlines()[0][:300]}
-                    return entry | {"one": one, "two": two,
-                                    "full": extrapolate(one, two, full)}
                 items.append((key, thunk))
     return items
 
 
-def train_step(model: str, drafter_layers: int, slice_name: str, chips: int,
-               layers: int) -> dict:
+def train_step(model: str, drafter_layers: int, slice_name: str, chips: int) -> dict:
+    """One ExitTrain update at full depth: its `plan.ProgramReport` as a dict."""
     from train.plan import plan_step
 
-    step = plan_step(plan.preset(model, num_layers=layers), drafter_layers=drafter_layers,
+    step = plan_step(plan.preset(model), drafter_layers=drafter_layers,
                      batch=chips, seq_len=SEQ_LEN, anchors=ANCHORS, budget=TRAIN_BUDGET,
                      mesh_shape=(1, chips, 1), target_dtype="bfloat16", topology=slice_name)
-    return _report_dict(step.report)
+    r = step.report
+    return dataclasses.asdict(r) | {"peak_bytes": r.peak_bytes}
 
 
 def train_items() -> list[tuple[str, callable]]:
@@ -145,13 +161,11 @@ def train_items() -> list[tuple[str, callable]]:
     for model, drafter_layers, slice_name, chips in TRAIN_GRID:
         def thunk(model=model, drafter_layers=drafter_layers, slice_name=slice_name,
                   chips=chips):
-            one, two = (train_step(model, drafter_layers, slice_name, chips, n)
-                        for n in (1, 2))
             cfg = plan.PRESETS[model]
             drafter = abstract_drafter(cfg, "float32", num_layers=drafter_layers)
             return {"model": model, "drafter_layers": drafter_layers, "slice": slice_name,
                     "chips": chips, "batch": chips, "layers": cfg.num_layers,
-                    "one": one, "two": two, "full": extrapolate(one, two, cfg.num_layers),
+                    "full": train_step(model, drafter_layers, slice_name, chips),
                     "model_flops": step_model_flops(cfg, drafter, batch=chips,
                                                     seq_len=SEQ_LEN, anchors=ANCHORS,
                                                     budget=TRAIN_BUDGET)}
@@ -160,14 +174,14 @@ def train_items() -> list[tuple[str, callable]]:
 
 
 def work_order() -> list[tuple[str, callable]]:
-    """Every program, the ones the tables lean on first: the training steps, the
-    extrapolation check, then the decode programs by layout (tensor 8 first), batch size
-    (B 32, which can be interpolated, last) and chip (v5e first)."""
+    """Every program, the ones the tables lean on first: the decode programs by layout
+    (tensor 8 first), batch size (B 32, which can be interpolated, last) and chip (v5e
+    first), then the training steps."""
     decode = decode_items(DECODE_GRID)
     rank = lambda key: ("data2" in key, "/B32/" in key, "/v6e/" in key)
-    return (train_items() + [validate_item(4)]
-            + [decode[i] for i in sorted(range(len(decode)),
-                                         key=lambda i: (rank(decode[i][0]), i))])
+    return ([decode[i] for i in sorted(range(len(decode)),
+                                         key=lambda i: (rank(decode[i][0]), i))]
+            + train_items())
 
 
 def claim(folder: Path, key: str) -> bool:
@@ -181,27 +195,27 @@ def claim(folder: Path, key: str) -> bool:
     return True
 
 
-def validate_item(layers: int) -> tuple[str, callable]:
-    """Qwen3-8B, v5e tensor 8, B 8, budget 64 compiled at ``layers`` layers, to hold
-    against the extrapolation from its 1- and 2-layer compiles (``validation_table``)."""
-    def thunk():
-        t0 = time.perf_counter()
-        report = decode_programs("qwen3-8b", "v5e", "tensor8", 8, 64, layers)
-        return report | {"layers": layers, "wall_seconds": time.perf_counter() - t0}
-    return f"validate/qwen3-8b/v5e/tensor8/B8/b64/L{layers}", thunk
-
-
-def validation_table(results: dict) -> str:
-    rows = ["| compiled at | field | compiled | extrapolated from 1 and 2 layers | error |",
-            "|---|---|---|---|---|"]
-    base = results.get("decode/qwen3-8b/v5e/tensor8/B8/b64")
-    for key, real in results.items():
-        if not key.startswith("validate/") or base is None:
+def extrapolation_table(results: dict, extrapolated: dict) -> str:
+    """Today's full-depth compiles against the figures extrapolated from 1- and 2-layer
+    compiles of the programs of session 28 (``results_extrapolated.json``): per layout and
+    program kind, the median ratio of the compiler's FLOPs and bytes accessed, and of the
+    per-chip memory (full depth / extrapolated)."""
+    groups: dict = {}
+    for key, e in results.items():
+        old = extrapolated.get(key, {}).get("full")
+        if not key.startswith("decode/") or "full" not in e or old is None:
             continue
-        ext = extrapolate(base["one"], base["two"], real["layers"])
-        for k in ("flops", "bytes_accessed", "argument_bytes", "output_bytes", "temp_bytes"):
-            rows.append(f"| {real['layers']} layers | {k} | {real[k]:.4g} | {ext[k]:.4g} | "
-                        f"{(ext[k] - real[k]) / max(real[k], 1) * 100:+.1f} % |")
+        f = e["full"]
+        groups.setdefault((e["mesh"], "AR" if e["budget"] is None else "round"), []).append(
+            (f["compiler_flops"] / old["flops"],
+             f["compiler_bytes_accessed"] / old["bytes_accessed"],
+             f["peak_bytes"] / old["peak_bytes"]))
+    rows = ["| mesh | program | programs | FLOPs | bytes accessed | GiB / chip |",
+            "|---|---|---|---|---|---|"]
+    for (mesh, kind), ratios in sorted(groups.items()):
+        med = [sorted(col)[len(col) // 2] for col in zip(*ratios)]
+        rows.append(f"| {mesh} | {kind} | {len(ratios)} | "
+                    + " | ".join(f"{m:.2f}x" for m in med) + " |")
     return "\n".join(rows) if len(rows) > 2 else ""
 
 
@@ -233,30 +247,11 @@ def _seconds(entry: dict, chip: str) -> float:
     return max(f["flops"] / c.peak_flops, f["bytes_accessed"] / c.hbm_bandwidth)
 
 
-def layer_floor_bytes(entry: dict) -> float:
-    """What one more target layer must read per chip: its bfloat16 weights and its KV
-    cache (CACHE_LEN positions of B rows), split over the mesh."""
-    cfg = plan.PRESETS[entry["model"]]
-    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-    weights = cfg.hidden_size * (2 * q + 2 * kv) + 3 * cfg.hidden_size * cfg.intermediate_size
-    cache = entry["batch"] * CACHE_LEN * 2 * kv
-    chips = math.prod(MESHES[entry["mesh"]].values())
-    return 2 * (weights + cache) / chips
-
-
-def usable(entry: dict) -> bool:
-    """Compiled, and its 1- to 2-layer step in bytes accessed is at least one layer's
-    floor: the two compiles can lay out the rest of the program differently, and where
-    that swamps the layer the linear extrapolation is meaningless (rare: see README)."""
-    return "full" in entry and (entry["two"]["bytes_accessed"] - entry["one"]["bytes_accessed"]
-                                >= layer_floor_bytes(entry))
-
-
 def _decode_groups(results: dict) -> dict:
-    """(model, chip, mesh, B) -> {budget or None for AR: entry}, usable entries only."""
+    """(model, chip, mesh, B) -> {budget or None for AR: entry}, compiled entries only."""
     groups: dict = {}
     for key, e in results.items():
-        if key.startswith("decode/") and usable(e):
+        if key.startswith("decode/") and "full" in e:
             groups.setdefault((e["model"], e["chip"], e["mesh"], e["batch"]), {})[
                 e["budget"]] = e
     return groups
@@ -264,9 +259,10 @@ def _decode_groups(results: dict) -> dict:
 
 def decode_programs_table(results: dict) -> str:
     """Every compiled round: memory, roofline times, break-even τ, speed-ups."""
-    rows = ["| model | chip | mesh | B | budget | GiB / chip | round ms | AR ms | "
-            "break-even τ | τ(b) MATH-500 | speed-up at τ(b) | at MT-Bench / GSM8K τ |",
-            "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    rows = ["| model | chip | mesh | B | budget | GiB / chip | HBM / floor (round, AR) | "
+            "round ms | AR ms | break-even τ | τ(b) MATH-500 | speed-up at τ(b) | "
+            "at MT-Bench / GSM8K τ |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for (model, chip, mesh, batch), entries in sorted(_decode_groups(results).items()):
         if None not in entries:
             continue
@@ -276,7 +272,9 @@ def decode_programs_table(results: dict) -> str:
             t = _seconds(e, chip)
             curve, table = ddtree_tau(model, budget)
             rows.append(f"| {model} | {chip} | {mesh} | {batch} | {budget} | "
-                        f"{e['full']['peak_bytes'] / 2**30:.2f} | {t * 1e3:.2f} | "
+                        f"{e['full']['peak_bytes'] / 2**30:.2f} | "
+                        f"{e['full']['hbm_over_floor']:.2f}, "
+                        f"{entries[None]['full']['hbm_over_floor']:.2f} | {t * 1e3:.2f} | "
                         f"{t_ar * 1e3:.2f} | {t / t_ar:.2f} | {curve:.2f} | "
                         f"{curve * t_ar / t:.2f} | {table['MT-Bench'] * t_ar / t:.2f} / "
                         f"{table['GSM8K'] * t_ar / t:.2f} |")
@@ -388,7 +386,7 @@ def interpolation_checks(results: dict) -> str:
 
 def train_table(results: dict) -> str:
     rows = ["| target | drafter layers | slice | chips | GiB / chip | TFLOP / chip | "
-            "GB / chip | step ms (roofline) | MFU estimate | compile s (1 + 2 layers) |",
+            "GB / chip | step ms (roofline) | MFU estimate | compile s |",
             "|---|---|---|---|---|---|---|---|---|---|"]
     train = [e for key, e in results.items() if key.startswith("train/")]
     for e in sorted(train, key=lambda e: (e["chips"], e["model"], e["drafter_layers"])):
@@ -404,16 +402,16 @@ def train_table(results: dict) -> str:
 
 
 def tables(results: dict) -> str:
+    old = HERE / "results_extrapolated.json"
+    extrapolated = json.loads(old.read_text()) if old.is_file() else {}
     return "\n\n".join(t for t in (decode_table(results), interpolation_checks(results),
-                                     train_table(results), validation_table(results)) if t)
+                                     train_table(results),
+                                     extrapolation_table(results, extrapolated)) if t)
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="one configuration")
-    ap.add_argument("--validate", type=int, default=0, metavar="LAYERS",
-                    help="also compile Qwen3-8B B 8 budget 64 at this many layers and "
-                         "compare with the extrapolation")
     ap.add_argument("--train", action="store_true", help="also the training steps")
     ap.add_argument("--claim", default=None, metavar="DIR",
                     help="parallel workers: each takes the next program no other worker "
@@ -440,10 +438,10 @@ def main(argv=None) -> int:
             results.update(json.loads(Path(name).read_text()))
         out.write_text(json.dumps(results, indent=1) + "\n")
         return 0
-    cache = results if args.claim is None else (
-        json.loads((HERE / "results.json").read_text()) | results)
+    shared = HERE / "results.json"
+    cache = results if args.claim is None or not shared.is_file() else (
+        json.loads(shared.read_text()) | results)
     items = (decode_items(QUICK_GRID) if args.quick else work_order())
-    items += [validate_item(args.validate)] if args.validate else []
     if not args.train:
         items = [(k, f) for k, f in items if not k.startswith("train/")]
     for key, thunk in items:

@@ -7,14 +7,14 @@ the MATH-500 / Qwen3-8B / T = 0 entry of their Table 1). Round costs t(b, B): th
 compiler's roofline (max(FLOPs / peak, bytes / bandwidth), `tev_jax.topology.CHIPS`) of
 one speculative round (1-layer DFlash drafter, block 16, DDTree, TEV) and of one AR step,
 bfloat16, prompt buffer 1024, 256 new tokens, the cache each program gets (P + M + N),
-tensor-parallel over the 8 chips; full depth extrapolated from 1- and 2-layer compiles
-as in `run.py`. A compile pair takes minutes on the 2 shared cores, so the grid is
-compiled at B 1 and 64 and budgets 16, 64, 256, 1024 (and AR), and the rest is
+tensor-parallel over the 8 chips, compiled at full depth as in `run.py` (one round's HBM
+bytes from the per-op table; until session 35 extrapolated from 1- and 2-layer
+compiles, by the compiler's bytes accessed). The grid is compiled at B 1 and 64 and budgets 16, 64, 256, 1024 (and AR), and the rest is
 interpolated linearly: in the tree slots N = b + 1 between compiled budgets, and in B
 between compiled batch sizes (rows are independent: FLOPs and per-row bytes grow
 linearly with B and N, the weights do not); a few extra compiles check both steps.
 Where B 64 does not compile, B 16 and 32 are compiled. A program whose full-depth peak
-exceeds the chip's HBM (or that the compiler refuses at one layer) is not a choice. Per
+exceeds the chip's HBM (or that the compiler refuses) is not a choice. Per
 B the budget that maximises B · τ(b) / t(b, B), AR included
 (`tev_jax.tune.best_budgets`).
 
@@ -34,54 +34,28 @@ from pathlib import Path
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 
-import jax.numpy as jnp  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from run import DDTREE_MATH500 as DDTREE_TAU, extrapolate  # noqa: E402
-from tev_jax import plan, topology  # noqa: E402
-from tev_jax import sharding as shd  # noqa: E402
-from tev_jax.decode import DecodeConfig  # noqa: E402
+from run import DDTREE_MATH500 as DDTREE_TAU, decode_program  # noqa: E402
+from tev_jax import topology  # noqa: E402
 from tev_jax.tune import best_budgets  # noqa: E402
 
 MODEL = "qwen3-8b"
 SLICES = {"v5e": "v5e:2x4", "v6e": "v6e:2x4"}
-PROMPT_LEN, MAX_NEW = 1024, 256
 BATCHES = (1, 2, 4, 8, 16, 32, 64)
 COMPILED = {"v5e": (1, 64), "v6e": (1, 64)}  # batch sizes; the rest interpolated
 BUDGETS = (0, 16, 64, 256, 1024)  # compiled budgets (0: AR); the rest interpolated
 CHECKS = [("v5e", 8, 0), ("v5e", 8, 64)]  # compiled, to check the interpolation in B
 FILL_IN = (16, 32)  # compiled where B 64 does not compile
-LINEAR = ("flops", "bytes_accessed", "argument_bytes", "output_bytes", "temp_bytes",
-          "alias_bytes", "code_bytes", "peak_bytes")
+LINEAR = ("flops", "bytes_accessed", "peak_bytes")
 # DDTree, Qwen3-8B, MATH-500, T = 0: τ per node budget is run.DDTREE_MATH500; its speed-up:
 DDTREE_SPEEDUP = {16: 6.09, 32: 6.60, 64: 6.97, 128: 7.33, 256: 7.43, 512: 7.52, 1024: 6.82}
 DFLASH_TAU = 7.79  # the same figure's DFlash line (a 16-token chain)
 
 
-def compile_one(chip: str, batch: int, budget: int, layers: int) -> dict:
-    """Compiles one round (budget > 0) or AR step (budget 0); -> its report as a dict,
-    or ``{"error": ...}`` when the TPU compiler refuses it (out of HBM)."""
-    tpu = topology.slice_devices(SLICES[chip])
-    mesh = shd.make_mesh(1, 1, 8, devices=tpu.devices)
-    config = DecodeConfig(max_new_tokens=MAX_NEW, budget=budget or 64, verifier="tev",
-                          prompt_len=PROMPT_LEN, builder="ddtree" if budget else "none")
-    name = "round" if budget else "ar_step"
-    try:
-        result = plan.plan_decode_programs(plan.preset(MODEL, num_layers=layers), config,
-                                           batch, dtype=jnp.bfloat16, mesh=mesh,
-                                           programs=(name,))
-    except Exception as e:  # the compiler's own words, e.g. RESOURCE_EXHAUSTED
-        return {"error": str(e).strip().splitlines()[0][:300]}
-    report = result.programs[name]
-    return {k: getattr(report, k) for k in (
-        "flops", "bytes_accessed", "argument_bytes", "output_bytes", "temp_bytes",
-        "alias_bytes", "code_bytes", "compile_seconds")}
-
-
 def run(results: dict, out: Path, chips) -> None:
-    full = plan.PRESETS[MODEL].num_layers
     todo = [(chip, batch, budget) for chip in chips for batch in COMPILED[chip]
             for budget in BUDGETS]
     todo += [c for c in CHECKS if c[0] in chips]
@@ -95,14 +69,12 @@ def run(results: dict, out: Path, chips) -> None:
                 f"{MODEL}/{chip}/B64/b{budget}", {}):
             continue  # interpolated between B 8 or 1 and B 64
         t0 = time.perf_counter()
-        one = compile_one(chip, batch, budget, 1)
-        two = one if "error" in one else compile_one(chip, batch, budget, 2)
-        entry = {"chip": chip, "batch": batch, "budget": budget, "one": one,
-                 "two": two}
-        if "error" in two:
-            entry["error"] = two["error"]
-        else:
-            entry["full"] = extrapolate(one, two, full)
+        entry = {"chip": chip, "batch": batch, "budget": budget}
+        try:
+            entry["full"] = decode_program(MODEL, chip, "tensor8", batch, budget or None,
+                                           cache_len=None)
+        except Exception as e:  # the compiler's own words, e.g. RESOURCE_EXHAUSTED
+            entry["error"] = str(e).strip().splitlines()[0][:300]
         results[key] = entry
         out.write_text(json.dumps(results, indent=1) + "\n")
         print(f"{key}: {time.perf_counter() - t0:.0f} s"
