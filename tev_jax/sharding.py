@@ -251,12 +251,13 @@ def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
     return jax.lax.with_sharding_constraint(x, spec)
 
 
-def mesh_axis_size(names: Sequence[str]) -> int:
-    """Product of the active (abstract) mesh's sizes of the mesh axes ``names`` map to.
+def mesh_axis_size(names: Sequence[str], mesh=None) -> int:
+    """Product of the sizes of the mesh axes ``names`` map to, on ``mesh`` (default: the
+    active abstract mesh).
 
     1 without a mesh. Used at trace time, e.g. for how many shards the vocabulary has.
     """
-    mesh = jax.sharding.get_abstract_mesh()
+    mesh = jax.sharding.get_abstract_mesh() if mesh is None else mesh
     if mesh.empty:
         return 1
     table, sizes = dict(current_rules()), _mesh_sizes(mesh)

@@ -3,7 +3,8 @@
 A round (DESIGN.md §7) drafts a block, builds a tree, verifies it with the target, decides
 and commits. Its `RoundRecord` keeps, per row: the tree, the drafter's and the target's
 log-probabilities of every node's token (the target's under the node's tree ancestors,
-at T = 1: what on-policy drafter training, `train.opd`, supervises with), the verdict (accepted path, its length, the bonus token, the exit
+at T = 1: what on-policy drafter training, `tev_jax.draft_opd`, supervises with), the
+verdict (accepted path, its length, the bonus token, the exit
 node), the committed length before the round and whether the row was still decoding.
 `tev_jax.engine.Engine.trace`, ``generate(..., trace=True)`` and
 ``profile_generate(..., trace=True)`` stack a generation's records per round into a
@@ -69,6 +70,15 @@ class RoundRecord:
     active_B: jax.Array
 
 
+def _log_probs(logits_BRV: jax.Array, row_BM: jax.Array, tokens_BM: jax.Array) -> jax.Array:
+    """float32 [B, M]: ``log softmax(logits[b, row[b, m]])[tokens[b, m]]``, from one
+    log-normaliser per row and one gathered logit per entry (no [B, M, V] array)."""
+    logits_BRV = logits_BRV.astype(jnp.float32)
+    lse_BR = jax.nn.logsumexp(logits_BRV, axis=-1)
+    b_B1 = jnp.arange(row_BM.shape[0])[:, None]
+    return logits_BRV[b_B1, row_BM, tokens_BM] - lse_BR[b_B1, row_BM]
+
+
 def round_record(start_B: jax.Array, done_B: jax.Array, draft_logits_BHV, tree: DraftTree,
                  target_logits_BNV: jax.Array, verdict: Verdict) -> RoundRecord:
     """The `RoundRecord` of one round from its stages' outputs.
@@ -82,24 +92,18 @@ def round_record(start_B: jax.Array, done_B: jax.Array, draft_logits_BHV, tree: 
       verdict: the decide stage's `Verdict` [B, ...].
     """
     b, n = tree.tokens.shape
+    node_BN = tree.valid & (tree.depths > 0)
     if draft_logits_BHV is None:
         draft_logp_BN = jnp.zeros((b, n), jnp.float32)
     else:
-        h = draft_logits_BHV.shape[1]
-        logq_BHV = jax.nn.log_softmax(draft_logits_BHV.astype(jnp.float32), axis=-1)
-        row_BN = jnp.clip(tree.depths - 1, 0, h - 1)
-        logq_BNV = jnp.take_along_axis(logq_BHV, row_BN[:, :, None], axis=1)
-        picked_BN = jnp.take_along_axis(logq_BNV, tree.tokens[:, :, None], axis=2)[..., 0]
-        node_BN = tree.valid & (tree.depths > 0)
-        draft_logp_BN = jnp.where(node_BN, picked_BN, 0.0)
-    logp_BNV = jax.nn.log_softmax(target_logits_BNV.astype(jnp.float32), axis=-1)
-    node_BN = tree.valid & (tree.depths > 0)
+        row_BN = jnp.clip(tree.depths - 1, 0, draft_logits_BHV.shape[1] - 1)
+        draft_logp_BN = jnp.where(node_BN, _log_probs(draft_logits_BHV, row_BN, tree.tokens),
+                                  0.0)
     parent_BN = jnp.maximum(tree.parents, 0)
-    at_parent_BNV = jnp.take_along_axis(logp_BNV, parent_BN[:, :, None], axis=1)
-    picked_BN = jnp.take_along_axis(at_parent_BNV, tree.tokens[:, :, None], axis=2)[..., 0]
-    target_logp_BN = jnp.where(node_BN, picked_BN, 0.0)
-    at_exit_BV = jnp.take_along_axis(logp_BNV, verdict.exit_node[:, None, None], axis=1)[:, 0]
-    bonus_logp_B = jnp.take_along_axis(at_exit_BV, verdict.bonus[:, None], axis=1)[:, 0]
+    target_logp_BN = jnp.where(node_BN, _log_probs(target_logits_BNV, parent_BN, tree.tokens),
+                               0.0)
+    bonus_logp_B = _log_probs(target_logits_BNV, verdict.exit_node[:, None],
+                              verdict.bonus[:, None])[:, 0]
     return RoundRecord(tree=tree, draft_logp_BN=draft_logp_BN,
                        target_logp_BN=target_logp_BN, bonus_logp_B=bonus_logp_B,
                        verdict=verdict, start_B=start_B, active_B=~done_B)
@@ -161,7 +165,8 @@ def stack_records(records: Sequence[RoundRecord]) -> RoundTrace | None:
     stacked = jax.tree.map(lambda *x: np.stack(x), *host)
     return RoundTrace(tree=stacked.tree, draft_logp_RBN=stacked.draft_logp_BN,
                       target_logp_RBN=stacked.target_logp_BN,
-                      bonus_logp_RB=stacked.bonus_logp_B, verdict=stacked.verdict, start_RB=stacked.start_B,
+                      bonus_logp_RB=stacked.bonus_logp_B, verdict=stacked.verdict,
+                      start_RB=stacked.start_B,
                       active_RB=stacked.active_B)
 
 

@@ -107,10 +107,7 @@ def for_mesh(model: nnx.Module, mesh) -> nnx.Module:
     config = _model_config(model)
     if config is None:
         return model
-    spec = shd.logical_to_spec(("kv_heads",))
-    axes = () if spec[0] is None else (spec[0],) if isinstance(spec[0], str) else spec[0]
-    sizes = dict(zip(mesh.axis_names, mesh.axis_sizes))
-    ways = math.prod(sizes.get(a, 1) for a in axes)
+    ways = shd.mesh_axis_size(("kv_heads",), mesh)
     return repeat_kv_heads(model, copies_for(config.num_heads, config.num_kv_heads, ways))
 
 
