@@ -266,9 +266,15 @@ def _visible(mask_q, j, first, kb: int):
 
 
 def _scores(q_BQKGd, k_BSKd, vis_BQS, scale):
-    """Scaled float32 scores [B, K, Q, G, S], -inf where not visible."""
-    s = jnp.einsum("bqkgd,bskd->bkqgs", q_BQKGd, k_BSKd.astype(q_BQKGd.dtype),
-                   preferred_element_type=jnp.float32) * scale
+    """Scaled float32 scores [B, K, Q, G, S], -inf where not visible.
+
+    The keys are the product's left operand, so the GPU compiler reads them in the
+    cache's own layout (head dim minor); as the right operand it keeps a transposed copy
+    of the whole key cache and converts it both ways every step."""
+    s_BKSQG = jax.lax.dot_general(
+        k_BSKd.astype(q_BQKGd.dtype), q_BQKGd, (((3,), (4,)), ((0, 2), (0, 2))),
+        preferred_element_type=jnp.float32)
+    s = s_BKSQG.transpose(0, 1, 3, 4, 2) * scale
     return jnp.where(vis_BQS[:, None, :, None, :], s, -jnp.inf)
 
 
