@@ -12,7 +12,8 @@ import pytest
 from reference_attention import attend_segments, dense_mask
 from tev_jax.models import ModelConfig, init_target
 from tev_jax.models.attention import Mask, attention
-from tev_jax.models.cache_attention import cache_attention_state, merge_states
+from tev_jax.models import cache_attention, cache_attention_gpu
+from tev_jax.models.cache_attention import merge_states
 from tev_jax.models.cache_attention import fits as cache_fits
 
 
@@ -152,13 +153,15 @@ def test_stacked_layer_reads_like_its_slice():
         np.testing.assert_array_equal(np.asarray(g)[[0, 2]], 0.0)
 
 
+@pytest.mark.parametrize("kernel", [cache_attention, cache_attention_gpu])
 @pytest.mark.parametrize("kv_heads", [1, 2])
-def test_cache_kernel_state_joins_into_the_joint_softmax(kv_heads):
-    """The TPU kernel over a stacked cache (interpreted): its state over layer 1 seen up
-    to each row's end (a row that sees nothing, one ending inside a key block, one seeing
-    all 44 keys, in blocks of 16: the last runs past the cache), joined with the state
-    over a second segment (`merge_states`) and normalised, is attention over both
-    segments (the dense reference)."""
+def test_cache_kernel_state_joins_into_the_joint_softmax(kv_heads, kernel):
+    """The TPU and the GPU kernel over a stacked cache (interpreted): the state over
+    layer 1 seen up to each row's end (a row that sees nothing, one ending inside a key
+    block, one seeing all 44 keys, in blocks of 16: the last runs past the cache), joined
+    with the state over a second segment (`merge_states`) and normalised, is attention
+    over both segments (the dense reference). The GPU kernel pads the 20 query rows to a
+    tile of 32 and splits the key blocks over programs."""
     rng = np.random.default_rng(3)
     b, t, h, hd, s, n = 3, 5, 4, 16, 44, 7
     f32 = lambda *shape: jnp.asarray(rng.normal(size=shape), jnp.float32)
@@ -169,8 +172,8 @@ def test_cache_kernel_state_joins_into_the_joint_softmax(kv_heads):
     g = h // kv_heads
     q_grouped = q.reshape(b, t, kv_heads, g, hd).transpose(0, 2, 1, 3, 4).reshape(
         b, kv_heads, t * g, hd)
-    state = lambda *a: cache_attention_state(q_grouped, *a, scale=hd ** -0.5, key_block=16,
-                                             interpret=True)
+    state = lambda *a: kernel.cache_attention_state(q_grouped, *a, scale=hd ** -0.5,
+                                                    key_block=16, interpret=True)
     cache = state(k, v, jnp.int32(1), end)
     m, l, o = merge_states(cache, state(kn[None], vn[None], jnp.int32(0),
                                         jnp.full((b,), n, jnp.int32)))

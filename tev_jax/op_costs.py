@@ -289,6 +289,15 @@ def bound_scope(n: int) -> str:
     return f"trips_upto_{int(n)}"
 
 
+def kernel_scope(flops: int, bytes_accessed: int) -> str:
+    """The ``jax.named_scope`` name that gives the op table a kernel's own count where its
+    custom call carries none (a Pallas Triton call drops ``pl.CostEstimate``): wrap the
+    ``pallas_call`` in it. Its operands may be whole stacks of which it reads a few
+    blocks."""
+    return f"kernel_cost_{int(flops)}_{int(bytes_accessed)}"
+
+
+_KERNEL_SCOPE = re.compile(r'op_name="[^"]*\bkernel_cost_(\d+)_(\d+)/')
 _BOUND = re.compile(r'op_name="[^"]*\btrips_upto_(\d+)/while"')
 
 
@@ -544,7 +553,8 @@ def op_costs(text: str) -> list[Op]:
                     or FREE_CALLS.intersection(re.findall(r'custom_call_target="(\w+)"',
                                                           instr.attrs))):
                 continue
-            estimate = _KERNEL_ESTIMATE.search(instr.attrs)
+            estimate = (_KERNEL_ESTIMATE.search(instr.attrs)
+                        or _KERNEL_SCOPE.search(instr.attrs))
             if instr.opcode == "fusion":
                 nbytes = [_fusion_bytes(module, instr, shapes, hbm) for hbm in (False, True)]
                 flops = _fused_flops(module, instr)

@@ -42,8 +42,8 @@ from flax import struct
 from jax.sharding import PartitionSpec
 
 from tev_jax import sharding as shd
-from tev_jax.models.cache_attention import cache_attention_state, merge_states
-from tev_jax.models.cache_attention import fits as cache_fits
+from tev_jax.models import cache_attention, cache_attention_gpu
+from tev_jax.models.cache_attention import merge_states
 from tev_jax.models.kv_cache import CACHE_AXES
 from tev_jax.op_costs import bound_scope
 
@@ -130,7 +130,7 @@ class _Static(NamedTuple):
     key_blocks: tuple[int, ...]      # per segment
     num_key_blocks: tuple[int, ...]
     scale: float
-    row_ends: tuple[bool, ...]       # per segment: a stacked cache seen up to each row's end
+    row_ends: tuple[tuple[bool, bool], ...]  # per segment: the TPU / GPU cache kernel takes it
 
 
 def attention(q_BTHd: jax.Array, segments: Sequence[tuple],
@@ -182,10 +182,12 @@ def attention(q_BTHd: jax.Array, segments: Sequence[tuple],
                              f"queries {q_BTHd.shape} with {kh} key/value heads")
         if s == 0:
             continue
-        # a stacked cache seen up to each row's length: on TPU, one kernel per segment
-        row_ends.append(stacked and nq == 1 and mask.start is None and mask.dense is None
-                        and mask.end is not None and jnp.shape(mask.end)[-1:] == (1,)
-                        and cache_fits(t * (h // kh), hd, s, k.dtype.itemsize))
+        # a stacked cache seen up to each row's length: on TPU / GPU, one kernel
+        row_end = (stacked and nq == 1 and mask.start is None and mask.dense is None
+                   and mask.end is not None and jnp.shape(mask.end)[-1:] == (1,))
+        row_ends.append((row_end and cache_attention.fits(t * (h // kh), hd, s,
+                                                           k.dtype.itemsize),
+                         row_end and cache_attention_gpu.fits(hd)))
         kvs.append((k, v))
         layers.append(jnp.asarray(layer[0], jnp.int32))
         masks.append(_padded(mask, b, t, s, pad))
@@ -299,14 +301,14 @@ def _over_query_blocks(static: _Static, body, carry):
     return jax.lax.fori_loop(0, static.num_query_blocks, body, carry)
 
 
-def _cache_kernel(carry, q_BQKGd, k, v, layer, end_B, scale, blocked):
-    """``carry`` (`_forward`'s max, denominator, output) joined with
-    `cache_attention_state` over the segment, on each device's rows and key/value heads
-    of the active mesh (``blocked(carry)``, the XLA loop, where the mesh splits the
-    cache's length)."""
+def _cache_kernel(kernel, carry, q_BQKGd, k, v, layer, end_B, scale, blocked):
+    """``carry`` (`_forward`'s max, denominator, output) joined with the state of
+    ``kernel`` (a module's ``cache_attention_state``) over the segment, on each device's
+    rows and key/value heads of the active mesh (``blocked(carry)``, the XLA loop, where
+    the mesh splits the cache's length)."""
     def state(q_BQKGd, k, v, layer, end_B):
         b, q, kh, g, hd = q_BQKGd.shape
-        m, l, o = cache_attention_state(
+        m, l, o = kernel(
             q_BQKGd.transpose(0, 2, 1, 3, 4).reshape(b, kh, q * g, hd), k, v, layer, end_B,
             scale=scale)
         return m.reshape(b, kh, q, g), l.reshape(b, kh, q, g), o.reshape(b, kh, q, g, hd)
@@ -346,7 +348,7 @@ def _forward(static: _Static, q, kvs, masks, layers):
         q_blk = _query_rows(qg, i, qb)
         m = jnp.full((b, kh, qb, g), -jnp.inf, jnp.float32)
         carry = (m, jnp.zeros_like(m), jnp.zeros((b, kh, qb, g, hd), jnp.float32))
-        for (k, v), mask, layer, kb, nk, row_end in zip(
+        for (k, v), mask, layer, kb, nk, (on_tpu, on_gpu) in zip(
                 kvs, masks, layers, static.key_blocks, static.num_key_blocks, static.row_ends):
             mask_q = tuple(_query_rows(x, i, qb) for x in mask)
 
@@ -365,10 +367,14 @@ def _forward(static: _Static, q, kvs, masks, layers):
                 return _over_key_blocks(*_key_range(mask_q, k.shape[2], kb, nk), nk, body,
                                         carry)
 
-            if row_end:   # lowered for TPU: the kernel's state, joined to the carry
+            if on_tpu or on_gpu:   # lowered per platform: a kernel's state, joined
+                kernels = {
+                    platform: lambda *a, module=module, blocked=blocked: _cache_kernel(
+                        module.cache_attention_state, *a, static.scale, blocked)
+                    for platform, module, on in (("tpu", cache_attention, on_tpu),
+                                                 ("cuda", cache_attention_gpu, on_gpu)) if on}
                 carry = jax.lax.platform_dependent(
-                    carry, q_blk, k, v, layer, mask_q[1][:, 0],
-                    tpu=lambda *a, blocked=blocked: _cache_kernel(*a, static.scale, blocked),
+                    carry, q_blk, k, v, layer, mask_q[1][:, 0], **kernels,
                     default=lambda c, *_, blocked=blocked: blocked(c))
             else:
                 carry = blocked(carry)
