@@ -187,7 +187,7 @@ def attention(q_BTHd: jax.Array, segments: Sequence[tuple],
                    and mask.end is not None and jnp.shape(mask.end)[-1:] == (1,))
         row_ends.append((row_end and cache_attention.fits(t * (h // kh), hd, s,
                                                            k.dtype.itemsize),
-                         row_end and cache_attention_gpu.fits(hd)))
+                         row_end and cache_attention_gpu.fits(hd, k.dtype.itemsize)))
         kvs.append((k, v))
         layers.append(jnp.asarray(layer[0], jnp.int32))
         masks.append(_padded(mask, b, t, s, pad))

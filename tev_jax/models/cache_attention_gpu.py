@@ -27,6 +27,9 @@ from tev_jax import op_costs
 
 KEY_BLOCK = 64
 ROW_TILE = 64
+SHARED_BUDGET = 160 * 2**10
+"""Bytes of shared memory the tiles may take (227 KiB per block on an H100): the query
+tile and the double-buffered key and value blocks, (rows + 4 x key block) x hd x 2."""
 PROGRAMS = 264
 """Programs to aim for (two per multiprocessor of an H100); splits are added up to it."""
 
@@ -35,10 +38,12 @@ def _pow2(n: int) -> int:
     return 1 << max(int(n) - 1, 0).bit_length()
 
 
-def fits(head_dim: int) -> bool:
+def fits(head_dim: int, itemsize: int = 2) -> bool:
     """Whether the kernel takes a head dimension: Triton tiles are powers of two of at
-    least 16 (keys past the cache's length are masked, so any length is taken)."""
-    return head_dim >= 16 and head_dim == _pow2(head_dim)
+    least 16, and the smallest tiles must fit `SHARED_BUDGET` (keys past the cache's
+    length are masked, so any length is taken)."""
+    return (head_dim >= 16 and head_dim == _pow2(head_dim)
+            and (16 + 4 * 16) * head_dim * itemsize <= SHARED_BUDGET)
 
 
 def _kernel(layer_ref, end_ref, q_ref, k_ref, v_ref, m_ref, l_ref, o_ref, *, heads: int,
@@ -97,11 +102,17 @@ def cache_attention_state(q_BKQd: jax.Array, k_LBSKd: jax.Array, v_LBSKd: jax.Ar
     """
     b, kh, qg, hd = q_BKQd.shape
     s = k_LBSKd.shape[2]
-    if not fits(hd):
+    if not fits(hd, k_LBSKd.dtype.itemsize):
         raise ValueError(f"the GPU cache kernel needs a power-of-two head dimension of at "
-                         f"least 16, not {hd}")
+                         f"least 16 whose tiles fit shared memory, not {hd}")
     kb = max(16, min(_pow2(key_block), _pow2(s)))
     rows = max(16, min(ROW_TILE, _pow2(qg)))                       # Triton dots: >= 16
+    itemsize = k_LBSKd.dtype.itemsize
+    while (rows + 4 * kb) * hd * itemsize > SHARED_BUDGET and max(rows, kb) > 16:
+        if kb >= rows:
+            kb //= 2
+        else:
+            rows //= 2
     tiles = -(-qg // rows)
     nk = -(-s // kb)
     per_split = -(-nk // min(nk, max(1, PROGRAMS // (b * kh * tiles))))
@@ -114,7 +125,6 @@ def cache_attention_state(q_BKQd: jax.Array, k_LBSKd: jax.Array, v_LBSKd: jax.Ar
     f32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)
     layer_1 = jnp.reshape(layer, (1,)).astype(jnp.int32)
     end = end_B.astype(jnp.int32)
-    itemsize = k_LBSKd.dtype.itemsize
     kv_bytes = 2 * b * s * kh * hd * itemsize
     state_bytes = 4 * splits * b * kh * tiles * rows * (hd + 2)
     cost = op_costs.kernel_scope(

@@ -50,7 +50,8 @@ import numpy as np
 from flax import nnx
 
 from tev_jax.models.config import AttentionSpec, LayerSpec, ModelConfig
-from tev_jax.sharding import constrain
+from tev_jax.models.stacked_matmul import stacked_dot
+from tev_jax.sharding import constrain, variable_axes
 
 _INIT_STD = 0.02
 
@@ -117,25 +118,36 @@ def jitted_initializer(module_cls, config, dtype, mesh, rules):
 class Linear(nnx.Module):
     """``y = x · kernel (+ bias)``, contracting the last ``len(in_shape)`` axes of x.
 
-    The kernel has shape ``in_shape + out_shape`` (e.g. q_proj: (D,) + (H, hd)).
+    The kernel has shape ``in_shape + out_shape`` (e.g. q_proj: (D,) + (H, hd)). In a
+    layer scan that passes the Linear kernels whole (`scan_layers`' ``in_place``), it is
+    the stack of every layer's, and the product reads entry `stack_index` of it
+    (`stacked_dot`).
     """
 
     def __init__(self, in_shape: Sequence[int], out_shape: Sequence[int],
                  in_axes: Sequence[str], out_axes: Sequence[str], *, use_bias: bool,
                  dtype, rngs: nnx.Rngs):
         in_shape, out_shape = tuple(in_shape), tuple(out_shape)
-        self.n_in = len(in_shape)
+        self.n_in, self.n_out = len(in_shape), len(out_shape)
         self.kernel = make_param(rngs, in_shape + out_shape, dtype,
                              tuple(in_axes) + tuple(out_axes), "normal")
         self.bias = (make_param(rngs, out_shape, dtype, out_axes, "zeros")
                      if use_bias else None)
 
+    def weight(self) -> jax.Array:
+        """This layer's kernel (entry `stack_index` of a whole stack)."""
+        k = self.kernel[...]
+        return k[stack_index()] if k.ndim > self.n_in + self.n_out else k
+
     def __call__(self, x: jax.Array) -> jax.Array:
         k = self.kernel[...]
-        y = jax.lax.dot_general(
-            x.astype(k.dtype), k,
-            ((tuple(range(x.ndim - self.n_in, x.ndim)), tuple(range(self.n_in))), ((), ())),
-        )
+        if k.ndim > self.n_in + self.n_out:
+            y = stacked_dot(x, k, stack_index(), self.n_in, variable_axes(self.kernel))
+        else:
+            y = jax.lax.dot_general(
+                x.astype(k.dtype), k,
+                ((tuple(range(x.ndim - self.n_in, x.ndim)), tuple(range(self.n_in))),
+                 ((), ())))
         if self.bias is not None:
             y = y + self.bias[...]
         return y
@@ -457,7 +469,13 @@ def _whole(path, v) -> bool:
     return bool(v.get_metadata().get("whole_stack", False))
 
 
-def scan_layers(layers: nnx.Module, body, carry, *, depth: int | None = None, remat=None):
+def linear_kernels(path, v) -> bool:
+    """The `Linear` kernels of a stack: ``scan_layers(..., in_place=linear_kernels)``."""
+    return bool(path) and path[-1] == "kernel"
+
+
+def scan_layers(layers: nnx.Module, body, carry, *, depth: int | None = None, remat=None,
+                in_place=None):
     """``carry = body(layer_i, i, carry)`` for i = 0 .. depth-1, as one ``lax.scan``.
 
     Args:
@@ -469,10 +487,15 @@ def scan_layers(layers: nnx.Module, body, carry, *, depth: int | None = None, re
         `LayerPeriod` modules runs whole periods, up to the first period boundary >= depth.
       remat: None, or a ``jax.checkpoint_policies`` policy: each scan step is then
         rematerialised in the backward pass, saving what the policy allows.
+      in_place: None, or an ``nnx`` filter ``(path, variable) -> bool`` of further
+        parameters handed to the body whole (like ``whole`` ones, `make_param`), e.g.
+        `linear_kernels`: their modules read layer i in place (on GPU a slice is copied
+        out of the stack first). The gradient of a whole stack is a stack per step.
     Returns:
       The final carry. The loop unrolls as `scan_unroll` says (default: not at all).
     """
-    graphdef, whole, state = nnx.split(layers, _whole, ...)
+    graphdef, whole, state = nnx.split(
+        layers, _whole if in_place is None else nnx.Any(_whole, in_place), ...)
     stacked = jax.tree.leaves(state)[0].shape[0]
     p = len(layers.sublayers) if isinstance(layers, LayerPeriod) else 1
     n = stacked if depth is None else -(-depth // p)

@@ -310,7 +310,7 @@ class MoE(nnx.Module):
 
     def route(self, x_BTD: jax.Array):
         """(weights [B·T, k], expert ids int32 [B·T, k]) of the tokens, row-major."""
-        return route(x_BTD.reshape(-1, x_BTD.shape[-1]), self.gate.kernel[...], self.spec)
+        return route(x_BTD.reshape(-1, x_BTD.shape[-1]), self.gate.weight(), self.spec)
 
     def __call__(self, x_BTD: jax.Array, method: str | None = None) -> jax.Array:
         b, t, d = x_BTD.shape

@@ -61,7 +61,7 @@ from tev_jax.models.attention import Mask, attention, windowed
 from tev_jax.models.config import ModelConfig
 from tev_jax.models.kv_cache import KVCache, LayerRef
 from tev_jax.models.layers import (
-    jitted_initializer, make_param, norm, rope_inv_freq, scan_layers, stack_index,
+    jitted_initializer, linear_kernels, make_param, norm, rope_inv_freq, scan_layers, stack_index,
     stacked_layers,
 )
 from tev_jax.sharding import constrain
@@ -207,7 +207,7 @@ class Target(nnx.Module):
             return x, tapped, usage, carry
 
         x, tapped, usage, carry = scan_layers(self.layers, body, (x, tapped, usage, carry),
-                                              depth=depth)
+                                              depth=depth, in_place=linear_kernels)
         if recorder is not None:
             recorder["usage"] = usage
         h = self.norm(x)

@@ -1,0 +1,168 @@
+"""``x · w[g]`` for one entry of a stacked weight, read in place on a GPU (DESIGN.md §12).
+
+A layer scan hands each step its slice of the stacked weights [layers, ...]. The TPU
+compiler reads that slice inside the matrix product; the GPU compiler cannot fuse a
+dynamic slice into its GEMMs, so it first copies every layer's matrices out of the
+stack (a device-to-device copy per matrix and step): each weight byte is read twice and
+written once, about three times the floor of a decoding step. A target's `Linear` whose
+kernel the scan passes whole (`scan_layers`' ``in_place``) calls `stacked_dot`: on GPU a
+Pallas Triton GEMM whose operands are the whole stack and the index ``g`` (a split-K
+grid, so that a few token rows still fill the multiprocessors, the splits' float32
+partial sums added afterwards); elsewhere the slice and ``lax.dot_general``, as before.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+from jax.sharding import PartitionSpec
+
+from tev_jax import op_costs
+from tev_jax import sharding as shd
+
+BLOCK_K = 64
+PROGRAMS = 264
+"""Programs to aim for (two per multiprocessor of an H100); K splits are added up to it."""
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(int(n) - 1, 0).bit_length()
+
+
+def _kernel(g_ref, x_ref, w_ref, o_ref, *, m: int, k: int, n: int, bm: int, bn: int,
+            per_split: int):
+    i, j, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    g = g_ref[0]
+    rows = i * bm + jnp.arange(bm, dtype=jnp.int32)
+    cols = j * bn + jnp.arange(bn, dtype=jnp.int32)
+    lo = split * per_split
+    hi = jnp.minimum(lo + per_split, -(-k // BLOCK_K))
+
+    def step(s, acc):
+        ks = s * BLOCK_K + jnp.arange(BLOCK_K, dtype=jnp.int32)
+        x = pltriton.load(x_ref.at[pl.ds(i * bm, bm), pl.ds(s * BLOCK_K, BLOCK_K)],
+                          mask=(rows < m)[:, None] & (ks < k)[None, :], other=0)
+        w = pltriton.load(w_ref.at[g, pl.ds(s * BLOCK_K, BLOCK_K), pl.ds(j * bn, bn)],
+                          mask=(ks < k)[:, None] & (cols < n)[None, :], other=0)
+        return acc + pltriton.dot(x.astype(w.dtype), w).astype(jnp.float32)
+
+    acc = jax.lax.fori_loop(lo, hi, step, jnp.zeros((bm, bn), jnp.float32))
+    pltriton.store(o_ref.at[pl.ds(i * bm, bm), pl.ds(j * bn, bn)], acc.astype(o_ref.dtype),
+                   mask=(rows < m)[:, None] & (cols < n)[None, :])
+
+
+def stacked_matmul(x_MK: jax.Array, w_GKN: jax.Array, g, *, interpret: bool = False
+                   ) -> jax.Array:
+    """``x · w[g]`` [M, N] in w's dtype (float32 accumulation), reading entry ``g``
+    (traced int) of the stack ``w`` in place: one Pallas Triton kernel.
+
+    ``interpret``: Pallas' interpreter (tests without a GPU).
+    """
+    m, k = x_MK.shape
+    _, k2, n = w_GKN.shape
+    if k != k2:
+        raise ValueError(f"x [{m}, {k}] does not contract with a stack of [{k2}, {n}]")
+    bm, bn = max(16, min(64, _pow2(m))), 64                       # Triton dots: >= 16
+    tiles = -(-m // bm) * -(-n // bn)
+    ks = -(-k // BLOCK_K)
+    # splits while programs are few, and while their float32 partial sums (splits x M x
+    # N x 4 bytes, written and read back) stay below a quarter of the weight's bytes
+    most = max(1, min(ks, k // (8 * m)))
+    per_split = -(-ks // min(most, max(1, PROGRAMS // tiles)))
+    splits = -(-ks // per_split)
+    g_1 = jnp.reshape(g, (1,)).astype(jnp.int32)
+    whole = lambda a: pl.BlockSpec(a.shape, lambda *_: (0,) * a.ndim)
+    kernel = lambda *refs: _kernel(*refs, m=m, k=k, n=n, bm=bm, bn=bn, per_split=per_split)
+    # one split stores the product in w's dtype, several their float32 partial sums
+    out = w_GKN.dtype if splits == 1 else jnp.float32
+    cost = op_costs.kernel_scope(
+        flops=2 * m * k * n,
+        bytes_accessed=k * n * w_GKN.dtype.itemsize + x_MK.size * x_MK.dtype.itemsize
+        + splits * m * n * jnp.dtype(out).itemsize)
+    with jax.named_scope(cost):
+        partial = pl.pallas_call(
+            kernel, grid=(-(-m // bm), -(-n // bn), splits),
+            in_specs=[whole(g_1), whole(x_MK), whole(w_GKN)],
+            out_specs=pl.BlockSpec((None, m, n), lambda i, j, s: (s, 0, 0)),
+            out_shape=jax.ShapeDtypeStruct((splits, m, n), out),
+            compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=3),
+            interpret=interpret,
+        )(g_1, x_MK, w_GKN)
+    return partial[0] if splits == 1 else partial.sum(axis=0).astype(w_GKN.dtype)
+
+
+def _local_dot(x, w_stack, g, n_in: int, interpret: bool = False):
+    """`stacked_matmul` over x's last ``n_in`` axes and the stack's entry's first."""
+    lead, cin = x.shape[:x.ndim - n_in], x.shape[x.ndim - n_in:]
+    cout = w_stack.shape[1 + n_in:]
+    y = stacked_matmul(x.reshape(-1, math.prod(cin)),
+                       w_stack.reshape(w_stack.shape[0], math.prod(cin), math.prod(cout)),
+                       g, interpret=interpret)
+    return y.reshape(lead + cout)
+
+
+def _sliced_dot(x, w_stack, g, n_in: int):
+    w = jax.lax.dynamic_index_in_dim(w_stack, g, keepdims=False)
+    return jax.lax.dot_general(
+        x.astype(w.dtype), w, ((tuple(range(x.ndim - n_in, x.ndim)), tuple(range(n_in))),
+                               ((), ())))
+
+
+def gpu_dot(x, w_stack, g, n_in: int, w_axes, *, interpret: bool = False):
+    """The GPU path of `stacked_dot`: the kernel on each device's shard of the active
+    mesh (the stack by its logical ``w_axes``, the rows by their batch split; a
+    contraction split over devices is summed over them). Where a mesh axis would split
+    both the rows and the weight, the sliced product instead."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return _local_dot(x, w_stack, g, n_in, interpret)
+    spec_w = shd.logical_to_spec(w_axes, w_stack.shape, mesh)
+    spec_w = tuple(spec_w) + (None,) * (w_stack.ndim - len(spec_w))
+    spec_b = shd.logical_to_spec(("batch",), x.shape[:1], mesh)
+    axes = lambda spec: {a for s in spec if s is not None
+                         for a in ((s,) if isinstance(s, str) else s)}
+    if spec_w[0] is not None or axes(spec_b) & axes(spec_w):
+        return _sliced_dot(x, w_stack, g, n_in)
+    lead = x.ndim - n_in
+    batch = tuple(spec_b)[0] if len(spec_b) else None
+    spec_x = PartitionSpec(batch, *(None,) * (lead - 1), *spec_w[1:1 + n_in])
+    spec_y = PartitionSpec(batch, *(None,) * (lead - 1), *spec_w[1 + n_in:])
+    summed = tuple(sorted(axes(spec_w[1:1 + n_in])))
+
+    def local(x, w_stack, g):
+        y = _local_dot(x, w_stack, g, n_in, interpret)
+        return jax.lax.psum(y, summed) if summed else y
+
+    return jax.shard_map(local, mesh=mesh, in_specs=(spec_x, PartitionSpec(*spec_w),
+                                                     PartitionSpec()),
+                         out_specs=spec_y, check_vma=False)(x, w_stack, g)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def stacked_dot(x: jax.Array, w_stack: jax.Array, g, n_in: int, w_axes) -> jax.Array:
+    """``x · w_stack[g]``, contracting x's last ``n_in`` axes with the entry's first
+    ``n_in``; ``w_axes``: the stack's logical axes (its sharding). On GPU the entry is
+    read in place (`gpu_dot`); on other platforms it is sliced, then multiplied. The
+    gradient is the sliced product's (the kernel has none of its own)."""
+    return jax.lax.platform_dependent(
+        x, w_stack, g,
+        cuda=lambda x, w, g: gpu_dot(x, w, g, n_in, w_axes),
+        default=lambda x, w, g: _sliced_dot(x, w, g, n_in))
+
+
+def _stacked_dot_fwd(x, w_stack, g, n_in, w_axes):
+    return stacked_dot(x, w_stack, g, n_in, w_axes), (x, w_stack, g)
+
+
+def _stacked_dot_bwd(n_in, w_axes, res, dy):
+    x, w_stack, g = res
+    _, vjp = jax.vjp(lambda x, w: _sliced_dot(x, w, g, n_in), x, w_stack)
+    return (*vjp(dy), None)
+
+
+stacked_dot.defvjp(_stacked_dot_fwd, _stacked_dot_bwd)
