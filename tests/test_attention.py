@@ -184,6 +184,22 @@ def test_cache_kernel_state_joins_into_the_joint_softmax(kv_heads, kernel):
     assert np.isneginf(np.asarray(cache[0][0])).all() and not np.asarray(cache[1][0]).any()
 
 
+def test_gpu_cache_kernel_splits_the_key_blocks_over_programs():
+    """A long cache and few query rows (an AR step): the GPU kernel (interpreted) splits
+    the 32 key blocks over programs and joins their states; the result is the TPU
+    kernel's state (a row that sees nothing, one ending inside a block, one seeing all)."""
+    rng = np.random.default_rng(5)
+    b, kh, qg, hd, s = 3, 1, 4, 16, 2048
+    f32 = lambda *shape: jnp.asarray(rng.normal(size=shape), jnp.float32)
+    q, k, v = f32(b, kh, qg, hd), f32(2, b, s, kh, hd), f32(2, b, s, kh, hd)
+    end = jnp.asarray([0, 1000, s], jnp.int32)
+    args = (q, k, v, jnp.int32(1), end)
+    got = cache_attention_gpu.cache_attention_state(*args, scale=0.25, interpret=True)
+    want = cache_attention.cache_attention_state(*args, scale=0.25, interpret=True)
+    for a, w in zip(got, want):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(w), rtol=1e-5, atol=1e-5)
+
+
 def test_cache_kernel_fits_rounds_not_prefill_chunks():
     """Which passes take the TPU cache kernel: a round's 65 queries x 8 query heads per
     key/value head fit its VMEM budget, a 512-token prefill chunk's do not (a scores

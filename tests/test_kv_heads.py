@@ -63,15 +63,6 @@ def test_repeated_heads_are_the_same_model(models):
         repeat_kv_heads(target, 0)
 
 
-def test_speculative_tokens_of_the_repeated_models_equal_the_originals(models):
-    target, drafter = models
-    config = decode.DecodeConfig(max_new_tokens=10, budget=8, verifier="tev")
-    want = engine.generate(target, drafter, PROMPTS, config).rows()
-    got = engine.generate(repeat_kv_heads(target, 2), repeat_kv_heads(drafter, 2),
-                          PROMPTS, config).rows()
-    assert got == want
-
-
 @needs8
 def test_tensor_wider_than_the_heads_gives_single_device_tokens(models):
     """Tensor 8 over 4 key/value heads: the strict placement refuses the checkpoint's

@@ -115,7 +115,12 @@ def cache_attention_state(q_BKQd: jax.Array, k_LBSKd: jax.Array, v_LBSKd: jax.Ar
             rows //= 2
     tiles = -(-qg // rows)
     nk = -(-s // kb)
-    per_split = -(-nk // min(nk, max(1, PROGRAMS // (b * kh * tiles))))
+    kv_bytes = 2 * b * s * kh * hd * itemsize
+    split_bytes = 4 * b * kh * tiles * rows * (hd + 2)            # one split's state
+    # splits while programs are few, and while their states (written and read back
+    # when joined) stay below a quarter of the keys' and values' bytes
+    most = max(1, min(nk, kv_bytes // (4 * split_bytes)))
+    per_split = -(-nk // min(most, max(1, PROGRAMS // (b * kh * tiles))))
     splits = -(-nk // per_split)
     q = jnp.pad(q_BKQd, ((0, 0), (0, 0), (0, tiles * rows - qg), (0, 0)))
     q = q.reshape(b * kh, tiles * rows, hd)
@@ -125,11 +130,9 @@ def cache_attention_state(q_BKQd: jax.Array, k_LBSKd: jax.Array, v_LBSKd: jax.Ar
     f32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)
     layer_1 = jnp.reshape(layer, (1,)).astype(jnp.int32)
     end = end_B.astype(jnp.int32)
-    kv_bytes = 2 * b * s * kh * hd * itemsize
-    state_bytes = 4 * splits * b * kh * tiles * rows * (hd + 2)
     cost = op_costs.kernel_scope(
         flops=4 * b * kh * qg * s * hd,
-        bytes_accessed=kv_bytes + q.size * q.dtype.itemsize + state_bytes)
+        bytes_accessed=kv_bytes + q.size * q.dtype.itemsize + splits * split_bytes)
     with jax.named_scope(cost):
         m, l, o = pl.pallas_call(
             kernel, grid=(tiles, b * kh, splits),

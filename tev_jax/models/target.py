@@ -61,8 +61,8 @@ from tev_jax.models.attention import Mask, attention, windowed
 from tev_jax.models.config import ModelConfig
 from tev_jax.models.kv_cache import KVCache, LayerRef
 from tev_jax.models.layers import (
-    jitted_initializer, linear_kernels, make_param, norm, rope_inv_freq, scan_layers, stack_index,
-    stacked_layers,
+    jitted_initializer, linear_kernels, make_param, norm, rope_inv_freq, scan_layers,
+    stack_index, stacked_layers,
 )
 from tev_jax.sharding import constrain
 from tev_jax.vocab import embed_rows
