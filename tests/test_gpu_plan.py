@@ -139,9 +139,10 @@ def test_plan_command_json_for_gpus(tmp_path, capsys):
     assert rnd["flops"] > 8 * ar["flops"]        # B x 17 tree tokens against B
     assert ar["bytes_accessed"] <= 1.15 * sum(ar["floor_bytes"].values())
     # what a round must hold beyond twice the AR step's: the float32 scores of the
-    # target over the N tree tokens and of the drafter over its block, and at T = 1 the
-    # vocabulary's 16-entry sub-block masses, all gathered (`tev_jax.vocab`)
+    # target over the N tree tokens, of the drafter over its block (and twice more,
+    # padded to the GPU top-k's 2048-entry blocks), and at T = 1 the vocabulary's
+    # 16-entry sub-block masses, gathered (`tev_jax.vocab`)
     rows_v = b * cfg.vocab_size // 8 * 4
-    held = rows_v * (budget + 1) + rows_v * 15 + rows_v * 8 * (budget + 1) // 16
+    held = rows_v * (budget + 1) + 3 * rows_v * 15 + rows_v * 8 * (budget + 1) // 16
     assert rnd["temp_bytes"] <= 2 * ar["temp_bytes"] + held
     assert set(rnd["ops"]["stages"]) >= {"draft", "build", "verify", "decide", "commit"}

@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from tev_jax import platforms
 from tev_jax import sharding as shd
 from tev_jax.models import stacked_matmul as sm
 
@@ -53,7 +54,10 @@ def test_gpu_dot_on_a_mesh_equals_the_sliced_product(in_axes, out_axes):
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-4, atol=1e-4)
 
 
-def test_gradient_is_the_sliced_products():
+def test_gradient_is_the_sliced_products(monkeypatch):
+    """Through the per-platform product that a GPU-capable process traces (its GPU
+    branch not lowered on CPU) and its custom gradient."""
+    monkeypatch.setattr(platforms, "gpu_kernels_traced", lambda: True)
     rng = np.random.default_rng(2)
     x, w = _normal(rng, 2, 3, 8), _normal(rng, 4, 8, 6)
     loss = lambda dot: lambda x, w: (dot(x, w) ** 2).sum()

@@ -25,10 +25,10 @@ jax's backends have not started yet).
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import os
 import re
 
+from tev_jax import platforms
 from tev_jax.topology import GB, Chip, Slice, mesh_over
 
 GPUS_PER_HOST = 8
@@ -139,10 +139,7 @@ def parse_gpu_name(name: str) -> tuple[GpuSpec, int]:
 
 def plugin_installed() -> bool:
     """Whether jax's CUDA plugin (the ``gpu`` extra) is installed."""
-    try:
-        return importlib.util.find_spec("jax_plugins.xla_cuda12") is not None
-    except ModuleNotFoundError:  # no jax_plugins package at all
-        return False
+    return platforms.cuda_plugin_installed()
 
 
 def gpu_devices(name: str) -> Slice:

@@ -11,7 +11,9 @@ libtpu by itself and is not affected.
 
 from __future__ import annotations
 
+import functools
 import glob
+import importlib.util
 import os
 from pathlib import Path
 
@@ -33,6 +35,23 @@ def tpu_chips_present() -> bool:
 def nvidia_gpu_visible() -> bool:
     """Whether an NVIDIA device node exists (a GPU jax's CUDA plugin may use)."""
     return bool(glob.glob("/dev/nvidia[0-9]*"))
+
+
+def cuda_plugin_installed() -> bool:
+    """Whether jax's CUDA plugin (the ``gpu`` extra) is installed: a program traced here
+    may then be lowered for NVIDIA GPUs (on one, or ahead of time for one)."""
+    try:
+        return importlib.util.find_spec("jax_plugins.xla_cuda12") is not None
+    except ModuleNotFoundError:  # no jax_plugins package at all
+        return False
+
+
+@functools.cache
+def gpu_kernels_traced() -> bool:
+    """`cuda_plugin_installed`, asked once per process. Model code traces its GPU kernels
+    (a ``lax.platform_dependent`` branch) only where a GPU lowering is possible: without
+    the plugin, CPU and TPU programs trace no Triton kernel."""
+    return cuda_plugin_installed()
 
 
 def skip_absent_tpu() -> bool:

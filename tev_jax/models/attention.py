@@ -41,6 +41,7 @@ from flax import struct
 
 from jax.sharding import PartitionSpec
 
+from tev_jax import platforms
 from tev_jax import sharding as shd
 from tev_jax.models import cache_attention, cache_attention_gpu
 from tev_jax.models.cache_attention import merge_states
@@ -187,7 +188,8 @@ def attention(q_BTHd: jax.Array, segments: Sequence[tuple],
                    and mask.end is not None and jnp.shape(mask.end)[-1:] == (1,))
         row_ends.append((row_end and cache_attention.fits(t * (h // kh), hd, s,
                                                            k.dtype.itemsize),
-                         row_end and cache_attention_gpu.fits(hd, k.dtype.itemsize)))
+                         row_end and platforms.gpu_kernels_traced()
+                         and cache_attention_gpu.fits(hd, k.dtype.itemsize)))
         kvs.append((k, v))
         layers.append(jnp.asarray(layer[0], jnp.int32))
         masks.append(_padded(mask, b, t, s, pad))

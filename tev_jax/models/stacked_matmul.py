@@ -22,7 +22,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 from jax.sharding import PartitionSpec
 
-from tev_jax import op_costs
+from tev_jax import op_costs, platforms
 from tev_jax import sharding as shd
 
 BLOCK_K = 64
@@ -143,26 +143,33 @@ def gpu_dot(x, w_stack, g, n_in: int, w_axes, *, interpret: bool = False):
                          out_specs=spec_y, check_vma=False)(x, w_stack, g)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
 def stacked_dot(x: jax.Array, w_stack: jax.Array, g, n_in: int, w_axes) -> jax.Array:
     """``x · w_stack[g]``, contracting x's last ``n_in`` axes with the entry's first
-    ``n_in``; ``w_axes``: the stack's logical axes (its sharding). On GPU the entry is
-    read in place (`gpu_dot`); on other platforms it is sliced, then multiplied. The
-    gradient is the sliced product's (the kernel has none of its own)."""
+    ``n_in``; ``w_axes``: the stack's logical axes (its sharding). Lowered for a GPU,
+    the entry is read in place (`gpu_dot`); for other platforms it is sliced, then
+    multiplied. The gradient is the sliced product's (the kernel has none of its own).
+    Without jax's CUDA plugin no GPU lowering is possible: the sliced product alone."""
+    if not platforms.gpu_kernels_traced():
+        return _sliced_dot(x, w_stack, g, n_in)
+    return _per_platform(x, w_stack, g, n_in, w_axes)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _per_platform(x, w_stack, g, n_in, w_axes):
     return jax.lax.platform_dependent(
         x, w_stack, g,
         cuda=lambda x, w, g: gpu_dot(x, w, g, n_in, w_axes),
         default=lambda x, w, g: _sliced_dot(x, w, g, n_in))
 
 
-def _stacked_dot_fwd(x, w_stack, g, n_in, w_axes):
-    return stacked_dot(x, w_stack, g, n_in, w_axes), (x, w_stack, g)
+def _per_platform_fwd(x, w_stack, g, n_in, w_axes):
+    return _per_platform(x, w_stack, g, n_in, w_axes), (x, w_stack, g)
 
 
-def _stacked_dot_bwd(n_in, w_axes, res, dy):
+def _per_platform_bwd(n_in, w_axes, res, dy):
     x, w_stack, g = res
     _, vjp = jax.vjp(lambda x, w: _sliced_dot(x, w, g, n_in), x, w_stack)
     return (*vjp(dy), None)
 
 
-stacked_dot.defvjp(_stacked_dot_fwd, _stacked_dot_bwd)
+_per_platform.defvjp(_per_platform_fwd, _per_platform_bwd)
