@@ -1,5 +1,5 @@
 """A few queries against one layer of the stacked KV cache, as one Pallas Triton kernel:
-the GPU counterpart of `tev_jax.models.cache_attention` (DESIGN.md §12), with its
+the GPU counterpart of `tev_jax.models.cache_attention` (DESIGN.md §12, §14), with its
 contract: the online-softmax state of the queries over keys ``s < end[b]`` of layer
 ``layer``, for `tev_jax.models.attention` to join with the other segments.
 

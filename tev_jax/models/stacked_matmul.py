@@ -1,4 +1,4 @@
-"""``x · w[g]`` for one entry of a stacked weight, read in place on a GPU (DESIGN.md §12).
+"""``x · w[g]`` for one entry of a stacked weight, read in place on a GPU (DESIGN.md §14).
 
 A layer scan hands each step its slice of the stacked weights [layers, ...]. The TPU
 compiler reads that slice inside the matrix product; the GPU compiler cannot fuse a
