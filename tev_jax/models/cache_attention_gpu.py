@@ -48,8 +48,7 @@ def fits(head_dim: int, itemsize: int = 2) -> bool:
 
 def _kernel(layer_ref, end_ref, q_ref, k_ref, v_ref, m_ref, l_ref, o_ref, *, heads: int,
             kb: int, length: int, per_split: int, scale: float):
-    r, bh, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    del r  # the query tile is q_ref's block
+    bh, split = pl.program_id(1), pl.program_id(2)   # axis 0, the query tile: q_ref's block
     b, h = bh // heads, bh % heads
     layer, end = layer_ref[0], jnp.clip(end_ref[b], 0, length)
     lo = split * per_split
