@@ -134,14 +134,17 @@ class Linear(nnx.Module):
         self.bias = (make_param(rngs, out_shape, dtype, out_axes, "zeros")
                      if use_bias else None)
 
+    def _is_stack(self, k: jax.Array) -> bool:
+        return k.ndim > self.n_in + self.n_out
+
     def weight(self) -> jax.Array:
         """This layer's kernel (entry `stack_index` of a whole stack)."""
         k = self.kernel[...]
-        return k[stack_index()] if k.ndim > self.n_in + self.n_out else k
+        return k[stack_index()] if self._is_stack(k) else k
 
     def __call__(self, x: jax.Array) -> jax.Array:
         k = self.kernel[...]
-        if k.ndim > self.n_in + self.n_out:
+        if self._is_stack(k):
             y = stacked_dot(x, k, stack_index(), self.n_in, variable_axes(self.kernel))
         else:
             y = jax.lax.dot_general(
