@@ -11,7 +11,6 @@ leaves no sort longer than `tev_jax.vocab.TOP_K_WIDTH` (the compiler's fallback 
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import re
 
@@ -20,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tev_jax import cli, gpu, plan, topology, vocab
+from tev_jax import cli, gpu, plan, platforms, topology, vocab
 
 needs_plugin = pytest.mark.skipif(
     not gpu.plugin_installed(),
@@ -35,6 +34,9 @@ def test_gpu_names_counts_and_target_descriptions():
     assert "core_count: 132" in text and "major: 9" in text
     assert f"memory_bandwidth: {int(spec.chip.hbm_bandwidth)}" in text
     assert "major: 10" in gpu.GPUS["b200"].target_config()
+    # the CUDA runtime named is the plugin's (cuda12: 12.9; cuda13: 13.0)
+    assert "runtime_version { major: 12 minor: 9 }" in text
+    assert "runtime_version { major: 13 minor: 0 }" in spec.target_config(13)
     # the published figures the rooflines use, and a real GPU's device kind finds them
     assert gpu.GPUS["h200"].chip.hbm_bandwidth > gpu.GPUS["h100"].chip.hbm_bandwidth
     assert topology.chip_of("NVIDIA H100 80GB HBM3") is gpu.GPUS["h100"].chip
@@ -50,8 +52,8 @@ def test_bad_gpu_names_are_named(name, message):
 
 
 def test_missing_plugin_and_platforms_are_clear_errors(monkeypatch):
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
-    with pytest.raises(ValueError, match=r"needs the CUDA plugin.*\.\[gpu\]"):
+    monkeypatch.setattr(platforms, "cuda_plugins", lambda: {})
+    with pytest.raises(ValueError, match=r"needs one of jax's CUDA plugins.*\.\[gpu\]"):
         gpu.gpu_devices("h100x8")
     with pytest.raises(ValueError, match="one of a TPU slice .* not both"):
         topology.plan_mesh("v5e:2x4", "h100x8")

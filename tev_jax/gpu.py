@@ -33,6 +33,10 @@ from tev_jax.topology import GB, Chip, Slice, mesh_over
 
 GPUS_PER_HOST = 8
 
+CUDA_MINOR = {12: 9}
+"""The CUDA runtime a plan's target description names, per CUDA major of the plugin
+(x.0 for a major not listed)."""
+
 
 @dataclasses.dataclass(frozen=True)
 class GpuSpec:
@@ -63,8 +67,9 @@ class GpuSpec:
     def name(self) -> str:
         return self.chip.name
 
-    def target_config(self) -> str:
-        """The ``GpuTargetConfigProto`` text the CUDA plugin compiles for."""
+    def target_config(self, cuda_major: int = 12) -> str:
+        """The ``GpuTargetConfigProto`` text the CUDA plugin compiles for, with the CUDA
+        runtime of the plugin's major version (12.9 or 13.0)."""
         major, minor = self.compute_capability
         info = {
             "threads_per_block_limit": 1024, "threads_per_warp": 32,
@@ -80,7 +85,7 @@ class GpuSpec:
                  f"  cuda_compute_capability {{ major: {major} minor: {minor} }}", "}",
                  'platform_name: "CUDA"',
                  "dnn_version_info { major: 9 minor: 8 }",
-                 "runtime_version { major: 12 minor: 9 }",
+                 f"runtime_version {{ major: {cuda_major} minor: {CUDA_MINOR.get(cuda_major, 0)} }}",
                  f'device_description_str: "{self.chip.device_kind}"']
         return "\n".join(lines) + "\n"
 
@@ -153,17 +158,19 @@ def gpu_devices(name: str) -> Slice:
         says how to get it), or the plugin refuses the description (its reason).
     """
     spec, count = parse_gpu_name(name)
-    if not plugin_installed():
-        raise ValueError(f"planning for the GPUs {name!r} needs the CUDA plugin: pip "
-                         "install -e \".[gpu]\" (jax-cuda12-plugin at the installed jax's "
-                         "version and the NVIDIA compiler wheels)")
+    cuda_major = platforms.cuda_major()
+    if cuda_major is None:
+        raise ValueError(f"planning for the GPUs {name!r} needs one of jax's CUDA plugins: "
+                         "pip install -e \".[gpu]\" (the cuda12 plugin on Python 3.11, the "
+                         "cuda13 one on Python >= 3.12, at the installed jax's version, with "
+                         "the NVIDIA compiler wheels)")
     os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
     from jax.experimental import topologies
 
     hosts = max(count // GPUS_PER_HOST, 1)
     try:
         desc = topologies.get_topology_desc(
-            platform="cuda", target_config=spec.target_config(),
+            platform="cuda", target_config=spec.target_config(cuda_major),
             topology=f"{hosts}x1x{min(count, GPUS_PER_HOST)}")
     except NotImplementedError as e:  # the plugin did not register when jax started
         raise ValueError(

@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import functools
 import glob
-import importlib.util
+import importlib.metadata
 import os
+import pkgutil
+import re
 from pathlib import Path
 
 GOOGLE_PCI_VENDOR = "0x1ae0"
@@ -37,13 +39,41 @@ def nvidia_gpu_visible() -> bool:
     return bool(glob.glob("/dev/nvidia[0-9]*"))
 
 
-def cuda_plugin_installed() -> bool:
-    """Whether jax's CUDA plugin (the ``gpu`` extra) is installed: a program traced here
-    may then be lowered for NVIDIA GPUs (on one, or ahead of time for one)."""
+CUDA_PLUGIN_NAME = re.compile(r"^xla_cuda(\d+)$")
+"""jax's CUDA plugins by module name: ``jax_plugins.xla_cuda12``, ``jax_plugins.xla_cuda13``."""
+
+
+def cuda_plugins() -> dict[str, int]:
+    """jax's CUDA plugins installed here, by name -> their CUDA major version
+    (``{'xla_cuda12': 12}``, ``{'xla_cuda13': 13}``; empty without one).
+
+    jax finds a plugin two ways, and so does this: a module of the ``jax_plugins``
+    namespace package, or an entry point of the ``jax_plugins`` group (the
+    ``jax-cuda*-pjrt`` wheels declare both). Nothing is imported but the namespace
+    package, so asking starts no backend.
+    """
+    names = set()
     try:
-        return importlib.util.find_spec("jax_plugins.xla_cuda12") is not None
-    except ModuleNotFoundError:  # no jax_plugins package at all
-        return False
+        import jax_plugins
+        names.update(m.name for m in pkgutil.iter_modules(jax_plugins.__path__))
+    except ImportError:  # no jax_plugins package at all
+        pass
+    names.update(e.name for e in importlib.metadata.entry_points(group="jax_plugins"))
+    found = {n: CUDA_PLUGIN_NAME.match(n) for n in names}
+    return {n: int(m.group(1)) for n, m in sorted(found.items()) if m}
+
+
+def cuda_plugin_installed() -> bool:
+    """Whether one of jax's CUDA plugins (the ``gpu`` extra: cuda12 or cuda13) is
+    installed: a program traced here may then be lowered for NVIDIA GPUs (on one, or
+    ahead of time for one)."""
+    return bool(cuda_plugins())
+
+
+def cuda_major() -> int | None:
+    """The CUDA major version of the installed CUDA plugin (the newest, where several
+    are); None without one."""
+    return max(cuda_plugins().values(), default=None)
 
 
 @functools.cache
@@ -67,4 +97,6 @@ def skip_absent_tpu() -> bool:
     return True
 
 
-__all__ = ["GOOGLE_PCI_VENDOR", "nvidia_gpu_visible", "skip_absent_tpu", "tpu_chips_present"]
+__all__ = ["CUDA_PLUGIN_NAME", "GOOGLE_PCI_VENDOR", "cuda_major", "cuda_plugin_installed",
+           "cuda_plugins", "gpu_kernels_traced", "nvidia_gpu_visible", "skip_absent_tpu",
+           "tpu_chips_present"]
