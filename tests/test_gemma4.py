@@ -1,4 +1,4 @@
-"""Gemma 4 (tev_jax.models.gemma4) against transformers' Gemma4UnifiedForCausalLM.
+"""Gemma 4 (tev_jax.models.families.gemma4) against transformers' Gemma4UnifiedForCausalLM.
 
 Tiny random configs: window 8, sliding head dim 16 with 2 key/value heads, global head
 dim 32 with one k = v head and proportional RoPE, soft-cap 30; every norm weight and

@@ -126,3 +126,153 @@ def test_the_check_catches_private_reads():
         "8: tev_jax.engine._generate_jit",
         "9: tev_jax.models.target.Target._stack",
     ]
+
+
+# ------------------------------------------------------------ models: core and families
+
+MODELS = "tev_jax.models"
+# The core every family builds on: it looks families up in the registry, never imports one.
+CORE = tuple(f"{MODELS}.{m}" for m in ("registry", "config", "layers", "target",
+                                        "checkpoint_io"))
+# A family's own modules: its file under families/ and the blocks only families build.
+FAMILY_PREFIXES = (f"{MODELS}.families", f"{MODELS}.moe")
+
+
+def _module_of(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def package_sources(package: str = "tev_jax") -> dict[str, str]:
+    """Dotted module name -> source of every module of a package (``__init__`` as the
+    package's own name)."""
+    return {_module_of(p): p.read_text() for p in _sources(package)}
+
+
+def import_graph(sources: dict[str, str]) -> dict[str, set[str]]:
+    """Module -> the modules among ``sources`` it imports, at any depth of its code
+    (function-level imports included: they close circles too). ``from pkg import x``
+    imports the submodule ``pkg.x`` when there is one, else the package ``pkg`` (the
+    parent packages a submodule import runs first are not counted: every module would
+    reach every other through them); a relative import is resolved against the
+    importing module."""
+    graph = {}
+    packages = {m.rpartition(".")[0] for m in sources}
+    for name, source in sources.items():
+        package = name if name in packages else name.rpartition(".")[0]
+        out = set()
+        for node in ast.walk(ast.parse(source)):
+            if isinstance(node, ast.Import):
+                out |= {a.name for a in node.names}
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    anchor = package.split(".")[:len(package.split(".")) - node.level + 1]
+                    base = ".".join(anchor + ([base] if base else []))
+                for a in node.names:
+                    sub = f"{base}.{a.name}"
+                    out.add(sub if sub in sources else base)
+        graph[name] = {m for m in out if m in sources and m != name}
+    return graph
+
+
+def reachable(graph: dict[str, set[str]], start: str) -> set[str]:
+    seen, todo = set(), [start]
+    while todo:
+        for m in graph.get(todo.pop(), ()):
+            if m not in seen:
+                seen.add(m)
+                todo.append(m)
+    return seen
+
+
+def family_imports_of_core(sources: dict[str, str], core=CORE,
+                           families=FAMILY_PREFIXES) -> dict[str, list[str]]:
+    """Core module -> the family modules it reaches through its imports (directly or
+    through other modules, or through the ``tev_jax.models`` package, which registers
+    every family)."""
+    graph = import_graph(sources)
+    bad = {}
+    for m in core:
+        hits = sorted(r for r in reachable(graph, m)
+                      if r == MODELS or r.startswith(tuple(f + "." for f in families))
+                      or r in families)
+        if hits:
+            bad[m] = hits
+    return bad
+
+
+def import_cycles(sources: dict[str, str], within: str = MODELS) -> list[list[str]]:
+    """Every circle of imports among the modules of ``within`` (one per strongly
+    connected component of two or more modules, or a module importing itself)."""
+    graph = {m: {n for n in e if n == within or n.startswith(within + ".")}
+             for m, e in import_graph(sources).items()
+             if m == within or m.startswith(within + ".")}
+    # Tarjan's strongly connected components
+    index, low, stack, on, out, counter = {}, {}, [], set(), [], [0]
+
+    def visit(v):
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_the_model_core_imports_no_family():
+    """config, layers, target, checkpoint_io (and the registry) reach no family module,
+    not even through a function-level import: families register themselves."""
+    sources = package_sources()
+    assert set(CORE) <= set(sources)
+    assert f"{MODELS}.families.qwen3" in sources and f"{MODELS}.families.gemma4" in sources
+    assert not family_imports_of_core(sources), family_imports_of_core(sources)
+
+
+def test_no_import_circle_in_the_models():
+    assert not import_cycles(package_sources()), import_cycles(package_sources())
+
+
+def test_the_import_checks_catch_circles_and_core_reaching_a_family():
+    """Negative controls on synthetic sources: a core module importing a family at
+    function level, through another module, or through the package; and a circle."""
+    base = {
+        MODELS: "from tev_jax.models import families\n",
+        f"{MODELS}.families": "from tev_jax.models.families import fam\n",
+        f"{MODELS}.families.fam": "from tev_jax.models import layers\n",
+        f"{MODELS}.layers": "from tev_jax.models.config import X\n",
+        f"{MODELS}.config": "import math\n",
+        f"{MODELS}.helper": "",
+    }
+    core = (f"{MODELS}.layers", f"{MODELS}.config")
+    assert not family_imports_of_core(base, core) and not import_cycles(base)
+    lazy = {**base, f"{MODELS}.config": "def f():\n    from .families import fam\n"}
+    assert family_imports_of_core(lazy, core) == {
+        f"{MODELS}.config": [f"{MODELS}.families.fam"],
+        f"{MODELS}.layers": [f"{MODELS}.families.fam"]}
+    assert import_cycles(lazy) == [[f"{MODELS}.config", f"{MODELS}.families.fam",
+                                    f"{MODELS}.layers"]]
+    indirect = {**base, f"{MODELS}.helper": "from tev_jax.models import families\n",
+                f"{MODELS}.config": "from tev_jax.models import helper\n"}
+    assert f"{MODELS}.config" in family_imports_of_core(indirect, core)
+    via_package = {**base, f"{MODELS}.config": "from tev_jax.models import Target\n"}
+    assert family_imports_of_core(via_package, core)[f"{MODELS}.config"][0] == MODELS

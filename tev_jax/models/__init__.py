@@ -6,6 +6,8 @@ See `tev_jax.models.target` for the cached forward modes and the functional (spl
 merge) pattern to use in jitted loops.
 """
 
+# Every family registers itself (`tev_jax.models.registry`) before anything builds a model.
+from tev_jax.models import families  # noqa: F401  (registers qwen3, llama, qwen3_moe, gemma4)
 from tev_jax.models.checkpoint_io import load_target, load_tokenizer, save_target
 from tev_jax.models.config import AttentionSpec, LayerSpec, ModelConfig, RopeScaling
 from tev_jax.models.kv_cache import KVCache, commit, init_cache

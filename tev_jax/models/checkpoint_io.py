@@ -12,14 +12,14 @@ Tensor names: ``model.embed_tokens.weight``, ``model.layers.{i}.self_attn.{q,k,v
 .{weight,bias}``, ``model.layers.{i}.self_attn.{q,k}_norm.weight`` (Qwen3),
 ``model.layers.{i}.mlp.{gate,up,down}_proj.weight``, ``model.layers.{i}.input_layernorm
 .weight``, ``model.layers.{i}.post_attention_layernorm.weight``, ``model.norm.weight``,
-``lm_head.weight`` (untied only); mixture-of-experts layers (Qwen3-MoE) hold
-``model.layers.{i}.mlp.gate.weight`` (the router) and each expert's own
-``model.layers.{i}.mlp.experts.{e}.{gate,up,down}_proj.weight`` instead of the dense MLP.
-Gemma 4 adds ``model.layers.{i}.{pre,post}_feedforward_layernorm.weight`` and
-``model.layers.{i}.layer_scalar`` and has no ``v_proj`` in its k = v layers; its unified
-checkpoint (``gemma4_unified``) holds the text weights under ``model.language_model.*``
-(read; the vision / audio embedders beside them are skipped), and we write the
-text-only layout (`UNIFIED_TEXT_PREFIX`).
+``lm_head.weight`` (untied only); a layer's other parameters are named by their path
+(Gemma 4's ``model.layers.{i}.{pre,post}_feedforward_layernorm.weight``,
+``model.layers.{i}.layer_scalar``). What a family stores differently, it names itself
+(`tev_jax.models.registry.Family`: ``layer_tensor``, e.g. Qwen3-MoE's one tensor per
+expert, ``model.layers.{i}.mlp.experts.{e}.{gate,up,down}_proj.weight``;
+``checkpoint_prefix`` and ``foreign_tensors``, e.g. Gemma 4's unified checkpoint, whose
+text weights sit under ``model.language_model.*`` beside vision / audio tensors that are
+skipped). This module imports no family.
 
 Loading first reads every file's header and checks names and shapes against the
 config, so a missing, extra or misshapen tensor fails before anything is loaded. Then
@@ -61,6 +61,7 @@ from flax import nnx
 from jax.sharding import Mesh, SingleDeviceSharding
 
 from tev_jax import sharding as shd
+from tev_jax.models import registry
 from tev_jax.models.config import ModelConfig
 from tev_jax.models.target import Target
 
@@ -86,7 +87,6 @@ axis is the layer, stored as one tensor per layer (``model.layers.0.…``, ``…
 P layers); an ``{expert}`` field after it stacks the next axis over experts.
 """
 
-UNIFIED_TEXT_PREFIX = "model.language_model."
 LAYER_FIELD = "{layer}"
 EXPERT_FIELD = "{expert}"
 _STACK_FIELD = re.compile(r"\{(?:layer|expert)(?::(\d+)\+(\d+))?\}")
@@ -116,29 +116,32 @@ class TensorInfo(NamedTuple):
 # ------------------------------------------------------------------- name mapping
 
 
-def layer_param_name(prefix: str, rest: tuple, period: int = 1) -> tuple[str, int]:
+def layer_param_name(prefix: str, rest: tuple, period: int = 1,
+                     layer_tensor=None) -> tuple[str, int]:
     """(name, n_in) of a decoder-layer parameter: ``rest`` is its path inside the layer.
 
     ``('self_attn', 'q_proj', 'kernel')`` -> ``prefix + 'self_attn.q_proj.weight'``; the
     prefix holds the `LAYER_FIELD` of stacked layers (``'model.layers.{layer}.'``). A path
     into sub-layer j of a `LayerPeriod` of ``period`` layers (``('sublayers', j, ...)``)
-    names layer ``g·period + j``; a mixture's experts (``('mlp', 'experts', proj)``) one
-    tensor per expert.
+    names layer ``g·period + j``. ``layer_tensor`` (a family's,
+    `tev_jax.models.registry.Family.layer_tensor`) names what it knows first.
     """
     if rest[0] == "sublayers":
         prefix = prefix.replace(LAYER_FIELD, LAYER_FIELD[:-1] + f":{period}+{rest[1]}}}")
         rest = rest[2:]
-    if rest[:2] == ("mlp", "experts"):
-        return prefix + f"mlp.experts.{EXPERT_FIELD}.{rest[2]}.weight", 1
+    named = None if layer_tensor is None else layer_tensor(prefix, rest)
+    if named is not None:
+        return named
     if rest[-1] == "kernel":
         n_in = 2 if rest[-2] == "o_proj" else 1
         return prefix + ".".join(rest[:-1]) + ".weight", n_in
     return prefix + ".".join(str(r) for r in rest), -1 if rest[-1] == "bias" else 0
 
 
-def hf_name(path: tuple, period: int = 1) -> tuple[str, int]:
+def hf_name(path: tuple, period: int = 1, layer_tensor=None) -> tuple[str, int]:
     """(HF tensor name, n_in) of a `Target` parameter path (see `NameOf`); ``period`` is
-    the config's `ModelConfig.period` (the layers one stack step holds)."""
+    the config's `ModelConfig.period` (the layers one stack step holds), ``layer_tensor``
+    the family's names of layer parameters (`layer_param_name`)."""
     if path == ("embed_tokens",):
         return "model.embed_tokens.weight", 0
     if path == ("lm_head",):
@@ -146,23 +149,28 @@ def hf_name(path: tuple, period: int = 1) -> tuple[str, int]:
     if path == ("norm", "weight"):
         return "model.norm.weight", 0
     if path[0] == "layers":
-        return layer_param_name(f"model.layers.{LAYER_FIELD}.", path[1:], period)
+        return layer_param_name(f"model.layers.{LAYER_FIELD}.", path[1:], period,
+                                layer_tensor)
     raise ValueError(f"no Hugging Face name for parameter {'/'.join(map(str, path))}")
 
 
-def hf_name_of(config: ModelConfig, *, unified: bool = False) -> NameOf:
-    """`hf_name` for a config's targets; ``unified``: the text weights of a Gemma 4
-    unified checkpoint (``model.`` read as ``model.language_model.``)."""
-    name_of = functools.partial(hf_name, period=config.period)
-    if not unified:
+def hf_name_of(config: ModelConfig, hf_config: Mapping[str, Any] | None = None) -> NameOf:
+    """`hf_name` for a config's targets, with its family's names
+    (`tev_jax.models.registry.Family`); ``hf_config``: the ``config.json`` of the
+    checkpoint read, whose family may put the names under another prefix than
+    ``model.`` (Gemma 4's unified checkpoint: ``model.language_model.``)."""
+    fam = registry.family(config.model_type)
+    name_of = functools.partial(hf_name, period=config.period,
+                                layer_tensor=fam.layer_tensor)
+    prefix = None if hf_config is None else fam.checkpoint_prefix(dict(hf_config))
+    if prefix is None:
         return name_of
 
-    def unified_name(path):
+    def prefixed(path):
         name, n_in = name_of(path)
-        return UNIFIED_TEXT_PREFIX + name[len("model."):] if name.startswith("model.") \
-            else name, n_in
+        return prefix + name[len("model."):] if name.startswith("model.") else name, n_in
 
-    return unified_name
+    return prefixed
 
 
 def _hf_shape(shape: tuple[int, ...], n_in: int) -> tuple[int, ...]:
@@ -601,10 +609,9 @@ def load_target(path: str | os.PathLike, *, dtype=jnp.float32, mesh: Mesh | None
     abstract = nnx.eval_shape(lambda: Target(config, dtype=dtype, rngs=nnx.Rngs(0)))
     # Some tied checkpoints store the shared matrix twice.
     skip = ["lm_head.weight"] if config.tie_word_embeddings else []
-    unified = hf.get("model_type") == "gemma4_unified"
-    if unified:  # the vision / audio parts of a multimodal checkpoint
-        skip += [n for n in where if not n.startswith(UNIFIED_TEXT_PREFIX)]
-    name_of = hf_name_of(config, unified=unified)
+    # e.g. the vision / audio parts of a multimodal checkpoint
+    skip += registry.family_of_hf(hf).foreign_tensors(hf, list(where))
+    name_of = hf_name_of(config, hf)
     check_tensors(expected_shapes(abstract, name_of), where, skip=tuple(skip))
     return load_params(path, abstract, name_of, where, mesh=mesh, rules=rules)
 

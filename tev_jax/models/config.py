@@ -11,7 +11,11 @@ RoPE; its MLP: dense or a mixture of experts, `MoeSpec`), and `ModelConfig.perio
 shortest repeating run of specs, which is what the scanned layer stack scans over
 (`tev_jax.models.layers.stacked_layers`). Model-wide choices (norm style, activation,
 embedding scale, logit soft-cap, sandwich norms with a layer scalar) are fields of
-`ModelConfig`. Gemma 4's ``config.json`` is read in `tev_jax.models.gemma4`.
+`ModelConfig`.
+
+Which ``model_type``s exist, and how each family reads and writes its ``config.json``,
+is the families' business (`tev_jax.models.registry`; the families themselves are in
+`tev_jax.models.families`): this module imports none of them.
 """
 
 from __future__ import annotations
@@ -19,13 +23,11 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-SUPPORTED_MODEL_TYPES = ("qwen3", "llama", "qwen3_moe", "gemma4_unified_text")
-GEMMA4_MODEL_TYPES = ("gemma4_unified", "gemma4_unified_text")
+from tev_jax.models import registry
+
 ATTENTION_WINDOWS = ("native", "full")
 LAYER_TYPES = ("full_attention", "sliding_attention")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
-_ARCHITECTURES = {"qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM",
-                  "qwen3_moe": "Qwen3MoeForCausalLM"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,10 +107,11 @@ class RopeScaling:
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-    """A decoder-only transformer of the Qwen3 or Llama-3 family.
+    """A decoder-only transformer of a registered family (`tev_jax.models.registry`).
 
     Attributes:
-      model_type: 'qwen3' (per-head q/k RMSNorm) or 'llama' (no q/k norm).
+      model_type: the family's name for it: 'qwen3' (per-head q/k RMSNorm), 'llama' (no
+        q/k norm), 'qwen3_moe', 'gemma4_unified_text' (`tev_jax.models.families`).
       vocab_size: V, rows of the embedding (may exceed the tokenizer's vocabulary).
       hidden_size: D.
       intermediate_size: width of the SwiGLU MLP.
@@ -138,7 +141,7 @@ class ModelConfig:
         'float32' (scale in float32, then cast: Gemma 4); the scale is ``w`` either way.
       sandwich_norms: Gemma 4's four norms per layer (input, post-attention on the
         attention output, pre- and post-feed-forward) and a learned ``layer_scalar``
-        multiplying the layer's output (`tev_jax.models.gemma4`).
+        multiplying the layer's output (`tev_jax.models.families.gemma4`).
       v_norm: a weightless RMSNorm on the values.
       attention_scale: score scale (None: hd ** -0.5).
       hidden_act: the gated MLP's activation, 'silu' (SwiGLU) or 'gelu_tanh' (GeGLU).
@@ -182,11 +185,7 @@ class ModelConfig:
     final_logit_softcap: float | None = None
 
     def __post_init__(self):
-        if self.model_type not in SUPPORTED_MODEL_TYPES:
-            raise ValueError(
-                f"unsupported model_type {self.model_type!r}; supported: "
-                f"{', '.join(SUPPORTED_MODEL_TYPES)}"
-            )
+        registry.family(self.model_type)  # ValueError naming the supported ones
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
                      "num_heads", "num_kv_heads", "head_dim"):
             v = getattr(self, name)
@@ -327,142 +326,20 @@ class ModelConfig:
 
     @classmethod
     def from_hf(cls, hf: dict[str, Any]) -> "ModelConfig":
-        """Builds a config from a Hugging Face ``config.json`` dict.
+        """Builds a config from a Hugging Face ``config.json`` dict, through the family
+        registered for its ``model_type``.
 
         Raises:
-          ValueError: unsupported model_type, rope type, sliding window, MLP bias,
-            activation, or a missing required field (named in the message).
+          ValueError: unsupported model_type, or what the family does not support (a
+            rope type, a sliding window, an activation, ...) or a missing required
+            field (named in the message).
         """
-        model_type = hf.get("model_type")
-        if model_type in GEMMA4_MODEL_TYPES:
-            from tev_jax.models.gemma4 import config_from_hf  # the family's own file
-
-            return config_from_hf(hf)
-        if model_type not in SUPPORTED_MODEL_TYPES:
-            raise ValueError(
-                f"unsupported model_type {model_type!r}; supported: "
-                f"{', '.join(SUPPORTED_MODEL_TYPES)}"
-            )
-
-        def req(key):
-            if key not in hf or hf[key] is None:
-                raise ValueError(f"config.json is missing required field {key!r}")
-            return hf[key]
-
-        act = hf.get("hidden_act", "silu")
-        if act != "silu":
-            raise ValueError(f"unsupported hidden_act {act!r}; supported: silu")
-        if hf.get("mlp_bias", False):
-            raise ValueError("unsupported feature mlp_bias=True; supported: mlp_bias=False")
-        if hf.get("use_sliding_window", False):
-            raise ValueError(
-                "unsupported feature use_sliding_window=True; supported: full attention"
-            )
-        layer_types = hf.get("layer_types")
-        if layer_types is not None and any(t != "full_attention" for t in layer_types):
-            raise ValueError(
-                f"unsupported layer_types {sorted(set(layer_types))}; "
-                "supported: full_attention"
-            )
-        if hf.get("pretraining_tp", 1) not in (1, None):
-            raise ValueError("unsupported feature pretraining_tp > 1")
-
-        hidden = int(req("hidden_size"))
-        heads = int(req("num_attention_heads"))
-        kv_heads = hf.get("num_key_value_heads")
-        kv_heads = heads if kv_heads is None else int(kv_heads)
-        head_dim = hf.get("head_dim")
-        if head_dim is None:
-            # transformers' defaults: Qwen3Config.head_dim = 128; Llama: D / heads.
-            head_dim = 128 if model_type == "qwen3" else hidden // heads
-
-        rope_theta, rope_scaling = _parse_rope(hf)
-        eos = hf.get("eos_token_id")
-        eos = () if eos is None else (tuple(int(e) for e in eos)
-                                      if isinstance(eos, (list, tuple)) else (int(eos),))
-        bos = hf.get("bos_token_id")
-        moe = {}
-        if model_type == "qwen3_moe":
-            experts = hf.get("num_experts", hf.get("num_local_experts"))
-            if experts is None:
-                raise ValueError("config.json is missing required field 'num_experts'")
-            if hf.get("shared_expert_intermediate_size"):
-                raise ValueError("unsupported feature shared experts; supported: none")
-            moe = dict(
-                num_experts=int(experts),
-                num_experts_per_tok=int(req("num_experts_per_tok")),
-                moe_intermediate_size=int(req("moe_intermediate_size")),
-                norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
-                decoder_sparse_step=int(hf.get("decoder_sparse_step", 1)),
-                mlp_only_layers=tuple(int(i) for i in hf.get("mlp_only_layers") or ()),
-            )
-        return cls(
-            model_type=model_type,
-            vocab_size=int(req("vocab_size")),
-            hidden_size=hidden,
-            intermediate_size=int(req("intermediate_size")),
-            num_layers=int(req("num_hidden_layers")),
-            num_heads=heads,
-            num_kv_heads=kv_heads,
-            head_dim=int(head_dim),
-            rope_theta=float(rope_theta),
-            rope_scaling=rope_scaling,
-            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            qk_norm=model_type in ("qwen3", "qwen3_moe"),
-            attention_bias=bool(hf.get("attention_bias", False)),
-            max_position_embeddings=int(hf.get("max_position_embeddings", 32768)),
-            bos_token_id=None if bos is None else int(bos),
-            eos_token_ids=eos,
-            **moe,
-        )
+        return registry.family_of_hf(hf).read_config(hf)
 
     def to_hf(self, *, dtype: str = "float32") -> dict[str, Any]:
-        """A ``config.json`` dict that transformers 4.x and 5.x both read (Gemma 4:
-        the text-only ``gemma4_unified_text`` config, 5.x)."""
-        if self.model_type == "gemma4_unified_text":
-            from tev_jax.models.gemma4 import config_to_hf
-
-            return config_to_hf(self, dtype=dtype)
-        rope_params: dict[str, Any] = {"rope_type": "default", "rope_theta": self.rope_theta}
-        if self.rope_scaling is not None:
-            rope_params = {**self.rope_scaling.to_hf(), "rope_theta": self.rope_theta}
-        d: dict[str, Any] = {
-            "architectures": [_ARCHITECTURES[self.model_type]],
-            "model_type": self.model_type,
-            "vocab_size": self.vocab_size,
-            "hidden_size": self.hidden_size,
-            "intermediate_size": self.intermediate_size,
-            "num_hidden_layers": self.num_layers,
-            "num_attention_heads": self.num_heads,
-            "num_key_value_heads": self.num_kv_heads,
-            "head_dim": self.head_dim,
-            "hidden_act": "silu",
-            "rms_norm_eps": self.rms_norm_eps,
-            "tie_word_embeddings": self.tie_word_embeddings,
-            "attention_bias": self.attention_bias,
-            "attention_dropout": 0.0,
-            "max_position_embeddings": self.max_position_embeddings,
-            "rope_theta": self.rope_theta,
-            "rope_scaling": (None if self.rope_scaling is None
-                             else self.rope_scaling.to_hf()),
-            "rope_parameters": rope_params,
-            "torch_dtype": dtype,
-            "dtype": dtype,
-            "use_cache": True,
-        }
-        if self.model_type == "llama":
-            d["mlp_bias"] = False
-        else:
-            d["use_sliding_window"] = False
-        if self.model_type == "qwen3_moe":
-            d.update(num_experts=self.num_experts,
-                     num_experts_per_tok=self.num_experts_per_tok,
-                     moe_intermediate_size=self.moe_intermediate_size,
-                     norm_topk_prob=self.norm_topk_prob,
-                     decoder_sparse_step=self.decoder_sparse_step,
-                     mlp_only_layers=list(self.mlp_only_layers))
-        return d | self.special_tokens_hf()
+        """A ``config.json`` dict that transformers reads (its family's writer; Gemma 4:
+        the text-only ``gemma4_unified_text`` config, transformers 5.x)."""
+        return registry.family(self.model_type).write_config(self, dtype=dtype)
 
     def special_tokens_hf(self) -> dict[str, Any]:
         """The ``bos_token_id`` / ``eos_token_id`` fields of a ``config.json`` (those set)."""
@@ -474,40 +351,3 @@ class ModelConfig:
                                  else list(self.eos_token_ids))
         return d
 
-
-def _parse_rope(hf: dict[str, Any]) -> tuple[float, RopeScaling | None]:
-    """(rope_theta, rope_scaling) from either the 4.x or the 5.x spelling."""
-    params = hf.get("rope_scaling")
-    if params is None:
-        params = hf.get("rope_parameters")
-    params = dict(params or {})
-    if params and all(isinstance(v, dict) for v in params.values()):
-        raise ValueError(
-            "unsupported per-layer-type rope_parameters; supported: one rope config"
-        )
-    theta = params.get("rope_theta", hf.get("rope_theta", 10000.0))
-    rope_type = params.get("rope_type", params.get("type", "default"))
-    if rope_type not in SUPPORTED_ROPE_TYPES:
-        raise ValueError(
-            f"unsupported rope type {rope_type!r}; supported: "
-            f"{', '.join(SUPPORTED_ROPE_TYPES)}"
-        )
-    if params.get("partial_rotary_factor", 1.0) != 1.0:
-        raise ValueError("unsupported feature partial_rotary_factor != 1")
-    if rope_type == "default":
-        return float(theta), None
-
-    def field(key):
-        if params.get(key) is None:
-            raise ValueError(f"rope_scaling of type {rope_type!r} is missing {key!r}")
-        return params[key]
-
-    if rope_type == "linear":
-        return float(theta), RopeScaling("linear", float(field("factor")))
-    return float(theta), RopeScaling(
-        "llama3",
-        float(field("factor")),
-        float(field("low_freq_factor")),
-        float(field("high_freq_factor")),
-        int(field("original_max_position_embeddings")),
-    )

@@ -49,6 +49,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from tev_jax.models import registry
 from tev_jax.models.config import AttentionSpec, LayerSpec, ModelConfig
 from tev_jax.models.stacked_matmul import stacked_dot
 from tev_jax.sharding import constrain, variable_axes
@@ -335,13 +336,17 @@ class DecoderLayer(nnx.Module):
     """Pre-norm decoder layer (HF names: input_layernorm, self_attn, mlp, ...).
 
     Its attention and MLP are the `LayerSpec`'s: an `Attention` of its `AttentionSpec`;
-    a gated `MLP`, or a `tev_jax.models.moe.MoE`. ``spec`` (with the attention filled
+    a gated `MLP`, or the ``mlp`` its family builds for a mixture of experts (e.g.
+    `tev_jax.models.moe.MoE`, called like `MLP`). ``spec`` (with the attention filled
     in) and ``sub`` (its place in a `LayerPeriod`, 0 outside one) are kept as static
     attributes: a pass reads the layer's window and cache from them.
+
+    Raises:
+      ValueError: a spec with a mixture of experts and no ``mlp``.
     """
 
     def __init__(self, config: ModelConfig, spec: LayerSpec = LayerSpec(), *, dtype,
-                 rngs: nnx.Rngs, sub: int = 0):
+                 rngs: nnx.Rngs, sub: int = 0, mlp: nnx.Module | None = None):
         c = config
         if spec.attention is None:
             spec = dataclasses.replace(spec, attention=c.attention_spec)
@@ -349,13 +354,14 @@ class DecoderLayer(nnx.Module):
         self.input_layernorm = norm(c, c.hidden_size, dtype=dtype, rngs=rngs)
         self.self_attn = Attention(c, spec.attention, dtype=dtype, rngs=rngs)
         self.post_attention_layernorm = norm(c, c.hidden_size, dtype=dtype, rngs=rngs)
-        if spec.moe is None:
+        if mlp is not None:
+            self.mlp = mlp
+        elif spec.moe is None:
             self.mlp = MLP(c.hidden_size, c.intermediate_size, dtype=dtype, rngs=rngs,
                            act=c.hidden_act)
         else:
-            from tev_jax.models.moe import MoE  # moe builds on this module's pieces
-
-            self.mlp = MoE(c.hidden_size, spec.moe, dtype=dtype, rngs=rngs)
+            raise ValueError(f"a layer with a mixture of experts ({spec.moe}) needs its "
+                             f"family's expert MLP (model_type {c.model_type!r})")
 
     def __call__(self, x_BTD: jax.Array, positions_BT: jax.Array, inv_freq, attend):
         """One layer over T new tokens with the attention given as a function.
@@ -397,13 +403,11 @@ class LayerPeriod(nnx.Module):
 
 def decoder_layer(config: ModelConfig, spec: LayerSpec, *, dtype, rngs: nnx.Rngs,
                   sub: int = 0) -> DecoderLayer:
-    """The config's decoder layer of ``spec``: a `DecoderLayer`, or Gemma 4's
-    sandwich-norm layer (`tev_jax.models.gemma4.SandwichLayer`)."""
-    if config.sandwich_norms:
-        from tev_jax.models.gemma4 import SandwichLayer  # gemma4 builds on this module
-
-        return SandwichLayer(config, spec, dtype=dtype, rngs=rngs, sub=sub)
-    return DecoderLayer(config, spec, dtype=dtype, rngs=rngs, sub=sub)
+    """The config's decoder layer of ``spec``, as its family builds it
+    (`tev_jax.models.registry.Family.decoder_layer`): a `DecoderLayer` or a subclass
+    (Gemma 4's sandwich-norm layer)."""
+    return registry.family(config.model_type).decoder_layer(config, spec, dtype=dtype,
+                                                            rngs=rngs, sub=sub)
 
 
 def stacked_layers(config: ModelConfig, *, dtype, rngs: nnx.Rngs
@@ -454,6 +458,28 @@ def scan_unroll(unroll: int | bool):
         yield
     finally:
         _UNROLL.reset(token)
+
+
+_EXPERT_USAGE: contextvars.ContextVar = contextvars.ContextVar("tev_expert_usage_sink",
+                                                             default=None)
+
+
+@contextlib.contextmanager
+def collect_expert_usage():
+    """Collects, while tracing the block, each mixture-of-experts MLP's pairs per expert
+    (int32 [E]: how many of its (token, expert) pairs chose each expert) in the list it
+    yields. An expert MLP appends to `expert_usage_sink` when one is open."""
+    sink: list = []
+    token = _EXPERT_USAGE.set(sink)
+    try:
+        yield sink
+    finally:
+        _EXPERT_USAGE.reset(token)
+
+
+def expert_usage_sink() -> list | None:
+    """The list of the innermost open `collect_expert_usage` block, or None."""
+    return _EXPERT_USAGE.get()
 
 
 _STACK_INDEX: contextvars.ContextVar = contextvars.ContextVar("tev_stack_index",

@@ -43,8 +43,6 @@ Parameters (HF names in `tev_jax.models.checkpoint_io`)::
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import math
 
 import jax
@@ -55,27 +53,12 @@ from jax.sharding import PartitionSpec
 from tev_jax import sharding as shd
 from tev_jax.models.config import MoeSpec
 from tev_jax.models.expert_kernel import grouped_expert_mlp
-from tev_jax.models.layers import Linear, make_param, stack_index
+from tev_jax.models.layers import Linear, expert_usage_sink, make_param, stack_index
 from tev_jax.op_costs import bound_scope
 
 METHODS = ("auto", "grouped", "ragged", "touched", "dense")
 EXPERT_AXES = ("experts", "embed", "moe_mlp")
 DOWN_AXES = ("experts", "moe_mlp", "embed")
-
-
-_SINK: contextvars.ContextVar = contextvars.ContextVar("tev_moe_sink", default=None)
-
-
-@contextlib.contextmanager
-def collect_usage():
-    """Collects, while tracing the block, each `MoE` call's pairs per expert (int32
-    [E]: how many of its (token, expert) pairs chose each expert) in a list."""
-    sink: list = []
-    token = _SINK.set(sink)
-    try:
-        yield sink
-    finally:
-        _SINK.reset(token)
 
 
 def route(x_MD: jax.Array, router_DE: jax.Array, spec: MoeSpec):
@@ -315,7 +298,7 @@ class MoE(nnx.Module):
     def __call__(self, x_BTD: jax.Array, method: str | None = None) -> jax.Array:
         b, t, d = x_BTD.shape
         w, idx = self.route(x_BTD)
-        sink = _SINK.get()
+        sink = expert_usage_sink()
         if sink is not None:
             sink.append(jnp.zeros((self.spec.num_experts,), jnp.int32).at[idx].add(1))
         method = choose_method(self.method if method is None else method,
@@ -325,11 +308,22 @@ class MoE(nnx.Module):
         return shd.constrain(y, ("batch", "seq", "act_embed"))
 
 
+def uses_kernel(method: str | tuple[str, str]) -> bool:
+    """Whether ``method`` (`choose_method`'s answer) may run the grouped Pallas kernel,
+    which XLA cannot partition: it must run inside a ``shard_map``."""
+    return "grouped" in ((method,) if isinstance(method, str) else method)
+
+
 def sharded_experts(x_BTD, idx_BTK, w_BTK, stacks, g, method) -> jax.Array:
     """`expert_mlp` of stack entry ``g`` of the expert weights (`Experts.stacks`), on
     the active mesh's layout of them (module docstring).
 
-    Without a mesh, or with neither ``experts`` nor ``moe_mlp`` split, one plain call.
+    Without a mesh, or with neither ``experts`` nor ``moe_mlp`` split, one plain call,
+    except where the grouped kernel may run on a mesh of several devices: a Mosaic
+    kernel cannot be partitioned by XLA (lowering fails with "Mosaic kernels cannot be
+    automatically partitioned", which jax 0.10 reports as a KeyError in its lowering
+    cache on the enclosing ``closed_call``), so it runs in a ``shard_map`` too: each
+    device its own tokens, the weights gathered over ``embed`` (fsdp).
     """
     b, t, d = x_BTD.shape
 
@@ -349,7 +343,7 @@ def sharded_experts(x_BTD, idx_BTK, w_BTK, stacks, g, method) -> jax.Array:
                                     mesh)
     expert_axes = _axes(spec_up, 1)
     split = expert_axes + _axes(spec_up, 3)
-    if not split:
+    if not split and not (uses_kernel(method) and mesh.size > 1):
         return local(x_BTD, idx_BTK, w_BTK, g, *stacks, 0)
     # Tokens keep their batch split on the axes the experts do not use.
     batch = tuple(a for a in _axes(shd.logical_to_spec(("batch",), (b,), mesh), 0)
@@ -359,7 +353,8 @@ def sharded_experts(x_BTD, idx_BTK, w_BTK, stacks, g, method) -> jax.Array:
 
     def body(x, idx, w, g, gate, up, down):
         first = (jax.lax.axis_index(expert_axes) * e_local if expert_axes else 0)
-        return jax.lax.psum(local(x, idx, w, g, gate, up, down, first), split)
+        y = local(x, idx, w, g, gate, up, down, first)
+        return jax.lax.psum(y, split) if split else y
 
     return jax.shard_map(body, mesh=mesh,
                          in_specs=(spec_x, spec_x, spec_x, PartitionSpec(), spec_up, spec_up,

@@ -56,13 +56,12 @@ import numpy as np
 from flax import nnx
 
 from tev_jax.models import kv_cache as kvc
-from tev_jax.models import moe
 from tev_jax.models.attention import Mask, attention, windowed
 from tev_jax.models.config import ModelConfig
 from tev_jax.models.kv_cache import KVCache, LayerRef
 from tev_jax.models.layers import (
-    jitted_initializer, linear_kernels, make_param, norm, rope_inv_freq, scan_layers,
-    stack_index, stacked_layers,
+    collect_expert_usage, jitted_initializer, linear_kernels, make_param, norm,
+    rope_inv_freq, scan_layers, stack_index, stacked_layers,
 )
 from tev_jax.sharding import constrain
 from tev_jax.vocab import embed_rows
@@ -193,7 +192,8 @@ class Target(nnx.Module):
         def body(layer, i, state):
             x, tapped, usage, carry = state
             # routing is collected only when a recorder asks for it
-            collect = moe.collect_usage() if usage is not None else contextlib.nullcontext([])
+            collect = (collect_expert_usage() if usage is not None
+                       else contextlib.nullcontext([]))
             ref = LayerRef(i, stack_index(), layer.sub, layer.spec)
             inv_freq = rope_inv_freq(self.config, layer.spec.attention)
             with collect as sink:

@@ -16,8 +16,12 @@ Where Gemma 4 differs from Qwen3 is in `ModelConfig` fields and per-layer
 - four norms per layer and a learned ``layer_scalar`` (`SandwichLayer`).
 
 Checkpoints (`tev_jax.models.checkpoint_io`): the text-only layout (``model.*``) and
-the unified one, whose text weights sit under ``model.language_model.*`` beside the
-vision / audio embedders (skipped).
+the unified one, whose text weights sit under ``model.language_model.*``
+(`UNIFIED_TEXT_PREFIX`) beside the vision / audio embedders (skipped); we write the
+text-only layout.
+
+The family registers itself (`tev_jax.models.registry`) for ``gemma4_unified_text``
+and reads ``gemma4_unified`` config.json files too.
 """
 
 from __future__ import annotations
@@ -27,9 +31,14 @@ from typing import Any
 import jax
 from flax import nnx
 
+from tev_jax.models import registry
 from tev_jax.models.config import LAYER_TYPES, AttentionSpec, LayerSpec, ModelConfig
 from tev_jax.models.layers import DecoderLayer, make_param, norm
 from tev_jax.sharding import constrain
+
+MODEL_TYPE = "gemma4_unified_text"
+UNIFIED_MODEL_TYPE = "gemma4_unified"
+UNIFIED_TEXT_PREFIX = "model.language_model."
 
 # transformers' Gemma4UnifiedTextConfig defaults: save_pretrained omits fields equal to
 # them, so a config.json may lack any of these.
@@ -61,8 +70,8 @@ class SandwichLayer(DecoderLayer):
     """
 
     def __init__(self, config: ModelConfig, spec: LayerSpec = LayerSpec(), *, dtype,
-                 rngs: nnx.Rngs, sub: int = 0):
-        super().__init__(config, spec, dtype=dtype, rngs=rngs, sub=sub)
+                 rngs: nnx.Rngs, sub: int = 0, mlp: nnx.Module | None = None):
+        super().__init__(config, spec, dtype=dtype, rngs=rngs, sub=sub, mlp=mlp)
         d = config.hidden_size
         self.pre_feedforward_layernorm = norm(config, d, dtype=dtype, rngs=rngs)
         self.post_feedforward_layernorm = norm(config, d, dtype=dtype, rngs=rngs)
@@ -143,7 +152,7 @@ def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
         unsupported features (KV sharing, bidirectional text attention, attention
         biases, another activation or RoPE type), malformed ``per_layer_config``.
     """
-    if hf.get("model_type") == "gemma4_unified":
+    if hf.get("model_type") == UNIFIED_MODEL_TYPE:
         text = hf.get("text_config")
         if not isinstance(text, dict):
             raise ValueError("gemma4_unified config.json is missing required field "
@@ -262,3 +271,33 @@ def config_to_hf(config: ModelConfig, *, dtype: str = "float32") -> dict[str, An
         "use_cache": True,
     }
     return d | c.special_tokens_hf()
+
+
+# ------------------------------------------------------------------------ registry
+
+
+def decoder_layer(config: ModelConfig, spec: LayerSpec, *, dtype, rngs: nnx.Rngs,
+                  sub: int = 0) -> DecoderLayer:
+    """A `SandwichLayer` (a plain `DecoderLayer` if the config turns
+    ``sandwich_norms`` off)."""
+    cls = SandwichLayer if config.sandwich_norms else DecoderLayer
+    return cls(config, spec, dtype=dtype, rngs=rngs, sub=sub)
+
+
+def checkpoint_prefix(hf: dict[str, Any]) -> str | None:
+    """A unified checkpoint's text weights are under `UNIFIED_TEXT_PREFIX`."""
+    return UNIFIED_TEXT_PREFIX if hf.get("model_type") == UNIFIED_MODEL_TYPE else None
+
+
+def foreign_tensors(hf: dict[str, Any], names) -> list[str]:
+    """The vision / audio tensors of a unified checkpoint."""
+    if hf.get("model_type") != UNIFIED_MODEL_TYPE:
+        return []
+    return [n for n in names if not n.startswith(UNIFIED_TEXT_PREFIX)]
+
+
+FAMILY = registry.register(registry.Family(
+    name="gemma4", model_types=(MODEL_TYPE,), read_config=config_from_hf,
+    write_config=config_to_hf, decoder_layer=decoder_layer,
+    hf_model_types=(UNIFIED_MODEL_TYPE,), checkpoint_prefix=checkpoint_prefix,
+    foreign_tensors=foreign_tensors))
