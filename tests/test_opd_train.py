@@ -194,3 +194,100 @@ def test_objective_flag_and_the_older_loss_spelling():
     assert "opd_steps" in TrainConfig(objective="opd").run_fingerprint()
     assert "opd_steps" not in TrainConfig().run_fingerprint()
     json.dumps(TrainConfig(objective="opd").to_dict())
+
+
+@pytest.mark.skipif(jax.device_count() < 4, reason="needs 4 (host) devices")
+def test_opd_run_on_a_mesh_equals_the_single_device_run(tmp_path):
+    """The sharded step (drafter and batch over data x fsdp, the target fsdp-sharded) and
+    the rollouts decoded on the same mesh train the drafter as one device does."""
+    one = _run(tmp_path / "one", steps=3)
+    mesh = _run(tmp_path / "mesh", steps=3, mesh_data=2, mesh_fsdp=2)
+    for a, b in zip(jax.tree.leaves(one.state.params), jax.tree.leaves(mesh.state.params)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-3, atol=2e-5)
+    la, lb = read_log(tmp_path / "one" / "train_log.jsonl"), read_log(
+        tmp_path / "mesh" / "train_log.jsonl")
+    assert [r["rollout_tau"] for r in la] == [r["rollout_tau"] for r in lb]
+    np.testing.assert_allclose([r["loss"] for r in la], [r["loss"] for r in lb], rtol=1e-4)
+
+
+def test_plan_of_the_opd_step_and_its_rollout_programs(tmp_path, capsys):
+    """``tev-train plan --objective opd``: the OPD step's arguments are the token step's
+    plus the rounds' four [B, A, H] arrays less the token batch's in_bounds [B, A];
+    the rollout prefill and round are compiled too."""
+    from train.__main__ import main
+
+    config_json = tmp_path / "config.json"
+    config_json.write_text(json.dumps(tf.TARGET.to_hf()))
+    b, a = 4, 2
+    common = ["plan", "--target", str(config_json), "--num-taps", "2", "--block-size",
+              str(tf.BLOCK), "--batch", str(b), "--seq-len", str(tf.SEQ_LEN), "--anchors",
+              str(a), "--budget", "8", "--mesh-fsdp", "1", "--json"]
+    assert main(common + ["--objective", "token"]) == 0
+    token = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert main(common + ["--objective", "opd", "--rollout-batch", "2",
+                          "--rollout-prompt-len", "8", "--rollout-new-tokens", "8"]) == 0
+    opd = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert opd["objective"] == "opd" and token["objective"] == "token"
+    assert opd["argument_bytes"] - token["argument_bytes"] == 4 * b * a * H * 4 - b * a * 4
+    assert opd["model_flops"] == token["model_flops"]          # neither scores trees
+    programs = opd["rollouts"]["programs"]
+    assert set(programs) == {"prefill", "round"}
+    assert all(p["argument_bytes"] > 0 for p in programs.values())
+    assert main(common + ["--objective", "dpo"]) == 2
+    assert "--objective must be one of" in capsys.readouterr().err
+
+
+def test_cli_opd_run_preempted_and_resumed_equals_an_uninterrupted_one(tmp_path, capsys,
+                                                                      monkeypatch):
+    """``tev-train run --objective opd --init-from DRAFTER``: SIGTERM during update 2
+    saves a checkpoint and exits 75; the same command resumes and ends with the summary;
+    the drafter equals the one of an uninterrupted run."""
+    import os
+    import signal
+
+    from safetensors.numpy import load_file
+
+    from tev_jax.models import save_target
+    from tev_jax.models.checkpoint_io import weights_fingerprint
+    from tev_jax.models.drafter_io import save_drafter
+    from train import __main__ as train_cli
+    from train.rollouts import write_rollouts
+
+    target, drafter = tf.models()
+    save_target(target, tmp_path / "target")
+    save_drafter(drafter, tmp_path / "drafter")
+    data = tf.progressions()
+    write_rollouts(tmp_path / "data", [t[:s] for t, (s, _) in zip(data.tokens, data.spans)],
+                   [t[s:e] for t, (s, e) in zip(data.tokens, data.spans)],
+                   info={"target": str(tmp_path / "target"),
+                         "target_fingerprint": weights_fingerprint(tmp_path / "target")})
+    argv = lambda out: [
+        "run", "--objective", "opd", "--target-path", str(tmp_path / "target"),
+        "--init-from", str(tmp_path / "drafter"), "--data-dir", str(tmp_path / "data"),
+        "--out-dir", str(out), "--steps", "4", "--opd-steps", "2", "--opd-prompts", "4",
+        "--opd-rollout-batch", "4", "--opd-max-new-tokens", "8", "--budget", "6",
+        "--batch-size", "4", "--num-anchors", "4", "--lr", "0.01", "--warmup-steps", "0",
+        "--no-progress"]
+    assert train_cli.main(argv(tmp_path / "whole")) == 0
+    capsys.readouterr()
+
+    read = RoundBuffer.batch_at
+
+    def batch_at(self, seed, step, *args, **kw):
+        if step == 1:                      # preempted during update 2
+            os.kill(os.getpid(), signal.SIGTERM)
+        return read(self, seed, step, *args, **kw)
+
+    monkeypatch.setattr(RoundBuffer, "batch_at", batch_at)
+    assert train_cli.main(argv(tmp_path / "parts")) == 75
+    assert "preempted (SIGTERM) at update 2" in capsys.readouterr().out
+    monkeypatch.setattr(RoundBuffer, "batch_at", read)
+    assert train_cli.main(argv(tmp_path / "parts")) == 0
+    summary = capsys.readouterr().out
+    assert "updates 3..4 of 4" in summary and "opd_response" in summary
+    assert "rollout_tau" in summary
+    a = load_file(tmp_path / "whole" / "drafter" / "model.safetensors")
+    b = load_file(tmp_path / "parts" / "drafter" / "model.safetensors")
+    assert a.keys() == b.keys()
+    for k in a:
+        np.testing.assert_array_equal(a[k], b[k])
