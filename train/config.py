@@ -235,8 +235,8 @@ class TrainConfig:
             object.__setattr__(self, "objective", "token")
             object.__setattr__(self, "loss", TrainConfig.loss)
         if self.loss not in WEIGHTINGS:
-            raise ValueError(f"loss (ExitTrain's node weighting) must be one of "
-                             f"{WEIGHTINGS}, got {self.loss!r}")
+            raise ValueError(f"loss must be one of {WEIGHTINGS} (ExitTrain's node "
+                             f"weighting) or 'token' (objective 'token'), got {self.loss!r}")
         for name, allowed in (("target_dtype", DTYPES + ("auto",)), ("param_dtype", DTYPES),
                               ("compute_dtype", DTYPES + ("auto",)),
                               ("attention_window", ("native", "full")),

@@ -4,6 +4,9 @@ A run is a pure function of its `TrainConfig` and its data: the micro-batch ``m`
 ``data.batch_at(seed, m, ...)``, so a run killed at any point and resumed from its last
 checkpoint replays exactly the same batches and (on CPU) the same losses bit for bit.
 Each process reads only the batch rows of its own devices (`train.local_input`).
+A Draft-OPD run (``objective='opd'``) takes its micro-batches from the rounds of its
+current rollout phase instead (`train.opd_phases`: the batch of update k is a pure
+function of the phase's rounds, the seed and k) and runs `train.opd_step`'s step.
 
 Checkpoints are asynchronous orbax saves (`train.checkpoint`), to ``out_dir/checkpoints``
 or ``checkpoint_dir`` (which may be ``gs://...``); on SIGTERM the run saves after the
