@@ -232,10 +232,12 @@ def test_sweep_variants_parse_and_the_paper_point_is_the_recipe(tmp_path):
     paper = RECIPES["paper"]
     assert tuple(getattr(configs["paper"], k) for k in fields) == tuple(paper[k] for k in fields)
     # equal updates, data and optimiser: the configs differ only in the objective
-    shared = {k: v for k, v in configs["token"].to_dict().items() if k not in fields + ("out_dir",)}
+    shared = {k: v for k, v in configs["token"].to_dict().items()
+              if k not in fields + ("objective", "out_dir")}
     for cfg in configs.values():
         assert {k: v for k, v in cfg.to_dict().items() if k in shared} == shared
-    assert len({tuple(getattr(c, k) for k in fields) for c in configs.values()}) == len(configs)
+    assert len({tuple(getattr(c, k) for k in fields + ("objective",))
+                for c in configs.values()}) == len(configs)
 
 
 def test_sweep_validation_prompts_are_disjoint_from_the_test_prompts():
@@ -270,7 +272,7 @@ def test_strength_study_fine_tunes_differ_only_in_the_objective(tmp_path):
     for k in objective + ("partial_anchors",):
         assert getattr(paper, k) == RECIPES["paper"][k], k
     shared = {k: v for k, v in configs["token"].to_dict().items()
-              if k not in objective + ("out_dir",)}
+              if k not in objective + ("objective", "out_dir")}
     assert shared["partial_anchors"] and shared["drafter_path"] == "base"
     for cfg in configs.values():
         assert {k: v for k, v in cfg.to_dict().items() if k in shared} == shared
@@ -279,4 +281,4 @@ def test_strength_study_fine_tunes_differ_only_in_the_objective(tmp_path):
     assert study.snapshot_path(runs, 5000, 5000) == runs / "base" / "drafter"
     base = config_from_args(build_parser().parse_args(["run", *study.cli(dict(
         study.BASE_RUN, out_dir="o", steps=5000, drafter_every=500))]))
-    assert (base.loss, base.drafter_every, base.partial_anchors) == ("token", 500, False)
+    assert (base.objective, base.drafter_every, base.partial_anchors) == ("token", 500, False)

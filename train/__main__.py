@@ -3,8 +3,11 @@
     python -m train rollouts --target DIR --prompts-file prompts.jsonl --out DATA \\
         [--process-index I --process-count P | --distributed]
     python -m train rollouts --merge --out DATA     # manifest of shards already written
-    python -m train run --target-path DIR --data-dir DATA --loss exit --steps 2000 \\
-        --out-dir runs/exit [--config base.json] [--mesh-fsdp 8] [--until-update 500]
+    python -m train run --target-path DIR --data-dir DATA --objective exittrain \\
+        --steps 2000 --out-dir runs/exit [--config base.json] [--mesh-fsdp 8] \\
+        [--until-update 500]
+    python -m train run --recipe opd --target-path DIR --data-dir DATA \\
+        --drafter-path runs/token/drafter --steps 200 --out-dir runs/opd
     python -m train plan --target qwen3-4b --mesh-fsdp 8 --batch 8 --seq-len 2048
 
 Every `TrainConfig` field is a ``--flag`` (underscores become dashes); ``--recipe
@@ -86,7 +89,9 @@ def _add_config_flags(p: argparse.ArgumentParser) -> None:
     helps = field_help()
     for f in dataclasses.fields(TrainConfig):
         text = helps[f.name].replace("%", "%%")
-        p.add_argument("--" + f.name.replace("_", "-"), dest=f.name, default=None,
+        names = ["--" + f.name.replace("_", "-")] + (["--init-from"] if f.name == "drafter_path"
+                                                     else [])
+        p.add_argument(*names, dest=f.name, default=None,
                        type=_field_parser(hints[f.name]),
                        help=f"{text} (default {f.default!r})")
 
@@ -254,7 +259,8 @@ def _run(ns) -> int:
                      f"{result.seconds:.1f} s (compilation included): "
                      f"{ran / result.seconds:.2f} updates/s{speed}")
         if last:
-            keys = [k for k in ("loss", "token_loss", "exit_loss", "tau", "token_acc")
+            keys = [k for k in ("loss", "token_loss", "exit_loss", "tau", "opd_response",
+                                "opd_rejected", "token_acc", "rollout_tau")
                     if k in last]
             lines.append(f"final (update {int(last['update'])}): " + ", ".join(
                 f"{k} {last[k]:.4g}" for k in keys) + f"; log in {cfg.out_dir}/train_log.jsonl")
@@ -275,11 +281,12 @@ def _check_plan_flags(ns) -> tuple[float, ...]:
     """The plan flags checked before anything is compiled (one line naming the flag);
     -> the score capacities."""
     from tev_jax.sharding import TARGET_SHARDINGS
-    from train.config import LOSSES
+    from train.config import LOSSES, OBJECTIVES
     from train.step import DTYPES, REMAT
 
     for flag in ("drafter_layers", "num_taps", "batch", "seq_len", "anchors", "budget",
-                 "mesh_data", "mesh_fsdp", "mesh_tensor"):
+                 "mesh_data", "mesh_fsdp", "mesh_tensor", "rollout_batch",
+                 "rollout_prompt_len", "rollout_new_tokens"):
         if getattr(ns, flag) < 1:
             raise ValueError(f"--{flag.replace('_', '-')} must be >= 1, got "
                              f"{getattr(ns, flag)}")
@@ -292,6 +299,7 @@ def _check_plan_flags(ns) -> tuple[float, ...]:
                          f"{ns.host_devices}")
     for flag, allowed in (("target_dtype", DTYPES), ("param_dtype", DTYPES),
                           ("compute_dtype", DTYPES + (None,)), ("loss", LOSSES),
+                          ("objective", OBJECTIVES),
                           ("target_sharding", TARGET_SHARDINGS), ("remat", tuple(REMAT))):
         if getattr(ns, flag) not in allowed:
             names = ", ".join(a for a in allowed if a is not None)
@@ -311,20 +319,37 @@ def _plan(ns) -> None:
     if ns.host_devices:
         os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                                    f" --xla_force_host_platform_device_count={ns.host_devices}")
-    from train.plan import plan_step, target_config_from
+    from train.plan import plan_rollouts, plan_step, target_config_from
 
     where = f"the TPU slice {ns.topology}" if ns.topology else "the local devices"
     print(f"compiling one training step of --target {ns.target} on {where} (minutes for a "
           "large model) ...", file=sys.stderr, flush=True)
+    target_config = target_config_from(ns.target, ns.target_layers)
     plan = plan_step(
-        target_config_from(ns.target, ns.target_layers), drafter_layers=ns.drafter_layers,
+        target_config, drafter_layers=ns.drafter_layers,
         num_taps=ns.num_taps, block_size=ns.block_size, batch=ns.batch, seq_len=ns.seq_len,
-        anchors=ns.anchors, budget=ns.budget, loss=ns.loss,
+        anchors=ns.anchors, budget=ns.budget, loss=ns.loss, objective=ns.objective,
         mesh_shape=(ns.mesh_data, ns.mesh_fsdp, ns.mesh_tensor), target_dtype=ns.target_dtype,
         param_dtype=ns.param_dtype, compute_dtype=ns.compute_dtype,
         target_sharding=ns.target_sharding, remat=ns.remat,
         score_capacities=capacities, topology=ns.topology, gpu=ns.gpu)
-    print(json.dumps(plan.to_dict()) if ns.json else plan.format())
+    if ns.objective != "opd":
+        print(json.dumps(plan.to_dict()) if ns.json else plan.format())
+        return
+    rollouts = plan_rollouts(
+        target_config, drafter_layers=ns.drafter_layers, block_size=ns.block_size,
+        budget=ns.budget, builder=ns.rollout_builder, temperature=ns.rollout_temperature,
+        batch=ns.rollout_batch, prompt_len=ns.rollout_prompt_len,
+        max_new_tokens=ns.rollout_new_tokens,
+        mesh_shape=(ns.mesh_data, ns.mesh_fsdp, ns.mesh_tensor),
+        target_dtype=ns.target_dtype, topology=ns.topology, gpu=ns.gpu)
+    if ns.json:
+        print(json.dumps({**plan.to_dict(), "rollouts": rollouts.as_dict()}))
+    else:
+        print(plan.format() + "\nrollout programs (batch "
+              f"{ns.rollout_batch}, prompts <= {ns.rollout_prompt_len}, "
+              f"{ns.rollout_new_tokens} new tokens: one prefill per batch, up to that many "
+              "rounds):\n" + rollouts.format())
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -383,9 +408,12 @@ def build_parser() -> argparse.ArgumentParser:
     r.set_defaults(fn=_rollouts)
 
     t = sub.add_parser("run", help="train a drafter (resumes from --out-dir)",
-                       description="Trains a DFlash drafter on rollouts with the token "
-                                   "objective or ExitTrain; resumes from the newest good "
-                                   "checkpoint of --out-dir (or --checkpoint-dir).")
+                       description="Trains a DFlash drafter: --objective token (the token "
+                                   "loss on the rollouts), exittrain (+ the ExitTrain tree "
+                                   "term) or opd (Draft-OPD on the drafter's own "
+                                   "speculative rounds of the rollouts' prompts); resumes "
+                                   "from the newest good checkpoint of --out-dir (or "
+                                   "--checkpoint-dir).")
     t.add_argument("--recipe", choices=sorted(RECIPES),
                    help="start from a named preset of TrainConfig fields (paper: the "
                         "authors' ExitTrain recipe)")
@@ -412,7 +440,20 @@ def build_parser() -> argparse.ArgumentParser:
                     help="A anchors per sequence (default %(default)s)")
     pl.add_argument("--budget", type=int, default=32,
                     help="DDTree budget of the training trees (default %(default)s)")
+    pl.add_argument("--objective", default="exittrain",
+                    help="token, exittrain or opd, as tev-train run --objective (default "
+                         "%(default)s); opd also plans the rollout programs")
     pl.add_argument("--loss", default="exit", help="as tev-train run --loss (default exit)")
+    pl.add_argument("--rollout-batch", type=int, default=8,
+                    help="opd: prompts decoded together (default %(default)s)")
+    pl.add_argument("--rollout-prompt-len", type=int, default=256,
+                    help="opd: the rollouts' prompt buffer (default %(default)s)")
+    pl.add_argument("--rollout-new-tokens", type=int, default=256,
+                    help="opd: the rollouts' response cap (default %(default)s)")
+    pl.add_argument("--rollout-builder", default="ddtree",
+                    help="opd: the rollouts' tree builder (default %(default)s)")
+    pl.add_argument("--rollout-temperature", type=float, default=0.0,
+                    help="opd: the rollouts' temperature (default %(default)s)")
     pl.add_argument("--mesh-data", type=int, default=1, help="devices on the data axis")
     pl.add_argument("--mesh-fsdp", type=int, default=8, help="devices on the fsdp axis")
     pl.add_argument("--mesh-tensor", type=int, default=1, help="devices on the tensor axis")

@@ -25,12 +25,25 @@ LOSSES = ("token",) + WEIGHTINGS
 # scoring pass that sees only the 64 tokens before each anchor (exit_prefix_window), and
 # their token loss over anchors whose horizon runs past the response end (partial_anchors).
 # Not carried over: their 2 epochs (set --steps for your data) and warmup ratio 0.005.
+# 'opd': the Draft-OPD authors' trainer (bingyang-lei/Draft-OPD, verl, their Qwen3-4B
+# GSM8K script): rollouts decoded greedily (T 0) by the DFlash drafter it fine-tunes, the
+# target's log-probabilities at T 1, lr 1e-5 (cosine), a fresh rollout for every update
+# (opd_steps 1) of 24 prompts, and the paper's loss weights (`tev_jax.draft_opd.OpdConfig`:
+# w_R = w_J = 1, decay 0.8, floor -10, cap 10; their GSM8K script raises w_J to 2 and the
+# decay to 0.9). Not carried over: their 4096-token responses (opd_max_new_tokens 256),
+# their every-round anchors (we draw num_anchors rounds per sequence), their 10 rollout
+# batches accumulated per update (set --grad-accum) and warmup ratio 0.05.
 RECIPES: dict[str, dict[str, Any]] = {
     "paper": dict(loss="reach", exit_lambda=0.1, exit_normalizer="nodes", exit_floor=1e-4,
                   budget=32, num_anchors=32, batch_size=4, lr=1e-4, grad_clip=1.0,
                   temperature=1.0, top_k=None, top_p=None, exit_prefix_window=64,
                   partial_anchors=True),
+    "opd": dict(objective="opd", lr=1e-5, grad_clip=1.0, opd_steps=1, opd_prompts=24,
+                opd_temperature=0.0, opd_response_weight=1.0, opd_rejected_weight=1.0,
+                opd_decay=0.8, opd_logp_floor=-10.0, opd_cap=10.0),
 }
+
+OBJECTIVES = ("token", "exittrain", "opd")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,10 +81,15 @@ class TrainConfig:
         every anchor has all H labels.
 
     Objective:
-      loss: 'token' (DFlash token objective only), 'exit' (weight w), 'exit_depth'
-        (w * depth), 'prefix' (P) or 'reach' (P with the floor; see
-        `tev_jax.exit_weights.node_weights`).
-      budget: DDTree node budget of the training trees (N = budget + 1).
+      objective: 'token' (the DFlash token loss on the rollouts), 'exittrain' (token
+        loss + the ExitTrain tree term) or 'opd' (Draft-OPD: on-policy distillation on
+        the drafter's own speculative rounds, `train.opd_phases`).
+      loss: ExitTrain's node weighting: 'exit' (weight w), 'exit_depth' (w * depth),
+        'prefix' (P) or 'reach' (P with the floor; see
+        `tev_jax.exit_weights.node_weights`). 'token' is the older spelling of
+        objective 'token' (read as such).
+      budget: DDTree node budget of the training trees (N = budget + 1), and of an opd
+        run's rollout trees.
       exit_lambda: total = token + exit_lambda * exit.
       exit_normalizer: 'weight' (exit term = weighted NLL / total weight) or 'nodes'
         (/ number of tree nodes, the authors' release).
@@ -79,7 +97,18 @@ class TrainConfig:
         the node weights (0: exact; the authors use 1e-4).
       temperature, top_k, top_p: the target's sampling transform for the exit law.
       token_decay_gamma: optional DFlash position decay of the token loss.
-      tree_metrics: with loss='token', still build and score the trees to log the
+      opd_steps: opd: updates per rollout phase (the rollouts are refreshed by the
+        current drafter after this many updates; 1: every update, the authors').
+      opd_prompts: opd: training prompts decoded per rollout phase.
+      opd_rollout_batch: opd: prompts decoded together in a rollout phase.
+      opd_max_new_tokens: opd: response length cap of the rollouts.
+      opd_builder: opd: the rollouts' tree builder ('ddtree', 'chain', ...).
+      opd_verifier: opd: the rollouts' verifier ('tev', 'predraw', 'greedy', ...).
+      opd_temperature: opd: the rollouts' decode temperature (the authors' 0).
+      opd_response_weight, opd_rejected_weight, opd_decay, opd_logp_floor, opd_cap: opd:
+        `tev_jax.draft_opd.OpdConfig` (w_R, w_J, offset decay, log-probability floor,
+        per-token cap).
+      tree_metrics: with objective 'token', still build and score the trees to log the
         drafter's expected block length (the exit branch then costs the same as for
         ExitTrain but carries no gradient).
 
@@ -144,6 +173,7 @@ class TrainConfig:
     num_anchors: int = 32
     partial_anchors: bool = False
 
+    objective: str = "exittrain"
     loss: str = "exit"
     budget: int = 32
     exit_lambda: float = 0.1
@@ -156,6 +186,18 @@ class TrainConfig:
     tree_metrics: bool = False
     exit_prefix_window: int | None = None
     score_capacities: tuple[float, ...] = ()
+    opd_steps: int = 1
+    opd_prompts: int = 24
+    opd_rollout_batch: int = 8
+    opd_max_new_tokens: int = 256
+    opd_builder: str = "ddtree"
+    opd_verifier: str = "tev"
+    opd_temperature: float = 0.0
+    opd_response_weight: float = 1.0
+    opd_rejected_weight: float = 1.0
+    opd_decay: float = 0.8
+    opd_logp_floor: float = -10.0
+    opd_cap: float = 10.0
 
     steps: int = 1000
     lr: float = 1e-4
@@ -184,8 +226,17 @@ class TrainConfig:
     resume: bool = True
 
     def __post_init__(self):
-        if self.loss not in LOSSES:
-            raise ValueError(f"loss must be one of {LOSSES}, got {self.loss!r}")
+        if self.objective not in OBJECTIVES:
+            raise ValueError(f"objective must be one of {OBJECTIVES}, got {self.objective!r}")
+        if self.loss == "token":   # the older spelling of objective='token'
+            if self.objective == "opd":
+                raise ValueError("loss='token' means objective='token'; an opd run takes "
+                                 "no loss (drop --loss token)")
+            object.__setattr__(self, "objective", "token")
+            object.__setattr__(self, "loss", TrainConfig.loss)
+        if self.loss not in WEIGHTINGS:
+            raise ValueError(f"loss must be one of {WEIGHTINGS} (ExitTrain's node "
+                             f"weighting) or 'token' (objective 'token'), got {self.loss!r}")
         for name, allowed in (("target_dtype", DTYPES + ("auto",)), ("param_dtype", DTYPES),
                               ("compute_dtype", DTYPES + ("auto",)),
                               ("attention_window", ("native", "full")),
@@ -197,7 +248,13 @@ class TrainConfig:
         check_prefix_window(self.exit_prefix_window)
         if self.exit_prefix_window is not None and self.score_capacities:
             raise ValueError("exit_prefix_window and score_capacities cannot be combined")
-        positive = ("drafter_layers", "batch_size", "num_anchors", "budget", "steps",
+        self.opd_config  # validates the opd weights
+        for name in ("opd_temperature",):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < math.inf:
+                raise ValueError(f"{name} must be a finite number >= 0, got {v!r}")
+        positive = ("opd_steps", "opd_prompts", "opd_rollout_batch", "opd_max_new_tokens",
+                    "drafter_layers", "batch_size", "num_anchors", "budget", "steps",
                     "grad_accum", "mesh_data", "mesh_fsdp", "mesh_tensor",
                     "checkpoint_every", "keep_checkpoints", "log_every")
         for name in positive:
@@ -249,9 +306,24 @@ class TrainConfig:
         return target, self.param_dtype, compute
 
     @property
+    def opd_config(self):
+        """The `tev_jax.draft_opd.OpdConfig` of the opd_* weights."""
+        from tev_jax.draft_opd import OpdConfig
+
+        return OpdConfig(response_weight=self.opd_response_weight,
+                         rejected_weight=self.opd_rejected_weight, decay=self.opd_decay,
+                         logp_floor=self.opd_logp_floor, cap=self.opd_cap)
+
+    @property
+    def exittrain_loss(self) -> str:
+        """`tev_jax.exit_train.ExitTrainConfig.loss` of a token / ExitTrain run."""
+        return "token" if self.objective == "token" else self.loss
+
+    @property
     def builds_trees(self) -> bool:
-        """Whether a step builds and scores draft trees."""
-        return self.loss != "token" or self.tree_metrics
+        """Whether a step builds and scores draft trees (a token or ExitTrain step)."""
+        return self.objective == "exittrain" or (self.objective == "token"
+                                                 and self.tree_metrics)
 
     @property
     def mesh_shape(self) -> tuple[int, int, int]:
@@ -293,7 +365,13 @@ class TrainConfig:
         """
         skip = {"checkpoint_every", "keep_checkpoints", "log_every", "resume", "out_dir",
                 "checkpoint_dir", "distributed"}
-        return {k: v for k, v in self.to_dict().items() if k not in skip}
+        if self.objective != "opd":   # as checkpoints written before the opd fields
+            skip |= {"objective"} | {f.name for f in dataclasses.fields(self)
+                                     if f.name.startswith("opd_")}
+        d = {k: v for k, v in self.to_dict().items() if k not in skip}
+        if self.objective == "token":
+            d["loss"] = "token"       # the older spelling's record
+        return d
 
 
 def field_help() -> dict[str, str]:
@@ -323,4 +401,4 @@ def field_help() -> dict[str, str]:
     return {k: v for k, v in helps.items() if k in fields}
 
 
-__all__ = ["LOSSES", "RECIPES", "TrainConfig", "field_help"]
+__all__ = ["LOSSES", "OBJECTIVES", "RECIPES", "TrainConfig", "field_help"]

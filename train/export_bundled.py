@@ -236,8 +236,16 @@ def drafter_readme(drafter, source: Path, target_source: Path, weight_bytes: int
         ("target", "the bundled target (`../../target`); it fits no other model"),
     ]
     if isinstance(run_cfg, dict):
-        rows.append(("objective", f"loss `{run_cfg.get('loss')}`, DDTree budget "
-                                  f"{run_cfg.get('budget')}, λ = {run_cfg.get('exit_lambda')}"))
+        objective = run_cfg.get("objective", "exittrain")
+        if objective == "opd":
+            text = (f"Draft-OPD (`--objective opd`): rollouts of budget {run_cfg.get('budget')} "
+                    f"at T = {run_cfg.get('opd_temperature')}, refreshed every "
+                    f"{run_cfg.get('opd_steps')} updates")
+        else:   # configs before --objective spell the token objective loss 'token'
+            loss = "token" if objective == "token" else run_cfg.get("loss")
+            text = (f"loss `{loss}`, DDTree budget {run_cfg.get('budget')}, "
+                    f"λ = {run_cfg.get('exit_lambda')}")
+        rows.append(("objective", text))
     table = "| | |\n|---|---|\n" + "".join(f"| {k} | {v} |\n" for k, v in rows)
     tau_text = (f"Last logged training-tree τ (1 + coverage, update {last.get('update', '?')}): "
                 f"{last['tau']:.3f}.\n" if last is not None and last.get("tau") is not None

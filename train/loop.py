@@ -4,6 +4,9 @@ A run is a pure function of its `TrainConfig` and its data: the micro-batch ``m`
 ``data.batch_at(seed, m, ...)``, so a run killed at any point and resumed from its last
 checkpoint replays exactly the same batches and (on CPU) the same losses bit for bit.
 Each process reads only the batch rows of its own devices (`train.local_input`).
+A Draft-OPD run (``objective='opd'``) takes its micro-batches from the rounds of its
+current rollout phase instead (`train.opd_phases`: the batch of update k is a pure
+function of the phase's rounds, the seed and k) and runs `train.opd_step`'s step.
 
 Checkpoints are asynchronous orbax saves (`train.checkpoint`), to ``out_dir/checkpoints``
 or ``checkpoint_dir`` (which may be ``gs://...``); on SIGTERM the run saves after the
@@ -37,6 +40,8 @@ from train.rollouts import RolloutSet
 from train.optimizer import OptimConfig
 from train.placement import abstract_state, init_state, place_frozen
 from train.state import merge_drafter, split_models
+from train.opd_phases import OpdPhases, run_key
+from train.opd_step import OpdStepConfig, opd_program, place_opd_batch
 from train.step import StepConfig, step_program
 
 
@@ -122,7 +127,7 @@ def _mask_id(target_path: str) -> int:
 
 def exit_train_config(cfg: TrainConfig) -> ExitTrainConfig:
     """The objective's settings of a run."""
-    return ExitTrainConfig(loss=cfg.loss, budget=cfg.budget, exit_lambda=cfg.exit_lambda,
+    return ExitTrainConfig(loss=cfg.exittrain_loss, budget=cfg.budget, exit_lambda=cfg.exit_lambda,
                            sampling=cfg.sampling, decay_gamma=cfg.token_decay_gamma,
                            exit_normalizer=cfg.exit_normalizer, exit_floor=cfg.exit_floor,
                            tree_metrics=cfg.tree_metrics,
@@ -138,6 +143,26 @@ def step_config(cfg: TrainConfig, drafter) -> StepConfig:
                       horizon=dc.horizon,
                       compute_dtype=None if compute_dtype == param_dtype else compute_dtype,
                       remat=cfg.remat, target_sharding=cfg.target_sharding)
+
+
+def opd_step_config(cfg: TrainConfig, drafter) -> OpdStepConfig:
+    """The OPD step's settings of an opd run with ``drafter``."""
+    dc = drafter.config
+    _, param_dtype, compute_dtype = cfg.dtypes
+    return OpdStepConfig(opd=cfg.opd_config, taps=tuple(dc.target_layer_ids),
+                         horizon=dc.horizon,
+                         compute_dtype=None if compute_dtype == param_dtype else compute_dtype,
+                         remat=cfg.remat, target_sharding=cfg.target_sharding)
+
+
+def opd_phases(cfg: TrainConfig, target, data: RolloutSet, graphs, mesh,
+               progress: bool) -> OpdPhases:
+    """The rollout phases of an opd run (its drafter merge is set once the frozen state
+    is placed)."""
+    stop = tuple(target.config.eos_token_ids or ())
+    return OpdPhases(cfg, target, data, merge=None, mesh=mesh,
+                     run_key=run_key(cfg.run_fingerprint(), data.fingerprint()),
+                     stop_token_ids=stop, progress=progress)
 
 
 def optim_config(cfg: TrainConfig) -> OptimConfig:
@@ -317,25 +342,38 @@ def train(cfg: TrainConfig, *, target=None, drafter=None, data: RolloutSet | Non
     if loaded:
         check_data_target(data, cfg.target_path, cfg.data_dir)
     horizon = drafter.config.horizon
-    if data.seq_len <= horizon + 1:
+    opd = cfg.objective == "opd"
+    if not opd and data.seq_len <= horizon + 1:
         raise ValueError(f"sequences of length {data.seq_len} are too short for block size "
                          f"{drafter.config.block_size}")
-    check_anchors(data, horizon, cfg.partial_anchors, cfg.data_dir)
+    if not opd:
+        check_anchors(data, horizon, cfg.partial_anchors, cfg.data_dir)
 
     out = Path(cfg.out_dir)
     log_path = out / "train_log.jsonl"
     scfg = step_config(cfg, drafter)
     graphs, frozen, params = split_models(target, drafter)
     _, param_state, _ = nnx.split(drafter, nnx.Param, ...)
-    batch_shape = (cfg.batch_size, data.seq_len, cfg.num_anchors)
-    program = step_program(graphs, scfg, optim_config(cfg), mesh, param_state, frozen,
-                           batch_shape)
+    phases = None
+    if opd:   # Draft-OPD: rollout phases of the drafter's own rounds (train.opd_phases)
+        phases = opd_phases(cfg, target, data, graphs, mesh, progress)
+        batch_shape = (cfg.batch_size, phases.plan.seq_len, cfg.num_anchors)
+        program = opd_program(graphs, opd_step_config(cfg, drafter), optim_config(cfg), mesh,
+                              param_state, frozen, batch_shape)
+    else:
+        batch_shape = (cfg.batch_size, data.seq_len, cfg.num_anchors)
+        program = step_program(graphs, scfg, optim_config(cfg), mesh, param_state, frozen,
+                               batch_shape)
     place, optimizer, step_fn = program.place, program.optimizer, program.step_fn
     frozen = place_frozen(frozen, place)
+    if phases is not None:
+        phases.merge = lambda p: merge_drafter(graphs, frozen, p)
 
     ckdir = cfg.checkpoint_dir or out / "checkpoints"
     if not cfg.resume:
         _set_aside(ckdir)
+        if phases is not None:
+            phases.set_aside()
     ckpt = TrainCheckpointer(ckdir, every=cfg.checkpoint_every, keep=cfg.keep_checkpoints,
                              async_save=True)
     state, start = (None, 0)
@@ -356,21 +394,27 @@ def train(cfg: TrainConfig, *, target=None, drafter=None, data: RolloutSet | Non
     meta_base = {"config": cfg.run_fingerprint(), "data": data.fingerprint(),
                  "drafter": drafter.config.to_hf()}
     stop = cfg.steps if until_update is None else min(cfg.steps, until_update)
-    rows = batch_rows(place, batch_shape)
+    rows = None if opd else batch_rows(place, batch_shape)
     history: list[dict[str, float]] = []
-    bar = tqdm(total=cfg.steps, initial=start, disable=not progress, desc=f"train[{cfg.loss}]")
+    bar = tqdm(total=cfg.steps, initial=start, disable=not progress, desc=f"train[{cfg.objective}]")
     t_start = time.perf_counter()
     t_last, n_since = time.perf_counter(), 0
     update, preempted = start, False
     try:
         with place.context(), PreemptionWatch(ckpt) as preemption:
             while update < stop:
+                if phases is not None:
+                    buffer = phases.buffer_at(update, state.params)
                 for i in range(cfg.grad_accum):
                     micro = update * cfg.grad_accum + i
-                    hb = data.batch_at(cfg.seed, micro, cfg.batch_size, cfg.num_anchors,
-                                       horizon, rows=rows, partial=cfg.partial_anchors)
-                    state, metrics = step_fn(state, place_local_batch(hb, place, batch_shape),
-                                             frozen)
+                    if phases is not None:
+                        batch = place_opd_batch(buffer.batch_at(
+                            cfg.seed, micro, cfg.batch_size, cfg.num_anchors), program)
+                    else:
+                        batch = place_local_batch(data.batch_at(
+                            cfg.seed, micro, cfg.batch_size, cfg.num_anchors, horizon,
+                            rows=rows, partial=cfg.partial_anchors), place, batch_shape)
+                    state, metrics = step_fn(state, batch, frozen)
                 update += 1
                 n_since += 1
                 if update % cfg.log_every == 0 or update == stop:
@@ -379,8 +423,10 @@ def train(cfg: TrainConfig, *, target=None, drafter=None, data: RolloutSet | Non
                     dt = (now - t_last) / n_since
                     t_last, n_since = now, 0
                     host.update(update=update, step_seconds=dt,
-                                seq_tokens_per_s=cfg.batch_size * data.seq_len
+                                seq_tokens_per_s=cfg.batch_size * batch_shape[1]
                                 * cfg.grad_accum / dt)
+                    if phases is not None:
+                        host.update(phases.metrics())
                     history.append(host)
                     _write_log(log_path, host)
                     bar.set_postfix({k: f"{host[k]:.4g}" for k in ("loss", "tau") if k in host})
@@ -392,8 +438,11 @@ def train(cfg: TrainConfig, *, target=None, drafter=None, data: RolloutSet | Non
                     time.perf_counter() - t_start > 60 * max_minutes)
                 preempted = preemption.reached(update)
                 last = update == stop or out_of_time or preempted
-                ckpt.save(update, state, {**meta_base, "update": update,
-                                          "micro_step": update * cfg.grad_accum}, force=last)
+                saved = ckpt.save(update, state, {**meta_base, "update": update,
+                                                  "micro_step": update * cfg.grad_accum},
+                                  force=last)
+                if saved and phases is not None:
+                    phases.prune(ckpt.all_steps() + [update])   # this one may be in flight
                 if cfg.drafter_every and update % cfg.drafter_every == 0 and update < cfg.steps:
                     _save_drafter(merge_drafter(graphs, frozen, state.params),
                                   out / "drafters" / f"update-{update}")

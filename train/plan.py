@@ -39,6 +39,9 @@ from tev_jax.plan import (
 )
 from tev_jax.sampling import Sampling
 from tev_jax.topology import Chip, local_chip, plan_mesh
+from tev_jax.draft_opd import OpdConfig
+from train.config import OBJECTIVES
+from train.opd_step import OpdStepConfig, lower_opd
 from train.optimizer import OptimConfig
 from train.step import StepConfig, lower
 
@@ -130,14 +133,15 @@ def _taps(num_layers: int, num_taps: int) -> tuple[int, ...]:
 
 
 def step_model_flops(target_config, drafter, *, batch: int, seq_len: int, anchors: int,
-                     budget: int) -> float:
+                     budget: int, trees: bool = True) -> float:
     """The useful FLOPs of one global ExitTrain update (matmuls; attention scores left out).
 
     The target's layers read the B x L sequence once (its context pass) and the B x A x N
     tree nodes once (the scoring pass, N = budget + 1), with the LM head over the nodes;
     the drafter's layers and fc run forward and backward (x 3) over the B x A blocks of
     H + 1 positions, with the frozen head forward and backward (to its input) over the
-    B x A x H draft rows. ``2 * parameters`` FLOPs per token for a forward; a mixture
+    B x A x H draft rows. Without ``trees`` (a token-only or Draft-OPD step) there is no
+    scoring pass. ``2 * parameters`` FLOPs per token for a forward; a mixture
     of experts counts the k experts a token uses, not all E.
     """
     d, v = target_config.hidden_size, target_config.vocab_size
@@ -150,7 +154,7 @@ def step_model_flops(target_config, drafter, *, batch: int, seq_len: int, anchor
     draft_params = count(drafter)
     h = drafter.config.horizon
     blocks = batch * anchors
-    nodes = blocks * (budget + 1)
+    nodes = blocks * (budget + 1) if trees else 0
     return float(2 * layer_params * (batch * seq_len + nodes) + 2 * head * nodes
                  + 6 * draft_params * blocks * (h + 1) + 4 * head * blocks * h)
 
@@ -158,6 +162,7 @@ def step_model_flops(target_config, drafter, *, batch: int, seq_len: int, anchor
 def plan_step(target_config, *, drafter_layers: int = 1, num_taps: int = 5,
               block_size: int = 16, batch: int = 8, seq_len: int = 2048,
               anchors: int = 32, budget: int = 32, loss: str = "exit",
+              objective: str = "exittrain",
               mesh_shape: tuple[int, int, int] = (1, 8, 1), target_dtype: str = "float32",
               param_dtype: str = "float32", compute_dtype: str | None = None,
               target_sharding: str = "fsdp", remat: str = "none",
@@ -172,6 +177,9 @@ def plan_step(target_config, *, drafter_layers: int = 1, num_taps: int = 5,
         `tev_jax.models.drafter.default_target_layer_ids`, spread evenly when the
         target is too shallow for it).
       block_size, budget, loss: the drafter's block and the training recipe.
+      objective: 'token', 'exittrain' or 'opd' (`train.config.TrainConfig`); an opd
+        step has no trees (``budget`` and ``loss`` unused) and its batch carries the
+        rounds' [B, A, H] targets (`train.opd_step`).
       batch, seq_len, anchors: the micro-batch (B, L, A).
       mesh_shape: (data, fsdp, tensor); needs that many devices (on CPU:
         ``XLA_FLAGS=--xla_force_host_platform_device_count=N``).
@@ -199,18 +207,29 @@ def plan_step(target_config, *, drafter_layers: int = 1, num_taps: int = 5,
     target = abstract_target(target_config, target_dtype)
     drafter = abstract_drafter(target_config, param_dtype, num_layers=drafter_layers,
                                block_size=block_size, target_layer_ids=taps)
-    objective = ExitTrainConfig(loss=loss, budget=budget, exit_lambda=0.1,
-                                sampling=Sampling(1.0), score_capacities=score_capacities)
-    scfg = StepConfig(objective=objective, taps=taps, horizon=drafter.config.horizon,
-                      compute_dtype=compute_dtype, remat=remat,
-                      target_sharding=target_sharding)
-    report = compile_report(lower(target, drafter, scfg, OptimConfig(lr=1e-4, steps=1000),
-                                  mesh, (batch, seq_len, anchors)))
+    if objective not in OBJECTIVES:
+        raise ValueError(f"objective must be one of {OBJECTIVES}, got {objective!r}")
+    optim = OptimConfig(lr=1e-4, steps=1000)
+    if objective == "opd":
+        scfg = OpdStepConfig(opd=OpdConfig(), taps=taps, horizon=drafter.config.horizon,
+                             compute_dtype=compute_dtype, remat=remat,
+                             target_sharding=target_sharding)
+        lowered = lower_opd(target, drafter, scfg, optim, mesh, (batch, seq_len, anchors))
+    else:
+        loss = "token" if objective == "token" else loss
+        exit_cfg = ExitTrainConfig(loss=loss, budget=budget, exit_lambda=0.1,
+                                   sampling=Sampling(1.0), score_capacities=score_capacities)
+        scfg = StepConfig(objective=exit_cfg, taps=taps, horizon=drafter.config.horizon,
+                          compute_dtype=compute_dtype, remat=remat,
+                          target_sharding=target_sharding)
+        lowered = lower(target, drafter, scfg, optim, mesh, (batch, seq_len, anchors))
+    report = compile_report(lowered)
     info = {"target_layers": target_config.num_layers, "hidden": target_config.hidden_size,
             "vocab": target_config.vocab_size, "drafter_layers": drafter_layers,
             "taps": len(taps), "mesh": "x".join(map(str, mesh_shape)),
             "batch": f"{batch}x{seq_len}", "anchors": anchors, "budget": budget,
-            "loss": loss, "target_dtype": target_dtype, "param_dtype": param_dtype,
+            "objective": objective, "loss": loss if objective == "exittrain" else None,
+            "target_dtype": target_dtype, "param_dtype": param_dtype,
             "compute_dtype": compute_dtype or param_dtype,
             "target_sharding": target_sharding, "remat": remat}
     if tpu is not None:
@@ -220,7 +239,46 @@ def plan_step(target_config, *, drafter_layers: int = 1, num_taps: int = 5,
                     devices=math.prod(mesh_shape),
                     model_flops=step_model_flops(target_config, drafter, batch=batch,
                                                  seq_len=seq_len, anchors=anchors,
-                                                 budget=budget))
+                                                 budget=budget,
+                                                 trees=objective == "exittrain"))
 
 
-__all__ = ["StepPlan", "plan_step", "step_model_flops", "target_config_from"]
+def plan_rollouts(target_config, *, drafter_layers: int = 1, block_size: int = 16,
+                  budget: int = 32, builder: str = "ddtree", verifier: str = "tev",
+                  temperature: float = 0.0, batch: int = 8, prompt_len: int = 256,
+                  max_new_tokens: int = 256, mesh_shape: tuple[int, int, int] = (1, 1, 1),
+                  target_dtype: str = "float32", topology: str | None = None,
+                  gpu: str | None = None):
+    """The rollout programs of a Draft-OPD run (`train.opd_rollouts`), compiled on
+    abstract models: the prefill of one chunk and one traced round's decode round, per
+    device (`tev_jax.plan.plan_decode_programs`; a rollout phase is one prefill per
+    batch and up to ``max_new_tokens`` rounds).
+
+    Args:
+      batch, prompt_len, max_new_tokens: the rollout batch (``opd_rollout_batch``),
+        its prompt buffer and the response cap (``opd_max_new_tokens``).
+      builder, budget, verifier, temperature: the rollouts' decode settings.
+      mesh_shape, topology, gpu, target_dtype: as `plan_step`.
+    Returns:
+      The `tev_jax.plan.DecodePlan` of 'prefill' and 'round'.
+    """
+    from tev_jax.decode import DecodeConfig
+    from tev_jax.plan import plan_decode_programs
+
+    data, fsdp, tensor = mesh_shape
+    if topology is not None or gpu is not None:
+        mesh, tpu = plan_mesh(topology, gpu, data, fsdp, tensor)
+    else:
+        tpu = None
+        mesh = None if mesh_shape == (1, 1, 1) else shd.make_mesh(data, fsdp, tensor)
+    config = DecodeConfig(max_new_tokens=max_new_tokens, builder=builder, budget=budget,
+                          verifier=verifier, sampling=Sampling(temperature),
+                          prompt_len=prompt_len)
+    return plan_decode_programs(target_config, config, batch, dtype=target_dtype,
+                                drafter_layers=drafter_layers, block_size=block_size,
+                                mesh=mesh, programs=("prefill", "round"),
+                                chip=local_chip() if tpu is None else tpu.chip,
+                                devices_per_chip=1 if tpu is None else tpu.devices_per_chip)
+
+
+__all__ = ["StepPlan", "plan_rollouts", "plan_step", "step_model_flops", "target_config_from"]
