@@ -40,6 +40,13 @@ SLOW_FIRST = ("test_decode.py", "test_decode_mesh.py", "test_gemma4.py", "test_m
 2026-12-04 with --durations=0), longest first."""
 
 
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers", "slow: the full-power tier (chi-square at 10^5, every mesh, 200-token "
+        "greedy runs, 20 interrupts per command); CI runs it after the fast tier: "
+        "pytest -m slow")
+
+
 def pytest_collection_modifyitems(items):
     """Runs the slowest files first: pytest-xdist's per-file scheduling hands files out in
     collection order, so the two workers then end together, instead of one waiting out a

@@ -377,12 +377,14 @@ def lock_path(out: str | Path) -> Path:
 
 
 @contextlib.contextmanager
-def lock_output(out: str | Path, *, command: str = "tev-jax generate") -> Iterator[None]:
+def lock_output(out: str | Path, *, command: str = "tev-jax generate", flag: str = "--output",
+                what: str | None = None) -> Iterator[None]:
     """Holds an exclusive lock on ``out`` (``flock`` of ``OUT.lock``, removed on exit).
 
     The lock file names its holder (process id, host, start time, command), so a second
-    writer is refused with one line saying who writes the file. Folders made for it are
-    removed again if the run leaves them empty.
+    writer is refused with one line saying who writes the file (``what``, default
+    ``out``) and which ``flag`` to change. Folders made for it are removed again if the
+    run leaves them empty.
 
     Raises:
       ValueError: another process holds the lock, or ``out``'s folder is not writable.
@@ -399,9 +401,9 @@ def lock_output(out: str | Path, *, command: str = "tev-jax generate") -> Iterat
             except BlockingIOError:
                 holder = os.read(fd, 4096).decode("utf-8", "replace").strip() or "unknown"
                 os.close(fd)
-                raise ValueError(f"{out} is being written by another process ({holder}; "
-                                 f"lock {path}); wait for it to finish or use another "
-                                 "--output") from None
+                raise ValueError(f"{what or out} is being written by another process "
+                                 f"({holder}; lock {path}); wait for it to finish or use "
+                                 f"another {flag}") from None
             except OSError as e:
                 if e.errno not in _NO_LOCKS:
                     raise

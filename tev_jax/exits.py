@@ -9,11 +9,15 @@ the flag the user typed (`flag_names`, `name_flags`).
 
 from __future__ import annotations
 
+import _thread
 import argparse
 import contextlib
+import os
 import re
 import signal
+import sys
 import threading
+import time
 
 # Exit codes of both command lines (tev-jax, tev-train), documented in README.md.
 EXIT_USAGE = 2          # bad input or a refused run: one line on stderr, nothing written
@@ -26,23 +30,64 @@ class Terminated(KeyboardInterrupt):
     """SIGTERM, raised like Ctrl-C's KeyboardInterrupt (`signals_as_interrupts`)."""
 
 
+class Interrupted(KeyboardInterrupt):
+    """A job stopped by SIGINT / SIGTERM (its ``__cause__``) whose message says what is
+    on disk; the command ends with `EXIT_RESUMABLE`: rerunning it resumes."""
+
+
+# The jax calls that wait, interruptibly, for native work on XLA's threads: a compile.
+# Raising KeyboardInterrupt inside them lets the interpreter finalize (and jax's atexit
+# destroy the backend) while the compile still runs on its thread, which then crashes
+# the process with a segfault (exit 139) instead of the interrupt's exit code.
+NATIVE_WAITS = (("compiler.py", "backend_compile_and_load"),)
+_POLL_SECONDS = 0.02
+
+
+def in_native_wait(frame) -> bool:
+    """Whether ``frame`` (or a caller) is one of jax's interruptible native waits."""
+    while frame is not None:
+        code = frame.f_code
+        for file, name in NATIVE_WAITS:
+            if code.co_name == name and os.path.basename(code.co_filename) == file:
+                return True
+        frame = frame.f_back
+    return False
+
+
+def _deliver_after_native_wait(signum: int) -> None:
+    """Waits (on a helper thread) until the main thread has left the native wait, then
+    delivers ``signum`` to it again."""
+    main = threading.main_thread().ident
+    while in_native_wait(sys._current_frames().get(main)):
+        time.sleep(_POLL_SECONDS)
+    _thread.interrupt_main(signum)
+
+
 @contextlib.contextmanager
 def signals_as_interrupts():
-    """Turns SIGTERM into `Terminated` (a KeyboardInterrupt) while the block runs, so a
-    terminated command ends like an interrupted one: its work so far on disk, one line
-    on stderr. A no-op off the main thread."""
+    """Turns SIGINT into KeyboardInterrupt and SIGTERM into `Terminated` (a
+    KeyboardInterrupt) while the block runs, so a terminated command ends like an
+    interrupted one: its work so far on disk, one line on stderr. A signal that arrives
+    while jax waits for a compile is raised once the compile has returned (`NATIVE_WAITS`),
+    so that no XLA thread still runs when the interpreter exits. A no-op off the main
+    thread."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
 
-    def terminate(signum, frame):
-        raise Terminated()
+    def interrupt(signum, frame):
+        if in_native_wait(frame):
+            threading.Thread(target=_deliver_after_native_wait, args=(signum,),
+                             name="tev-jax-deferred-signal", daemon=True).start()
+            return
+        raise Terminated() if signum == signal.SIGTERM else KeyboardInterrupt()
 
-    previous = signal.signal(signal.SIGTERM, terminate)
+    previous = {sig: signal.signal(sig, interrupt) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         yield
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def interrupt_exit(e: BaseException | None) -> tuple[str, int]:
@@ -86,5 +131,6 @@ def name_flags(message: str, flags: dict[str, str]) -> str:
     return message
 
 
-__all__ = ["EXIT_RESUMABLE", "EXIT_SIGNAL", "EXIT_USAGE", "Terminated", "flag_names",
-           "interrupt_exit", "name_flags", "signals_as_interrupts"]
+__all__ = ["EXIT_RESUMABLE", "EXIT_SIGNAL", "EXIT_USAGE", "Interrupted", "NATIVE_WAITS", "Terminated",
+           "flag_names", "in_native_wait", "interrupt_exit", "name_flags",
+           "signals_as_interrupts"]

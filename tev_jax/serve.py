@@ -22,6 +22,7 @@ import jax.numpy as jnp
 from tev_jax import batch_io, batching
 from tev_jax.budget import AutoBudget, check_tuned_for
 from tev_jax.decode import DecodeConfig
+from tev_jax.exits import Interrupted
 from tev_jax.sharding import MESH_AXES
 
 
@@ -94,11 +95,6 @@ class FileJob:
                 "prompt_len": config.prompt_len, "process_index": self.process_index,
                 "process_count": self.process_count, "tev_jax": __version__},
         }
-
-
-class Interrupted(KeyboardInterrupt):
-    """A batch job stopped by SIGINT / SIGTERM; its message says what is on disk (the
-    job resumes when rerun)."""
 
 
 def generate_file(job: FileJob, *, mesh=None, progress: bool = True) -> dict:

@@ -24,6 +24,7 @@ interrupted / terminated.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import sys
@@ -122,6 +123,8 @@ def config_from_args(ns: argparse.Namespace) -> TrainConfig:
             raise ValueError(f"{', '.join(new_only)} shape a new drafter; --drafter-path "
                              f"{base['drafter_path']} fine-tunes one whose config.json "
                              "decides them: drop them, or drop --drafter-path")
+    for name in ("target_path", "drafter_path"):
+        base[name] = _bundled_dir(name, base.get(name))
     default_warmup = TrainConfig.warmup_steps
     steps = base.get("steps", TrainConfig.steps)
     if "warmup_steps" not in base and isinstance(steps, int) and 0 < steps < default_warmup:
@@ -131,6 +134,22 @@ def config_from_args(ns: argparse.Namespace) -> TrainConfig:
 
 BUNDLED = "bundled"
 """``--target bundled``: the bundled demo target."""
+
+
+def _bundled_dir(field: str, value):
+    """``bundled`` as a target (the bundled target's folder) or a drafter (``bundled`` /
+    ``bundled:NAME``: a bundled drafter's folder); other values as they are."""
+    if not isinstance(value, str) or not (value == BUNDLED or value.startswith(BUNDLED + ":")):
+        return value
+    from tev_jax.models.bundled import DEFAULT_DRAFTER, bundled_paths, check_drafter_name
+
+    if field == "target_path":
+        if value != BUNDLED:
+            raise ValueError(f"--target-path {value}: the bundle has one target, 'bundled'")
+        return str(bundled_paths(drafters=()).target)
+    name = value[len(BUNDLED) + 1:] or DEFAULT_DRAFTER
+    check_drafter_name(name)
+    return str(bundled_paths(drafters=(name,)).drafters[name])
 
 
 def _ints_flag(text: str, flag: str) -> tuple[int, ...]:
@@ -223,6 +242,12 @@ def _rollouts(ns) -> None:
     try:
         manifest = make_rollouts(target, prompts, ns.out, rc, info=info, progress=progress,
                                  process_index=index, process_count=count, replace=ns.force)
+    except KeyboardInterrupt as e:
+        from tev_jax.exits import Interrupted
+
+        done = len(list(Path(ns.out).glob("shard-*-of-*.json")))
+        raise Interrupted(f"{done} complete shard(s) of --shard-size {ns.shard_size} are in "
+                          f"{ns.out}: run the same command again to resume") from e
     finally:
         bar.close()
     if manifest is None:
@@ -234,7 +259,9 @@ def _rollouts(ns) -> None:
 
 
 def _run(ns) -> int:
-    from tev_jax.exits import EXIT_RESUMABLE
+    from tev_jax.batch_io import lock_output
+    from tev_jax.exits import EXIT_RESUMABLE, Interrupted
+    from train.checkpoint import steps_in
     from train.loop import train
 
     if ns.until_update is not None and ns.until_update < 1:
@@ -243,10 +270,24 @@ def _run(ns) -> int:
     if ns.max_minutes is not None and not 0 < ns.max_minutes < float("inf"):
         raise ValueError(f"--max-minutes must be a number > 0, got {ns.max_minutes}")
     cfg = config_from_args(ns)
-    result = train(cfg, until_update=ns.until_update, max_minutes=ns.max_minutes,
-                   progress=not ns.no_progress)
-    ran = result.update - result.start_update
     where = cfg.checkpoint_dir or str(Path(cfg.out_dir) / "checkpoints")
+    # one run per --out-dir (on several hosts each process has its own view of it)
+    lock = (contextlib.nullcontext() if cfg.distributed else
+            lock_output(Path(cfg.out_dir) / "run", command=" ".join(sys.argv),
+                        flag="--out-dir", what=cfg.out_dir))
+    try:
+        with lock:
+            result = train(cfg, until_update=ns.until_update, max_minutes=ns.max_minutes,
+                           progress=not ns.no_progress)
+    except KeyboardInterrupt as e:
+        steps = steps_in(where)
+        if steps:
+            raise Interrupted(f"the newest checkpoint, at update {steps[-1]}, is in {where}: "
+                              "run the same command again to resume") from e
+        raise Interrupted(f"no checkpoint was written yet ({where} is empty; the first comes "
+                          f"at update {min(cfg.checkpoint_every, cfg.steps)}): the same "
+                          "command starts the run again") from e
+    ran = result.update - result.start_update
     lines = []
     if result.drafter_path:
         lines.append(f"drafter written to {result.drafter_path} (DFlash layout: tev-jax "
@@ -481,11 +522,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     """The ``tev-train`` command; the exit codes are in the module docstring."""
-    import contextlib
-
     from tev_jax.exits import (
         EXIT_RESUMABLE,
         EXIT_USAGE,
+        Interrupted,
         flag_names,
         interrupt_exit,
         name_flags,
@@ -504,12 +544,9 @@ def main(argv=None) -> int:
         with guard:
             return ns.fn(ns) or 0
     except KeyboardInterrupt as e:
-        what, code = interrupt_exit(e)
-        if ns.command in ("run", "rollouts"):
-            done = ("the checkpoints (a save in flight was completed)" if ns.command == "run"
-                    else "the complete shards")
-            print(f"{parser.prog} {ns.command}: {what}; {done} are kept: run the same "
-                  "command again to resume", file=sys.stderr)
+        what, code = interrupt_exit(e.__cause__ if isinstance(e, Interrupted) else e)
+        if isinstance(e, Interrupted):
+            print(f"{parser.prog} {ns.command}: {what}; {e}", file=sys.stderr)
             return EXIT_RESUMABLE
         print(f"{parser.prog} {ns.command}: {what}", file=sys.stderr)
         return code

@@ -152,9 +152,11 @@ class TrainConfig:
         (e.g. drafters of increasing strength); 0 (default): only the final one.
       log_every: metrics are fetched and logged every this many updates.
       seed: the batch at update k is a pure function of (seed, k).
-      resume: continue from the newest checkpoint that restores (an unreadable newer
-        one is moved aside); false starts over, moving an earlier run's checkpoints
-        aside to ``<checkpoints>.replaced-<time>``.
+      resume: None (default) continues from the newest checkpoint that restores (an
+        unreadable newer one is moved aside) and starts a new run, saying so, where
+        there is none; true continues and refuses a folder without a checkpoint (a
+        mistyped out_dir); false starts over, moving an earlier run's checkpoints aside
+        to ``<checkpoints>.replaced-<time>``.
     """
 
     target_path: str | None = None
@@ -223,7 +225,7 @@ class TrainConfig:
     drafter_every: int = 0
     log_every: int = 1
     seed: int = 0
-    resume: bool = True
+    resume: bool | None = None
 
     def __post_init__(self):
         if self.objective not in OBJECTIVES:

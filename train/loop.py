@@ -32,7 +32,7 @@ from flax import nnx
 from tev_jax import sharding as shd
 from tev_jax.exit_train import ExitTrainConfig
 from train.anchors import anchor_range
-from train.checkpoint import CheckpointError, TrainCheckpointer, set_aside
+from train.checkpoint import CheckpointError, TrainCheckpointer, set_aside, steps_in
 from train.config import TrainConfig
 from train.local_input import batch_rows, place_local_batch
 from train.preemption import PreemptionWatch
@@ -329,6 +329,11 @@ def train(cfg: TrainConfig, *, target=None, drafter=None, data: RolloutSet | Non
     """
     from tqdm.auto import tqdm
 
+    out = Path(cfg.out_dir)
+    ckdir = cfg.checkpoint_dir or out / "checkpoints"
+    if cfg.resume is True and not steps_in(ckdir):
+        raise ValueError(f"resume=True but {ckdir} holds no checkpoint: is out_dir "
+                         f"({cfg.out_dir}) mistyped? Drop resume=True to start a new run there")
     if cfg.distributed:
         jax.distributed.initialize()
     mesh = make_mesh_for(cfg)
@@ -349,7 +354,6 @@ def train(cfg: TrainConfig, *, target=None, drafter=None, data: RolloutSet | Non
     if not opd:
         check_anchors(data, horizon, cfg.partial_anchors, cfg.data_dir)
 
-    out = Path(cfg.out_dir)
     log_path = out / "train_log.jsonl"
     scfg = step_config(cfg, drafter)
     graphs, frozen, params = split_models(target, drafter)
@@ -369,8 +373,7 @@ def train(cfg: TrainConfig, *, target=None, drafter=None, data: RolloutSet | Non
     if phases is not None:
         phases.merge = lambda p: merge_drafter(graphs, frozen, p)
 
-    ckdir = cfg.checkpoint_dir or out / "checkpoints"
-    if not cfg.resume:
+    if cfg.resume is False:
         _set_aside(ckdir)
         if phases is not None:
             phases.set_aside()
@@ -378,12 +381,15 @@ def train(cfg: TrainConfig, *, target=None, drafter=None, data: RolloutSet | Non
                              async_save=True)
     state, start = (None, 0)
     try:
-        if cfg.resume:
+        if cfg.resume is not False:
             state, start = _resume(ckpt, abstract_state(params, optimizer, place), cfg, data)
     except BaseException:
         ckpt.close()
         raise
     if state is None:
+        if jax.process_index() == 0:
+            print(f"starting a new run in {out} (no checkpoint in {ckpt.directory})",
+                  file=sys.stderr)
         state = init_state(params, optimizer, place)
     del params
     if jax.process_index() == 0:

@@ -13,8 +13,8 @@ import argparse
 import sys
 
 from tev_jax.cli import compare, exit_law, generate, merge_outputs, plan, tune
-from tev_jax.exits import (EXIT_RESUMABLE, EXIT_USAGE, flag_names, interrupt_exit, name_flags,
-                           signals_as_interrupts)
+from tev_jax.exits import (EXIT_RESUMABLE, EXIT_USAGE, Interrupted, flag_names, interrupt_exit,
+                           name_flags, signals_as_interrupts)
 from tev_jax.platforms import skip_absent_tpu
 
 DESCRIPTION = ("Tree speculative decoding with exact verifiers: generate text, compare "
@@ -46,8 +46,6 @@ def main(argv: list[str] | None = None) -> int:
         with signals_as_interrupts():
             return args.func(args)
     except KeyboardInterrupt as e:
-        from tev_jax.serve import Interrupted
-
         what, code = interrupt_exit(e.__cause__ if isinstance(e, Interrupted) else e)
         if isinstance(e, Interrupted):
             print(f"tev-jax {args.command}: {what}; {e}", file=sys.stderr)

@@ -8,6 +8,7 @@ checkpoint flags (`checkpoint_dirs`), the sampling flags and the mesh flags like
 from __future__ import annotations
 
 import argparse
+import os
 
 from tev_jax import extensions
 from tev_jax.decode import DecodeConfig
@@ -71,17 +72,35 @@ def check_writable(path: str | None, flag: str) -> None:
         raise ValueError(f"{flag} {path}: cannot write it ({why})")
 
 
+BUNDLED = "bundled"
 BUNDLED_PREFIX = "bundled:"
+
+
+def is_bundled_target(target: str | None) -> bool:
+    """Whether ``--target`` names the bundled target: unset, ``bundled``, or its folder."""
+    if target is None or target == BUNDLED:
+        return True
+    from tev_jax.models.bundled import bundle_root
+
+    try:
+        return os.path.samefile(target, os.path.join(bundle_root(), "target"))
+    except OSError:
+        return False
 
 
 def checkpoint_dirs(args) -> tuple[str, str | None, str]:
     """(target dir, drafter dir or None, description) from the flags and the bundle.
 
-    ``--drafter bundled:NAME`` picks one of the bundled drafters (with the bundled
-    target); no ``--drafter`` means the bundled default (ExitTrain).
+    ``--target`` unset, ``bundled`` or the bundled target's folder is the bundled target;
+    ``--drafter bundled:NAME`` (or ``bundled``) picks one of the bundled drafters (with the
+    bundled target); no ``--drafter`` means the bundled default (ExitTrain).
     """
     from tev_jax.models.bundled import DEFAULT_DRAFTER, bundled_paths, check_drafter_name
 
+    if is_bundled_target(args.target):
+        args.target = None
+    if args.drafter == BUNDLED:
+        args.drafter = BUNDLED_PREFIX + DEFAULT_DRAFTER
     needs_drafter = args.builder != "none"
     name = None
     if args.drafter is None or args.drafter.startswith(BUNDLED_PREFIX):
