@@ -19,7 +19,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tev_jax import cli, gpu, plan, platforms, topology, vocab
+from tev_jax import cli, decode, gpu, plan, platforms, topology, vocab
+from tev_jax.engine import Engine
 
 needs_plugin = pytest.mark.skipif(
     not gpu.plugin_installed(),
@@ -148,3 +149,27 @@ def test_plan_command_json_for_gpus(tmp_path, capsys):
     held = rows_v * (budget + 1) + 3 * rows_v * 15 + rows_v * 8 * (budget + 1) // 16
     assert rnd["temp_bytes"] <= 2 * ar["temp_bytes"] + held
     assert set(rnd["ops"]["stages"]) >= {"draft", "build", "verify", "decide", "commit"}
+
+
+@needs_plugin
+def test_per_layer_weights_feed_xlas_gemms_without_a_copy():
+    """On GPUs the engine lays the target's layers out one array per layer
+    (`tev_jax.models.layer_layout`, ``layer_layout='auto'``): the AR step's GEMMs are
+    XLA's own on each layer's weights where they lie (no stacked GEMM kernel, no layer
+    slice copied out of a stack), the layers a loop of their own (no while over them);
+    the stacked layout, its control, runs our stacked kernel in a scan."""
+    mesh, _ = gpu.gpu_mesh("h100x1")
+    config = decode.DecodeConfig(builder="none", prompt_len=256, max_new_tokens=64)
+    target, _ = plan.abstract_models(plan.preset("qwen3-8b", num_layers=2), config,
+                                     dtype=jnp.bfloat16)
+    texts = {}
+    for layout in ("auto", "stacked"):
+        e = Engine.create(target, None, config, 1, mesh=mesh, layer_layout=layout)
+        texts[e.layer_layout] = e.lower("round").compile().as_text()
+    per_layer, stacked = texts["per_layer"], texts["stacked"]
+    copied = [np.prod([int(d) for d in shape.split(",") if d]) for shape in re.findall(
+        r"= bf16\[([\d,]*)\]\{[^}]*\} (?:slice|dynamic-slice|copy|fusion)\(", per_layer)]
+    assert copied and max(copied) < 4096 * 1024  # no layer weight; an embedding row
+    assert "stacked_matmul" not in per_layer
+    assert " while(" not in per_layer
+    assert "stacked_matmul" in stacked and " while(" in stacked

@@ -47,6 +47,7 @@ from tev_jax.decode import DecodeConfig, DecodeSpec, DecodeState
 from tev_jax.drafters import DrafterProtocol, as_drafter
 from tev_jax.generation import DecodeStats, Generation
 from tev_jax.models import kv_heads
+from tev_jax.models import layer_layout as layer_layouts
 from tev_jax.prompts import Prompts, check_prompts
 from tev_jax.trace import RoundRecord, RoundTrace, stack_records
 
@@ -77,6 +78,15 @@ def _abstract(tree):
         return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None))
 
     return jax.tree.map(one, tree)
+
+
+def _laid_out(params, layout: str):
+    """The engine's parameters with the target's layers in ``layout`` (element 0 of
+    ``(target, drafter)``; the drafter's layers are trained stacked and stay so)."""
+    if layout != "per_layer":
+        return params
+    params[0] = layer_layouts.per_layer(params[0])
+    return params
 
 
 def _mesh_scope(mesh):
@@ -285,10 +295,12 @@ class Engine:
     spec: DecodeSpec
     drafter: DrafterProtocol | None
     vocab_size: int
+    layer_layout: str = "stacked"
 
     @classmethod
     def create(cls, target, drafter, config: DecodeConfig, batch_size: int, *,
-               prompt_len: int | None = None, mesh=None) -> Engine:
+               prompt_len: int | None = None, mesh=None,
+               layer_layout: layer_layouts.LayerLayout = "auto") -> Engine:
         """Checks everything once and fixes the shapes.
 
         Args:
@@ -308,12 +320,20 @@ class Engine:
             Where the tensor axis is wider than the models' key/value heads, each head
             is taken as often as it needs to split (`tev_jax.models.kv_heads`: the same
             models, a larger cache).
+          layer_layout: how the target's layer weights are held: ``'stacked'`` (one
+            array per parameter, the layers run as one scan), ``'per_layer'`` (one
+            array per layer, a loop over the layers: each GEMM reads its weights in
+            place, at the cost of a program per layer and a copy of the layer weights
+            held by the engine, `tev_jax.models.layer_layout`) or ``'auto'``: per layer
+            on GPUs, stacked elsewhere.
 
         Raises:
-          ValueError: a bad config, batch size or prompt buffer; a cache too short for
-            P + M + N; a missing or malformed drafter, builder or verifier; a mesh that
-            does not divide a dimension (named in the message).
+          ValueError: a bad config, batch size, prompt buffer or layer layout; a cache
+            too short for P + M + N; a missing or malformed drafter, builder or
+            verifier; a mesh that does not divide a dimension (named in the message).
         """
+        devices = jax.devices() if mesh is None else mesh.devices.flat
+        layer_layout = layer_layouts.choose(layer_layout, devices[0].platform)
         if mesh is not None:
             target, drafter = _heads_for(target, drafter, mesh)
         drafter, spec = _spec_of(target, drafter, config, batch_size,
@@ -321,8 +341,9 @@ class Engine:
         graphdef, params = nnx.split((target,) if drafter is None else (target, drafter))
         if mesh is not None:
             params = _place(params, shd.state_shardings(params, mesh, strict=True))
-        return cls(graphdef=graphdef, params=params, spec=spec, drafter=drafter,
-                   vocab_size=target.config.vocab_size)
+        return cls(graphdef=graphdef, params=_laid_out(params, layer_layout), spec=spec,
+                   drafter=drafter, vocab_size=target.config.vocab_size,
+                   layer_layout=layer_layout)
 
     def with_models(self, target, drafter=None) -> Engine:
         """The same engine (same spec and compilations) over other weights of the same
@@ -335,7 +356,8 @@ class Engine:
             raise ValueError("these models' architecture differs from the engine's")
         if self.mesh is not None:
             params = _place(params, shd.state_shardings(params, self.mesh, strict=True))
-        return dataclasses.replace(self, params=params, drafter=drafter)
+        return dataclasses.replace(self, params=_laid_out(params, self.layer_layout),
+                                   drafter=drafter)
 
     @property
     def config(self) -> DecodeConfig:

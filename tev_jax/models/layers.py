@@ -51,6 +51,7 @@ from flax import nnx
 
 from tev_jax.models import registry
 from tev_jax.models.config import AttentionSpec, LayerSpec, ModelConfig
+from tev_jax.models.layer_layout import is_per_layer
 from tev_jax.models.stacked_matmul import stacked_dot
 from tev_jax.sharding import constrain, variable_axes
 
@@ -522,16 +523,17 @@ def scan_layers(layers: nnx.Module, body, carry, *, depth: int | None = None, re
         out of the stack first). The gradient of a whole stack is a stack per step.
     Returns:
       The final carry. The loop unrolls as `scan_unroll` says (default: not at all).
+      Layers laid out one array per layer (`tev_jax.models.layer_layout`) run as a
+      Python loop instead, each layer's GEMMs reading its own weights.
     """
     graphdef, whole, state = nnx.split(
         layers, _whole if in_place is None else nnx.Any(_whole, in_place), ...)
-    stacked = jax.tree.leaves(state)[0].shape[0]
+    leaves = jax.tree.leaves((whole, state), is_leaf=is_per_layer)
+    stacked = leaves[0].shape[0]
     p = len(layers.sublayers) if isinstance(layers, LayerPeriod) else 1
     n = stacked if depth is None else -(-depth // p)
-    if n < stacked:
-        state = jax.tree.map(lambda w: w[:n], state)
 
-    def step(carry, xs):
+    def step(carry, xs, whole=whole):
         g, layer_state = xs
         layer = nnx.merge(graphdef, whole, layer_state)
         token = _STACK_INDEX.set(g)
@@ -544,6 +546,22 @@ def scan_layers(layers: nnx.Module, body, carry, *, depth: int | None = None, re
         finally:
             _STACK_INDEX.reset(token)
 
+    if any(map(is_per_layer, leaves)):
+        # One array per layer (`layer_layout.per_layer`): a loop over the layers, each
+        # handed its own arrays; whole-stack parameters stay whole.
+        for g in range(n):
+            def layer_step(carry, g=g):
+                own = lambda tree: jax.tree.map(  # noqa: E731
+                    lambda w: w.arrays[g] if is_per_layer(w) else w, tree,
+                    is_leaf=is_per_layer)
+                return step(carry, (jnp.int32(g), own(state)), own(whole))[0]
+
+            if remat is not None:
+                layer_step = jax.checkpoint(layer_step, policy=remat)
+            carry = layer_step(carry)
+        return carry
+    if n < stacked:
+        state = jax.tree.map(lambda w: w[:n], state)
     if remat is not None:
         step = jax.checkpoint(step, policy=remat)
     carry, _ = jax.lax.scan(step, carry, (jnp.arange(n, dtype=jnp.int32), state),
