@@ -12,9 +12,9 @@ import pytest
 from reference_attention import attend_segments, dense_mask
 from tev_jax.models import ModelConfig, init_target
 from tev_jax.models.attention import Mask, attention
-from tev_jax.models import cache_attention, cache_attention_gpu
-from tev_jax.models.cache_attention import merge_states
-from tev_jax.models.cache_attention import fits as cache_fits
+from tev_jax.kernels import cache_attention
+from tev_jax.kernels.cache_attention import merge_states
+from tev_jax.kernels.cache_attention import tpu_fits as cache_fits
 
 
 def _normal(key, shape, dtype=jnp.float32):
@@ -153,10 +153,11 @@ def test_stacked_layer_reads_like_its_slice():
         np.testing.assert_array_equal(np.asarray(g)[[0, 2]], 0.0)
 
 
-@pytest.mark.parametrize("kernel", [cache_attention, cache_attention_gpu])
+@pytest.mark.parametrize("platform", ["tpu", "cuda", "reference"])
 @pytest.mark.parametrize("kv_heads", [1, 2])
-def test_cache_kernel_state_joins_into_the_joint_softmax(kv_heads, kernel):
-    """The TPU and the GPU kernel over a stacked cache (interpreted): the state over
+def test_cache_kernel_state_joins_into_the_joint_softmax(kv_heads, platform):
+    """The TPU and the GPU kernel over a stacked cache (interpreted), and their plain-jnp
+    reference: the state over
     layer 1 seen up to each row's end (a row that sees nothing, one ending inside a key
     block, one seeing all 44 keys, in blocks of 16: the last runs past the cache), joined
     with the state over a second segment (`merge_states`) and normalised, is attention
@@ -172,8 +173,8 @@ def test_cache_kernel_state_joins_into_the_joint_softmax(kv_heads, kernel):
     g = h // kv_heads
     q_grouped = q.reshape(b, t, kv_heads, g, hd).transpose(0, 2, 1, 3, 4).reshape(
         b, kv_heads, t * g, hd)
-    state = lambda *a: kernel.cache_attention_state(q_grouped, *a, scale=hd ** -0.5,
-                                                    key_block=16, interpret=True)
+    state = lambda *a: cache_attention.cache_attention_state(
+        q_grouped, *a, scale=hd ** -0.5, platform=platform, key_block=16, interpret=True)
     cache = state(k, v, jnp.int32(1), end)
     m, l, o = merge_states(cache, state(kn[None], vn[None], jnp.int32(0),
                                         jnp.full((b,), n, jnp.int32)))
@@ -194,8 +195,8 @@ def test_gpu_cache_kernel_splits_the_key_blocks_over_programs():
     q, k, v = f32(b, kh, qg, hd), f32(2, b, s, kh, hd), f32(2, b, s, kh, hd)
     end = jnp.asarray([0, 1000, s], jnp.int32)
     args = (q, k, v, jnp.int32(1), end)
-    got = cache_attention_gpu.cache_attention_state(*args, scale=0.25, interpret=True)
-    want = cache_attention.cache_attention_state(*args, scale=0.25, interpret=True)
+    got = cache_attention.gpu_state(*args, scale=0.25, interpret=True)
+    want = cache_attention.tpu_state(*args, scale=0.25, interpret=True)
     for a, w in zip(got, want):
         np.testing.assert_allclose(np.asarray(a), np.asarray(w), rtol=1e-5, atol=1e-5)
 

@@ -25,7 +25,9 @@ from tev_jax.models import ModelConfig, init_target, load_target, save_target
 from tev_jax.models.config import MoeSpec
 from tev_jax.models.drafter import Drafter
 from tev_jax.models.layers import jitted_initializer
-from tev_jax.models.expert_kernel import grouped_expert_mlp, tile_rows, visits
+from tev_jax.kernels.expert_kernel import (
+    grouped_expert_mlp, ragged_expert_mlp, reference_expert_mlp, tile_rows, visits,
+)
 from tev_jax.models import moe
 from tev_jax.models.moe import expected_steps, expected_touched, expert_mlp, route
 from tev_jax.sampling import Sampling
@@ -88,7 +90,8 @@ def test_expert_methods_equal_the_dense_oracle_and_split_over_experts(method):
 @pytest.mark.parametrize("sizes", [[0, 37, 5, 0, 20, 18], [3, 0, 0, 0, 0, 0], [0] * 6,
                                    [100, 0, 0, 0, 0, 0]])
 def test_grouped_kernel_visits_every_tile_of_every_group(sizes):
-    """The Pallas kernel (interpreted) against each row's expert MLP by hand: empty groups,
+    """The Pallas kernel (interpreted), ragged_dot and the reference against each row's
+    expert MLP by hand: empty groups,
     a group across several tiles of 16 rows, tiles shared by groups, row weights, entry 1
     of a stack of 3; the visit list names each (tile, expert) pair whose
     rows meet exactly once, in tile order."""
@@ -107,6 +110,11 @@ def test_grouped_kernel_visits_every_tile_of_every_group(sizes):
         h = jax.nn.silu(xs[r] @ gate[1, ex]) * (xs[r] @ up[1, ex])
         want[r] = w[r] * np.asarray(h @ down[1, ex])
     np.testing.assert_allclose(got[:len(owner)], want, atol=1e-5)
+    # the kernel module's other versions: ragged_dot, and the plain-jnp reference
+    for other in (ragged_expert_mlp, reference_expert_mlp):
+        o = np.asarray(other(xs, sizes_E, gate, up, down, jnp.int32(1), jnp.asarray(w)))
+        np.testing.assert_allclose(o[:len(owner)], want, atol=1e-5)
+        assert not o[len(owner):].any()
 
     tm = tile_rows(p, e)
     count = -(-p // tm) + e - 1

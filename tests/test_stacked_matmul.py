@@ -1,4 +1,4 @@
-"""`tev_jax.models.stacked_matmul`: the GPU product with one entry of a stacked weight,
+"""`tev_jax.kernels.stacked_matmul`: the GPU product with one entry of a stacked weight,
 read in place (Pallas Triton, run here in Pallas' interpreter), equals the sliced product:
 alone (tiles that do not divide the rows or columns, one and several K splits), on each
 device's shard of an 8-device mesh (the contraction split: summed over the devices), and
@@ -13,7 +13,7 @@ import pytest
 
 from tev_jax import platforms
 from tev_jax import sharding as shd
-from tev_jax.models import stacked_matmul as sm
+from tev_jax.kernels import stacked_matmul as sm
 
 
 def _normal(rng, *shape):

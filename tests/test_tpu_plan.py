@@ -99,7 +99,7 @@ def test_continuous_batching_rounds_compile_for_a_tpu_slice():
     assert report.flops > 1.5 * cost["flops"]
     verify = op_costs.by_stage(ops, STAGES)["verify"]
     assert verify["flops"] > 0.5 * totals["loop_flops"]
-    # the attention over the cache is one Pallas kernel per layer (models/cache_attention),
+    # the attention over the cache is one Pallas kernel per layer (kernels/cache_attention),
     # reading the stacked cache in place: no other attention or cache op in the rounds
     # reads a whole cache (a layout copy for the kernel would)
     kernels = [o for o in ops if o.opcode == "custom-call" and "cache_attention" in o.source]

@@ -43,8 +43,8 @@ from jax.sharding import PartitionSpec
 
 from tev_jax import platforms
 from tev_jax import sharding as shd
-from tev_jax.models import cache_attention, cache_attention_gpu
-from tev_jax.models.cache_attention import merge_states
+from tev_jax.kernels import cache_attention
+from tev_jax.kernels.cache_attention import merge_states
 from tev_jax.models.kv_cache import CACHE_AXES
 from tev_jax.op_costs import bound_scope
 
@@ -186,10 +186,11 @@ def attention(q_BTHd: jax.Array, segments: Sequence[tuple],
         # a stacked cache seen up to each row's length: on TPU / GPU, one kernel
         row_end = (stacked and nq == 1 and mask.start is None and mask.dense is None
                    and mask.end is not None and jnp.shape(mask.end)[-1:] == (1,))
-        row_ends.append((row_end and cache_attention.fits(t * (h // kh), hd, s,
+        row_ends.append((row_end and cache_attention.fits("tpu", t * (h // kh), hd, s,
                                                            k.dtype.itemsize),
                          row_end and platforms.gpu_kernels_traced()
-                         and cache_attention_gpu.fits(hd, k.dtype.itemsize)))
+                         and cache_attention.fits("cuda", t * (h // kh), hd, s,
+                                                  k.dtype.itemsize)))
         kvs.append((k, v))
         layers.append(jnp.asarray(layer[0], jnp.int32))
         masks.append(_padded(mask, b, t, s, pad))
@@ -305,7 +306,8 @@ def _over_query_blocks(static: _Static, body, carry):
 
 def _cache_kernel(kernel, carry, q_BQKGd, k, v, layer, end_B, scale, blocked):
     """``carry`` (`_forward`'s max, denominator, output) joined with the state of
-    ``kernel`` (a module's ``cache_attention_state``) over the segment, on each device's
+    ``kernel`` (`tev_jax.kernels.cache_attention.cache_attention_state` of one
+    platform) over the segment, on each device's
     rows and key/value heads of the active mesh (``blocked(carry)``, the XLA loop, where
     the mesh splits the cache's length)."""
     def state(q_BQKGd, k, v, layer, end_B):
@@ -371,10 +373,10 @@ def _forward(static: _Static, q, kvs, masks, layers):
 
             if on_tpu or on_gpu:   # lowered per platform: a kernel's state, joined
                 kernels = {
-                    platform: lambda *a, module=module, blocked=blocked: _cache_kernel(
-                        module.cache_attention_state, *a, static.scale, blocked)
-                    for platform, module, on in (("tpu", cache_attention, on_tpu),
-                                                 ("cuda", cache_attention_gpu, on_gpu)) if on}
+                    platform: lambda *a, platform=platform, blocked=blocked: _cache_kernel(
+                        functools.partial(cache_attention.cache_attention_state,
+                                          platform=platform), *a, static.scale, blocked)
+                    for platform, on in (("tpu", on_tpu), ("cuda", on_gpu)) if on}
                 carry = jax.lax.platform_dependent(
                     carry, q_blk, k, v, layer, mask_q[1][:, 0], **kernels,
                     default=lambda c, *_, blocked=blocked: blocked(c))

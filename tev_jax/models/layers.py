@@ -51,8 +51,8 @@ from flax import nnx
 
 from tev_jax.models import registry
 from tev_jax.models.config import AttentionSpec, LayerSpec, ModelConfig
+from tev_jax.kernels.stacked_matmul import stacked_dot
 from tev_jax.models.layer_layout import is_per_layer
-from tev_jax.models.stacked_matmul import stacked_dot
 from tev_jax.sharding import constrain, variable_axes
 
 _INIT_STD = 0.02

@@ -11,7 +11,7 @@ ways compute the same sum, picked by `expert_mlp`'s ``method``:
 
 - ``'grouped'``: the M·k (token, expert) pairs sorted by expert through one Pallas TPU
   kernel that reads each touched expert of the layer once, in place in the stacked
-  weights (`tev_jax.models.expert_kernel`; interpreted off TPU);
+  weights (`tev_jax.kernels.expert_kernel`; interpreted off TPU);
 - ``'ragged'``: the same sorted pairs through three grouped matmuls
   (``jax.lax.ragged_dot``; under the layer scan XLA copies the layer's experts out of
   the stack before them);
@@ -52,7 +52,7 @@ from jax.sharding import PartitionSpec
 
 from tev_jax import sharding as shd
 from tev_jax.models.config import MoeSpec
-from tev_jax.models.expert_kernel import grouped_expert_mlp
+from tev_jax.kernels.expert_kernel import grouped_experts
 from tev_jax.models.layers import Linear, expert_usage_sink, make_param, stack_index
 from tev_jax.op_costs import bound_scope
 
@@ -161,23 +161,9 @@ def _sorted_pairs(x_MD, key_MK, w_MK, gate_EDF, up_EDF, down_EFD, stack, method:
     sizes = jnp.bincount(key, length=e).astype(jnp.int32)
     token = order // k
     stacks = [a if stack is not None else a[None] for a in (gate_EDF, up_EDF, down_EFD)]
-    args = (x_MD[token], sizes, *stacks, jnp.int32(0) if stack is None else stack,
-            w_MK.reshape(-1)[order])
-
-    def grouped(interpret: bool):
-        return lambda *a: grouped_expert_mlp(
-            *a, total_experts=total, interpret=interpret,
-            expected_experts=expected_touched(e, total or e, k, m))
-
-    def ragged(xs, sizes, gate, up, down, g, w):
-        gate, up, down = (jax.lax.dynamic_index_in_dim(a, g, keepdims=False)
-                          for a in (gate, up, down))
-        h = jax.nn.silu(jax.lax.ragged_dot(xs, gate, sizes)) * jax.lax.ragged_dot(
-            xs, up, sizes)
-        return jax.lax.ragged_dot(h, down, sizes) * w[:, None].astype(xs.dtype)
-
-    o = (ragged(*args) if method == "ragged" else
-         jax.lax.platform_dependent(*args, tpu=grouped(False), default=grouped(True)))
+    o = grouped_experts(x_MD[token], sizes, *stacks, 0 if stack is None else stack,
+                        w_MK.reshape(-1)[order], method=method, total_experts=total,
+                        expected_experts=expected_touched(e, total or e, k, m))
     # rows past the pairs held here (other devices' experts) are dropped
     token = jnp.where(jnp.arange(m * k) < jnp.sum(sizes), token, m)
     return jnp.zeros((m, o.shape[-1]), o.dtype).at[token].add(o, mode="drop")
@@ -323,7 +309,9 @@ def sharded_experts(x_BTD, idx_BTK, w_BTK, stacks, g, method) -> jax.Array:
     kernel cannot be partitioned by XLA (lowering fails with "Mosaic kernels cannot be
     automatically partitioned", which jax 0.10 reports as a KeyError in its lowering
     cache on the enclosing ``closed_call``), so it runs in a ``shard_map`` too: each
-    device its own tokens, the weights gathered over ``embed`` (fsdp).
+    device its own tokens, the weights gathered over ``embed`` (fsdp). Weights split
+    over ``embed`` are gathered one layer at a time: layer ``g`` is sliced out of the
+    stack (each chip its shard) before the gather.
     """
     b, t, d = x_BTD.shape
 
@@ -345,6 +333,13 @@ def sharded_experts(x_BTD, idx_BTK, w_BTK, stacks, g, method) -> jax.Array:
     split = expert_axes + _axes(spec_up, 3)
     if not split and not (uses_kernel(method) and mesh.size > 1):
         return local(x_BTD, idx_BTK, w_BTK, g, *stacks, 0)
+    if gate.shape[0] > 1 and _axes(shd.logical_to_spec(
+            (None, "experts", "embed", "moe_mlp"), gate.shape, mesh), 2):
+        # embed (fsdp) split: the shard_map gathers it. Gather layer g's experts, not
+        # the whole stack (every layer's experts on every chip, in every scan step: the
+        # full-depth training step's 58 GB of temporaries per chip).
+        stacks = tuple(jax.lax.dynamic_slice_in_dim(a, g, 1, axis=0) for a in stacks)
+        g = jnp.int32(0)
     # Tokens keep their batch split on the axes the experts do not use.
     batch = tuple(a for a in _axes(shd.logical_to_spec(("batch",), (b,), mesh), 0)
                   if a not in split)

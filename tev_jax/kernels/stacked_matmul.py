@@ -1,18 +1,24 @@
-"""``x · w[g]`` for one entry of a stacked weight, read in place on a GPU (DESIGN.md §14).
+"""``x · w[g]`` for one entry of a stacked weight, read in place (DESIGN.md §14): the
+GPU kernel, the other platforms' product, the pure-jnp reference, the cost and the GPU
+block sizes.
 
 A layer scan hands each step its slice of the stacked weights [layers, ...]. The TPU
 compiler reads that slice inside the matrix product; the GPU compiler cannot fuse a
 dynamic slice into its GEMMs, so it first copies every layer's matrices out of the
 stack (a device-to-device copy per matrix and step): each weight byte is read twice and
 written once, about three times the floor of a decoding step. A target's `Linear` whose
-kernel the scan passes whole (`scan_layers`' ``in_place``) calls `stacked_dot`: on GPU a
-Pallas Triton GEMM whose operands are the whole stack and the index ``g`` (a split-K
-grid, so that a few token rows still fill the multiprocessors, the splits' float32
-partial sums added afterwards); elsewhere the slice and ``lax.dot_general``, as before.
+kernel the scan passes whole (`scan_layers`' ``in_place``) calls the one entry,
+`stacked_dot`: on GPU a Pallas Triton GEMM whose operands are the whole stack and the
+index ``g`` (`stacked_matmul`: a split-K grid, so that a few token rows still fill the
+multiprocessors, the splits' float32 partial sums added afterwards); elsewhere, TPU
+included, the slice and ``lax.dot_general`` (`reference_dot`), which is also the
+reference the kernel is tested against. The GPU kernel's block sizes are a table per
+GPU (`GPU_BLOCKS`, read at trace time by `gpu_blocks`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 
@@ -25,9 +31,58 @@ from jax.sharding import PartitionSpec
 from tev_jax import op_costs, platforms
 from tev_jax import sharding as shd
 
-BLOCK_K = 64
-PROGRAMS = 264
-"""Programs to aim for (two per multiprocessor of an H100); K splits are added up to it."""
+
+@dataclasses.dataclass(frozen=True)
+class GpuBlocks:
+    """The GPU kernel's block sizes on one GPU.
+
+    Attributes:
+      block_k: contraction rows per step.
+      block_m: token rows per program (at most; at least 16, Triton's smallest dot).
+      block_n: output columns per program.
+      programs: programs to aim for (two per multiprocessor); K splits are added up to it.
+      num_warps, num_stages: Triton's.
+    """
+
+    block_k: int = 64
+    block_m: int = 64
+    block_n: int = 64
+    programs: int = 264
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+# Per GPU (device kind contains the key). Today's values are H100's (132 multiprocessors)
+# everywhere; a measurement on each GPU refines them.
+GPU_BLOCKS = {
+    "H100": GpuBlocks(),
+    "H200": GpuBlocks(),
+    "B200": GpuBlocks(),
+}
+DEFAULT_GPU = "H100"
+
+
+def gpu_blocks(kind: str | None = None) -> GpuBlocks:
+    """The `GPU_BLOCKS` entry of a GPU: ``kind`` (a device kind such as 'NVIDIA H200'),
+    else the first local device's when it is a GPU, else `DEFAULT_GPU`'s (plans compiled
+    ahead of time without a GPU)."""
+    if kind is None:
+        device = jax.devices()[0]
+        kind = device.device_kind if device.platform == "gpu" else DEFAULT_GPU
+    for name, blocks in GPU_BLOCKS.items():
+        if name.lower() in kind.lower():
+            return blocks
+    return GPU_BLOCKS[DEFAULT_GPU]
+
+
+def cost(m: int, k: int, n: int, w_itemsize: int, x_itemsize: int, splits: int = 1,
+         out_itemsize: int | None = None) -> dict[str, int]:
+    """FLOPs and bytes of one ``[M, K] · [K, N]`` product with one stack entry: the
+    entry and the rows read once, the ``splits`` partial outputs written (in
+    ``out_itemsize``, default the weight's)."""
+    out = w_itemsize if out_itemsize is None else out_itemsize
+    return dict(flops=2 * m * k * n,
+                bytes_accessed=k * n * w_itemsize + m * k * x_itemsize + splits * m * n * out)
 
 
 def _pow2(n: int) -> int:
@@ -35,19 +90,19 @@ def _pow2(n: int) -> int:
 
 
 def _kernel(g_ref, x_ref, w_ref, o_ref, *, m: int, k: int, n: int, bm: int, bn: int,
-            per_split: int):
+            bk: int, per_split: int):
     i, j, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     g = g_ref[0]
     rows = i * bm + jnp.arange(bm, dtype=jnp.int32)
     cols = j * bn + jnp.arange(bn, dtype=jnp.int32)
     lo = split * per_split
-    hi = jnp.minimum(lo + per_split, -(-k // BLOCK_K))
+    hi = jnp.minimum(lo + per_split, -(-k // bk))
 
     def step(s, acc):
-        ks = s * BLOCK_K + jnp.arange(BLOCK_K, dtype=jnp.int32)
-        x = pltriton.load(x_ref.at[pl.ds(i * bm, bm), pl.ds(s * BLOCK_K, BLOCK_K)],
+        ks = s * bk + jnp.arange(bk, dtype=jnp.int32)
+        x = pltriton.load(x_ref.at[pl.ds(i * bm, bm), pl.ds(s * bk, bk)],
                           mask=(rows < m)[:, None] & (ks < k)[None, :], other=0)
-        w = pltriton.load(w_ref.at[g, pl.ds(s * BLOCK_K, BLOCK_K), pl.ds(j * bn, bn)],
+        w = pltriton.load(w_ref.at[g, pl.ds(s * bk, bk), pl.ds(j * bn, bn)],
                           mask=(ks < k)[:, None] & (cols < n)[None, :], other=0)
         return acc + pltriton.dot(x.astype(w.dtype), w).astype(jnp.float32)
 
@@ -56,41 +111,45 @@ def _kernel(g_ref, x_ref, w_ref, o_ref, *, m: int, k: int, n: int, bm: int, bn: 
                    mask=(rows < m)[:, None] & (cols < n)[None, :])
 
 
-def stacked_matmul(x_MK: jax.Array, w_GKN: jax.Array, g, *, interpret: bool = False
-                   ) -> jax.Array:
-    """``x · w[g]`` [M, N] in w's dtype (float32 accumulation), reading entry ``g``
-    (traced int) of the stack ``w`` in place: one Pallas Triton kernel.
+def stacked_matmul(x_MK: jax.Array, w_GKN: jax.Array, g, *, interpret: bool = False,
+                   blocks: GpuBlocks | None = None) -> jax.Array:
+    """The GPU kernel: ``x · w[g]`` [M, N] in w's dtype (float32 accumulation), reading
+    entry ``g`` (traced int) of the stack ``w`` in place: one Pallas Triton kernel.
 
-    ``interpret``: Pallas' interpreter (tests without a GPU).
+    ``interpret``: Pallas' interpreter (tests without a GPU); ``blocks``: the block
+    sizes (default `gpu_blocks`).
     """
+    blocks = blocks or gpu_blocks()
     m, k = x_MK.shape
     _, k2, n = w_GKN.shape
     if k != k2:
         raise ValueError(f"x [{m}, {k}] does not contract with a stack of [{k2}, {n}]")
-    bm, bn = max(16, min(64, _pow2(m))), 64                       # Triton dots: >= 16
+    bm = max(16, min(blocks.block_m, _pow2(m)))                   # Triton dots: >= 16
+    bn, bk = blocks.block_n, blocks.block_k
     tiles = -(-m // bm) * -(-n // bn)
-    ks = -(-k // BLOCK_K)
+    ks = -(-k // bk)
     # splits while programs are few, and while their float32 partial sums (splits x M x
     # N x 4 bytes, written and read back) stay below a quarter of the weight's bytes
     most = max(1, min(ks, k // (8 * m)))
-    per_split = -(-ks // min(most, max(1, PROGRAMS // tiles)))
+    per_split = -(-ks // min(most, max(1, blocks.programs // tiles)))
     splits = -(-ks // per_split)
     g_1 = jnp.reshape(g, (1,)).astype(jnp.int32)
     whole = lambda a: pl.BlockSpec(a.shape, lambda *_: (0,) * a.ndim)
-    kernel = lambda *refs: _kernel(*refs, m=m, k=k, n=n, bm=bm, bn=bn, per_split=per_split)
+    kernel = lambda *refs: _kernel(*refs, m=m, k=k, n=n, bm=bm, bn=bn, bk=bk,
+                                   per_split=per_split)
     # one split stores the product in w's dtype, several their float32 partial sums
     out = w_GKN.dtype if splits == 1 else jnp.float32
-    cost = op_costs.kernel_scope(
-        flops=2 * m * k * n,
-        bytes_accessed=k * n * w_GKN.dtype.itemsize + x_MK.size * x_MK.dtype.itemsize
-        + splits * m * n * jnp.dtype(out).itemsize)
-    with jax.named_scope(cost):
+    scope = op_costs.kernel_scope(**cost(m, k, n, w_GKN.dtype.itemsize,
+                                         x_MK.dtype.itemsize, splits,
+                                         jnp.dtype(out).itemsize))
+    with jax.named_scope(scope):
         partial = pl.pallas_call(
             kernel, grid=(-(-m // bm), -(-n // bn), splits),
             in_specs=[whole(g_1), whole(x_MK), whole(w_GKN)],
             out_specs=pl.BlockSpec((None, m, n), lambda i, j, s: (s, 0, 0)),
             out_shape=jax.ShapeDtypeStruct((splits, m, n), out),
-            compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=3),
+            compiler_params=pltriton.CompilerParams(num_warps=blocks.num_warps,
+                                                    num_stages=blocks.num_stages),
             interpret=interpret,
         )(g_1, x_MK, w_GKN)
     return partial[0] if splits == 1 else partial.sum(axis=0).astype(w_GKN.dtype)
@@ -106,7 +165,11 @@ def _local_dot(x, w_stack, g, n_in: int, interpret: bool = False):
     return y.reshape(lead + cout)
 
 
-def _sliced_dot(x, w_stack, g, n_in: int):
+def reference_dot(x: jax.Array, w_stack: jax.Array, g, n_in: int) -> jax.Array:
+    """``x · w_stack[g]`` in plain jnp: the entry sliced out, then ``lax.dot_general``
+    (contracting x's last ``n_in`` axes with the entry's first ``n_in``). The product on
+    every platform but GPU (the TPU compiler reads the slice in place), and the kernel's
+    reference."""
     w = jax.lax.dynamic_index_in_dim(w_stack, g, keepdims=False)
     return jax.lax.dot_general(
         x.astype(w.dtype), w, ((tuple(range(x.ndim - n_in, x.ndim)), tuple(range(n_in))),
@@ -127,7 +190,7 @@ def gpu_dot(x, w_stack, g, n_in: int, w_axes, *, interpret: bool = False):
     axes = lambda spec: {a for s in spec if s is not None
                          for a in ((s,) if isinstance(s, str) else s)}
     if spec_w[0] is not None or axes(spec_b) & axes(spec_w):
-        return _sliced_dot(x, w_stack, g, n_in)
+        return reference_dot(x, w_stack, g, n_in)
     lead = x.ndim - n_in
     batch = tuple(spec_b)[0] if len(spec_b) else None
     spec_x = PartitionSpec(batch, *(None,) * (lead - 1), *spec_w[1:1 + n_in])
@@ -150,7 +213,7 @@ def stacked_dot(x: jax.Array, w_stack: jax.Array, g, n_in: int, w_axes) -> jax.A
     multiplied. The gradient is the sliced product's (the kernel has none of its own).
     Without jax's CUDA plugin no GPU lowering is possible: the sliced product alone."""
     if not platforms.gpu_kernels_traced():
-        return _sliced_dot(x, w_stack, g, n_in)
+        return reference_dot(x, w_stack, g, n_in)
     return _per_platform(x, w_stack, g, n_in, w_axes)
 
 
@@ -159,7 +222,7 @@ def _per_platform(x, w_stack, g, n_in, w_axes):
     return jax.lax.platform_dependent(
         x, w_stack, g,
         cuda=lambda x, w, g: gpu_dot(x, w, g, n_in, w_axes),
-        default=lambda x, w, g: _sliced_dot(x, w, g, n_in))
+        default=lambda x, w, g: reference_dot(x, w, g, n_in))
 
 
 def _per_platform_fwd(x, w_stack, g, n_in, w_axes):
@@ -168,7 +231,7 @@ def _per_platform_fwd(x, w_stack, g, n_in, w_axes):
 
 def _per_platform_bwd(n_in, w_axes, res, dy):
     x, w_stack, g = res
-    _, vjp = jax.vjp(lambda x, w: _sliced_dot(x, w, g, n_in), x, w_stack)
+    _, vjp = jax.vjp(lambda x, w: reference_dot(x, w, g, n_in), x, w_stack)
     return (*vjp(dy), None)
 
 

@@ -1,0 +1,229 @@
+"""Grouped SwiGLU experts over rows sorted by expert (DESIGN.md §14): the TPU kernel that
+reads the experts of one stacked layer in place, the XLA version for other platforms,
+the pure-jnp reference and the cost estimate. The one entry is `grouped_experts`.
+
+The rows (token, expert pairs) come sorted by expert, in groups of ``sizes[e]`` rows.
+
+**TPU** (`grouped_expert_mlp`, Pallas Mosaic). The kernel cuts the rows into tiles of
+``tm`` rows (`tile_rows`) and visits, in order, every (tile, expert) pair whose rows
+meet (`visits`): a visit loads the expert's gate, up and down matrices, whole, from
+entry ``stack`` of the stacked weights (its block index is computed from scalars
+prefetched into SMEM, so no layer slice is copied out of the stack first), computes
+``down(silu(gate x) * up x)`` for the tile's rows that belong to the expert and adds it
+to the tile's float32 accumulator. Visits in order of expert are in order of tile, so a
+tile's accumulator stays in VMEM across its visits and an expert's weights, unchanged
+across its consecutive visits, are fetched from HBM once. The visits beyond the real
+ones (the grid is sized for the worst case) repeat the last block indices and compute
+nothing: no transfer, no arithmetic. Off TPU it runs in Pallas' interpreter
+(``interpret=True``: the tests).
+
+**Elsewhere** (`ragged_expert_mlp`: GPU, CPU). Three grouped matmuls
+(``jax.lax.ragged_dot``). Under the layer scan XLA copies each layer's experts out of
+the stack before them (twice the experts' bytes per layer; experiments/tpu/README.md):
+the TPU kernel reads each touched expert once per pass. There is no GPU kernel yet, so
+no GPU block table either (issue 44 item 7).
+
+**Reference** (`reference_expert_mlp`): every row through its expert, one at a time in
+plain jnp.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+METHODS = ("grouped", "ragged", "reference")
+MIN_ROWS, MAX_ROWS = 16, 256
+VMEM_MARGIN = 8 * 2**20
+
+
+def cost(visited: int, tm: int, d: int, f: int, touched: int, w_itemsize: int,
+         rows_bytes: int) -> dict[str, int]:
+    """The TPU kernel's ``pl.CostEstimate``: ``visited`` (tile, expert) visits of ``tm``
+    rows (three [D, F] products each, an exponential per hidden unit), each of the
+    ``touched`` experts' weights read once, the rows read and written once
+    (``rows_bytes``)."""
+    return dict(flops=6 * visited * tm * d * f, transcendentals=visited * tm * f,
+                bytes_accessed=touched * 3 * d * f * w_itemsize + 2 * rows_bytes)
+
+
+def tile_rows(pairs: int, total_experts: int) -> int:
+    """Rows per tile: an expert's mean share of the ``pairs``, rounded down to a power of
+    two between 16 (bfloat16's sublane tile) and 256. Tiles about one group long keep
+    the visits (at most tiles + experts − 1) near twice the tiles, and the rows computed
+    near twice the pairs."""
+    mean = max(1, pairs // total_experts)
+    return min(MAX_ROWS, max(MIN_ROWS, 1 << (mean.bit_length() - 1)))
+
+
+def visits(sizes_E: jax.Array, tm: int, count: int):
+    """The (tile, expert) visits of groups ``sizes_E`` cut into tiles of ``tm`` rows.
+
+    Returns:
+      (expert int32 [count], tile int32 [count], group starts int32 [E], group ends
+      int32 [E], real visits int32 [1]); entries past the real ones repeat the last.
+    """
+    e = sizes_E.shape[0]
+    ends = jnp.cumsum(sizes_E).astype(jnp.int32)
+    starts = ends - sizes_E
+    first_tile = starts // tm
+    tiles_E = jnp.where(sizes_E > 0, (jnp.maximum(ends, 1) - 1) // tm - first_tile + 1, 0)
+    upto_E = jnp.cumsum(tiles_E)
+    real = upto_E[-1]
+    v = jnp.clip(jnp.arange(count), 0, jnp.maximum(real - 1, 0))
+    expert = jnp.minimum(jnp.searchsorted(upto_E, v, side="right"), e - 1).astype(jnp.int32)
+    tile = (first_tile[expert] + v - (upto_E[expert] - tiles_E[expert])).astype(jnp.int32)
+    return expert, tile, starts, ends, real.astype(jnp.int32)[None]
+
+
+def _kernel(stack_ref, expert_ref, tile_ref, start_ref, end_ref, real_ref,
+            x_ref, gate_ref, up_ref, down_ref, w_ref, out_ref, acc_ref):
+    v = pl.program_id(0)
+    tile, expert = tile_ref[v], expert_ref[v]
+
+    @pl.when((v == 0) | (tile != tile_ref[jnp.maximum(v - 1, 0)]))
+    def _new_tile():
+        acc_ref[...] = jnp.zeros_like(acc_ref)
+
+    @pl.when(v < real_ref[0])
+    def _visit():
+        tm = x_ref.shape[0]
+        row = tile * tm + jax.lax.broadcasted_iota(jnp.int32, (tm, 1), 0)
+        mine = (row >= start_ref[expert]) & (row < end_ref[expert])
+        x = x_ref[...]
+        h = jax.nn.silu(jnp.dot(x, gate_ref[...], preferred_element_type=jnp.float32)) * (
+            jnp.dot(x, up_ref[...], preferred_element_type=jnp.float32))
+        h = jnp.where(mine, h, 0.0).astype(down_ref.dtype)
+        acc_ref[...] += jnp.dot(h, down_ref[...], preferred_element_type=jnp.float32)
+
+    out_ref[...] = (acc_ref[...] * w_ref[...]).astype(out_ref.dtype)
+
+
+def grouped_expert_mlp(xs_PD: jax.Array, sizes_E: jax.Array, gate_SEDF: jax.Array,
+                       up_SEDF: jax.Array, down_SEFD: jax.Array, stack=0,
+                       weights_P: jax.Array | None = None, *,
+                       total_experts: int | None = None,
+                       expected_experts: int | None = None,
+                       interpret: bool = False) -> jax.Array:
+    """The TPU kernel: ``out[p] = w[p] · down_e(silu(gate_e(xs[p])) * up_e(xs[p]))`` for
+    the row p of each group e, with the experts of entry ``stack`` of the stacked weights.
+
+    Args:
+      xs_PD: [P, D] rows sorted by expert: group e is rows ``sum(sizes[:e]) ..``;
+        rows past ``sum(sizes)`` are not computed.
+      sizes_E: int32 [E] rows per expert (their sum at most P).
+      gate_SEDF, up_SEDF: [S, E, D, F]; down_SEFD: [S, E, F, D].
+      stack: index (traced) of the stack entry used.
+      weights_P: [P] row weights w (default 1), applied in the kernel's last step.
+      total_experts: experts over all devices (sizes the tiles; default E).
+      expected_experts: experts a pass touches on average, for the cost estimate XLA and
+        `tev_jax.op_costs` read (default E).
+      interpret: run in Pallas' interpreter (any backend; tests).
+    Returns:
+      [P, D] in xs's dtype; rows past ``sum(sizes)`` are undefined (tiles no group
+      reaches are never written: drop them).
+    """
+    p, d = xs_PD.shape
+    _, e, _, f = gate_SEDF.shape
+    tm = tile_rows(p, total_experts or e)
+    tiles = -(-p // tm)
+    count = tiles + e - 1
+    expert, tile, starts, ends, real = visits(sizes_E.astype(jnp.int32), tm, count)
+    xs = jnp.pad(xs_PD, ((0, tiles * tm - p), (0, 0)))
+    w = jnp.ones((p,), jnp.float32) if weights_P is None else weights_P.astype(jnp.float32)
+    w = jnp.pad(w, (0, tiles * tm - p))[:, None]
+
+    def rows(v, g, expert, tile, *_):
+        return tile[v], 0
+
+    def weights(v, g, expert, *_):
+        return g[0], expert[v], 0, 0
+
+    w_bytes = 3 * d * f * gate_SEDF.dtype.itemsize
+    row_bytes = tm * d * (2 * xs.dtype.itemsize + 4) + 3 * tm * f * 4
+    touched = expected_experts or e
+    visited = -(-p * e // ((total_experts or e) * tm)) + touched   # this device's pairs
+    call = pl.pallas_call(
+        _kernel,
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=6, grid=(count,),
+            in_specs=[pl.BlockSpec((tm, d), rows),
+                      pl.BlockSpec((None, None, d, f), weights),
+                      pl.BlockSpec((None, None, d, f), weights),
+                      pl.BlockSpec((None, None, f, d), weights),
+                      pl.BlockSpec((tm, 1), rows)],
+            out_specs=pl.BlockSpec((tm, d), rows),
+            scratch_shapes=[pltpu.VMEM((tm, d), jnp.float32)]),
+        out_shape=jax.ShapeDtypeStruct(xs.shape, xs.dtype),
+        compiler_params=pltpu.CompilerParams(
+            dimension_semantics=("arbitrary",),
+            vmem_limit_bytes=2 * (w_bytes + row_bytes) + VMEM_MARGIN),
+        cost_estimate=pl.CostEstimate(**cost(visited, tm, d, f, touched,
+                                             gate_SEDF.dtype.itemsize,
+                                             xs.size * xs.dtype.itemsize)),
+        interpret=interpret)
+    return call(jnp.reshape(stack, (1,)).astype(jnp.int32), expert, tile, starts, ends, real,
+                xs, gate_SEDF, up_SEDF, down_SEFD, w)[:p]
+
+
+
+def ragged_expert_mlp(xs_PD: jax.Array, sizes_E: jax.Array, gate_SEDF: jax.Array,
+                      up_SEDF: jax.Array, down_SEFD: jax.Array, stack=0,
+                      weights_P: jax.Array | None = None) -> jax.Array:
+    """`grouped_expert_mlp` through ``jax.lax.ragged_dot`` (XLA, any platform; the stack
+    entry is sliced out first). Rows past ``sum(sizes)`` are zeros."""
+    gate, up, down = (jax.lax.dynamic_index_in_dim(a, stack, keepdims=False)
+                      for a in (gate_SEDF, up_SEDF, down_SEFD))
+    h = jax.nn.silu(jax.lax.ragged_dot(xs_PD, gate, sizes_E)) * jax.lax.ragged_dot(
+        xs_PD, up, sizes_E)
+    o = jax.lax.ragged_dot(h, down, sizes_E)
+    return o if weights_P is None else o * weights_P[:, None].astype(o.dtype)
+
+
+def reference_expert_mlp(xs_PD: jax.Array, sizes_E: jax.Array, gate_SEDF: jax.Array,
+                         up_SEDF: jax.Array, down_SEFD: jax.Array, stack=0,
+                         weights_P: jax.Array | None = None) -> jax.Array:
+    """`grouped_expert_mlp` in plain jnp, row by row: each row's expert gathered, its MLP
+    computed in float32. Rows past ``sum(sizes)`` are zeros."""
+    p = xs_PD.shape[0]
+    gate, up, down = (jax.lax.dynamic_index_in_dim(a, stack, keepdims=False)
+                      .astype(jnp.float32) for a in (gate_SEDF, up_SEDF, down_SEFD))
+    ends = jnp.cumsum(sizes_E)
+    row = jnp.arange(p)
+    expert = jnp.minimum(jnp.searchsorted(ends, row, side="right"), sizes_E.shape[0] - 1)
+    x = xs_PD.astype(jnp.float32)
+    h = jax.nn.silu(jnp.einsum("pd,pdf->pf", x, gate[expert])) * jnp.einsum(
+        "pd,pdf->pf", x, up[expert])
+    o = jnp.einsum("pf,pfd->pd", h, down[expert])
+    w = jnp.ones((p,), jnp.float32) if weights_P is None else weights_P.astype(jnp.float32)
+    return jnp.where((row < ends[-1])[:, None], o * w[:, None], 0.0).astype(xs_PD.dtype)
+
+
+def grouped_experts(xs_PD: jax.Array, sizes_E: jax.Array, gate_SEDF: jax.Array,
+                    up_SEDF: jax.Array, down_SEFD: jax.Array, stack=0,
+                    weights_P: jax.Array | None = None, *, method: str = "grouped",
+                    total_experts: int | None = None,
+                    expected_experts: int | None = None) -> jax.Array:
+    """The grouped experts of rows sorted by expert (`grouped_expert_mlp`'s contract):
+    ``method`` 'grouped' (the TPU kernel when the program is lowered for TPU, the same
+    kernel interpreted elsewhere), 'ragged' (`ragged_expert_mlp`) or 'reference'.
+
+    Rows past ``sum(sizes)`` are undefined: drop them.
+    """
+    args = (xs_PD, sizes_E, gate_SEDF, up_SEDF, down_SEFD, jnp.asarray(stack, jnp.int32),
+            weights_P)
+    if method == "ragged":
+        return ragged_expert_mlp(*args)
+    if method == "reference":
+        return reference_expert_mlp(*args)
+    if method != "grouped":
+        raise ValueError(f"grouped experts method must be one of {METHODS}, got {method!r}")
+
+    def kernel(interpret: bool):
+        return lambda *a: grouped_expert_mlp(*a, total_experts=total_experts,
+                                             expected_experts=expected_experts,
+                                             interpret=interpret)
+
+    return jax.lax.platform_dependent(*args, tpu=kernel(False), default=kernel(True))
