@@ -40,6 +40,12 @@ SLOW_FIRST = ("test_decode.py", "test_decode_mesh.py", "test_gemma4.py", "test_m
 2026-12-04 with --durations=0), longest first."""
 
 
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers", "slow: a test over ~30 s on the 2-core machine (deselect with "
+                   "-m 'not slow')")
+
+
 def pytest_collection_modifyitems(items):
     """Runs the slowest files first: pytest-xdist's per-file scheduling hands files out in
     collection order, so the two workers then end together, instead of one waiting out a
