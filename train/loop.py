@@ -35,13 +35,13 @@ from train.anchors import anchor_range
 from train.checkpoint import CheckpointError, TrainCheckpointer, set_aside, steps_in
 from train.config import TrainConfig
 from train.local_input import batch_rows, place_local_batch
+from train.opd_phases import OpdPhases, run_key
+from train.opd_step import OpdStepConfig, opd_program, place_opd_batch
 from train.preemption import PreemptionWatch
 from train.rollouts import RolloutSet
 from train.optimizer import OptimConfig
 from train.placement import abstract_state, init_state, place_frozen
 from train.state import merge_drafter, split_models
-from train.opd_phases import OpdPhases, run_key
-from train.opd_step import OpdStepConfig, opd_program, place_opd_batch
 from train.step import StepConfig, step_program
 
 
@@ -127,8 +127,9 @@ def _mask_id(target_path: str) -> int:
 
 def exit_train_config(cfg: TrainConfig) -> ExitTrainConfig:
     """The objective's settings of a run."""
-    return ExitTrainConfig(loss=cfg.exittrain_loss, budget=cfg.budget, exit_lambda=cfg.exit_lambda,
-                           sampling=cfg.sampling, decay_gamma=cfg.token_decay_gamma,
+    return ExitTrainConfig(loss=cfg.exittrain_loss, budget=cfg.budget,
+                           exit_lambda=cfg.exit_lambda, sampling=cfg.sampling,
+                           decay_gamma=cfg.token_decay_gamma,
                            exit_normalizer=cfg.exit_normalizer, exit_floor=cfg.exit_floor,
                            tree_metrics=cfg.tree_metrics,
                            score_capacities=cfg.score_capacities,
@@ -155,8 +156,7 @@ def opd_step_config(cfg: TrainConfig, drafter) -> OpdStepConfig:
                          remat=cfg.remat, target_sharding=cfg.target_sharding)
 
 
-def opd_phases(cfg: TrainConfig, target, data: RolloutSet, graphs, mesh,
-               progress: bool) -> OpdPhases:
+def opd_phases(cfg: TrainConfig, target, data: RolloutSet, mesh, progress: bool) -> OpdPhases:
     """The rollout phases of an opd run (its drafter merge is set once the frozen state
     is placed)."""
     stop = tuple(target.config.eos_token_ids or ())
@@ -360,7 +360,7 @@ def train(cfg: TrainConfig, *, target=None, drafter=None, data: RolloutSet | Non
     _, param_state, _ = nnx.split(drafter, nnx.Param, ...)
     phases = None
     if opd:   # Draft-OPD: rollout phases of the drafter's own rounds (train.opd_phases)
-        phases = opd_phases(cfg, target, data, graphs, mesh, progress)
+        phases = opd_phases(cfg, target, data, mesh, progress)
         batch_shape = (cfg.batch_size, phases.plan.seq_len, cfg.num_anchors)
         program = opd_program(graphs, opd_step_config(cfg, drafter), optim_config(cfg), mesh,
                               param_state, frozen, batch_shape)
@@ -402,7 +402,8 @@ def train(cfg: TrainConfig, *, target=None, drafter=None, data: RolloutSet | Non
     stop = cfg.steps if until_update is None else min(cfg.steps, until_update)
     rows = None if opd else batch_rows(place, batch_shape)
     history: list[dict[str, float]] = []
-    bar = tqdm(total=cfg.steps, initial=start, disable=not progress, desc=f"train[{cfg.objective}]")
+    bar = tqdm(total=cfg.steps, initial=start, disable=not progress,
+               desc=f"train[{cfg.objective}]")
     t_start = time.perf_counter()
     t_last, n_since = time.perf_counter(), 0
     update, preempted = start, False

@@ -76,22 +76,23 @@ class OpdPhases:
         self.mesh = mesh
         self.run_key = run_key
         self.progress = progress
-        spans = data.spans
-        self.prompts = training_prompts(data.read(np.arange(data.num_sequences)), spans)
-        if any(not p for p in self.prompts):
-            raise ValueError("an opd run decodes the prompts of its rollouts, and some "
-                             "sequence has an empty prompt (response span starting at 0)")
+        self.data = data
+        starts = data.spans[:, 0]
+        if (starts <= 0).any():
+            raise ValueError(f"an opd run decodes the prompts of its rollouts, and sequence "
+                             f"{int(np.argmax(starts <= 0))} has an empty prompt (its "
+                             "response span starts at 0)")
         batch = cfg.opd_rollout_batch
         self.plan = RolloutPlan(max_new_tokens=cfg.opd_max_new_tokens,
                                 builder=cfg.opd_builder, budget=cfg.budget,
                                 verifier=cfg.opd_verifier, temperature=cfg.opd_temperature,
                                 batch_size=batch,
-                                prompt_len=max(len(p) for p in self.prompts),
+                                prompt_len=int(starts.max()),
                                 stop_token_ids=tuple(stop_token_ids))
         self.directory = Path(cfg.out_dir) / FOLDER
         self.phase = None
         self.buffer: RoundBuffer | None = None
-        self.last_seconds = 0.0
+        self.last_seconds = 0.0     # of the last phase rolled out (0: read back)
 
     def path(self, phase: int) -> Path:
         return self.directory / f"phase-{phase:06d}.npz"
@@ -115,6 +116,7 @@ class OpdPhases:
         path = self.path(phase)
         fingerprint = params_fingerprint(params) if first else None
         buffer = self._read(path, phase, fingerprint)
+        self.last_seconds = 0.0
         if buffer is None:
             if not first:
                 raise ValueError(
@@ -145,8 +147,9 @@ class OpdPhases:
     def _collect(self, phase: int, update: int, params, fingerprint) -> RoundBuffer:
         from tqdm.auto import tqdm
 
-        ids = phase_prompt_ids(len(self.prompts), self.cfg.seed, phase, self.cfg.opd_prompts)
-        prompts = [self.prompts[i] for i in ids]
+        ids = phase_prompt_ids(self.data.num_sequences, self.cfg.seed, phase,
+                               self.cfg.opd_prompts)
+        prompts = training_prompts(self.data.read(ids), self.data.spans[ids])
         key = jax.random.fold_in(jax.random.key(self.cfg.seed), phase)
         bar = tqdm(total=len(prompts), disable=not self.progress, unit="prompt",
                    desc=f"opd rollouts (phase {phase})", leave=False)
@@ -168,7 +171,8 @@ class OpdPhases:
         """The current buffer's figures for the log."""
         b = self.buffer
         return {"rollout_phase": float(self.phase), "rollout_tau": b.tau,
-                "rollout_rounds": float(b.num_rounds)}
+                "rollout_rounds": float(b.num_rounds),
+                "rollout_seconds": float(self.last_seconds)}
 
     def prune(self, kept_steps) -> None:
         """Deletes the buffers of phases before the oldest kept checkpoint's."""

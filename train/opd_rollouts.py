@@ -134,7 +134,6 @@ class RoundBuffer:
             picked[sel] = rows[step_rng(seed, int(e), 2).permutation(rows.size)
                                [counter[sel] % rows.size]]
         rng = step_rng(seed, step, 3)
-        h = self.horizon
         rounds = np.zeros((batch_size, num_anchors), np.int64)
         valid = np.zeros((batch_size, num_anchors), bool)
         for i, row in enumerate(picked):
@@ -214,8 +213,8 @@ def collect_rounds(target, drafter, prompts: Sequence[Sequence[int]], plan: Roll
         chunk = [list(p) for p in prompts[j:j + plan.batch_size]]
         real = len(chunk)
         chunk += [chunk[0]] * (plan.batch_size - real)
-        gen = generate(target, drafter, chunk, config, jax.random.fold_in(key, j // plan.batch_size),
-                       mesh=mesh, trace=True)
+        batch_key = jax.random.fold_in(key, j // plan.batch_size)
+        gen = generate(target, drafter, chunk, config, batch_key, mesh=mesh, trace=True)
         trace = gen.trace
         for b, row in enumerate(gen.rows()[:real]):
             seq = chunk[b] + list(row)
