@@ -148,7 +148,9 @@ def test_preflight_uses_the_compiled_program(tiny_models, monkeypatch):
 def test_generate_refuses_in_one_line(monkeypatch, capsys):
     monkeypatch.setattr(plan, "available_bytes", lambda devices=None: (2**30, "test memory"))
     monkeypatch.setattr(plan, "compile_report", _refuse_compiling)
-    assert cli.main(["generate", "Once upon a time", "--budget", "100000"]) == 2
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["generate", "Once upon a time", "--budget", "100000"])
+    assert exit_.value.code == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("tev-jax generate: error: not enough memory") and "\n" not in err
     assert "lower --budget (100000)" in err  # issue 47, item 10: error: and the flag
