@@ -15,7 +15,8 @@ pieces (`exit_law`, `sampling.log_probs`, `tree.path_to`):
 the bundled target, and runs the harness on both: the first passes, the second is
 rejected, and the report says why.
 
-Run: ``python -m examples.custom_verifier``.
+Run: ``python examples/custom_verifier.py`` from any folder (or ``python -m examples.custom_verifier``
+from the repository root).
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from tev_jax.models.drafter import draft_step, init_drafter_cache
 from tev_jax.sampling import Sampling, log_probs
 from tev_jax.tree import DraftTree, ancestor_mask, children_mask, path_to
 from tev_jax.verify import Verdict
+from tev_jax.platforms import skip_absent_tpu
 
 
 def verdict(tree: DraftTree, exit_node, bonus, horizon: int) -> Verdict:
@@ -129,4 +131,5 @@ if __name__ == "__main__":
     p.add_argument("--num-draws", type=int, default=100_000)
     p.add_argument("--temperature", type=float, default=1.0)
     a = p.parse_args()
+    skip_absent_tpu()  # jax on the CPU where no TPU is attached: no libtpu errors
     main(a.prompt, a.budget, a.num_draws, a.temperature)

@@ -12,7 +12,8 @@ padding. This one, `sqrt_depth_exit`, sits between the named 'exit' (``w``) and
 step: drafter forward, trees, target scoring pass, exit law, weights, loss, AdamW); the
 weighting goes in as the objective's ``loss`` (`tev_jax.exit_train.ExitTrainConfig`).
 
-Run: ``python -m examples.custom_weighting``.
+Run: ``python examples/custom_weighting.py`` from any folder (or ``python -m examples.custom_weighting``
+from the repository root).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from tev_jax.exit_train import ExitTrainConfig
 from tev_jax.models import load_bundled
 from tev_jax.sampling import Sampling
 from tev_jax.tree import DraftTree
+from tev_jax.platforms import skip_absent_tpu
 from train.optimizer import OptimConfig, make_optimizer
 from train.placement import init_state, placement
 from train.state import Batch, split_models
@@ -90,4 +92,5 @@ if __name__ == "__main__":
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--budget", type=int, default=16)
     a = p.parse_args()
+    skip_absent_tpu()  # jax on the CPU where no TPU is attached: no libtpu errors
     main(a.steps, a.budget)

@@ -15,7 +15,8 @@ contract); the tree has the same N = 8 slots every round, so the engine compiles
 At temperature 0 any lossless verifier makes the output equal to autoregressive
 greedy decoding, which `main` checks on the bundled models.
 
-Run: ``python -m examples.fixed_tree_builder``.
+Run: ``python examples/fixed_tree_builder.py`` from any folder (or ``python -m examples.fixed_tree_builder``
+from the repository root).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import numpy as np
 from tev_jax import decode, engine
 from tev_jax.models import load_bundled
 from tev_jax.tree import DraftTree
+from tev_jax.platforms import skip_absent_tpu
 
 PARENTS = (-1, 0, 0, 0, 1, 1, 2, 4)
 RANKS = (0, 0, 1, 2, 0, 1, 0, 0)
@@ -97,4 +99,5 @@ if __name__ == "__main__":
     p.add_argument("--max-new-tokens", type=int, default=48)
     p.add_argument("--prompt", default="def fibonacci(n):")
     a = p.parse_args()
+    skip_absent_tpu()  # jax on the CPU where no TPU is attached: no libtpu errors
     main(a.max_new_tokens, a.prompt)

@@ -264,10 +264,11 @@ def test_cli_compare_runs_the_three_methods_on_the_same_prompts(bundle, monkeypa
     for label, *_ in COMPARE_METHODS:
         assert label in lines, out
     ar = lines["AR (target alone)"]
-    assert ar[-4:-1] == ["1.00", ar[-3], "1.00x"] and 2 <= int(ar[-1]) <= 16  # 2 x <= 8
+    assert ar[-5:-1] == ["1.00", ar[-4], "1.00x", "1.00-1.00"] and 2 <= int(ar[-1]) <= 16
     for label in ("DFlash + DDTree + predraw", "ExitTrain + DDTree + TEV"):
-        tau, speed, n = float(lines[label][-4]), float(lines[label][-3]), lines[label][-1]
-        assert tau >= 1.0 and speed > 0 and n == ar[-1]
+        tau, speed, n = float(lines[label][-5]), float(lines[label][-4]), lines[label][-1]
+        low, high = map(float, lines[label][-2].split("-"))  # issue 47, item 8: the spread
+        assert tau >= 1.0 and speed > 0 and n == ar[-1] and low <= high
     assert "greedy outputs identical across methods: yes" in out
 
 

@@ -14,10 +14,7 @@ from train.corpus import CorpusConfig
 from train.token_corpus import WindowConfig, train_batch, validation_windows
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-SHARED_DATA = REPO_ROOT.parent / "shared" / "data"
-needs_shared_data = pytest.mark.skipif(
-    not (SHARED_DATA / "prose.jsonl").is_file(), reason="shared data folder not present"
-)
+SHARED_DATA = REPO_ROOT / "data"  # the source data, in the repository (issue 47, item 6)
 
 
 @pytest.fixture(scope="module")
@@ -131,7 +128,6 @@ def test_stdlib_selection_skips_tests_and_generated_files():
     assert all(path.stat().st_size <= 200_000 for _, path in files)
 
 
-@needs_shared_data
 def test_real_corpus_splits_and_holdout():
     documents = corpus.build_documents(
         CorpusConfig(data_dir=str(SHARED_DATA), include_stdlib=False)
@@ -258,7 +254,6 @@ def test_validation_windows():
         validation_windows(stream, 200)
 
 
-@needs_shared_data
 def test_bundled_prompts_match_shared_data():
     exported = prepare_corpus.export_prompt_records(SHARED_DATA)
     for name in prompts.PROMPT_SETS:

@@ -73,10 +73,21 @@ def test_ar_fused_equals_reference(target, reference):
 
 @pytest.mark.parametrize("quality", ["random", "oracle"])
 def test_every_builder_and_verifier_is_greedy_exact(target, drafter, reference, quality):
-    drafter.use_oracle[...] = jnp.asarray(quality == "oracle")
     # ~25 rounds a run with the random drafter (its rounds are short): its first 32
-    # tokens; the oracle's full blocks: the first 64
-    m = 64 if quality == "oracle" else 32
+    # tokens; the oracle's full blocks: the first 64 (the slow tier runs all M = 200)
+    _check_greedy_exact(target, drafter, reference, quality, 64 if quality == "oracle" else 32)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("quality", ["random", "oracle"])
+def test_every_builder_and_verifier_is_greedy_exact_for_200_tokens(target, drafter,
+                                                                   reference, quality):
+    """Slow tier (issue 47, item 16): the greedy-exactness runs at full length."""
+    _check_greedy_exact(target, drafter, reference, quality, M)
+
+
+def _check_greedy_exact(target, drafter, reference, quality, m):
+    drafter.use_oracle[...] = jnp.asarray(quality == "oracle")
     for builder in ("chain", "ddtree"):
         for verifier in extensions.VERIFIERS:
             gen = profile.profile_generate(

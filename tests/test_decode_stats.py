@@ -107,8 +107,10 @@ def _chi2_pvalue(counts, law):
 
 
 @functools.lru_cache(maxsize=None)
-def runs(family):
-    """verifier name -> (counts [V, V, V], standardised block-length deviation, τ)."""
+def runs(family, full=False):
+    """verifier name -> (counts [V, V, V], standardised block-length deviation, τ);
+    ``full``: every verifier and the negative control on 2 x CHUNK = 10^5 generations
+    (the slow tier)."""
     model = target(family)
     drafter = TableDrafter(oracle_table(model, PROMPT, H))
     out = {}
@@ -116,7 +118,7 @@ def runs(family):
     for name, verifier in verifiers:
         counts = np.zeros(V ** 3, np.int64)
         dev, var, blocks, rounds = 0.0, 0.0, 0, 0
-        for seed in SEEDS[:CHUNKS.get((family, name), 1)]:
+        for seed in SEEDS[:len(SEEDS) if full else CHUNKS.get((family, name), 1)]:
             gen = _generate(model, drafter, verifier, seed)
             assert (gen.lengths == 3).all()
             t = gen.tokens
@@ -153,3 +155,19 @@ def test_negative_control_is_rejected(family):
 def test_block_length_matches_exit_law(family, verifier):
     _, z, _ = runs(family)[verifier]
     assert abs(z) < 4
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("verifier", ["tev", "predraw", "sequential"])
+def test_every_verifier_at_full_power(verifier):
+    """Slow tier (issue 47, item 16): every verifier on 10^5 generations of the dense
+    target (the fast tier runs PreDraw and sequential on 5 x 10^4), its block lengths
+    against the exit law, and the negative control rejected at 10^5 too."""
+    full = runs("qwen3", full=True)
+    counts, z, tau = full[verifier]
+    assert counts.sum() == len(SEEDS) * CHUNK and tau > 1.3
+    assert _chi2_pvalue(counts, ar_law("qwen3")) > ALPHA
+    assert abs(z) < 4
+    control, _, _ = full["control"]
+    assert control.sum() == len(SEEDS) * CHUNK
+    assert _chi2_pvalue(control, ar_law("qwen3")) < ALPHA

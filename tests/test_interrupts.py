@@ -6,6 +6,9 @@ and with nothing lost: what the message says is on disk is there and complete.
 Each command runs as a subprocess with the bundled models and gets one signal at a
 random time (seeded), from the first second (imports, compiling) to past its first
 results. The slow tier sends 20 per command; the fast tier one to each of two commands.
+A signal that comes while Python still imports the command (before its handlers exist,
+nothing written yet) ends the process by that signal, which a shell or scheduler reads
+as 130 / 143; that is accepted, a crash (SIGSEGV, 139) never.
 """
 
 from __future__ import annotations
@@ -17,7 +20,6 @@ import re
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -48,15 +50,25 @@ def rollouts(tmp_path_factory):
 
 def _interrupt(argv, cwd, delay, sig) -> tuple[int, str]:
     """Runs ``argv``, sends ``sig`` after ``delay`` seconds (unless it ended), -> (exit
-    code, stderr); a process killed by a signal has a negative code."""
+    code, stdout and stderr); a process killed by a signal has a negative code."""
     with open(cwd / "stderr.txt", "w") as err:
-        p = subprocess.Popen(argv, cwd=cwd, env=_env(), stdout=subprocess.DEVNULL, stderr=err)
+        p = subprocess.Popen(argv, cwd=cwd, env=_env(), stdout=err, stderr=subprocess.STDOUT)
         try:
             p.wait(timeout=delay)
         except subprocess.TimeoutExpired:
             p.send_signal(sig)
         code = p.wait(timeout=600)
     return code, (cwd / "stderr.txt").read_text()
+
+
+def _check_exit(name, code, err, sig, delay):
+    """The exit is the command's own, or the signal's before the command started."""
+    at_startup = code == -sig and ("Traceback" not in err
+                                   or err.rstrip().endswith("KeyboardInterrupt"))
+    assert code >= 0 and code != 139 or at_startup, (
+        f"{name}: {signal.Signals(sig).name} after {delay:.1f} s ended with {code}: "
+        f"{err[-1500:]}")
+    return not at_startup
 
 
 def _check_generate(cwd, code, err, sig):
@@ -66,8 +78,11 @@ def _check_generate(cwd, code, err, sig):
         assert len(out.read_text().splitlines()) == 80
         return
     assert code == 75, err[-2000:]
-    assert done, err[-2000:]
     lines = out.read_text().splitlines() if out.exists() else []
+    if not done:  # interrupted before decoding started
+        assert "no result was written to out.jsonl yet" in err, err[-2000:]
+        assert lines == []
+        return
     assert len(lines) == int(done.group(1))
     for line in lines:
         assert json.loads(line)["text"] is not None
@@ -80,14 +95,16 @@ def _check_run(cwd, code, err, sig):
         return
     assert code == 75, err[-2000:]
     steps = steps_in(cwd / "run" / "checkpoints")
-    if "preempted" in err or sig == signal.SIGTERM and "interrupted" not in err:
-        assert steps, err[-2000:]  # preempted between updates: a checkpoint was saved
+    preempted = re.search(r"preempted \(SIGTERM\) at update (\d+): checkpoint saved", err)
+    if preempted:  # SIGTERM between updates: a checkpoint at the update it stopped at
+        assert steps and steps[-1] == int(preempted.group(1)), err[-2000:]
         return
     newest = re.search(r"the newest checkpoint, at update (\d+), is in", err)
     if newest:
         assert steps and steps[-1] == int(newest.group(1))
     else:
-        assert "no checkpoint was written yet" in err, err[-2000:]
+        assert ("no checkpoint was written yet" in err
+                or "before anything was written" in err), err[-2000:]
         assert steps == []
 
 
@@ -96,6 +113,9 @@ def _check_rollouts(cwd, code, err, sig):
         return
     assert code == 75, err[-2000:]
     shards = sorted((cwd / "ro").glob("shard-*-of-*.json"))
+    if "before anything was written" in err:
+        assert shards == []
+        return
     said = re.search(r"(\d+) complete shard\(s\)", err)
     assert said and int(said.group(1)) == len(shards), err[-2000:]
     for record in shards:
@@ -112,13 +132,13 @@ def _check_compare(cwd, code, err, sig):
 COMMANDS = {
     # name: (argv without the program, seconds over which the signal is drawn, check)
     "generate": (["-m", "tev_jax.cli", "generate", "--prompts", "bundled:mt_bench", "--output",
-                  "out.jsonl", "--batch-size", "8", "--max-new-tokens", "48"], 20,
+                  "out.jsonl", "--batch-size", "8", "--max-new-tokens", "48"], 15,
                  _check_generate),
-    "run": (["-m", "train", "run", *RUN_FLAGS, "--out-dir", "run"], 40, _check_run),
+    "run": (["-m", "train", "run", *RUN_FLAGS, "--out-dir", "run"], 25, _check_run),
     "rollouts": (["-m", "train", "rollouts", "--target", "bundled", "--prompt-set", "gsm",
                   "--limit", "24", "--out", "ro", "--max-new-tokens", "32", "--batch-size",
-                  "4", "--shard-size", "4"], 20, _check_rollouts),
-    "compare": (["-m", "tev_jax.cli", "compare", "--max-new-tokens", "24"], 30,
+                  "4", "--shard-size", "4"], 12, _check_rollouts),
+    "compare": (["-m", "tev_jax.cli", "compare", "--max-new-tokens", "24"], 20,
                 _check_compare),
 }
 
@@ -133,13 +153,10 @@ def _interrupts(name, count, seed, tmp_path, rollouts):
         sig = (signal.SIGINT, signal.SIGTERM)[i % 2]
         delay = rng.uniform(0.5, horizon)
         args = list(argv) + (["--data-dir", str(rollouts)] if name == "run" else [])
-        t0 = time.perf_counter()
         code, err = _interrupt([sys.executable, *args], cwd, delay, sig)
         codes.append(code)
-        assert code >= 0 and code != 139, (
-            f"{name}: {signal.Signals(sig).name} after {delay:.1f} s ended with {code} "
-            f"after {time.perf_counter() - t0:.1f} s: {err[-1500:]}")
-        check(cwd, code, err, sig)
+        if _check_exit(name, code, err, sig, delay):
+            check(cwd, code, err, sig)
     return codes
 
 
@@ -153,8 +170,8 @@ def test_one_interrupt_ends_cleanly(name, sig_index, seed, tmp_path, rollouts):
     delay = rng.uniform(2.0, 8.0)
     args = list(argv) + (["--data-dir", str(rollouts)] if name == "run" else [])
     code, err = _interrupt([sys.executable, *args], tmp_path, delay, sig)
-    assert code >= 0 and code != 139, f"{name} after {delay:.1f} s: {code}: {err[-1500:]}"
-    check(tmp_path, code, err, sig)
+    if _check_exit(name, code, err, sig, delay):
+        check(tmp_path, code, err, sig)
 
 
 @pytest.mark.slow
@@ -165,3 +182,4 @@ def test_twenty_interrupts_per_command(name, tmp_path, rollouts):
     codes = _interrupts(name, 20, seed=sorted(COMMANDS).index(name), tmp_path=tmp_path,
                         rollouts=rollouts)
     assert sum(c != 0 for c in codes) >= 10, f"{name}: most runs ended before the signal"
+    assert -11 not in codes and 139 not in codes

@@ -311,7 +311,10 @@ def single_device(models):
 @needs8
 @pytest.mark.parametrize("mesh_name,temperature", [
     ("tensor8", 0.0), ("2x2x2", 0.0), ("tensor8_expert_width", 0.0),
-    ("tensor8_grouped", 1.0)])
+    ("tensor8_grouped", 1.0),
+    # the slow tier (issue 47, item 16): the other three 8-device meshes
+    *(pytest.param(m, 0.0, marks=pytest.mark.slow)
+      for m in ("data2_tensor4", "data8", "fsdp8"))])
 def test_every_mesh_gives_single_device_tokens(models, single_device, mesh_name,
                                                temperature):
     """Experts split over tensor 8 (one per device) or 2 (with fsdp 2 splitting their
@@ -325,7 +328,7 @@ def test_every_mesh_gives_single_device_tokens(models, single_device, mesh_name,
         rules = tuple((n, None) if n == "experts" else (n, a) for n, a in rules)
     if mesh_name == "tensor8_grouped":
         target = _with_method(target, "grouped")
-    mesh = shd.make_mesh(**MESHES[mesh_name.split("_")[0]])
+    mesh = shd.make_mesh(**MESHES.get(mesh_name, MESHES[mesh_name.split("_")[0]]))
     with shd.axis_rules(rules):
         placed = shd.state_shardings(nnx.state(target), mesh, strict=True)
         gate = placed["layers"]["mlp"]["experts"]["gate_proj"].get_value()
@@ -333,8 +336,9 @@ def test_every_mesh_gives_single_device_tokens(models, single_device, mesh_name,
             sampling=Sampling(temperature)), key=3, mesh=mesh)
     # [layers, experts, embed, moe_mlp]: experts split, or (the alternative) the width
     want = (P(None, None, None, "tensor") if mesh_name == "tensor8_expert_width" else
-            P(None, "tensor", "fsdp") if mesh_name == "2x2x2" else P(None, "tensor"))
-    assert gate.spec == want
+            P(None, "tensor", "fsdp") if mesh_name == "2x2x2" else
+            P(None, "tensor") if mesh_name.startswith("tensor8") else None)
+    assert want is None or gate.spec == want
     ref = single_device[temperature]
     assert out.rows() == ref.rows()
     np.testing.assert_array_equal(out.stats.block_lengths, ref.stats.block_lengths)

@@ -127,7 +127,7 @@ def test_preflight_refuses_from_shapes_before_compiling(tiny_models, monkeypatch
     assert floor["tree mask"] == 2001 ** 2 and floor["tree logits"] == 2001 * 256 * 4
     monkeypatch.setattr(plan, "available_bytes", lambda devices=None: (2**20, "test memory"))
     monkeypatch.setattr(plan, "compile_report", _refuse_compiling)
-    with pytest.raises(plan.NotEnoughMemory, match=r"lower the budget \(2000\)") as e:
+    with pytest.raises(plan.NotEnoughMemory, match=r"lower budget \(2000\)") as e:
         plan.check_decode_fits(target, drafter, config, 1)
     assert "\n" not in str(e.value) and "of test memory is free" in str(e.value)
 
@@ -148,10 +148,12 @@ def test_preflight_uses_the_compiled_program(tiny_models, monkeypatch):
 def test_generate_refuses_in_one_line(monkeypatch, capsys):
     monkeypatch.setattr(plan, "available_bytes", lambda devices=None: (2**30, "test memory"))
     monkeypatch.setattr(plan, "compile_report", _refuse_compiling)
-    assert cli.main(["generate", "Once upon a time", "--budget", "100000"]) == 2
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["generate", "Once upon a time", "--budget", "100000"])
+    assert exit_.value.code == 2
     err = capsys.readouterr().err.strip()
-    assert err.startswith("tev-jax generate: not enough memory") and "\n" not in err
-    assert "lower the budget (100000)" in err
+    assert err.startswith("tev-jax generate: error: not enough memory") and "\n" not in err
+    assert "lower --budget (100000)" in err  # issue 47, item 10: error: and the flag
 
 
 def test_preflight_builds_nothing_in_proportion_to_the_budget(tiny_models, monkeypatch):
@@ -168,7 +170,7 @@ def test_preflight_builds_nothing_in_proportion_to_the_budget(tiny_models, monke
         config = dataclasses.replace(CONFIG, budget=budget, max_cache_len=None)
         tracemalloc.start()
         t0 = time.perf_counter()
-        with pytest.raises(plan.NotEnoughMemory, match=rf"lower the budget \({budget}\)"):
+        with pytest.raises(plan.NotEnoughMemory, match=rf"lower budget \({budget}\)"):
             plan.check_decode_fits(target, drafter, config, 1)
         seconds = time.perf_counter() - t0
         peak = tracemalloc.get_traced_memory()[1]

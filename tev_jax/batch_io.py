@@ -117,15 +117,16 @@ def read_prompts(path: str | Path, *, line_ids: bool = False) -> list[PromptReco
 
 
 def read_text(path: str | Path) -> str:
-    """A UTF-8 text file's text; a ValueError naming the file, line and column of the
-    first byte that is not UTF-8, or why the file cannot be read."""
+    """A UTF-8 text file's text (a leading byte-order mark dropped, as editors on Windows
+    write one); a ValueError naming the file, line and column of the first byte that is
+    not UTF-8, or why the file cannot be read."""
     path = Path(path)
     try:
         data = path.read_bytes()
     except OSError as e:
         raise ValueError(f"{path}: cannot read it ({e.strerror or e})") from None
     try:
-        return data.decode("utf-8")
+        return data.decode("utf-8-sig")
     except UnicodeDecodeError as e:
         line = data.count(b"\n", 0, e.start) + 1
         column = e.start - (data.rfind(b"\n", 0, e.start) + 1) + 1

@@ -115,6 +115,15 @@ def slot_configs(config: decode.DecodeConfig, batch_size: int, *, mesh=None
             for s, b in budgets.items()}
 
 
+def fit_batch(batch_size: int, rows: int, mesh=None) -> int:
+    """The slots to decode ``rows`` requests with at most ``batch_size`` slots: no more
+    than the rows, rounded up to a count the mesh divides (never above ``batch_size``)."""
+    batch = max(1, min(batch_size, rows))
+    while batch < batch_size and not _divides(mesh, batch):
+        batch += 1
+    return batch
+
+
 def _divides(mesh, rows: int) -> bool:
     if mesh is None:
         return True

@@ -12,6 +12,7 @@ from __future__ import annotations
 import _thread
 import argparse
 import contextlib
+import gc
 import os
 import re
 import signal
@@ -54,11 +55,27 @@ def in_native_wait(frame) -> bool:
     return False
 
 
-def _deliver_after_native_wait(signum: int) -> None:
-    """Waits (on a helper thread) until the main thread has left the native wait, then
-    delivers ``signum`` to it again."""
+def in_swallowing_call(frame) -> bool:
+    """Whether ``frame`` (or a caller) runs where Python reports an exception and drops
+    it ("Exception ignored in ..."): a garbage-collector callback (jax has one) or a
+    ``__del__``. An interrupt raised there would be lost."""
+    callbacks = {getattr(cb, "__code__", None) for cb in gc.callbacks}
+    while frame is not None:
+        if frame.f_code in callbacks or frame.f_code.co_name == "__del__":
+            return True
+        frame = frame.f_back
+    return False
+
+
+def _must_wait(frame) -> bool:
+    return in_native_wait(frame) or in_swallowing_call(frame)
+
+
+def _deliver_later(signum: int) -> None:
+    """Waits (on a helper thread) until the main thread has left the native wait or the
+    callback, then delivers ``signum`` to it again."""
     main = threading.main_thread().ident
-    while in_native_wait(sys._current_frames().get(main)):
+    while _must_wait(sys._current_frames().get(main)):
         time.sleep(_POLL_SECONDS)
     _thread.interrupt_main(signum)
 
@@ -69,15 +86,16 @@ def signals_as_interrupts():
     KeyboardInterrupt) while the block runs, so a terminated command ends like an
     interrupted one: its work so far on disk, one line on stderr. A signal that arrives
     while jax waits for a compile is raised once the compile has returned (`NATIVE_WAITS`),
-    so that no XLA thread still runs when the interpreter exits. A no-op off the main
-    thread."""
+    so that no XLA thread still runs when the interpreter exits, and one that arrives in
+    a garbage-collector callback or ``__del__`` once that has returned, so that it is not
+    dropped (`in_swallowing_call`). A no-op off the main thread."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
 
     def interrupt(signum, frame):
-        if in_native_wait(frame):
-            threading.Thread(target=_deliver_after_native_wait, args=(signum,),
+        if _must_wait(frame):
+            threading.Thread(target=_deliver_later, args=(signum,),
                              name="tev-jax-deferred-signal", daemon=True).start()
             return
         raise Terminated() if signum == signal.SIGTERM else KeyboardInterrupt()
@@ -95,6 +113,20 @@ def interrupt_exit(e: BaseException | None) -> tuple[str, int]:
     if isinstance(e, Terminated):
         return "terminated (SIGTERM)", EXIT_SIGNAL + signal.SIGTERM
     return "interrupted (SIGINT)", EXIT_SIGNAL + signal.SIGINT
+
+
+def parse_args(parser: argparse.ArgumentParser, subcommands, argv=None) -> argparse.Namespace:
+    """``parser.parse_args(argv)``, except that a flag the subcommand does not know is
+    refused with that subcommand's usage (argparse shows the top-level one).
+
+    Args:
+      subcommands: the action ``parser.add_subparsers`` returned.
+    """
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        chosen = subcommands.choices[getattr(args, subcommands.dest)]
+        chosen.error(f"unrecognized arguments: {' '.join(extra)}")
+    return args
 
 
 def flag_names(parser: argparse.ArgumentParser) -> dict[str, str]:
@@ -117,7 +149,8 @@ def name_flags(message: str, flags: dict[str, str]) -> str:
 
     A name followed by "must", "is required" or ``=value``, or after "another", becomes
     its ``--flag`` (``name=False`` becomes ``--flag false``), and so does a name with an
-    underscore followed by a value in parentheses (``max_new_tokens (256)``), so errors
+    underscore, or after "lower", followed by a value in parentheses (``max_new_tokens
+    (256)``, ``lower budget (64)``), and "or None" reads "or unset", so errors
     raised by the library's configs name what the user typed."""
     for name in sorted(flags, key=len, reverse=True):
         flag = flags[name]
@@ -128,9 +161,10 @@ def name_flags(message: str, flags: dict[str, str]) -> str:
         if "_" in name:  # "max_new_tokens (256)"; plain words stay words
             message = re.sub(rf"(?<![\w-]){re.escape(name)}(?= \()", flag, message)
         message = re.sub(rf"(?<=another ){re.escape(name)}\b", flag, message)
-    return message
+        message = re.sub(rf"(?<=lower ){re.escape(name)}(?= \()", flag, message)
+    return re.sub(r"(?<=\S) or None\b", " or unset", message)  # a flag is unset, not None
 
 
 __all__ = ["EXIT_RESUMABLE", "EXIT_SIGNAL", "EXIT_USAGE", "Interrupted", "NATIVE_WAITS", "Terminated",
-           "flag_names", "in_native_wait", "interrupt_exit", "name_flags",
+           "flag_names", "in_native_wait", "in_swallowing_call", "interrupt_exit", "name_flags", "parse_args",
            "signals_as_interrupts"]

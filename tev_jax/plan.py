@@ -608,10 +608,10 @@ def shortfall(need_bytes: int, floor: dict[str, int], have: int, where: str, con
         return None
     biggest = max(floor, key=floor.get)
     if biggest != "kv cache" and config.builder == "ddtree":
-        advice = f"lower the budget ({config.budget})"
+        advice = f"lower budget ({config.budget})"
     else:
         advice = (f"lower max_new_tokens ({config.max_new_tokens}), the cache length or "
-                  "the batch")
+                  "the batch size")
     parts = ", ".join(f"{k} {v / GiB:.2f}" for k, v in floor.items())
     return (f"not enough memory: decoding needs {need_bytes / GiB:.1f} GiB (of which "
             f"{parts} GiB) per device but {have / GiB:.1f} GiB of {where} is free; {advice}")

@@ -84,12 +84,33 @@ def gpu_kernels_traced() -> bool:
     return cuda_plugin_installed()
 
 
+# What libtpu asks the environment for when it starts without a Cloud TPU VM around it
+# (compiling for a named slice, --topology): unset, it prints "Failed to find host
+# bounds ..." and "unexpected worker hostname ..." errors. A compile for a slice names
+# its own topology, so these single-host values do not change what it compiles.
+QUIET_TPU_ENV = {"TPU_SKIP_MDS_QUERY": "1", "TPU_WORKER_HOSTNAMES": "localhost",
+                 "TPU_WORKER_ID": "0", "TPU_ACCELERATOR_TYPE": "v5litepod-1"}
+
+
+def quiet_tpu_runtime() -> bool:
+    """Sets `QUIET_TPU_ENV` (where a variable is unset) on a machine without TPU chips, so
+    that loading libtpu to compile for a slice prints no errors. Call it before jax
+    starts a backend; -> whether it did."""
+    if tpu_chips_present():
+        return False
+    for name, value in QUIET_TPU_ENV.items():
+        os.environ.setdefault(name, value)
+    return True
+
+
 def skip_absent_tpu() -> bool:
     """Restricts jax to the CPU on a machine with neither TPU chips nor NVIDIA GPUs,
-    unless ``JAX_PLATFORMS`` (or ``jax_platforms``) already says which backends to use.
-    Call it before the first jax computation; -> whether it did."""
+    unless ``JAX_PLATFORMS`` (or ``jax_platforms``) already says which backends to use,
+    and quiets libtpu there (`quiet_tpu_runtime`). Call it before the first jax
+    computation; -> whether it restricted jax."""
     import jax
 
+    quiet_tpu_runtime()
     if (os.environ.get("JAX_PLATFORMS") or jax.config.jax_platforms
             or tpu_chips_present() or nvidia_gpu_visible()):
         return False
@@ -97,6 +118,6 @@ def skip_absent_tpu() -> bool:
     return True
 
 
-__all__ = ["CUDA_PLUGIN_NAME", "GOOGLE_PCI_VENDOR", "cuda_major", "cuda_plugin_installed",
-           "cuda_plugins", "gpu_kernels_traced", "nvidia_gpu_visible", "skip_absent_tpu",
-           "tpu_chips_present"]
+__all__ = ["CUDA_PLUGIN_NAME", "GOOGLE_PCI_VENDOR", "QUIET_TPU_ENV", "cuda_major",
+           "cuda_plugin_installed", "cuda_plugins", "gpu_kernels_traced", "nvidia_gpu_visible",
+           "quiet_tpu_runtime", "skip_absent_tpu", "tpu_chips_present"]

@@ -186,9 +186,10 @@ class MethodResult:
     Attributes:
       label: the method's name.
       tau: output tokens per round over all prompts.
-      tokens_per_second: new tokens over the summed (median) seconds.
+      tokens_per_second: new tokens over the median of the passes' seconds.
       tokens: new tokens in all.
       outputs: the generated tokens of each prompt.
+      seconds: each timed pass's seconds over all prompts (passes in order).
     """
 
     label: str
@@ -196,41 +197,51 @@ class MethodResult:
     tokens_per_second: float
     tokens: int
     outputs: list[list[int]]
+    seconds: list[float] = dataclasses.field(default_factory=list)
 
 
 def compare_methods(target, methods: Sequence[tuple[str, object, DecodeConfig]],
-                    prompts: Sequence[Sequence[int]], *, key=0, repeats: int = 1,
+                    prompts: Sequence[Sequence[int]], *, key=0, repeats: int = 5,
                     on_method: Callable[[int, str], None] | None = None
                     ) -> list[MethodResult]:
     """Times decoding methods on the same prompts, one prompt at a time.
 
-    Each method runs every prompt once to compile and ``repeats`` timed times (the
-    median counts); give the configs one ``prompt_len`` so that the prompts share one
-    compilation per method.
+    Every (method, prompt) program is compiled first; then ``repeats`` timed passes run
+    every method over all prompts, the methods in a rotated order each pass, so that a
+    load that comes and goes on a shared machine hits them alike. The median pass counts;
+    each pass's seconds are kept (`MethodResult.seconds`) for the spread of the ratios.
+    Give the configs one ``prompt_len`` so that the prompts share one compilation per
+    method.
 
     Args:
       target: the target model.
       methods: (label, drafter or None, config) per method.
       prompts: token-id lists.
       key: PRNG key or seed (the same for every method and prompt).
-      repeats: timed runs per prompt.
-      on_method: called with (index, label) before each method starts (progress).
+      repeats: timed passes.
+      on_method: called with (index, label) before each method compiles (progress).
     """
-    results = []
+    runs = []
     for i, (label, drafter, config) in enumerate(methods):
         if on_method is not None:
             on_method(i, label)
-        tokens = blocks = rounds = 0
-        seconds, outputs = 0.0, []
-        for prompt in prompts:
-            gen = timed_generate(target, drafter, [prompt], config, key, repeats=repeats)
-            n = int(gen.lengths[0])
-            tokens, seconds = tokens + n, seconds + gen.stats.seconds
-            blocks += int(gen.stats.block_lengths.sum())
-            rounds += int(gen.stats.rounds_per_row.sum())
-            outputs.append(gen.rows()[0])
+        runs.append([compiled_generate(target, drafter, [p], config, key) for p in prompts])
+    passes = max(repeats, 1)
+    seconds = [[0.0] * passes for _ in methods]
+    gens: list[list[Generation]] = [[] for _ in methods]
+    for r in range(passes):
+        for k in range(len(methods)):
+            m = (k + r) % len(methods)
+            gens[m] = [run() for run in runs[m]]
+            seconds[m][r] = sum(g.stats.seconds for g in gens[m])
+    results = []
+    for m, (label, _, _) in enumerate(methods):
+        tokens = sum(int(g.lengths[0]) for g in gens[m])
+        blocks = sum(int(g.stats.block_lengths.sum()) for g in gens[m])
+        rounds = sum(int(g.stats.rounds_per_row.sum()) for g in gens[m])
         results.append(MethodResult(label, blocks / rounds if rounds else float("nan"),
-                                    tokens / seconds, tokens, outputs))
+                                    tokens / float(np.median(seconds[m])), tokens,
+                                    [g.rows()[0] for g in gens[m]], seconds[m]))
     return results
 
 

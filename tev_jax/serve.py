@@ -23,6 +23,7 @@ from tev_jax import batch_io, batching
 from tev_jax.budget import AutoBudget, check_tuned_for
 from tev_jax.decode import DecodeConfig
 from tev_jax.exits import Interrupted
+from tev_jax.rates import WindowRate
 from tev_jax.sharding import MESH_AXES
 
 
@@ -97,6 +98,20 @@ class FileJob:
         }
 
 
+# tqdm's own rate is per update: several rows finishing in one call read thousands of
+# prompts/s. The bar shows rates over a time window instead (`tev_jax.rates`).
+BAR_FORMAT = "{l_bar}{bar}| {n_fmt}/{total_fmt} [{elapsed}{postfix}]"
+
+
+def _bar_rates(window: WindowRate, left: int, block_tokens: float, rounds: int) -> dict:
+    prompts, tokens = window.rate("prompts"), window.rate("tokens")
+    eta = "-" if not prompts else time.strftime("%M:%S" if left / prompts < 3600 else
+                                                "%H:%M:%S", time.gmtime(left / prompts))
+    return {"ETA": eta, "prompt/s": "-" if prompts is None else f"{prompts:.2f}",
+            "tok/s": "-" if tokens is None else f"{tokens:.1f}",
+            "tau": f"{block_tokens / rounds:.2f}" if rounds else "-"}
+
+
 def generate_file(job: FileJob, *, mesh=None, progress: bool = True) -> dict:
     """Runs ``job``; -> its summary (also printed to stderr).
 
@@ -121,8 +136,17 @@ def generate_file(job: FileJob, *, mesh=None, progress: bool = True) -> dict:
     if job.truncate and job.config.prompt_len is None:
         raise ValueError("--truncate left needs --prompt-len")
     out = batch_io.shard_path(job.output, job.process_index, job.process_count)
+    if Path(job.prompts).resolve() in (out.resolve(), Path(job.output).resolve()):
+        raise ValueError(f"--prompts and --output are the same file ({job.prompts}): the "
+                         "results would overwrite the prompts; write another --output")
     with batch_io.lock_output(out):
-        return _run(job, out, mesh, progress)
+        try:
+            return _run(job, out, mesh, progress)
+        except Interrupted:
+            raise
+        except KeyboardInterrupt as e:  # before decoding started
+            raise Interrupted(f"no result was written to {out} yet: run the same command "
+                              "again to start it") from e
 
 
 def _run(job: FileJob, out: Path, mesh, progress: bool) -> dict:
@@ -158,18 +182,13 @@ def _run(job: FileJob, out: Path, mesh, progress: bool) -> dict:
     # share its cache length).
     if isinstance(config.budget, AutoBudget) and config.builder == "ddtree":
         check_tuned_for(config.budget, target, drafter)
-    widest = batching.slot_configs(config, job.batch_size, mesh=mesh)[job.batch_size]
-    engine.decode_spec(target, drafter, widest, job.batch_size, mesh=mesh)
     mine = batch_io.shard_of(list(enumerate(requests)), job.process_index,
                              job.process_count)
-    try:
-        plan.check_decode_floor(target, drafter, widest, job.batch_size, mesh=mesh)
-    except plan.NotEnoughMemory as e:
-        if job.batch_size <= len(mine):
-            raise
-        raise plan.NotEnoughMemory(f"--batch-size {job.batch_size} is more than the "
-                                   f"{len(mine)} prompt(s) to decode; use --batch-size "
-                                   f"{len(mine)} ({e})") from None
+    # more slots than prompts would only cost memory: decode with as many as there are
+    batch = batching.fit_batch(job.batch_size, len(mine), mesh)
+    widest = batching.slot_configs(config, batch, mesh=mesh)[batch]
+    engine.decode_spec(target, drafter, widest, batch, mesh=mesh)
+    plan.check_decode_floor(target, drafter, widest, batch, mesh=mesh)
     done, f = batch_io.open_output(out, settings, force=job.force, expected=len(mine))
     todo = [(i, r) for i, r in mine if batch_io.id_key(r.id) not in done]
     index = {batch_io.id_key(r.id): i for i, r in todo}
@@ -179,13 +198,13 @@ def _run(job: FileJob, out: Path, mesh, progress: bool) -> dict:
     reasons = {"stop": 0, "length": 0}
     bar = None
     if progress and todo:
-        print(f"compiling and prefilling the first {min(job.batch_size, len(todo))} "
+        print(f"compiling and prefilling the first {min(batch, len(todo))} "
               "prompt(s) ...", file=sys.stderr)
     t0 = time.perf_counter()
     try:
         with f:
             for r in batching.generate_continuous(target, drafter, [r for _, r in todo],
-                                                  config, batch_size=job.batch_size,
+                                                  config, batch_size=batch,
                                                   key=key, max_rounds=job.sync_rounds,
                                                   mesh=mesh):
                 batch_io.write_line(f, {
@@ -200,15 +219,15 @@ def _run(job: FileJob, out: Path, mesh, progress: bool) -> dict:
                 if r.rounds:
                     rounds += r.rounds
                     block_tokens += r.tau * r.rounds
-                if bar is None:  # the rate and ETA leave out compiling the first batch
+                if bar is None:  # the rates and ETA leave out compiling the first batch
                     bar = tqdm(total=len(todo), initial=written, unit="prompt",
-                               file=sys.stderr, smoothing=0, disable=not progress)
-                    t_first, tokens_first = time.perf_counter(), tokens
+                               file=sys.stderr, disable=not progress, bar_format=BAR_FORMAT)
+                    window = WindowRate()
                 else:
                     bar.update(1)
-                speed = (tokens - tokens_first) / max(time.perf_counter() - t_first, 1e-9)
-                bar.set_postfix({"tok/s": f"{speed:.1f}",
-                                 "tau": f"{block_tokens / rounds:.2f}" if rounds else "-"})
+                    window.add(prompts=1, tokens=len(r.token_ids))
+                bar.set_postfix(_bar_rates(window, len(todo) - written, block_tokens, rounds),
+                                refresh=False)
     except KeyboardInterrupt as e:
         raise Interrupted(f"{len(done) + written} of the {len(mine)} results are in {out}; "
                           "run the same command again to resume") from e
@@ -223,7 +242,7 @@ def _run(job: FileJob, out: Path, mesh, progress: bool) -> dict:
                "prompts_per_s": round(len(todo) / seconds, 3),
                "tokens_per_s": round(tokens / seconds, 2),
                "tau": round(block_tokens / rounds, 4) if rounds else None,
-               "stop_reasons": reasons, "batch_size": job.batch_size,
+               "stop_reasons": reasons, "batch_size": batch,
                "method": job.method}
     tau = (f"tau = {summary['tau']}" if rounds else
            "tau n/a (nothing was left to decode)" if not todo else

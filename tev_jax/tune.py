@@ -42,7 +42,7 @@ import dataclasses
 import functools
 import json
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -61,6 +61,10 @@ from tev_jax.sampling import Sampling
 
 TUNING_KEYS = ("tau", "tau_se", "cost_seconds", "ar_seconds", "best")
 """The keys of a tuning file that are a contract (`Tuning.as_dict`)."""
+
+
+Progress = Callable[[str, int, int], None]
+"""``progress(what, done, total)``: the tuner's steps as they get done."""
 
 
 def _align(n: int) -> int:
@@ -89,7 +93,8 @@ def _chunks(items: Sequence, size: int):
 def continuations(target, prompt_ids: Sequence[Sequence[int]], *, max_new_tokens: int,
                   sampling: Sampling = Sampling(temperature=0.0),
                   stop_token_ids: tuple[int, ...] = (), key: jax.Array | int = 0,
-                  batch_size: int = 16, mesh=None) -> list[list[int]]:
+                  batch_size: int = 16, mesh=None, progress: Progress | None = None
+                  ) -> list[list[int]]:
     """The target's own continuation of every prompt: plain AR decoding at ``sampling``
     (its greedy text at T = 0, a sample at T > 0), at most ``max_new_tokens`` tokens, a
     final stop token included. These are the texts a decode at that sampling visits.
@@ -103,6 +108,7 @@ def continuations(target, prompt_ids: Sequence[Sequence[int]], *, max_new_tokens
       key: PRNG key or seed (chunk i uses ``fold_in(key, i)``).
       batch_size: prompts decoded together.
       mesh: optional mesh (`tev_jax.engine.Engine.create`).
+      progress: called as ``progress("prompts", done, total)`` after each batch.
     """
     prompts = check_prompts(prompt_ids, target.config.vocab_size)
     config = DecodeConfig(max_new_tokens=max_new_tokens, builder="none", sampling=sampling,
@@ -115,6 +121,8 @@ def continuations(target, prompt_ids: Sequence[Sequence[int]], *, max_new_tokens
     for i, (chunk, real) in enumerate(_chunks(prompts, rows)):
         st = engine.generate(engine.prompts(chunk), jax.random.fold_in(key, i))
         out += engine.finish(st).rows()[:real]
+        if progress:
+            progress("prompts", len(out), len(prompts))
     return out
 
 
@@ -157,7 +165,8 @@ def _exit_law_jit(sampling: Sampling):
 def tree_reach(target, drafter, prompt_ids: Sequence[Sequence[int]],
                conts: Sequence[Sequence[int]], *, budget: int,
                sampling: Sampling = Sampling(temperature=0.0), batch_size: int = 16,
-               key: jax.Array | int = 0, mesh=None) -> TreeReach:
+               key: jax.Array | int = 0, mesh=None, progress: Progress | None = None
+               ) -> TreeReach:
     """The reach of every slot of the budget-``budget`` DDTree at every context.
 
     Each context is a round exactly as decoding runs it: the engine prefills the tokens
@@ -173,6 +182,7 @@ def tree_reach(target, drafter, prompt_ids: Sequence[Sequence[int]],
       batch_size: contexts per program call.
       key: PRNG key or seed (only the prefill's unused first token draws from it).
       mesh: optional mesh.
+      progress: called as ``progress("contexts", done, total)`` after each call.
     Raises:
       ValueError: prompts and continuations of different counts, or no context (every
         continuation shorter than 2 tokens).
@@ -209,6 +219,8 @@ def tree_reach(target, drafter, prompt_ids: Sequence[Sequence[int]],
             got = jax.device_get((law.reach, tree.depths, tree.valid))
             reach.append(np.where(got[2], got[0], 0.0)[:real])
             depth.append(got[1][:real])
+            if progress:
+                progress("contexts", sum(len(r) for r in reach), len(pairs))
     return TreeReach(reach=np.concatenate(reach).astype(np.float64),
                      depth=np.concatenate(depth).astype(np.int32),
                      prompt=np.asarray(owner), position=np.asarray(where),
@@ -319,7 +331,8 @@ def _noop(params, st):
 
 def round_costs(target, drafter, prompt_ids: Sequence[Sequence[int]], config: DecodeConfig,
                 budgets: Sequence[int], batch_sizes: Sequence[int], *, repeats: int = 10,
-                key: jax.Array | int = 0, seed: int = 0, mesh=None
+                key: jax.Array | int = 0, seed: int = 0, mesh=None,
+                progress: Progress | None = None
                 ) -> tuple[dict[int, dict[int, float]], dict[int, float]]:
     """Seconds of one decode round per (batch size, budget), and of one AR step per
     batch size, on the local devices.
@@ -342,6 +355,8 @@ def round_costs(target, drafter, prompt_ids: Sequence[Sequence[int]], config: De
       repeats: timed passes.
       key: PRNG key or seed of the prefill; seed: of the timing order.
       mesh: optional mesh.
+      progress: called as ``progress("programs", done, total)`` as the programs (every
+        budget and AR, per batch size) compile, then ``progress("timed passes", ...)``.
     Returns:
       ``(cost, ar)``: ``cost[B][b]`` and ``ar[B]`` in seconds.
     """
@@ -359,18 +374,24 @@ def round_costs(target, drafter, prompt_ids: Sequence[Sequence[int]], config: De
             states[bs, b] = engine.prefill(engine.prompts(rows), _key(key))
     calls = {(k, "round"): engines[k].round for k in engines}
     calls |= {(k, "noop"): functools.partial(_noop, engines[k].params) for k in engines}
-    for (k, _), call in calls.items():
+    for i, ((k, _), call) in enumerate(calls.items()):
         jax.block_until_ready(call(_copy(states[k])))
+        if progress:
+            progress("programs", i + 1, len(calls))
     times: dict[Any, list[float]] = {k: [] for k in calls}
     rng = np.random.default_rng(seed)
     names = list(calls)
-    for _ in range(max(repeats, 1)):
+    for r in range(max(repeats, 1)):
+        if progress:
+            progress("timed passes", r, max(repeats, 1))
         for i in rng.permutation(len(names)):
             name = names[i]
             st = jax.block_until_ready(_copy(states[name[0]]))
             t0 = time.perf_counter()
             jax.block_until_ready(calls[name](st))
             times[name].append(time.perf_counter() - t0)
+    if progress:
+        progress("timed passes", max(repeats, 1), max(repeats, 1))
     med = {k: max(float(np.median(times[k, "round"]) - np.median(times[k, "noop"])), 1e-9)
            for k in engines}
     cost = {bs: {b: med[bs, b] for b in budgets} for bs in batch_sizes}
@@ -539,7 +560,7 @@ def tune(target, drafter, prompt_ids: Sequence[Sequence[int]], config: DecodeCon
          budgets: Sequence[int], batch_sizes: Sequence[int], repeats: int = 10,
          key: jax.Array | int = 0, topology: str | None = None,
          mesh_axes: tuple[int, int, int] | None = None, dtype=None, mesh=None,
-         contexts_batch: int = 16) -> Tuning:
+         contexts_batch: int = 16, progress: Progress | None = None) -> Tuning:
     """τ(b) from the exit law, round costs, and the best budget per batch size.
 
     Args:
@@ -557,6 +578,8 @@ def tune(target, drafter, prompt_ids: Sequence[Sequence[int]], config: DecodeCon
       mesh_axes, dtype: the slice's mesh and dtype (with ``topology``).
       mesh: a local mesh for the τ pass and the timed costs.
       contexts_batch: contexts per program call in the τ pass.
+      progress: ``progress(what, done, total)`` as prompts, contexts and budget programs
+        get done (`continuations`, `tree_reach`, `round_costs`).
     Returns:
       The `Tuning`.
     """
@@ -571,9 +594,10 @@ def tune(target, drafter, prompt_ids: Sequence[Sequence[int]], config: DecodeCon
     conts = continuations(target, prompts, max_new_tokens=config.max_new_tokens,
                           sampling=config.sampling, stop_token_ids=config.stop_token_ids,
                           key=jax.random.fold_in(key, 1), batch_size=contexts_batch,
-                          mesh=mesh)
+                          mesh=mesh, progress=progress)
     tr = tree_reach(target, drafter, prompts, conts, budget=budgets[-1],
-                    sampling=config.sampling, batch_size=contexts_batch, mesh=mesh)
+                    sampling=config.sampling, batch_size=contexts_batch, mesh=mesh,
+                    progress=progress)
     curve = tau_curve(tr)
     tau_seconds = time.perf_counter() - t0
     width = config.prompt_len or _align(max(len(p) for p in prompts))
@@ -582,7 +606,7 @@ def tune(target, drafter, prompt_ids: Sequence[Sequence[int]], config: DecodeCon
                                  else config.budget)
     if topology is None:
         cost, ar = round_costs(target, drafter, prompts, config, budgets, batch_sizes,
-                               repeats=repeats, key=key, mesh=mesh)
+                               repeats=repeats, key=key, mesh=mesh, progress=progress)
         device = f"local {jax.devices()[0].device_kind}"
     else:
         cost, ar = roofline_costs(target.config, config, budgets, batch_sizes,

@@ -328,7 +328,7 @@ def _check_plan_flags(ns) -> tuple[float, ...]:
     for flag in ("drafter_layers", "num_taps", "batch", "seq_len", "anchors", "budget",
                  "mesh_data", "mesh_fsdp", "mesh_tensor", "rollout_batch",
                  "rollout_prompt_len", "rollout_new_tokens"):
-        if getattr(ns, flag) < 1:
+        if getattr(ns, flag) is not None and getattr(ns, flag) < 1:
             raise ValueError(f"--{flag.replace('_', '-')} must be >= 1, got "
                              f"{getattr(ns, flag)}")
     if ns.block_size < 2:
@@ -353,6 +353,35 @@ def _check_plan_flags(ns) -> tuple[float, ...]:
                          f"{ns.score_capacities!r}") from None
 
 
+def _plan_mesh_shape(ns) -> tuple[int, int, int]:
+    """(data, fsdp, tensor) of the plan flags, checked against the devices before anything
+    compiles; an unset --mesh-fsdp takes every device the other axes leave."""
+    if ns.topology and ns.gpu:
+        raise ValueError("plan for one of a TPU slice (--topology) or GPUs (--gpu), not both")
+    if ns.topology or ns.gpu:
+        if ns.topology:
+            from tev_jax.topology import slice_devices
+
+            devices, what = len(slice_devices(ns.topology).devices), f"--topology {ns.topology}"
+        else:
+            from tev_jax.gpu import gpu_devices
+
+            devices, what = len(gpu_devices(ns.gpu).devices), f"--gpu {ns.gpu}"
+    else:
+        import jax
+
+        devices, what = jax.device_count(), "the local devices"
+    other = ns.mesh_data * ns.mesh_tensor
+    fsdp = ns.mesh_fsdp if ns.mesh_fsdp is not None else max(devices // other, 1)
+    if ns.mesh_data * fsdp * ns.mesh_tensor > devices:
+        hint = ("" if ns.topology or ns.gpu else " (on CPU simulate devices with "
+                "--host-devices N or XLA_FLAGS=--xla_force_host_platform_device_count=N)")
+        raise ValueError(f"the mesh --mesh-data {ns.mesh_data} x --mesh-fsdp {fsdp} x "
+                         f"--mesh-tensor {ns.mesh_tensor} needs {ns.mesh_data * fsdp * ns.mesh_tensor} "
+                         f"devices; {what} have {devices}{hint}")
+    return ns.mesh_data, fsdp, ns.mesh_tensor
+
+
 def _plan(ns) -> None:
     import os
 
@@ -362,15 +391,18 @@ def _plan(ns) -> None:
                                    f" --xla_force_host_platform_device_count={ns.host_devices}")
     from train.plan import plan_rollouts, plan_step, target_config_from
 
-    where = f"the TPU slice {ns.topology}" if ns.topology else "the local devices"
-    print(f"compiling one training step of --target {ns.target} on {where} (minutes for a "
-          "large model) ...", file=sys.stderr, flush=True)
     target_config = target_config_from(ns.target, ns.target_layers)
+    mesh_shape = _plan_mesh_shape(ns)
+    where = (f"the TPU slice {ns.topology}" if ns.topology else
+             f"the GPUs {ns.gpu}" if ns.gpu else "the local devices")
+    mesh_s = " x ".join(f"{a} {n}" for a, n in zip(("data", "fsdp", "tensor"), mesh_shape))
+    print(f"compiling one training step of --target {ns.target} on {where}, mesh {mesh_s} "
+          "(minutes for a large model) ...", file=sys.stderr, flush=True)
     plan = plan_step(
         target_config, drafter_layers=ns.drafter_layers,
         num_taps=ns.num_taps, block_size=ns.block_size, batch=ns.batch, seq_len=ns.seq_len,
         anchors=ns.anchors, budget=ns.budget, loss=ns.loss, objective=ns.objective,
-        mesh_shape=(ns.mesh_data, ns.mesh_fsdp, ns.mesh_tensor), target_dtype=ns.target_dtype,
+        mesh_shape=mesh_shape, target_dtype=ns.target_dtype,
         param_dtype=ns.param_dtype, compute_dtype=ns.compute_dtype,
         target_sharding=ns.target_sharding, remat=ns.remat,
         score_capacities=capacities, topology=ns.topology, gpu=ns.gpu)
@@ -382,7 +414,7 @@ def _plan(ns) -> None:
         budget=ns.budget, builder=ns.rollout_builder, temperature=ns.rollout_temperature,
         batch=ns.rollout_batch, prompt_len=ns.rollout_prompt_len,
         max_new_tokens=ns.rollout_new_tokens,
-        mesh_shape=(ns.mesh_data, ns.mesh_fsdp, ns.mesh_tensor),
+        mesh_shape=mesh_shape,
         target_dtype=ns.target_dtype, topology=ns.topology, gpu=ns.gpu)
     if ns.json:
         print(json.dumps({**plan.to_dict(), "rollouts": rollouts.as_dict()}))
@@ -400,6 +432,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=prog, description=DESCRIPTION)
     p.add_argument("--version", action="version", version=f"tev-train {__version__}")
     sub = p.add_subparsers(dest="command", required=True)
+    p.set_defaults(subcommands=sub)  # main shows a subcommand's usage for its flag typos
 
     r = sub.add_parser("rollouts", help="generate target responses to prompts",
                        description="The target answers every prompt (autoregressive "
@@ -495,9 +528,13 @@ def build_parser() -> argparse.ArgumentParser:
                     help="opd: the rollouts' tree builder (default %(default)s)")
     pl.add_argument("--rollout-temperature", type=float, default=0.0,
                     help="opd: the rollouts' temperature (default %(default)s)")
-    pl.add_argument("--mesh-data", type=int, default=1, help="devices on the data axis")
-    pl.add_argument("--mesh-fsdp", type=int, default=8, help="devices on the fsdp axis")
-    pl.add_argument("--mesh-tensor", type=int, default=1, help="devices on the tensor axis")
+    pl.add_argument("--mesh-data", type=int, default=1,
+                    help="devices on the data axis (default %(default)s)")
+    pl.add_argument("--mesh-fsdp", type=int, default=None,
+                    help="devices on the fsdp axis (default: every device the data and "
+                         "tensor axes leave, of --topology / --gpu or the local devices)")
+    pl.add_argument("--mesh-tensor", type=int, default=1,
+                    help="devices on the tensor axis (default %(default)s)")
     pl.add_argument("--target-dtype", default="float32",
                     help="the frozen target's dtype (default %(default)s)")
     pl.add_argument("--param-dtype", default="float32",
@@ -529,13 +566,14 @@ def main(argv=None) -> int:
         flag_names,
         interrupt_exit,
         name_flags,
+        parse_args,
         signals_as_interrupts,
     )
     from tev_jax.platforms import skip_absent_tpu
     from train.checkpoint import CheckpointError
 
     parser = build_parser()
-    ns = parser.parse_args(argv)
+    ns = parse_args(parser, parser.get_default("subcommands"), argv)
     skip_absent_tpu()
     # with jax.distributed, jax's own SIGTERM handler must stay (preemption sync)
     distributed = getattr(ns, "distributed", False) in (True, "true")
@@ -547,6 +585,10 @@ def main(argv=None) -> int:
         what, code = interrupt_exit(e.__cause__ if isinstance(e, Interrupted) else e)
         if isinstance(e, Interrupted):
             print(f"{parser.prog} {ns.command}: {what}; {e}", file=sys.stderr)
+            return EXIT_RESUMABLE
+        if ns.command in ("run", "rollouts"):  # before it started: a rerun starts it
+            print(f"{parser.prog} {ns.command}: {what} before anything was written: run "
+                  "the same command again to start it", file=sys.stderr)
             return EXIT_RESUMABLE
         print(f"{parser.prog} {ns.command}: {what}", file=sys.stderr)
         return code

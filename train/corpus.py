@@ -133,7 +133,7 @@ def resolve_data_dir(data_dir: str | Path) -> Path:
     if missing:
         raise ValueError(
             f"data directory {path} lacks {', '.join(missing)}; pass --data-dir pointing at "
-            "the shared data folder (default: ../shared/data relative to the repository root)"
+            "a folder with the files of the repository's data/ (its README lists them)"
         )
     return path
 

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import sys
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -158,9 +159,12 @@ def plan_with(overrides: list[str]) -> DemoPlan:
     return dataclasses.replace(plan, **changes)
 
 
-def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--runs", default=str(REPO_ROOT / "runs"))
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m train.demo_models",
+                                description=__doc__.split("\n")[0])
+    p.add_argument("--runs", default=str(REPO_ROOT / "runs"),
+                   help="the folder every stage writes its output to (default: runs/ in the "
+                        "repository)")
     p.add_argument("--only", choices=STAGES, action="append",
                    help="run just these stages (even when their output exists)")
     p.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
@@ -169,8 +173,17 @@ def main(argv=None) -> None:
                    help="an existing target HF folder (e.g. tev_jax/data/models/target): "
                         "the target stage is skipped and every later stage uses it")
     p.add_argument("--data-dir", default=None,
-                   help="the shared data folder (default: the scripts' own default)")
+                   help="the source data (default: data/ in the repository)")
     args = p.parse_args(argv)
+    try:
+        _run(args)
+    except ValueError as e:
+        print(f"{p.prog}: error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def _run(args) -> None:
     plan, runs = plan_with(args.set), Path(args.runs)
     for stage in args.only or STAGES:
         if stage == "target" and args.target:
@@ -184,4 +197,4 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

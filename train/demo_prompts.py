@@ -28,7 +28,7 @@ from tev_jax.data.tokenizer import ASSISTANT
 from train.corpus import CorpusConfig, build_documents
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-DEFAULT_DATA_DIR = REPO_ROOT.parent / "shared" / "data"
+DEFAULT_DATA_DIR = REPO_ROOT / "data"
 _DEF_LINE = re.compile(r"^[ \t]*(def|class) \w+", re.MULTILINE)
 _ANSWER_MARKERS = ("\nAnswer:", "\nSolution:")
 

@@ -4,7 +4,7 @@
     python -m train.prepare_corpus --update-bundled   # everything: retrain the tokenizer,
                                                       # re-export the bundled prompt files
 
-Reads the shared data folder at run time (``--data-dir``, default ``../shared/data``
+Reads the shared data folder at run time (``--data-dir``, default ``data/``
 relative to the repository root) and the running interpreter's standard library; writes
 to ``runs/corpus/`` (gitignored). See ``tev_jax/data/README.md``.
 
@@ -44,7 +44,7 @@ from train.corpus import (
 from train.token_corpus import MANIFEST, write_token_corpus
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-DEFAULT_DATA_DIR = REPO_ROOT.parent / "shared" / "data"
+DEFAULT_DATA_DIR = REPO_ROOT / "data"
 
 
 @dataclasses.dataclass(frozen=True)

@@ -14,7 +14,7 @@ import sys
 
 from tev_jax.cli import compare, exit_law, generate, merge_outputs, plan, tune
 from tev_jax.exits import (EXIT_RESUMABLE, EXIT_USAGE, Interrupted, flag_names, interrupt_exit,
-                           name_flags, signals_as_interrupts)
+                           name_flags, parse_args, signals_as_interrupts)
 from tev_jax.platforms import skip_absent_tpu
 
 DESCRIPTION = ("Tree speculative decoding with exact verifiers: generate text, compare "
@@ -35,7 +35,7 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     for add in SUBCOMMANDS:
         add(sub)
-    args = parser.parse_args(argv)
+    args = parse_args(parser, sub, argv)
 
     def fail(message: str) -> SystemExit:
         print(f"tev-jax {args.command}: error: {message}", file=sys.stderr)
@@ -53,13 +53,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"tev-jax {args.command}: {what}", file=sys.stderr)
         return code
     except ValueError as e:
-        from tev_jax.plan import NotEnoughMemory
-
-        message = name_flags(str(e), flag_names(parser))
-        if isinstance(e, NotEnoughMemory):  # a refusal of the settings, not a usage error
-            print(f"tev-jax {args.command}: {message}", file=sys.stderr)
-            return EXIT_USAGE
-        raise fail(message) from None
+        raise fail(name_flags(str(e), flag_names(parser))) from None
     except OSError as e:
         where = f"{e.filename}: " if e.filename else ""
         raise fail(f"{where}{e.strerror or e}") from None

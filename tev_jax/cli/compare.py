@@ -24,8 +24,9 @@ def compare_command(args) -> int:
     DDTree + TEV on the same prompts with the bundled models; τ and tokens/s side by side.
 
     Each method runs every prompt once to compile (one compilation per method: the
-    prompts share a fixed prompt buffer) and ``--repeats`` timed times (the median
-    counts); `tev_jax.profile.compare_methods` does the timing.
+    prompts share a fixed prompt buffer); then ``--repeats`` timed passes run every
+    method in turn (the median pass counts, and the range of the per-pass ratios to AR
+    is printed beside the median's); `tev_jax.profile.compare_methods` does the timing.
     """
     from tev_jax import profile
     from tev_jax.data.tokenizer import format_chat
@@ -56,18 +57,23 @@ def compare_command(args) -> int:
                for label, name, builder, verifier in COMPARE_METHODS]
 
     def started(i, label):
-        print(f"[{i + 1}/{len(methods)}] {label}: compiling, then timing {len(prompts)} "
-              f"prompt(s) x {args.repeats} ...", file=sys.stderr, flush=True)
+        print(f"[{i + 1}/{len(methods)}] {label}: compiling {len(prompts)} prompt(s)"
+              + (f", then timing {args.repeats} passes of every method ..."
+                 if i == len(methods) - 1 else " ..."), file=sys.stderr, flush=True)
 
     rows = profile.compare_methods(target, methods, prompts, key=args.seed,
                                    repeats=args.repeats, on_method=started)
-    ar_speed = rows[0].tokens_per_second
+    ar_speed, ar = rows[0].tokens_per_second, rows[0]
     print(f"bundled target, {len(prompts)} prompt(s), T={sampling.temperature:g}, "
-          f"DDTree budget {args.budget}, at most {args.max_new_tokens} new tokens each")
-    print(f"{'method':28s} {'tau':>6s} {'tokens/s':>9s} {'vs AR':>6s} {'tokens':>7s}")
+          f"DDTree budget {args.budget}, at most {args.max_new_tokens} new tokens each; "
+          f"median of {args.repeats} timed passes (range: the passes' own ratios)")
+    print(f"{'method':28s} {'tau':>6s} {'tokens/s':>9s} {'vs AR':>6s} {'range':>11s} "
+          f"{'tokens':>7s}")
     for r in rows:
+        ratios = [(r.tokens / s) / (ar.tokens / a) for s, a in zip(r.seconds, ar.seconds)]
         print(f"{r.label:28s} {r.tau:6.2f} {r.tokens_per_second:9.1f} "
-              f"{r.tokens_per_second / ar_speed:5.2f}x {r.tokens:7d}")
+              f"{r.tokens_per_second / ar_speed:5.2f}x {min(ratios):5.2f}-{max(ratios):<5.2f} "
+              f"{r.tokens:7d}")
     if sampling.greedy:
         same = all(r.outputs == rows[0].outputs for r in rows[1:])
         print("greedy outputs identical across methods: " + ("yes" if same else
@@ -88,7 +94,8 @@ def add_parser(sub) -> None:
                    help="at most this many per prompt (default %(default)s)")
     p.add_argument("--chat", action="store_true", help="wrap each prompt in the chat template")
     p.add_argument("--seed", type=int, default=0, help="sampling seed (default %(default)s)")
-    p.add_argument("--repeats", type=int, default=1,
-                   help="timed runs per prompt after the compile run (the median counts; "
-                        "default %(default)s)")
+    p.add_argument("--repeats", type=int, default=5,
+                   help="timed passes over every method and prompt after the compile run "
+                        "(the median counts, the range of the passes is shown; default "
+                        "%(default)s)")
     p.set_defaults(func=compare_command)

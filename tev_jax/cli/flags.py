@@ -187,8 +187,19 @@ def add_mesh_flags(p) -> None:
 
 
 def mesh_from(args):
-    """The ('data', 'fsdp', 'tensor') mesh of the flags, or None for one device."""
+    """The ('data', 'fsdp', 'tensor') mesh of the flags, or None for one device; a mesh
+    larger than the devices is refused with the way to simulate devices on CPU."""
+    import jax
+
     from tev_jax import sharding as shd
 
     axes = (args.mesh_data, args.mesh_fsdp, args.mesh_tensor)
-    return None if axes == (1, 1, 1) else shd.make_mesh(*axes)
+    if axes == (1, 1, 1):
+        return None
+    try:
+        return shd.make_mesh(*axes)
+    except ValueError as e:
+        if jax.default_backend() != "cpu":
+            raise
+        raise ValueError(f"{e} (on CPU simulate devices with XLA_FLAGS="
+                         "--xla_force_host_platform_device_count=8)") from e

@@ -71,8 +71,11 @@ def generate_command(args) -> int:
               and args.repeats == 1)
     plan.check_decode_floor(target, drafter, config, 1, mesh=mesh)  # from shapes, at once
     print("compiling the decode program (once per setting) ...", file=sys.stderr, flush=True)
+    # with --chat the turns are shown, the template's role markers as "user:" / "assistant:"
+    head, shown_prompt = ((f"user: {args.prompt}\nassistant: ", []) if args.chat
+                          else ("", prompt))
     if stream:
-        shown = _Shown(tokenizer, prompt)
+        shown = _Shown(tokenizer, shown_prompt, head)
         gen = profile.streamed_generate(target, drafter, [prompt], config, args.seed,
                                         mesh=mesh, on_round=lambda rows: shown(rows[0]))
         shown(gen.rows()[0], final=True)
@@ -84,7 +87,7 @@ def generate_command(args) -> int:
                                   repeats=args.repeats, mesh=mesh)
         gen = timed(target, drafter, config=config)
         compile_s = gen.stats.compile_seconds + planned.compile_seconds
-        print(text_of(tokenizer, prompt + gen.rows()[0]), flush=True)
+        print(head + text_of(tokenizer, shown_prompt + gen.rows()[0]), flush=True)
         timing = "fused program" + (f", median of {args.repeats}" if args.repeats > 1 else "")
     n = int(gen.lengths[0])
     lines = [f"[{where}; {flags.method_label(config, auto)}; T={config.sampling.temperature:g}]"]
@@ -120,8 +123,9 @@ class _Shown:
     """Streams ``decode(prompt + tokens)`` to stdout as the tokens grow; at the end stdout
     holds exactly what the unstreamed run prints."""
 
-    def __init__(self, tokenizer, prompt: list[int]):
+    def __init__(self, tokenizer, prompt: list[int], head: str = ""):
         self.tokenizer, self.prompt, self.text = tokenizer, list(prompt), ""
+        sys.stdout.write(head)
 
     def __call__(self, tokens: list[int], *, final: bool = False) -> None:
         text = text_of(self.tokenizer, self.prompt + list(tokens))

@@ -19,11 +19,7 @@ def _mesh_for_plan(args):
     from tev_jax import topology
 
     if args.topology is None and args.gpu is None:
-        try:
-            mesh = flags.mesh_from(args)
-        except ValueError as e:
-            raise ValueError(f"{e} (on CPU simulate devices with XLA_FLAGS="
-                             "--xla_force_host_platform_device_count=8)") from e
+        mesh = flags.mesh_from(args)
         return mesh, topology.local_chip(), 1, "local devices"
     try:
         mesh, tpu = topology.plan_mesh(args.topology, args.gpu, args.mesh_data,

@@ -58,11 +58,12 @@ def tune_command(args) -> int:
              f"{args.repeats} timed rounds per budget and batch size")
     print(f"tuning {len(requests)} prompt(s): one decode round at budget "
           f"{max(args.budgets)} per position, then {costs} ...", file=sys.stderr, flush=True)
-    result = tune.tune(target, drafter, [r.prompt_ids for r in requests], config,
-                       budgets=args.budgets, batch_sizes=args.batch, repeats=args.repeats,
-                       key=args.seed, topology=args.topology,
-                       mesh_axes=None if mesh_axes == (1, 1, 1) else mesh_axes,
-                       dtype=jnp.bfloat16 if args.topology else None)
+    with _Bars() as bars:
+        result = tune.tune(target, drafter, [r.prompt_ids for r in requests], config,
+                           budgets=args.budgets, batch_sizes=args.batch,
+                           repeats=args.repeats, key=args.seed, topology=args.topology,
+                           mesh_axes=None if mesh_axes == (1, 1, 1) else mesh_axes,
+                           dtype=jnp.bfloat16 if args.topology else None, progress=bars)
     result = dataclasses.replace(result, settings=result.settings | {
         "prompts_file": args.prompts, "models": where})
     if args.json:
@@ -82,6 +83,36 @@ _TUNE_ABOUT = (
     "the TPU roofline with --topology); prints, per batch size, the budget with the most "
     "tokens/s, or AR where nothing beats it. --json FILE feeds `generate --budget auto "
     "--tuning FILE`.")
+
+
+class _Bars:
+    """One tqdm bar per step of the tuner (target continuations of the prompts, the
+    contexts' rounds, the budget programs, the timed passes), on stderr."""
+
+    LABELS = {"prompts": "continuing prompts", "contexts": "rounds at contexts",
+              "programs": "compiling budgets", "timed passes": "timing budgets"}
+
+    def __init__(self):
+        self.bar, self.what = None, None
+
+    def __call__(self, what: str, done: int, total: int) -> None:
+        from tqdm import tqdm
+
+        if what != self.what:
+            self.close()
+            self.bar = tqdm(total=total, desc=self.LABELS.get(what, what), file=sys.stderr)
+            self.what = what
+        self.bar.update(done - self.bar.n)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
 
 
 def add_parser(sub) -> None:
