@@ -149,6 +149,15 @@ def test_plan_command_json_for_gpus(tmp_path, capsys):
     held = rows_v * (budget + 1) + 3 * rows_v * 15 + rows_v * 8 * (budget + 1) // 16
     assert rnd["temp_bytes"] <= 2 * ar["temp_bytes"] + held
     assert set(rnd["ops"]["stages"]) >= {"draft", "build", "verify", "decide", "commit"}
+    # kernel launches per call: the round's outside the layer stack (drafter head,
+    # build, decide, commit) were 309 before issue 44 (the builder's and the path's
+    # loops, the cache moves layer by layer), 157 after; the layer stack is per layer
+    n = rnd["launches"]
+    assert n["total"] == n["layers"] + n["other_than_layers"] and n["layers"] > 0
+    assert n["other_than_layers"] <= 170, n["other_than_layers_by_stage"]
+    assert n["other_than_layers_by_stage"]["commit"] <= 25
+    assert ar["launches"]["total"] < n["total"]
+    assert record["seconds_are"] == "floor"     # no measured table for the H100
 
 
 @needs_plugin

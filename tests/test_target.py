@@ -349,9 +349,10 @@ def test_bfloat16_smoke(qwen3_ckpt, tmp_path):
     np.testing.assert_array_equal(fwd(again, tokens)[0], logits)
 
 
-def test_cache_slot_updates_match_a_numpy_twin():
-    """`set_slots` / `move_slots` (one layer at a time) against a numpy twin, out-of-range
-    slots included."""
+@pytest.mark.parametrize("at_once", [False, True])
+def test_cache_slot_updates_match_a_numpy_twin(at_once):
+    """`set_slots` / `move_slots` against a numpy twin, out-of-range slots included: one
+    layer at a time (TPU, CPU) and every layer at once (GPU's form)."""
     from tev_jax.models import kv_cache
 
     rng = np.random.default_rng(0)
@@ -368,8 +369,8 @@ def test_cache_slot_updates_match_a_numpy_twin():
                 want_set[:, r, slots[r, j]] = new[:, r, j]
             if dst[r, j] < length:
                 want_move[:, r, dst[r, j]] = x[:, r, src[r, j]] if src[r, j] < length else 0
-    got_set = jax.jit(lambda *a: kv_cache.set_slots(*a))(x, slots, new)
-    got_move = jax.jit(lambda *a: kv_cache.move_slots(*a))(x, src, dst)
+    got_set = jax.jit(lambda *a: kv_cache.set_slots(*a, at_once=at_once))(x, slots, new)
+    got_move = jax.jit(lambda *a: kv_cache.move_slots(*a, at_once=at_once))(x, src, dst)
     np.testing.assert_array_equal(got_set, want_set)
     np.testing.assert_array_equal(got_move, want_move)
 

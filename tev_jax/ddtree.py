@@ -217,10 +217,26 @@ def build_tree_from_topk(
         score_P, idx_P = jax.lax.top_k(pair_score_M, budget)
         return score_P, (score_P, jnp.asarray(pi)[idx_P], jnp.asarray(pr)[idx_P])
 
-    _, (score_rest, parent_rest, rank_rest) = jax.lax.scan(depth_step, score1, logq_HK[1:])
-    score_DP = jnp.concatenate([score1[None], score_rest])
-    parent_DP = jnp.concatenate([parent1[None], parent_rest])
-    rank_DP = jnp.concatenate([rank1[None], rank_rest])
+    def scanned(score1, logq_HK):
+        _, (score_rest, parent_rest, rank_rest) = jax.lax.scan(depth_step, score1, logq_HK[1:])
+        return (jnp.concatenate([score1[None], score_rest]),
+                jnp.concatenate([parent1[None], parent_rest]),
+                jnp.concatenate([rank1[None], rank_rest]))
+
+    def unrolled(score1, logq_HK):
+        scores, parents, ranks = [score1], [parent1], [rank1]
+        for d in range(1, horizon):
+            score, (_, parent, rank) = depth_step(scores[-1], logq_HK[d])
+            scores.append(score)
+            parents.append(parent)
+            ranks.append(rank)
+        return jnp.stack(scores), jnp.stack(parents), jnp.stack(ranks)
+
+    # On GPU the depths are unrolled: the scan launched seven kernels per depth (its
+    # stacked outputs written one dynamic slice at a time), the unrolled steps two (the
+    # pair scores and their top-k). XLA:CPU compiles the scan faster (0.5-1 s less).
+    score_DP, parent_DP, rank_DP = jax.lax.platform_dependent(
+        score1, logq_HK, cuda=unrolled, default=scanned)
 
     # Best `budget` over all depths; equal scores keep (depth, position) order.
     best_score, flat = jax.lax.top_k(score_DP.reshape(-1), budget)

@@ -215,8 +215,8 @@ class Module:
 
     def fused(self, instr: Instr) -> list[Instr]:
         """The instructions of the computation a fusion calls ([] for none)."""
-        called = _called(instr.attrs, "calls")
-        return self.computations.get(called[0], []) if called else []
+        names = called(instr.attrs, "calls")
+        return self.computations.get(names[0], []) if names else []
 
     def source(self, attrs: str) -> str:
         """``file:line (function)`` of the op's innermost frame ('' without one)."""
@@ -298,10 +298,10 @@ def kernel_scope(flops: int, bytes_accessed: int) -> str:
 
 
 _KERNEL_SCOPE = re.compile(r'op_name="[^"]*\bkernel_cost_(\d+)_(\d+)/')
-_BOUND = re.compile(r'op_name="[^"]*\btrips_upto_(\d+)/while"')
+BOUND = re.compile(r'op_name="[^"]*\btrips_upto_(\d+)/while"')
 
 
-def _trip_count(module: Module, loop: Instr, defs: dict[str, Instr]) -> int | None:
+def trip_count(module: Module, loop: Instr, defs: dict[str, Instr]) -> int | None:
     """The trip count of a ``while``: the compiler's ``known_trip_count``, else that of a
     counted loop (a ``lax.scan`` / ``fori_loop``): the condition is ``i < N`` on a tuple
     element that starts at the constant 0 (``defs``: the enclosing computation's
@@ -309,8 +309,8 @@ def _trip_count(module: Module, loop: Instr, defs: dict[str, Instr]) -> int | No
     m = re.search(r'"known_trip_count":\{"n":"(\d+)"\}', loop.attrs)
     if m is not None:
         return int(m.group(1))
-    cond = module.computations.get(next(iter(_called(loop.attrs, "condition")), ""), [])
-    body = module.computations.get(next(iter(_called(loop.attrs, "body")), ""), [])
+    cond = module.computations.get(next(iter(called(loop.attrs, "condition")), ""), [])
+    body = module.computations.get(next(iter(called(loop.attrs, "body")), ""), [])
     if not cond or not body or not loop.operands:
         return None
     c, b = ({i.name: i for i in comp} for comp in (cond, body))
@@ -355,7 +355,9 @@ def _trip_count(module: Module, loop: Instr, defs: dict[str, Instr]) -> int | No
     return n if counted else None
 
 
-def _called(attrs: str, key: str) -> list[str]:
+def called(attrs: str, key: str) -> list[str]:
+    """The computations an instruction's attribute ``key`` names (``calls``, ``body``,
+    ``branch_computations``...), [] for none."""
     m = re.search(rf"\b{key}=\{{([^}}]*)\}}", attrs)
     if m is not None:
         return re.findall(r"%([^\s,]+)", m.group(1))
@@ -531,8 +533,8 @@ def op_costs(text: str) -> list[Op]:
         defs = {i.name: i for i in body}
         for instr in body:
             if instr.opcode == "while":
-                n = _trip_count(module, instr, defs)
-                bound = _BOUND.search(instr.attrs) if n is None else None
+                n = trip_count(module, instr, defs)
+                bound = BOUND.search(instr.attrs) if n is None else None
                 if n is not None:
                     inner = (count * n, loops, bounded)
                 elif bound is not None:
@@ -540,13 +542,13 @@ def op_costs(text: str) -> list[Op]:
                 else:
                     inner = (count, loops + 1, bounded)
                 for key in ("condition", "body"):
-                    for c in _called(instr.attrs, key):
+                    for c in called(instr.attrs, key):
                         walk(c, *inner, seen + (name,))
                 continue
             if instr.opcode in ("conditional", "call"):
                 for key in ("branch_computations", "true_computation", "false_computation",
                             "to_apply"):
-                    for c in _called(instr.attrs, key):
+                    for c in called(instr.attrs, key):
                         walk(c, count, loops, bounded, seen + (name,))
                 continue
             if (instr.opcode in FREE or instr.opcode.endswith("-done")
@@ -649,5 +651,6 @@ def format_table(ops, top: int, stages=()) -> str:
     return "\n".join(lines)
 
 
-__all__ = ["Instr", "Module", "Op", "array_bytes", "bound_scope", "by_stage", "format_table",
-           "op_costs", "parse_instr", "parse_module", "table_dict", "totals", "tuple_elements"]
+__all__ = ["BOUND", "FREE", "Instr", "Module", "Op", "array_bytes", "bound_scope", "by_stage",
+           "called", "format_table", "op_costs", "parse_instr", "parse_module", "table_dict",
+           "totals", "trip_count", "tuple_elements"]

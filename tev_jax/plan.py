@@ -20,17 +20,18 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-import time
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from tev_jax import op_costs
+from tev_jax import launches, op_costs
 from tev_jax.decode import STAGES
 from tev_jax.drafters import as_drafter
 from tev_jax.engine import Engine, decode_spec
+from tev_jax.gpu import GPUS
+from tev_jax.program_report import GiB, ProgramReport, compile_report
 from tev_jax.topology import Chip, chip_of
 from tev_jax.models.checkpoint_io import read_config
 from tev_jax.models.config import AttentionSpec, ModelConfig, RopeScaling
@@ -85,8 +86,6 @@ QWEN3_LAYERS = dict(layer_types=(), sliding_window=None, global_attention=None,
                     attention_window="native", norm_style="cast", sandwich_norms=False,
                     v_norm=False, attention_scale=None, hidden_act="silu", embed_scale=None,
                     final_logit_softcap=None)
-
-GiB = 2**30
 
 
 def preset(name: str, *, num_layers: int | None = None) -> ModelConfig:
@@ -163,105 +162,7 @@ def abstract_drafter(target_cfg: ModelConfig, dtype=jnp.float32, *, num_layers: 
     return nnx.eval_shape(lambda: Drafter(cfg, dtype=jnp.dtype(dtype), rngs=nnx.Rngs(0)))
 
 
-# ---------------------------------------------------------------------- the report
-
-
-@dataclasses.dataclass(frozen=True)
-class ProgramReport:
-    """What a compiled program needs and does on one device, from the compiler.
-
-    Attributes:
-      argument_bytes: inputs (parameters, prompts, key) resident during the call.
-      output_bytes: results (the final decode state, caches included).
-      temp_bytes: scratch the program allocates while it runs.
-      alias_bytes: outputs that reuse donated argument buffers (counted in both above).
-      code_bytes: generated code (0 on CPU).
-      compile_seconds: the compile time (None if not measured).
-      flops: floating-point operations of one call: ``cost_analysis``, which counts
-        every loop body once, scaled by the trip counts of counted loops (the layer
-        scan) and the bounds of bounded ones (the attention's key blocks, at a full
-        cache) as the per-op table finds them (`tev_jax.op_costs.loop_factors`); where
-        the compiler gives no cost analysis (GPU) the per-op table's own sum. A loop of
-        unknown trip count (the decode rounds) stays counted once.
-      bytes_accessed: bytes read and written by one call, likewise (on GPU the per-op
-        table's HBM bytes).
-    """
-
-    argument_bytes: int
-    output_bytes: int
-    temp_bytes: int
-    alias_bytes: int
-    code_bytes: int
-    compile_seconds: float | None = None
-    flops: float | None = None
-    bytes_accessed: float | None = None
-
-    @classmethod
-    def of(cls, compiled: jax.stages.Compiled, compile_seconds: float | None = None
-           ) -> "ProgramReport":
-        """The report of ``compiled.memory_analysis()`` and ``cost_analysis()`` (its
-        loop bodies scaled by their trip counts, see the attributes)."""
-        m = compiled.memory_analysis()
-        if m is None:
-            raise ValueError("this backend gives no memory analysis for compiled programs")
-        cost = compiled.cost_analysis() or {}
-        if isinstance(cost, (list, tuple)):  # older jax: one dict per device program
-            cost = cost[0] if cost else {}
-        ops = op_costs.op_costs(compiled.as_text())
-        flops_factor, bytes_factor = op_costs.loop_factors(ops)
-        if not cost:  # the GPU compiler gives none: the per-op table's sums
-            sums = op_costs.totals(ops)
-            cost, flops_factor, bytes_factor = (
-                {"flops": sums["flops"], "bytes accessed": sums["hbm_bytes"]}, 1.0, 1.0)
-        get = lambda k, factor: float(cost[k]) * factor if k in cost else None
-        return cls(argument_bytes=int(m.argument_size_in_bytes),
-                   output_bytes=int(m.output_size_in_bytes),
-                   temp_bytes=int(m.temp_size_in_bytes),
-                   alias_bytes=int(m.alias_size_in_bytes),
-                   code_bytes=int(m.generated_code_size_in_bytes),
-                   compile_seconds=compile_seconds,
-                   flops=get("flops", flops_factor),
-                   bytes_accessed=get("bytes accessed", bytes_factor))
-
-    @property
-    def peak_bytes(self) -> int:
-        """Arguments + outputs + scratch, donated buffers counted once."""
-        return (self.argument_bytes + self.output_bytes + self.temp_bytes - self.alias_bytes
-                + self.code_bytes)
-
-    def roofline_seconds(self, chip: Chip | None, devices_per_chip: int = 1) -> float | None:
-        """``max(flops / peak, bytes accessed / bandwidth)`` on one device of ``chip``
-        (a chip's figures shared by its ``devices_per_chip`` devices); None without a
-        chip or a cost analysis."""
-        if chip is None or self.flops is None or self.bytes_accessed is None:
-            return None
-        return max(self.flops / (chip.peak_flops / devices_per_chip),
-                   self.bytes_accessed / (chip.hbm_bandwidth / devices_per_chip))
-
-    def as_dict(self, chip: Chip | None = None, devices_per_chip: int = 1) -> dict:
-        return dataclasses.asdict(self) | {
-            "peak_bytes": self.peak_bytes,
-            "roofline_seconds": self.roofline_seconds(chip, devices_per_chip)}
-
-    def format(self) -> str:
-        """A few aligned lines in GiB."""
-        rows = [("arguments", self.argument_bytes), ("outputs", self.output_bytes),
-                ("temporary", self.temp_bytes), ("aliased", self.alias_bytes),
-                ("code", self.code_bytes), ("peak", self.peak_bytes)]
-        lines = [f"  {name:<10}{b / GiB:10.3f} GiB" for name, b in rows]
-        if self.compile_seconds is not None:
-            lines.append(f"  (compiled in {self.compile_seconds:.1f} s)")
-        return "\n".join(lines)
-
-
 # -------------------------------------------------------------------- decode plans
-
-
-def compile_report(lowered: jax.stages.Lowered) -> ProgramReport:
-    """Compiles ``lowered``; -> its `ProgramReport`, with the compile time."""
-    t0 = time.perf_counter()
-    compiled = lowered.compile()
-    return ProgramReport.of(compiled, time.perf_counter() - t0)
 
 
 def abstract_models(target_cfg: ModelConfig, config, *, dtype=jnp.float32,
@@ -323,10 +224,18 @@ class DecodePlan:
     floors: dict[str, dict[str, int]] = dataclasses.field(default_factory=dict)
 
     def seconds(self, name: str) -> float | None:
-        """The roofline time of one program (None without it or a chip)."""
+        """The time of one program: the calibrated estimate where the GPU was measured,
+        else the roofline (`seconds_are` says which; None without a chip)."""
         report = self.programs.get(name)
-        return None if report is None else report.roofline_seconds(self.chip,
-                                                                    self.devices_per_chip)
+        return None if report is None else report.seconds(self.chip,
+                                                           self.devices_per_chip)[0]
+
+    @property
+    def seconds_are(self) -> str:
+        """What `seconds` are: 'calibrated' (an estimate from a GPU's measured table,
+        `tev_jax.gpu_time`), 'floor' (the roofline: no program runs faster) or ''."""
+        kinds = {r.seconds(self.chip, self.devices_per_chip)[1] for r in self.programs.values()}
+        return "calibrated" if kinds == {"calibrated"} else "floor" if "floor" in kinds else ""
 
     @property
     def break_even_tau(self) -> float | None:
@@ -353,7 +262,7 @@ class DecodePlan:
         out = {"programs": programs, "batch_size": self.batch_size,
                "chip": None if self.chip is None else dataclasses.asdict(self.chip),
                "devices_per_chip": self.devices_per_chip,
-               "break_even_tau": self.break_even_tau}
+               "break_even_tau": self.break_even_tau, "seconds_are": self.seconds_are}
         if tau is not None:
             out["estimate"] = self.estimate(tau)
         for name, ops in self.ops.items():
@@ -365,18 +274,37 @@ class DecodePlan:
 
     def format(self, tau: float | None = None) -> str:
         """A table for people: memory, FLOPs, bytes and roofline time per program."""
+        ms = lambda t: "-" if t is None else f"{t * 1e3:.3f} ms"
+        calibrated = any(r.estimate is not None for r in self.programs.values())
+        counted = any(r.launches is not None for r in self.programs.values())
         head = (f"{'program':<11}{'args':>9}{'temp':>9}{'out':>9}{'peak':>9} GiB"
-                f"{'GFLOP':>10}{'GB acc.':>9}{'roofline':>11}{'compile':>9}")
+                f"{'GFLOP':>10}{'GB acc.':>9}{'roofline':>11}"
+                + (f"{'estimate':>11}" if calibrated else "")
+                + (f"{'launches':>9}" if counted else "") + f"{'compile':>9}")
         lines = [head]
         for name, r in self.programs.items():
-            t = self.seconds(name)
             gf = "-" if r.flops is None else f"{r.flops / 1e9:.2f}"
             gb = "-" if r.bytes_accessed is None else f"{r.bytes_accessed / 1e9:.3f}"
+            n = "-" if r.launches is None else str(r.launches["total"])
             lines.append(
                 f"{name:<11}{r.argument_bytes / GiB:9.3f}{r.temp_bytes / GiB:9.3f}"
                 f"{r.output_bytes / GiB:9.3f}{r.peak_bytes / GiB:9.3f}    "
-                f"{gf:>10}{gb:>9}{'-' if t is None else f'{t * 1e3:.3f} ms':>11}"
-                f"{r.compile_seconds or 0:8.1f}s")
+                f"{gf:>10}{gb:>9}{ms(r.roofline_seconds(self.chip, self.devices_per_chip)):>11}"
+                + (f"{ms(r.estimate_seconds):>11}" if calibrated else "")
+                + (f"{n:>9}" if counted else "") + f"{r.compile_seconds or 0:8.1f}s")
+        if self.chip is not None:
+            lines.append("roofline: max(FLOPs / peak, bytes / HBM bandwidth), a floor that no "
+                         "program reaches" + ("" if calibrated or self.chip.name not in GPUS
+                                              else f" (no measured table for {self.chip.name}"
+                                              ": no calibrated estimate)"))
+        if calibrated:
+            e = next(r.estimate for r in self.programs.values() if r.estimate is not None)
+            lines.append(f"estimate: calibrated on {e['gpu']} ({e['source']}), one call in a "
+                         f"fused loop; a dispatch from the host adds "
+                         f"{e['call_seconds'] * 1e3:.2f} ms (tev_jax.gpu_time)")
+        for name, r in self.programs.items():
+            if r.launches is not None and name in ("ar_step", "round"):
+                lines.append(f"{name} launches: {launches.format_summary(r.launches)}")
         for name, f in self.floors.items():
             experts = ("" if not f["experts_touched"] else
                        f", experts {f['experts'] / 1e9:.3f} ({f['experts_touched']} of "
@@ -384,12 +312,13 @@ class DecodePlan:
             lines.append(f"floor of bytes per {name}: {sum_floor(f) / 1e9:.3f} GB (weights "
                          f"{f['weights'] / 1e9:.3f}{experts}, KV {f['kv'] / 1e9:.3f})")
         if self.break_even_tau is not None:
-            lines.append(f"break-even tau (round / AR step) = {self.break_even_tau:.2f}")
+            lines.append(f"break-even tau (round / AR step) = {self.break_even_tau:.2f} "
+                         f"({self.seconds_are})")
         if tau is not None and self.estimate(tau) is not None:
             e = self.estimate(tau)
             lines.append(f"at tau = {tau:g}: {e['tokens_per_second']:.0f} tokens/s for the "
                          f"batch (AR {e['ar_tokens_per_second']:.0f}), speed-up "
-                         f"{e['speedup']:.2f}x (roofline)")
+                         f"{e['speedup']:.2f}x ({self.seconds_are or 'roofline'})")
         for name, ops in self.ops.items():
             lines += ["", f"{name}: ops of the fused loop (per round, and once per call)",
                       op_costs.format_table(ops, self.top, STAGES)]
@@ -410,7 +339,9 @@ def plan_decode_programs(target_cfg: ModelConfig, config, batch_size: int, *,
       target_cfg, config, batch_size, dtype, drafter_layers, block_size, mesh: as in
         `plan_decode`.
       programs: which of `DECODE_PROGRAMS` to compile.
-      chip, devices_per_chip: for the rooflines (`tev_jax.topology`).
+      chip, devices_per_chip: for the rooflines (`tev_jax.topology`); a GPU's chip
+        (`tev_jax.gpu.GPUS`) also has each program's kernel launches counted and, where
+        that GPU has a measured table (`tev_jax.gpu_time`), its calibrated estimate.
       ops: with N > 0, also the per-op tables (`loop_ops`) of the AR step and the round,
         N ops each, the round's split by stage.
     Raises:
@@ -434,12 +365,13 @@ def plan_decode_programs(target_cfg: ModelConfig, config, batch_size: int, *,
                "ar_step": lambda: ar.lower("round"),
                "round": lambda: engine.lower("round"),
                "prefill": lambda: prefill.lower("prefill")}
+    gpu = next((g for g, spec in GPUS.items() if chip is not None and spec.chip == chip), None)
     reports = {}
     for name in programs:
         if name == "draft" and engine.drafter is None:
             continue  # AR has no draft stage
         lower = lowered.get(name) or (lambda name=name: engine.lower(name))
-        reports[name] = compile_report(lower())
+        reports[name] = compile_report(lower(), gpu=gpu)
     tables = {} if ops <= 0 else {"ar_step": loop_ops(ar), "round": loop_ops(engine)}
     floors = {name: round_floor(e) for name, e in (("ar_step", ar), ("round", engine))
               if name in programs}

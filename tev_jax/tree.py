@@ -170,12 +170,17 @@ def node_paths(tree: DraftTree, horizon: int, anc_NN: jax.Array | None = None) -
 
 
 def path_to(tree: DraftTree, node: jax.Array, horizon: int) -> jax.Array:
-    """Path of one node (slot index, traced is fine): int32 [H+1], -1 padded."""
+    """Path of one node (slot index, traced is fine): int32 [H+1], -1 padded.
 
-    def step(slot, _):
-        return jnp.where(slot >= 0, tree.parents[jnp.maximum(slot, 0)], -1), slot
-
-    _, rev_path = jax.lax.scan(step, jnp.asarray(node, jnp.int32), None, length=horizon + 1)
+    The H parent lookups are unrolled (not a loop): a chain of scalar gathers that the
+    GPU compiler fuses into one kernel, where a loop launched three per step.
+    """
+    slot = jnp.asarray(node, jnp.int32)
+    steps = [slot]
+    for _ in range(horizon):
+        slot = jnp.where(slot >= 0, tree.parents[jnp.maximum(slot, 0)], -1)
+        steps.append(slot)
+    rev_path = jnp.stack(steps)
     # rev_path = [node, parent, ..., root, -1, ...]; put it root first.
     depth = tree.depths[node]
     idx = depth - jnp.arange(horizon + 1)

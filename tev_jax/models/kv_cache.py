@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
+from tev_jax import platforms
 from tev_jax.models.config import LayerSpec, ModelConfig
 
 CACHE_AXES = ("layers", "batch", "cache_len", "act_kv_heads", "head_dim")
@@ -130,16 +131,25 @@ def set_layer(cache: KVCache, layer, k_BLKd: jax.Array, v_BLKd: jax.Array) -> KV
     return KVCache(k=put(cache.k, k_BLKd), v=put(cache.v, v_BLKd))
 
 
-def _each_layer(x_LBS: jax.Array, update) -> jax.Array:
-    """``x = update(x, l)`` for every layer l, as one in-place ``fori_loop``.
+def _each_layer(x_LBS: jax.Array, update, whole, at_once: bool | None) -> jax.Array:
+    """``x = update(x, l)`` for every layer l, as one in-place ``fori_loop``; or
+    ``whole(x)``, the same update of every layer at once: on GPU (``at_once`` None), or
+    wherever ``at_once`` says.
 
     One layer at a time: on TPU one scatter over all layers made the compiler lay the
     cache out with the layers interleaved and copy the whole cache into the attention's
     per-layer layout twice per round (Qwen3-8B, v5e:2x4: 0.6 GB of a 2.6 GB AR step,
     `tev_jax.op_costs`); on XLA:CPU the loop is as fast as one op over all layers
-    (`experiments/round_bytes/cpu_speed.py`).
+    (`experiments/round_bytes/cpu_speed.py`). On GPU the loop launched 3-4 kernels per
+    layer (Qwen3-8B, a round's commit: 288 of its 306 launches), the whole update 2-3 in
+    all, with the same bytes and the cache updated in place (`tev_jax.launches`).
     """
-    return jax.lax.fori_loop(0, x_LBS.shape[0], lambda i, x: update(x, i), x_LBS)
+    loop = lambda x: jax.lax.fori_loop(0, x.shape[0], lambda i, x: update(x, i), x)
+    if at_once is not None:
+        return whole(x_LBS) if at_once else loop(x_LBS)
+    if not platforms.gpu_kernels_traced():
+        return loop(x_LBS)
+    return jax.lax.platform_dependent(x_LBS, cuda=whole, default=loop)
 
 
 def set_layer_slots(x_LBS: jax.Array, layer, slots_BT: jax.Array, new_BT: jax.Array
@@ -150,25 +160,32 @@ def set_layer_slots(x_LBS: jax.Array, layer, slots_BT: jax.Array, new_BT: jax.Ar
     return x_LBS.at[layer, rows_B1, slots_BT].set(new_BT.astype(x_LBS.dtype), mode="drop")
 
 
-def set_slots(x_LBS: jax.Array, slots_BT: jax.Array, new_LBT: jax.Array) -> jax.Array:
-    """``x[l, b, slots[b, t]] = new[l, b, t]`` for every layer l (one at a time); slots
-    past the end dropped.
+def set_slots(x_LBS: jax.Array, slots_BT: jax.Array, new_LBT: jax.Array, *,
+              at_once: bool | None = None) -> jax.Array:
+    """``x[l, b, slots[b, t]] = new[l, b, t]`` for every layer l (one at a time, all at
+    once on GPU or with ``at_once``: `_each_layer`); slots past the end dropped.
 
     Args:
       x_LBS: [layers, B, L, ...] buffer.
       slots_BT: int [B, T] slots per row.
       new_LBT: [layers, B, T, ...] entries.
+      at_once: None: by platform; True / False: every layer at once / one at a time.
     """
-    return _each_layer(x_LBS, lambda x, i: set_layer_slots(x, i, slots_BT, new_LBT[i]))
+    rows_B1 = jnp.arange(x_LBS.shape[1])[:, None]
+    whole = lambda x: x.at[:, rows_B1, slots_BT].set(new_LBT.astype(x.dtype), mode="drop")
+    return _each_layer(x_LBS, lambda x, i: set_layer_slots(x, i, slots_BT, new_LBT[i]),
+                       whole, at_once)
 
 
-def move_slots(x_LBS: jax.Array, src_BT: jax.Array, dst_BT: jax.Array) -> jax.Array:
+def move_slots(x_LBS: jax.Array, src_BT: jax.Array, dst_BT: jax.Array, *,
+               at_once: bool | None = None) -> jax.Array:
     """``x[l, b, dst[b, t]] = x[l, b, src[b, t]]`` for every layer (reads past the end give
-    zeros, writes past the end are dropped).
+    zeros, writes past the end are dropped); ``at_once`` as in `set_slots`.
 
     Layer by layer, each layer's gather reads the buffer its predecessor's scatter wrote,
     so the update stays in place (gathering every layer before scattering any made XLA
-    copy the cache).
+    copy the cache); on GPU every layer at once, which the GPU compiler keeps in place
+    (`_each_layer`).
     """
     rows_B1 = jnp.arange(x_LBS.shape[1])[:, None]
 
@@ -176,7 +193,11 @@ def move_slots(x_LBS: jax.Array, src_BT: jax.Array, dst_BT: jax.Array) -> jax.Ar
         moved = x.at[i, rows_B1, src_BT].get(mode="fill", fill_value=0)
         return x.at[i, rows_B1, dst_BT].set(moved, mode="drop")
 
-    return _each_layer(x_LBS, move)
+    def whole(x):
+        moved = x.at[:, rows_B1, src_BT].get(mode="fill", fill_value=0)
+        return x.at[:, rows_B1, dst_BT].set(moved, mode="drop")
+
+    return _each_layer(x_LBS, move, whole, at_once)
 
 
 def write_layer(cache: KVCache, layer, k_BTKd: jax.Array, v_BTKd: jax.Array,
