@@ -17,14 +17,16 @@ import jax
 
 from tev_jax import gpu_time, launches, op_costs
 from tev_jax.decode import STAGES
+from tev_jax.models.layers import LAYER_SCOPE
 from tev_jax.topology import Chip
 
 GiB = 2**30
 
-LAYER_SCOPES = ("draft/while/body", "verify/while/body")
-"""Where a decode program's layer stack runs: the draft and verify stages each scan
-their model's layers in one loop, the outermost of the stage (`tev_jax.launches.summary`
-counts the launches inside them apart from the rest of the round)."""
+LAYER_SCOPES = (LAYER_SCOPE, "draft/while/body", "verify/while/body")
+"""Where a decode program's layer stack runs: `scan_layers`' scope (a scan, or a loop of
+per-layer programs on GPU), and the outermost loop of the draft and verify stages (a
+model's own scan over its layers); `tev_jax.launches.summary` counts the launches inside
+them apart from the rest of the round."""
 
 
 @dataclasses.dataclass(frozen=True)

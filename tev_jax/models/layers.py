@@ -504,6 +504,11 @@ def linear_kernels(path, v) -> bool:
     return bool(path) and path[-1] == "kernel"
 
 
+LAYER_SCOPE = "layer_stack"
+"""The name scope of `scan_layers`' ops (in a compiled program's op names, whichever the
+layout: `tev_jax.program_report` counts the launches under it as the layer stack's)."""
+
+
 def scan_layers(layers: nnx.Module, body, carry, *, depth: int | None = None, remat=None,
                 in_place=None):
     """``carry = body(layer_i, i, carry)`` for i = 0 .. depth-1, as one ``lax.scan``.
@@ -558,12 +563,14 @@ def scan_layers(layers: nnx.Module, body, carry, *, depth: int | None = None, re
 
             if remat is not None:
                 layer_step = jax.checkpoint(layer_step, policy=remat)
-            carry = layer_step(carry)
+            with jax.named_scope(LAYER_SCOPE):
+                carry = layer_step(carry)
         return carry
     if n < stacked:
         state = jax.tree.map(lambda w: w[:n], state)
     if remat is not None:
         step = jax.checkpoint(step, policy=remat)
-    carry, _ = jax.lax.scan(step, carry, (jnp.arange(n, dtype=jnp.int32), state),
-                            unroll=_UNROLL.get())
+    with jax.named_scope(LAYER_SCOPE):
+        carry, _ = jax.lax.scan(step, carry, (jnp.arange(n, dtype=jnp.int32), state),
+                                unroll=_UNROLL.get())
     return carry
