@@ -35,7 +35,7 @@ def _release_compiled_programs():
 SLOW_FIRST = ("test_decode.py", "test_decode_mesh.py", "test_gemma4.py", "test_moe.py",
               "test_tpu_plan.py", "test_decode_stats.py", "test_tune.py",
               "test_train_step.py", "test_functional_contract.py", "test_multihost.py",
-              "test_decode_speed_script.py")
+              "test_gpu_measure.py", "test_decode_speed_script.py")
 """The files with the most test time (about 35–100 s each on the 2-core machine, measured
 2026-12-04 with --durations=0), longest first."""
 
