@@ -28,7 +28,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from decode_fixtures import TableDrafter, greedy_reference, oracle_table, tiny_target
-from tev_jax import batching, cli, ddtree, decode, engine, extensions, tune
+from tev_jax import batching, cli, ddtree, decode, engine, extensions, platforms, tune
 from tev_jax.budget import AutoBudget, model_fingerprint, resolve_budget
 from tev_jax.data import load_default_tokenizer
 from tev_jax.exit_law import exit_law
@@ -301,6 +301,26 @@ def test_roofline_costs_for_a_tpu_slice():
     with pytest.raises(ValueError, match="not a TPU slice name"):
         tune.roofline_costs(cfg, decode.DecodeConfig(prompt_len=16), [16], [2],
                             topology="nonsense")
+
+
+@pytest.mark.skipif(not platforms.cuda_plugin_installed(),
+                    reason="the CUDA plugin is not installed (pip install -e '.[gpu]')")
+def test_costs_on_gpus_are_calibrated_where_the_gpu_was_measured():
+    """--gpu: on an H200 (a committed table) the costs are the calibrated estimate, which
+    pays every kernel launch (a tiny model's AR step: ~50 launches, ~0.1 ms); on an H100
+    (no table) the roofline, a few microseconds for the same program."""
+    cfg = ModelConfig("qwen3", vocab_size=4096, hidden_size=256, intermediate_size=768,
+                      num_layers=1, num_heads=16, num_kv_heads=8, head_dim=64, qk_norm=True,
+                      tie_word_embeddings=True)
+    config = decode.DecodeConfig(max_new_tokens=8, prompt_len=16)
+    assert tune.cost_basis("h200x1") == "calibrated estimate"
+    assert tune.cost_basis("h100x1") == "roofline"
+    cost, ar = tune.roofline_costs(cfg, config, [16], [2], gpu="h200x1")
+    assert cost[2][16] > ar[2] >= 5e-5
+    _, floor = tune.roofline_costs(cfg, config, [16], [2], gpu="h100x1")
+    assert 0 < floor[2] < 1e-5
+    with pytest.raises(ValueError, match="one of a TPU slice"):
+        tune.roofline_costs(cfg, config, [16], [2], topology="v5e:2x4", gpu="h200x1")
 
 
 # ----------------------------------------------------------------------------- cli

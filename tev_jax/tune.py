@@ -399,20 +399,24 @@ def round_costs(target, drafter, prompt_ids: Sequence[Sequence[int]], config: De
 
 
 def roofline_costs(target_cfg, config: DecodeConfig, budgets: Sequence[int],
-                   batch_sizes: Sequence[int], *, topology: str,
+                   batch_sizes: Sequence[int], *, topology: str | None = None,
+                   gpu: str | None = None,
                    mesh_axes: tuple[int, int, int] | None = None, dtype=jnp.bfloat16,
                    drafter_layers: int = 1, block_size: int = 16
                    ) -> tuple[dict[int, dict[int, float]], dict[int, float]]:
-    """Roofline seconds of one round per (batch size, budget) and of one AR step per
-    batch size on a TPU slice, from the TPU compiler (`tev_jax.plan.plan_decode_programs`
-    over `tev_jax.topology.slice_devices`; no weights, no chips needed).
+    """Seconds of one round per (batch size, budget) and of one AR step per batch size on
+    a TPU slice (``topology``) or NVIDIA GPUs (``gpu``, e.g. 'h200x1'), from their
+    compiler (`tev_jax.plan.plan_decode_programs` over `tev_jax.topology.slice_devices`
+    or `tev_jax.gpu.gpu_devices`; no weights, no chips needed): the roofline, or on a GPU
+    with a measured table the calibrated estimate (`tev_jax.gpu_time`; `cost_basis`
+    says which).
 
     Args:
       target_cfg: the target's `ModelConfig`.
       config: the `DecodeConfig` (``prompt_len`` set; a ``max_cache_len`` shared by all
         programs, default: the widest tree's).
       budgets, batch_sizes: the grid.
-      topology: the slice ('v5e:2x4', ...).
+      topology, gpu: the slice ('v5e:2x4', ...) or the GPUs ('h200x1', ...): one of them.
       mesh_axes: (data, fsdp, tensor); default all devices on tensor.
       dtype: parameter and cache dtype; drafter_layers, block_size: the drafter.
     Raises:
@@ -425,9 +429,17 @@ def roofline_costs(target_cfg, config: DecodeConfig, budgets: Sequence[int],
 
     if config.prompt_len is None:
         raise ValueError("roofline costs need DecodeConfig.prompt_len")
-    tpu = topo.slice_devices(topology)
+    if (topology is None) == (gpu is None):
+        raise ValueError("roofline costs need one of a TPU slice (topology) or GPUs (gpu)")
+    if gpu is not None:
+        from tev_jax.gpu import gpu_devices
+
+        tpu = gpu_devices(gpu)
+    else:
+        tpu = topo.slice_devices(topology)
     if tpu.chip is None:
-        raise ValueError(f"no published figures for the chips of {topology!r}: no roofline")
+        raise ValueError(f"no published figures for the chips of {topology or gpu!r}: "
+                         "no roofline")
     data, fsdp, tensor = mesh_axes or (1, 1, len(tpu.devices))
     mesh = shd.make_mesh(data, fsdp, tensor, devices=tpu.devices)
     max_len = config.max_cache_len or _align(config.prompt_len + config.max_new_tokens
@@ -445,6 +457,16 @@ def roofline_costs(target_cfg, config: DecodeConfig, budgets: Sequence[int],
             target_cfg, dataclasses.replace(base, builder="ddtree", budget=b), bs,
             programs=("round",), **kw).seconds("round") for b in budgets}
     return cost, ar
+
+
+def cost_basis(gpu: str | None) -> str:
+    """What `roofline_costs` gives: 'calibrated estimate' on a GPU with a measured table
+    (`tev_jax.gpu_time.load`), else 'roofline' (a floor)."""
+    from tev_jax import gpu_time
+    from tev_jax.gpu import parse_gpu_name
+
+    calibrated = gpu is not None and gpu_time.load(parse_gpu_name(gpu)[0].name) is not None
+    return "calibrated estimate" if calibrated else "roofline"
 
 
 def best_budgets(tau: dict[int, float], cost: dict[int, dict[int, float]],
@@ -558,7 +580,7 @@ class Tuning:
 
 def tune(target, drafter, prompt_ids: Sequence[Sequence[int]], config: DecodeConfig, *,
          budgets: Sequence[int], batch_sizes: Sequence[int], repeats: int = 10,
-         key: jax.Array | int = 0, topology: str | None = None,
+         key: jax.Array | int = 0, topology: str | None = None, gpu: str | None = None,
          mesh_axes: tuple[int, int, int] | None = None, dtype=None, mesh=None,
          contexts_batch: int = 16, progress: Progress | None = None) -> Tuning:
     """τ(b) from the exit law, round costs, and the best budget per batch size.
@@ -573,9 +595,10 @@ def tune(target, drafter, prompt_ids: Sequence[Sequence[int]], config: DecodeCon
       batch_sizes: the batch sizes to tune for.
       repeats: timed passes per program (`round_costs`).
       key: PRNG key or seed.
-      topology: a TPU slice name: roofline costs from the TPU compiler
-        (`roofline_costs`) instead of timing the local devices.
-      mesh_axes, dtype: the slice's mesh and dtype (with ``topology``).
+      topology, gpu: a TPU slice or GPUs ('h200x1'): costs from their compiler
+        (`roofline_costs`: on a measured GPU the calibrated estimate) instead of timing
+        the local devices.
+      mesh_axes, dtype: the slice's mesh and dtype (with ``topology`` or ``gpu``).
       mesh: a local mesh for the τ pass and the timed costs.
       contexts_batch: contexts per program call in the τ pass.
       progress: ``progress(what, done, total)`` as prompts, contexts and budget programs
@@ -604,17 +627,17 @@ def tune(target, drafter, prompt_ids: Sequence[Sequence[int]], config: DecodeCon
     config = dataclasses.replace(config, prompt_len=width, tuning=None,
                                  budget=budgets[0] if isinstance(config.budget, AutoBudget)
                                  else config.budget)
-    if topology is None:
+    if topology is None and gpu is None:
         cost, ar = round_costs(target, drafter, prompts, config, budgets, batch_sizes,
                                repeats=repeats, key=key, mesh=mesh, progress=progress)
         device = f"local {jax.devices()[0].device_kind}"
     else:
         cost, ar = roofline_costs(target.config, config, budgets, batch_sizes,
-                                  topology=topology, mesh_axes=mesh_axes,
+                                  topology=topology, gpu=gpu, mesh_axes=mesh_axes,
                                   dtype=dtype or jnp.bfloat16,
                                   drafter_layers=_drafter_layers(drafter),
                                   block_size=tr.horizon + 1)
-        device = f"roofline of {topology}"
+        device = f"{cost_basis(gpu)} of {topology or gpu}"
     tau = {b: curve.at(b)[0] for b in budgets}
     s = config.sampling
     return Tuning(
@@ -671,6 +694,6 @@ def plot(tuning: Tuning, path) -> None:
 
 
 __all__ = ["TUNING_KEYS", "TauCurve", "TreeReach", "Tuning", "best_budgets",
-           "block_length_survival", "continuations", "plot", "round_costs",
+           "block_length_survival", "continuations", "cost_basis", "plot", "round_costs",
            "roofline_costs", "tau_curve", "tau_per_context", "tree_reach", "tune",
            "visit_weights"]

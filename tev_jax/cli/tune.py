@@ -54,7 +54,10 @@ def tune_command(args) -> int:
     config = flags.decode_config(args, prompt_len=args.prompt_len,
                                  stop_token_ids=stop_token_ids(target, tokenizer))
     mesh_axes = (args.mesh_data, args.mesh_fsdp, args.mesh_tensor)
+    if args.topology and args.gpu:
+        raise ValueError("give one of --topology (a TPU slice) or --gpu (GPUs), not both")
     costs = (f"the {args.topology} roofline" if args.topology else
+             f"the {tune.cost_basis(args.gpu)} of {args.gpu}" if args.gpu else
              f"{args.repeats} timed rounds per budget and batch size")
     print(f"tuning {len(requests)} prompt(s): one decode round at budget "
           f"{max(args.budgets)} per position, then {costs} ...", file=sys.stderr, flush=True)
@@ -62,8 +65,10 @@ def tune_command(args) -> int:
         result = tune.tune(target, drafter, [r.prompt_ids for r in requests], config,
                            budgets=args.budgets, batch_sizes=args.batch,
                            repeats=args.repeats, key=args.seed, topology=args.topology,
+                           gpu=args.gpu,
                            mesh_axes=None if mesh_axes == (1, 1, 1) else mesh_axes,
-                           dtype=jnp.bfloat16 if args.topology else None, progress=bars)
+                           dtype=jnp.bfloat16 if args.topology or args.gpu else None,
+                           progress=bars)
     result = dataclasses.replace(result, settings=result.settings | {
         "prompts_file": args.prompts, "models": where})
     if args.json:
@@ -80,8 +85,9 @@ _TUNE_ABOUT = (
     "Continues each prompt with the target's own text, runs one decode round at the "
     "largest budget at every position, and reads τ(b) for every smaller budget from the "
     "exit law (DDTree trees are nested); times one round per budget and batch size (or "
-    "the TPU roofline with --topology); prints, per batch size, the budget with the most "
-    "tokens/s, or AR where nothing beats it. --json FILE feeds `generate --budget auto "
+    "takes the TPU roofline with --topology, the GPU's calibrated estimate with --gpu); "
+    "prints, per batch size, the budget with the most tokens/s, or AR where nothing "
+    "beats it. --json FILE feeds `generate --budget auto "
     "--tuning FILE`.")
 
 
@@ -139,6 +145,10 @@ def add_parser(sub) -> None:
     p.add_argument("--topology", default=None, metavar="NAME",
                    help="costs from the TPU compiler's roofline for this slice (e.g. "
                         "v5e:2x4; tpu extra) instead of timing the local devices")
+    p.add_argument("--gpu", default=None, metavar="NAME",
+                   help="costs from the GPU compiler for these GPUs (e.g. h200x1; gpu "
+                        "extra): the calibrated estimate where the GPU was measured "
+                        "(tev_jax/data/gpus), else the roofline")
     flags.add_mesh_flags(p)
     p.add_argument("--json", default=None, metavar="FILE", help="write the tuning file")
     p.add_argument("--figure", default=None, metavar="PNG",
