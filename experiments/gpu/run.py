@@ -99,6 +99,65 @@ def decode_items(grid) -> list:
     return items
 
 
+MEASURED_H200 = {(1, None): 7.12, (1, 32): 10.38, (8, None): 7.36, (8, 32): 21.90,
+                 (32, None): 8.98, (32, 32): 63.19}
+"""Qwen3-8B on one H200 (2026-12-04, kernels on, dispatched rounds, ms): issue 44's table."""
+
+
+def calibrated_items() -> list:
+    """Qwen3-8B on one H200 at full depth, B 1 / 8 / 32 (all compiled), AR and the
+    budgets: each program's calibrated estimate (`tev_jax.gpu_time`, the committed H200
+    table), roofline and launches."""
+    items = []
+    for batch in (1, 8, 32):
+        for budget in (None, *BUDGETS):
+            key = f"calibrated/qwen3-8b/h200x1/B{batch}/" + (f"b{budget}" if budget else "ar")
+
+            def thunk(batch=batch, budget=budget):
+                mesh, devices = gpu.gpu_mesh("h200x1")
+                result = plan.plan_decode_programs(
+                    plan.preset("qwen3-8b"), decode_config(budget), batch, dtype=jnp.bfloat16,
+                    mesh=mesh, programs=("round",), chip=devices.chip)
+                report = result.programs["round"]
+                return {"model": "qwen3-8b", "gpu": "h200", "batch": batch, "budget": budget,
+                        **dataclasses.asdict(report),
+                        "roofline_seconds": report.roofline_seconds(devices.chip)}
+            items.append((key, thunk))
+    return items
+
+
+def calibrated_table(results: dict, tpu_run) -> str:
+    """Per B: the calibrated ms of the AR step and each budget (break-even τ), the
+    measured ms where the H200 was timed (estimate + one dispatch / measured), tune's
+    pick and the speed-up at DDTree's τ, all on the calibrated figures."""
+    rows = ["| B | AR ms (measured) | " + " | ".join(f"b {b}" for b in BUDGETS)
+            + " | launches AR / b 32 (outside layers) | tune's pick (τ MATH-500) | speed-up |",
+            "|---|---|" + "---|" * len(BUDGETS) + "---|---|---|"]
+    for batch in (1, 8, 32):
+        got = {e["budget"]: e for k, e in results.items()
+               if k.startswith(f"calibrated/qwen3-8b/h200x1/B{batch}/") and "error" not in e}
+        if None not in got or got[None].get("estimate") is None:
+            continue
+        call = got[None]["estimate"]["call_seconds"]
+        t = {b: e["estimate"]["seconds"] for b, e in got.items()}
+
+        def cell(b):
+            measured = MEASURED_H200.get((batch, b))
+            vs = ("" if measured is None else
+                  f"; {(t[b] + call) * 1e3:.2f} + call vs {measured:.2f} measured: "
+                  f"{(t[b] + call) * 1e3 / measured:.2f}x")
+            return f"{t[b] * 1e3:.2f}" + ("" if b is None else f" ({t[b] / t[None]:.2f})") + vs
+
+        tau = {b: tpu_run.ddtree_tau("qwen3-8b", b)[0] for b in BUDGETS if b in t}
+        pick = best_budgets(tau, {batch: {b: t[b] for b in tau}}, {batch: t[None]})[batch]
+        n = lambda b: (f"{got[b]['launches']['total']} ({got[b]['launches']['other_than_layers']})"
+                       if b in got else "–")
+        rows.append(f"| {batch} | {cell(None)} | " + " | ".join(
+            cell(b) if b in t else "–" for b in BUDGETS)
+            + f" | {n(None)} / {n(32)} | {pick['budget'] or 'AR'} | {pick['speedup']:.2f} |")
+    return "\n".join(rows) if len(rows) > 2 else ""
+
+
 def check_items() -> list:
     """The issue's configuration (Qwen3-8B, h100x8 tensor 8, B 8, budget 64, T = 1, max
     new tokens 959: cache 2048) at 4 layers and at full depth, AR step and round."""
@@ -228,7 +287,8 @@ def train_table(results: dict) -> str:
 def tables(results: dict) -> str:
     tpu_run = _tpu_run()
     return "\n\n".join(t for t in (decode_table(results, tpu_run), train_table(results),
-                                     compile_table(results)) if t)
+                                     compile_table(results),
+                                     calibrated_table(results, tpu_run)) if t)
 
 
 def main(argv=None) -> int:
@@ -237,6 +297,8 @@ def main(argv=None) -> int:
     ap.add_argument("--train", action="store_true", help="also the training steps")
     ap.add_argument("--checks", action="store_true",
                     help="also the issue's 4-layer configuration and its full depth")
+    ap.add_argument("--calibrated", action="store_true",
+                    help="also Qwen3-8B on one H200: the calibrated estimates (tev_jax.gpu_time)")
     ap.add_argument("--only", default=None, help="only keys containing this text")
     ap.add_argument("--gpus", default=",".join(GPUS),
                     help="GPUs of the decode grid (default %(default)s; b200 and a100 too)")
@@ -252,6 +314,7 @@ def main(argv=None) -> int:
             [(m, g, mesh) for mesh in MESHES for g in args.gpus.split(",") for m in MODELS])
     items = (check_items() if args.checks else []) + decode_items(grid)
     items += train_items() if args.train else []
+    items += calibrated_items() if args.calibrated else []
     for key, thunk in items:
         if key in results or (args.only and args.only not in key):
             continue
