@@ -127,6 +127,25 @@ def test_grouped_kernel_visits_every_tile_of_every_group(sizes):
         assert (tile[n:] == tile[n - 1]).all() and (expert[n:] == expert[n - 1]).all()
 
 
+def test_an_expert_read_in_place_equals_its_slice():
+    """The GPU form of the 'touched' loop's products (`stacked_matmul` over the expert
+    array seen as a stack of matrices, interpreted here) equals the sliced product, for
+    a stacked [S, E, K, N] array and a single layer's [E, K, N]."""
+    rng = np.random.default_rng(3)
+    x = jnp.asarray(rng.normal(size=(5, 24)), jnp.float32)
+    a = jnp.asarray(rng.normal(size=(3, 4, 24, 40)), jnp.float32)
+    for lead, arr in (((jnp.int32(2),), a), ((), a[1])):
+        for ex in (0, 3):
+            got = moe._expert_dot(x, arr, lead, jnp.int32(ex), in_place=True, interpret=True)
+            want = moe._expert_dot(x, arr, lead, jnp.int32(ex), in_place=False)
+            np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5,
+                                       atol=1e-5)
+    other = moe._expert_dot(x, a, (jnp.int32(1),), jnp.int32(3), in_place=True,
+                            interpret=True)
+    assert not np.allclose(np.asarray(other), np.asarray(
+        moe._expert_dot(x, a, (jnp.int32(2),), jnp.int32(3), in_place=False)))
+
+
 def test_auto_method_by_pass_size():
     """'auto': the touched-experts loop below one pair per expert; otherwise the grouped
     kernel on TPU and, elsewhere, the loop up to 512 tokens, ragged_dot above."""
