@@ -54,6 +54,9 @@ class Launch:
       in_loop: inside a loop of unknown trip count (a decode round), counted per trip.
       scope: the ``jax.named_scope`` / transform path (``op_name`` metadata).
       source: ``file:line (function)`` of the innermost user frame, or ''.
+      loops: the scopes of the loops around it, outermost first, each as its body's
+        (``.../verify/while/body``): an op the compiler left without metadata still
+        belongs to the loop it runs in.
     """
 
     name: str
@@ -62,6 +65,7 @@ class Launch:
     in_loop: bool
     scope: str
     source: str
+    loops: tuple[str, ...] = ()
 
     def stage(self, stages) -> str | None:
         """The first of ``stages`` that names a component of ``scope``, else None."""
@@ -103,12 +107,13 @@ def launches(text: str) -> list[Launch]:
     module = op_costs.parse_module(text)
     out: list[Launch] = []
 
-    def add(instr, kind, count, loops):
+    def add(instr, kind, count, loops, around=()):
         scope = _SCOPE.search(instr.attrs)
         out.append(Launch(instr.name, kind, count, loops > 0,
-                          scope.group(1) if scope else "", module.source(instr.attrs)))
+                          scope.group(1) if scope else "", module.source(instr.attrs),
+                          around))
 
-    def walk(name: str, count: int, loops: int, seen: tuple[str, ...]):
+    def walk(name: str, count: int, loops: int, seen: tuple[str, ...], around=()):
         if name in seen or name not in module.computations:
             return
         body = module.computations[name]
@@ -125,13 +130,15 @@ def launches(text: str) -> list[Launch]:
                     n, inner = int(bound.group(1)), (count * int(bound.group(1)), loops)
                 else:
                     inner = (count, loops + 1)
+                scope = _SCOPE.search(instr.attrs)
+                body_of = around + ((scope.group(1) if scope else "") + "/body",)
                 for c in op_costs.called(instr.attrs, "body"):
-                    walk(c, *inner, seen + (name,))
+                    walk(c, *inner, seen + (name,), body_of)
                 if not known:  # the condition runs on the device, its result goes to the host
                     trips = inner[0] + count if n is not None else count
                     for c in cond:
-                        walk(c, trips, inner[1], seen + (name,))
-                    add(instr, "while-condition", trips, inner[1])
+                        walk(c, trips, inner[1], seen + (name,), around)
+                    add(instr, "while-condition", trips, inner[1], around)
                 continue
             if instr.opcode == "conditional":
                 branches = [c for key in ("branch_computations", "true_computation",
@@ -140,21 +147,21 @@ def launches(text: str) -> list[Launch]:
                 sizes = []
                 for c in branches:
                     before = len(out)
-                    walk(c, count, loops, seen + (name,))
+                    walk(c, count, loops, seen + (name,), around)
                     sizes.append((sum(x.count for x in out[before:]), out[before:]))
                     del out[before:]
                 if sizes:
                     out.extend(max(sizes, key=lambda s: s[0])[1])
-                add(instr, "conditional", count, loops)
+                add(instr, "conditional", count, loops, around)
                 continue
             if instr.opcode == "call":
                 for c in op_costs.called(instr.attrs, "to_apply"):
-                    walk(c, count, loops, seen + (name,))
+                    walk(c, count, loops, seen + (name,), around)
                 continue
             if (instr.opcode in op_costs.FREE or instr.opcode.endswith("-done")
                     or instr.opcode == "async-update"):
                 continue
-            add(instr, kind_of(module, instr), count, loops)
+            add(instr, kind_of(module, instr), count, loops, around)
 
     walk(module.entry, 1, 0, ())
     return out
@@ -168,15 +175,18 @@ def total(items) -> int:
 def summary(items, stages=(), layer_scopes=()) -> dict:
     """Launches of `launches` ``items`` in total, per stage ('other' for the rest), per
     kind, host synchronisations (loop conditions and branches evaluated on the device),
-    and how many are inside the layer stack: the ops whose scope contains one of
-    ``layer_scopes`` (e.g. ``'verify/while/body'``: the target's scan over its layers).
+    and how many are inside the layer stack: the ops whose scope, or the body of a loop
+    around them, contains one of ``layer_scopes`` (e.g. ``'verify/while/body'``: the
+    target's scan over its layers). An op without a stage in its scope takes the stage
+    of the loops around it.
 
     Returns:
       {'total', 'layers', 'other_than_layers', 'syncs': int; 'stages': {stage: int};
       'other_than_layers_by_stage': {stage: int}; 'kinds': {kind: int}}.
     """
-    in_layers = lambda x: any(s in x.scope for s in layer_scopes)
-    stage_of = lambda x: x.stage(stages) or "other"
+    in_layers = lambda x: any(s in p for s in layer_scopes for p in (x.scope, *x.loops))
+    stage_of = lambda x: (x.stage(stages) or next(
+        (s for p in x.loops for s in stages if s in p.split("/")), None) or "other")
     per_stage, rest, kinds = defaultdict(int), defaultdict(int), Counter()
     for x in items:
         per_stage[stage_of(x)] += x.count
