@@ -1,8 +1,8 @@
 """experiments/gpu/measure.py, the one command that measures tev-jax on a GPU, runs end
 to end in its smoke mode on CPU (a tiny model, tiny shapes, the Pallas kernels
 interpreted): every part fills its JSON, the bundled pair's AR and DDTree + TEV tokens
-are equal at T = 0, and the calibration table it writes loads as `tev_jax.gpu_time`
-reads the committed ones.
+are equal at T = 0, the block-size sweep keeps the fastest of its variants, and the
+calibration table it writes loads as `tev_jax.gpu_time` reads the committed ones.
 """
 
 from __future__ import annotations
@@ -46,6 +46,11 @@ def test_the_measuring_script_smoke_run(tmp_path):
     g = result["generate"]
     assert g["rows_differing"] == 0
     assert g["AR"]["tokens_per_second"] > 0 and g["DDTree-32 + TEV"]["tokens_per_second"] > 0
+    blocks = result["blocks"]
+    assert set(blocks["best"]) == {"stacked_matmul", "cache_attention"}
+    assert all(len(v) >= 2 and all(r["seconds"] > 0 for r in v)
+               for v in blocks["tried"].values())
+    assert json.loads((out / "blocks" / "h200.json").read_text()) == blocks["best"]
     table = gpu_time.load("h200", tables=out / "gpus")
     assert table is not None and set(table.rates) == set(gpu_time.CLASSES)
     assert result["calibration"]["worst_ratio"] >= 1.0

@@ -24,7 +24,10 @@ format of `tev_jax.gpu_time`; copy it to ``tev_jax/data/gpus/`` to commit it) in
 3. **the bundled pair's fused generate** (float32, highest matmul precision): tokens/s
    of AR and of DDTree-32 + TEV, and whether their T = 0 tokens are equal;
 4. **the calibration**: the kernels' rates as a first guess, fitted to the programs'
-   times (`tev_jax.gpu_time.fit`), and how far each estimate lands from its time.
+   times (`tev_jax.gpu_time.fit`), and how far each estimate lands from its time;
+5. **block sizes**: a few variants of each Pallas kernel's `GpuBlocks` timed alone, the
+   fastest written to ``blocks/<gpu>.json`` (for the ``GPU_BLOCKS`` tables of
+   `tev_jax.kernels.stacked_matmul` and `tev_jax.kernels.cache_attention`).
 
 ``--kernels off`` traces no Pallas kernel (the XLA fallbacks). ``--smoke`` runs the same
 code on CPU with a tiny model and tiny shapes (the Pallas kernels interpreted), in about
@@ -160,8 +163,8 @@ def loop_time(fn, args, calls: int, repeats: int = 3) -> float:
 
 
 def measure_kernels(s, smoke: bool) -> list[dict]:
-    from tev_jax.models import cache_attention_gpu as cag
-    from tev_jax.models import stacked_matmul as sm
+    from tev_jax.kernels import cache_attention as ca
+    from tev_jax.kernels import stacked_matmul as sm
 
     interpret = smoke
     dt = jnp.float32 if smoke else jnp.bfloat16
@@ -205,9 +208,8 @@ def measure_kernels(s, smoke: bool) -> list[dict]:
 
         name = f"B {b} q {qg} s {length}"
         add(f"cache_attention_gpu {name}", "cache_attention",
-            lambda q, k, v, e: cag.cache_attention_state(q, k, v, jnp.int32(1), e,
-                                                         scale=hd ** -0.5,
-                                                         interpret=interpret),
+            lambda q, k, v, e: ca.gpu_state(q, k, v, jnp.int32(1), e, scale=hd ** -0.5,
+                                            interpret=interpret),
             (q, *kv, end), nb, fl)
         add(f"XLA attention {name}", "memory" if qg > 16 else None, xla, (q, *kv, end), nb, fl)
     big = jnp.asarray(rng.normal(size=(1 << (12 if smoke else 26),)), dt)
@@ -218,6 +220,53 @@ def measure_kernels(s, smoke: bool) -> list[dict]:
     add("16 one-element kernels", "launch", chain, (tiny,), 0, 0)
     rows[-1]["seconds_per_launch"] = rows[-1]["seconds"] / 16
     return rows
+
+
+def sweep_blocks(s, smoke: bool) -> dict:
+    """The block sizes of each Pallas kernel on this GPU: a few `GpuBlocks` variants per
+    kernel timed alone at decode's shapes (stacked GEMM at M 1 and 8; cache attention at
+    B 8, 4 query rows), the fastest kept (``GPU_BLOCKS`` of `tev_jax.kernels`' modules
+    is where the table goes)."""
+    from tev_jax.kernels import cache_attention as ca
+    from tev_jax.kernels import stacked_matmul as sm
+
+    interpret = smoke
+    dt = jnp.float32 if smoke else jnp.bfloat16
+    rng = np.random.default_rng(1)
+    k_, n_ = (64, 96) if smoke else (4096, 12288)
+    w = jnp.asarray(rng.normal(size=(2, k_, n_)) / np.sqrt(k_), dt)
+    xs = [jnp.asarray(rng.normal(size=(m, k_)), dt) for m in (1, 8)]
+    base = sm.gpu_blocks(None if smoke else jax.devices()[0].device_kind)
+    variants = [base] + ([dataclasses.replace(base, block_n=32)] if smoke else [
+        dataclasses.replace(base, **kw) for kw in (
+            dict(block_n=128), dict(block_k=128), dict(num_warps=8),
+            dict(num_stages=4), dict(block_n=128, num_warps=8), dict(programs=528))])
+    out = {"stacked_matmul": []}
+    for v in variants:
+        t = sum(loop_time(lambda x, w, v=v: sm.stacked_matmul(x, w, jnp.int32(1),
+                                                                interpret=interpret, blocks=v),
+                          (x, w), s["loop"]) for x in xs)
+        out["stacked_matmul"].append({"blocks": dataclasses.asdict(v), "seconds": t})
+    hd, (b, kh, qg, length) = (16, (2, 2, 4, 32)) if smoke else (128, (8, 8, 4, 2048))
+    q = jnp.asarray(rng.normal(size=(b, kh, qg, hd)), dt)
+    kv = [jnp.asarray(rng.normal(size=(2, b, length, kh, hd)), dt) for _ in range(2)]
+    end = jnp.full((b,), length, jnp.int32)
+    cbase = ca.gpu_blocks(None if smoke else jax.devices()[0].device_kind)
+    cvariants = [cbase] + ([dataclasses.replace(cbase, key_block=16)] if smoke else [
+        dataclasses.replace(cbase, **kw) for kw in (
+            dict(key_block=128), dict(key_block=32), dict(num_warps=8),
+            dict(num_stages=3), dict(programs=528))])
+    out["cache_attention"] = []
+    for v in cvariants:
+        t = loop_time(lambda q, k, v_, e, v=v: ca.gpu_state(
+            q, k, v_, jnp.int32(1), e, scale=hd ** -0.5, interpret=interpret, blocks=v),
+            (q, *kv, end), s["loop"])
+        out["cache_attention"].append({"blocks": dataclasses.asdict(v), "seconds": t})
+    best = {k: min(v, key=lambda r: r["seconds"]) for k, v in out.items()}
+    for k, r in best.items():
+        print(f"  {k}: best {r['blocks']} ({r['seconds'] * 1e6:.1f} us; default "
+              f"{out[k][0]['seconds'] * 1e6:.1f} us)", flush=True)
+    return {"tried": out, "best": {k: r["blocks"] for k, r in best.items()}}
 
 
 def first_guess(kernels: list[dict], gpu_name: str) -> gpu_time.Calibration:
@@ -313,7 +362,7 @@ def main(argv=None) -> int:
                     help="off: trace no Pallas kernel (the XLA fallbacks)")
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny shapes (tests)")
     ap.add_argument("--skip", default="", help="comma-separated parts to skip: "
-                    "programs,kernels,generate")
+                    "programs,kernels,blocks,generate")
     ap.add_argument("--out", default="gpu_measure", help="output directory")
     args = ap.parse_args(argv)
     s = SMOKE if args.smoke else FULL
@@ -337,6 +386,13 @@ def main(argv=None) -> int:
     if "kernels" not in skip:
         print("kernels alone:", flush=True)
         result["kernels"] = measure_kernels(s, args.smoke)
+    if "blocks" not in skip:
+        print("block sizes:", flush=True)
+        result["blocks"] = sweep_blocks(s, args.smoke)
+        if gpu_name is not None:
+            (out / "blocks").mkdir(exist_ok=True)
+            (out / "blocks" / f"{gpu_name}.json").write_text(
+                json.dumps(result["blocks"]["best"], indent=1) + "\n")
     if "programs" not in skip:
         cfg = smoke_config() if args.smoke else planning.preset(args.model)
         print(f"programs of {args.model if not args.smoke else 'a tiny model'}:", flush=True)
