@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tev_jax import cli, decode, gpu, plan, platforms, topology, vocab
+from tev_jax import cli, decode, gpu, hardware, plan, platforms, topology, vocab
 from tev_jax.engine import Engine
 
 needs_plugin = pytest.mark.skipif(
@@ -40,7 +40,7 @@ def test_gpu_names_counts_and_target_descriptions():
     assert "runtime_version { major: 13 minor: 0 }" in spec.target_config(13)
     # the published figures the rooflines use, and a real GPU's device kind finds them
     assert gpu.GPUS["h200"].chip.hbm_bandwidth > gpu.GPUS["h100"].chip.hbm_bandwidth
-    assert topology.chip_of("NVIDIA H100 80GB HBM3") is gpu.GPUS["h100"].chip
+    assert hardware.chip_of("NVIDIA H100 80GB HBM3") is gpu.GPUS["h100"].chip
     assert all(g.chip.source.startswith("https://") for g in gpu.GPUS.values())
 
 
@@ -57,9 +57,26 @@ def test_missing_plugin_and_platforms_are_clear_errors(monkeypatch):
     with pytest.raises(ValueError, match=r"needs one of jax's CUDA plugins.*\.\[gpu\]"):
         gpu.gpu_devices("h100x8")
     with pytest.raises(ValueError, match="one of a TPU slice .* not both"):
-        topology.plan_mesh("v5e:2x4", "h100x8")
+        hardware.plan_mesh("v5e:2x4", "h100x8")
     with pytest.raises(ValueError, match="not neither"):
-        topology.plan_mesh()
+        hardware.plan_mesh()
+
+
+def test_topology_does_not_import_the_gpu_modules():
+    """Issue 44, item 9: `tev_jax.gpu` builds on `tev_jax.topology`, so topology imports
+    neither it nor `tev_jax.hardware` (which imports both), not even inside a function;
+    `hardware` knows both chips."""
+    import ast
+    import inspect
+
+    tree = ast.parse(inspect.getsource(topology))
+    names = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
+    names |= {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    names |= {f"{n.module}.{a.name}" for n in ast.walk(tree)
+              if isinstance(n, ast.ImportFrom) and n.module for a in n.names}
+    assert not {m for m in names if m.startswith(("tev_jax.gpu", "tev_jax.hardware"))}
+    assert hardware.chip_of("NVIDIA H200") is gpu.GPUS["h200"].chip
+    assert hardware.chip_of("TPU v5 lite") is topology.CHIPS["v5e"]
 
 
 def test_the_blocked_top_k_equals_lax_top_k_with_ties():

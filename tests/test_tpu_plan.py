@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from tev_jax import cli, op_costs, plan, topology
+from tev_jax import cli, hardware, op_costs, plan, topology
 from tev_jax import sharding as shd
 from tev_jax.decode import STAGES, DecodeConfig
 from tev_jax.models import ModelConfig
@@ -159,8 +159,8 @@ def test_roofline_break_even_and_estimate():
 
 
 def test_chip_table():
-    assert topology.chip_of("TPU v5 lite") is topology.CHIPS["v5e"]
-    assert topology.chip_of("cpu") is None
+    assert hardware.chip_of("TPU v5 lite") is topology.CHIPS["v5e"]
+    assert hardware.chip_of("cpu") is None
     for chip in topology.CHIPS.values():
         assert chip.peak_flops > 1e14 and chip.hbm_bandwidth > 5e11 and chip.hbm_bytes > 1e10
         assert chip.source.startswith("https://cloud.google.com/tpu/docs/")

@@ -32,7 +32,8 @@ from tev_jax.drafters import as_drafter
 from tev_jax.engine import Engine, decode_spec
 from tev_jax.gpu import GPUS
 from tev_jax.program_report import GiB, ProgramReport, compile_report
-from tev_jax.topology import Chip, chip_of
+from tev_jax.hardware import chip_of
+from tev_jax.topology import Chip
 from tev_jax.models.checkpoint_io import read_config
 from tev_jax.models.config import AttentionSpec, ModelConfig, RopeScaling
 from tev_jax.models.drafter import Drafter, DrafterConfig, default_target_layer_ids

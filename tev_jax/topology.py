@@ -8,6 +8,8 @@ devices, a mesh over them takes abstract arguments, and ``jax.jit(f).lower(...)
 `CHIPS` holds what the compiler does not know, the chips' peak bf16 FLOP/s, HBM
 bandwidth and HBM capacity (from Google Cloud's TPU documentation), for rooflines and
 memory checks. Multi-host slices work the same way (``v5e:4x4``: 16 chips on 4 hosts).
+`tev_jax.gpu` builds on this module for NVIDIA GPUs (never the other way round);
+`tev_jax.hardware` is where both are known (a device kind's chip, a plan's mesh).
 
 Needs the ``tpu`` extra (``pip install -e ".[tpu]"``, libtpu matching jax). libtpu takes
 a lock per process: `slice_devices` sets ``ALLOW_MULTIPLE_LIBTPU_LOAD=1`` (unless set)
@@ -24,7 +26,6 @@ import math
 import os
 import re
 
-import jax
 
 GB = 10**9
 GiB = 2**30
@@ -62,15 +63,6 @@ CHIPS: dict[str, Chip] = {c.name: c for c in (
          "https://cloud.google.com/tpu/docs/v6e (918 TFLOPs bf16; HBM 32 GB, 1638 GBps)"),
 )}
 """Chip figures by generation name."""
-
-
-def chip_of(device_kind: str) -> Chip | None:
-    """The `Chip` of a ``device_kind`` ('TPU v5 lite', 'NVIDIA H100 80GB HBM3'), or None
-    (a CPU, an unknown TPU or GPU)."""
-    from tev_jax.gpu import GPUS
-
-    chips = (*CHIPS.values(), *(g.chip for g in GPUS.values()))
-    return next((c for c in chips if c.device_kind == device_kind), None)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -161,28 +153,4 @@ def mesh_over(devices: Slice, what: str, data: int = 1, fsdp: int | None = 1,
     return mesh, devices
 
 
-def plan_mesh(topology: str | None = None, gpu: str | None = None, data: int = 1,
-              fsdp: int | None = 1, tensor: int = 1):
-    """The mesh of a plan for a TPU slice (``topology``, `slice_mesh`) or GPUs (``gpu``,
-    `tev_jax.gpu.gpu_mesh`); -> (mesh, `Slice`).
-
-    Raises:
-      ValueError: both or neither given, or as `slice_mesh` / `gpu_mesh`.
-    """
-    if (topology is None) == (gpu is None):
-        raise ValueError("plan for one of a TPU slice (--topology) or GPUs (--gpu), not "
-                         f"{'both' if topology else 'neither'}")
-    if gpu is not None:
-        from tev_jax.gpu import gpu_mesh
-
-        return gpu_mesh(gpu, data, fsdp, tensor)
-    return slice_mesh(topology, data, fsdp, tensor)
-
-
-def local_chip() -> Chip | None:
-    """The `Chip` of this machine's first device, if it is a TPU in `CHIPS`."""
-    return chip_of(jax.devices()[0].device_kind)
-
-
-__all__ = ["CHIPS", "Chip", "GB", "GiB", "Slice", "chip_of", "local_chip", "mesh_over",
-           "plan_mesh", "slice_devices", "slice_mesh"]
+__all__ = ["CHIPS", "Chip", "GB", "GiB", "Slice", "mesh_over", "slice_devices", "slice_mesh"]

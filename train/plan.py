@@ -38,7 +38,8 @@ from tev_jax.plan import (
     model_config,
 )
 from tev_jax.sampling import Sampling
-from tev_jax.topology import Chip, local_chip, plan_mesh
+from tev_jax.hardware import local_chip, plan_mesh
+from tev_jax.topology import Chip
 from tev_jax.draft_opd import OpdConfig
 from train.config import OBJECTIVES
 from train.opd_step import OpdStepConfig, lower_opd

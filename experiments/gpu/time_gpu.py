@@ -33,7 +33,7 @@ from tev_jax.engine import Engine
 from tev_jax.models import init_target
 from tev_jax.models.drafter import Drafter
 from tev_jax.models.layers import jitted_initializer
-from tev_jax.topology import chip_of
+from tev_jax.hardware import chip_of
 
 PROMPT_LEN, CACHE_LEN, PROMPT_TOKENS = 1024, 2048, 1000
 

@@ -16,13 +16,13 @@ from tev_jax.plan import PRESETS
 def _mesh_for_plan(args):
     """(mesh or None, chip, devices per chip, where) of the plan flags: over a TPU slice's
     chips with ``--topology``, GPUs with ``--gpu``, else over the local devices."""
-    from tev_jax import topology
+    from tev_jax import hardware
 
     if args.topology is None and args.gpu is None:
         mesh = flags.mesh_from(args)
-        return mesh, topology.local_chip(), 1, "local devices"
+        return mesh, hardware.local_chip(), 1, "local devices"
     try:
-        mesh, tpu = topology.plan_mesh(args.topology, args.gpu, args.mesh_data,
+        mesh, tpu = hardware.plan_mesh(args.topology, args.gpu, args.mesh_data,
                                        args.mesh_fsdp, args.mesh_tensor)
     except AssertionError:  # jax's device-mesh layout of a partial slice
         n = args.mesh_data * args.mesh_fsdp * args.mesh_tensor
