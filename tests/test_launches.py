@@ -183,7 +183,8 @@ def test_the_estimate_weighs_bytes_flops_and_launches():
     t = gpu_time.estimate(ops, items, slow)
     k = next(o for o in ops if o.name == "k")
     assert t["classes"]["stacked_matmul"] == pytest.approx(k.hbm_bytes / 1e9)
-    fast = dataclasses.replace(slow, rates=slow.rates | {"stacked_matmul": gpu_time.Rate(2e9, 1e12)})
+    fast = dataclasses.replace(
+        slow, rates=slow.rates | {"stacked_matmul": gpu_time.Rate(2e9, 1e12)})
     u = gpu_time.estimate(ops, items, fast)
     assert u["classes"]["stacked_matmul"] == pytest.approx(t["classes"]["stacked_matmul"] / 2)
     assert u["classes"]["memory"] == pytest.approx(t["classes"]["memory"])
