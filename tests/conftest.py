@@ -33,6 +33,7 @@ def _release_compiled_programs():
 
 
 SLOW_FIRST = ("test_decode.py", "test_decode_mesh.py", "test_gemma4.py", "test_moe.py",
+              "test_moe_train.py",
               "test_tpu_plan.py", "test_decode_stats.py", "test_tune.py",
               "test_train_step.py", "test_functional_contract.py", "test_multihost.py",
               "test_gpu_measure.py", "test_decode_speed_script.py")

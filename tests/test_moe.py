@@ -472,3 +472,23 @@ def test_the_grouped_kernel_lowers_under_fsdp_alone_on_tpu():
     text = engine.Engine.create(target, drafter, config, 8, mesh=mesh).lower(
         "prefill").as_text()
     assert "tpu_custom_call" in text and "manual_computation" in text
+
+
+@needs8
+def test_fsdp_gathers_one_layer_of_experts_per_step():
+    """Under fsdp the experts are split over embed and gathered inside the experts'
+    shard_map: one layer [1, E, D, F] per scan step, never the whole stack [layers, E,
+    D, F] (which XLA did when the layer was sliced outside the shard_map: 58 GB of
+    temporaries per chip in the full-depth Qwen3-Coder training step). A 4-layer prefill
+    compiled on 8 CPU devices, fsdp 8."""
+    cfg = _moe_config(num_layers=4)
+    config = decode.DecodeConfig(max_new_tokens=8, budget=4, prompt_len=64)
+    target, drafter = plan.abstract_models(cfg, config)
+    mesh = shd.make_mesh(fsdp=8)
+    text = engine.Engine.create(target, drafter, config, 8, mesh=mesh).lower(
+        "prefill").compile().as_text()
+    e, d, f = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
+    gathers = {o.shape for o in op_costs.op_costs(text) if o.opcode == "all-gather"}
+    one, whole = f"f32[1,{e},{d},{f}]", f"f32[{cfg.num_layers},{e},{d},{f}]"
+    assert one in gathers and f"f32[1,{e},{f},{d}]" in gathers, gathers
+    assert not any(whole in g or f"f32[{cfg.num_layers},{e},{f},{d}]" in g for g in gathers)

@@ -13,9 +13,9 @@ shortest repeating run of specs, which is what the scanned layer stack scans ove
 embedding scale, logit soft-cap, sandwich norms with a layer scalar) are fields of
 `ModelConfig`.
 
-Which ``model_type``s exist, and how each family reads and writes its ``config.json``,
-is the families' business (`tev_jax.models.registry`; the families themselves are in
-`tev_jax.models.families`): this module imports none of them.
+Which ``model_type`` values exist, and how each family reads and writes its
+``config.json``, is the families' business (`tev_jax.models.registry`; the families
+themselves are in `tev_jax.models.families`): this module imports none of them.
 """
 
 from __future__ import annotations

@@ -336,9 +336,8 @@ def sharded_experts(x_BTD, idx_BTK, w_BTK, stacks, g, method) -> jax.Array:
     kernel cannot be partitioned by XLA (lowering fails with "Mosaic kernels cannot be
     automatically partitioned", which jax 0.10 reports as a KeyError in its lowering
     cache on the enclosing ``closed_call``), so it runs in a ``shard_map`` too: each
-    device its own tokens, the weights gathered over ``embed`` (fsdp). Weights split
-    over ``embed`` are gathered one layer at a time: layer ``g`` is sliced out of the
-    stack (each chip its shard) before the gather.
+    device its own tokens, the weights gathered over ``embed`` (fsdp) one layer at a
+    time: layer ``g`` is sliced out of each device's shard of the stack, then gathered.
     """
     b, t, d = x_BTD.shape
 
@@ -352,28 +351,36 @@ def sharded_experts(x_BTD, idx_BTK, w_BTK, stacks, g, method) -> jax.Array:
     if mesh.empty:
         return local(x_BTD, idx_BTK, w_BTK, g, *stacks, 0)
     gate = stacks[0]
-    # Expert weights by their experts / moe_mlp axes only (embed gathered).
-    spec_up = shd.logical_to_spec((None, "experts", None, "moe_mlp"), gate.shape, mesh)
-    spec_down = shd.logical_to_spec((None, "experts", "moe_mlp", None), stacks[2].shape,
+    # The expert weights' layout: experts / moe_mlp split (expert / width parallel),
+    # embed (fsdp) gathered inside the shard_map, one layer at a time.
+    spec_up = shd.logical_to_spec((None, "experts", "embed", "moe_mlp"), gate.shape, mesh)
+    spec_down = shd.logical_to_spec((None, "experts", "moe_mlp", "embed"), stacks[2].shape,
                                     mesh)
     expert_axes = _axes(spec_up, 1)
     split = expert_axes + _axes(spec_up, 3)
     if not split and not (uses_kernel(method) and mesh.size > 1):
         return local(x_BTD, idx_BTK, w_BTK, g, *stacks, 0)
-    if gate.shape[0] > 1 and _axes(shd.logical_to_spec(
-            (None, "experts", "embed", "moe_mlp"), gate.shape, mesh), 2):
-        # embed (fsdp) split: the shard_map gathers it. Gather layer g's experts, not
-        # the whole stack (every layer's experts on every chip, in every scan step: the
-        # full-depth training step's 58 GB of temporaries per chip).
-        stacks = tuple(jax.lax.dynamic_slice_in_dim(a, g, 1, axis=0) for a in stacks)
-        g = jnp.int32(0)
+    gather_up, gather_down = _axes(spec_up, 2), _axes(spec_down, 3)
     # Tokens keep their batch split on the axes the experts do not use.
     batch = tuple(a for a in _axes(shd.logical_to_spec(("batch",), (b,), mesh), 0)
                   if a not in split)
     spec_x = PartitionSpec(batch or None)
     e_local = gate.shape[1] // _size(mesh, expert_axes)
 
+    def layer(w, g, axes, dim):
+        # Layer g of this device's shard, then gathered over embed: one layer's experts,
+        # not the stack (slicing outside the shard_map, XLA gathered the whole stack
+        # first: 58 GB of temporaries per chip in the full-depth training step).
+        w = jax.lax.dynamic_slice_in_dim(w, g, 1, axis=0)
+        return jax.lax.all_gather(w, axes, axis=dim, tiled=True)
+
     def body(x, idx, w, g, gate, up, down):
+        if gather_up or gather_down:
+            gate, up = (layer(a, g, gather_up, 2) if gather_up else
+                        jax.lax.dynamic_slice_in_dim(a, g, 1, axis=0) for a in (gate, up))
+            down = (layer(down, g, gather_down, 3) if gather_down else
+                    jax.lax.dynamic_slice_in_dim(down, g, 1, axis=0))
+            g = jnp.int32(0)
         first = (jax.lax.axis_index(expert_axes) * e_local if expert_axes else 0)
         y = local(x, idx, w, g, gate, up, down, first)
         return jax.lax.psum(y, split) if split else y

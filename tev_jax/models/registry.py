@@ -1,6 +1,6 @@
 """Target families as a registry (DESIGN.md §14; STYLE.md 13).
 
-A family is a set of ``model_type``s with one way to read and write their
+A family is a set of ``model_type`` values with one way to read and write their
 ``config.json``, to build their decoder layers and to name their checkpoint tensors.
 Each family lives in its own file under `tev_jax.models.families` and registers itself
 there with `register`; the core (`tev_jax.models.config`, `tev_jax.models.layers`,
@@ -32,7 +32,8 @@ class Family:
 
     Attributes:
       name: a label for messages.
-      model_types: the `ModelConfig.model_type`s it builds (each in one family only).
+      model_types: the `ModelConfig.model_type` values it builds (each in one family
+        only).
       read_config: ``read_config(hf: dict) -> ModelConfig`` from a ``config.json``
         dict; raises ValueError naming what it does not support.
       write_config: ``write_config(config, dtype: str) -> dict``, a ``config.json``
@@ -43,7 +44,7 @@ class Family:
         checkpoint name of a layer parameter the core's rule does not name
         (`tev_jax.models.checkpoint_io.layer_param_name`; ``rest`` is its path inside
         the layer), None for the rest.
-      hf_model_types: further ``config.json`` ``model_type``s it reads (e.g. a
+      hf_model_types: further ``config.json`` ``model_type`` values it reads (e.g. a
         multimodal wrapper of the text model).
       checkpoint_prefix: ``checkpoint_prefix(hf: dict) -> str | None``: the name
         prefix that replaces ``model.`` in the checkpoint of that ``config.json``
