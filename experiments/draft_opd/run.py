@@ -73,6 +73,8 @@ ARMS = {
                 opd_builder="ddtree", opd_verifier="tev"),
 }
 ARMS["opd-exittrain"] = ARMS["exittrain"]      # its second half (the first is 'opd')
+# A diagnostic outside the matched comparison: OPD at the authors' learning rate.
+ARMS["opd-lr1e-5"] = dict(ARMS["opd"], lr="1e-5")
 REFERENCE = "token"
 
 
