@@ -222,7 +222,8 @@ def test_missing_bundle_names_the_export_command(tmp_path, monkeypatch, capsys):
     assert "python -m train.export_bundled --target" in capsys.readouterr().err
 
 
-def test_cli_generate_explicit_paths_and_bundled_defaults(bundle, monkeypatch, capsys):
+def test_cli_generate_explicit_paths_and_bundled_defaults(bundle, monkeypatch, capsys,
+                                                          tmp_path):
     tokenizer = tok_lib.load_default_tokenizer()
     prompt = tokenizer.encode(PROMPT).ids
     loaded = load_target(bundle / "target")
@@ -249,10 +250,13 @@ def test_cli_generate_explicit_paths_and_bundled_defaults(bundle, monkeypatch, c
     with pytest.raises(SystemExit):
         cli.main(["generate", PROMPT, "--drafter", "bundled:eagle", *common])
     assert "unknown bundled drafter 'eagle'" in capsys.readouterr().err
-    for drafter in ([], ["--drafter", "bundled:dflash"]):  # ours only fit our target
+    # a target of the user's own (here a copy of ours) needs its own drafter: ours only
+    # fit our target; the bundled folder itself is the bundled target
+    own = tmp_path / "my-target"
+    shutil.copytree(bundle / "target", own)
+    for drafter in ([], ["--drafter", "bundled:dflash"]):
         with pytest.raises(SystemExit):
-            cli.main(["generate", PROMPT, "--target", str(bundle / "target"), *drafter,
-                      *common])
+            cli.main(["generate", PROMPT, "--target", str(own), *drafter, *common])
         assert "--drafter is required" in capsys.readouterr().err
 
 
