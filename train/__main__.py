@@ -285,8 +285,11 @@ def _run(ns) -> int:
     ran = result.update - result.start_update
     lines = []
     if result.drafter_path:
+        from tev_jax.cli.flags import is_bundled_target
+
+        target = "" if is_bundled_target(cfg.target_path) else f"--target {cfg.target_path} "
         lines.append(f"drafter written to {result.drafter_path} (DFlash layout: tev-jax "
-                     f"generate --target {cfg.target_path} --drafter {result.drafter_path})")
+                     f"generate {target}--drafter {result.drafter_path})")
     if ran:
         last = result.history[-1] if result.history else {}
         speed = (f", {last['seq_tokens_per_s']:.0f} sequence tokens/s at the last update"
