@@ -142,7 +142,7 @@ def test_prompt_file_messages(tmp_path, capsys):
     output is refused (with --force too) before anything is read or written."""
     p = tmp_path / "p.jsonl"
     p.write_bytes(b'\xef\xbb\xbf{"id": "a", "prompt": "hi"}\n')
-    assert [r["id"] for r in batch_io.read_prompts(p)] == ["a"]
+    assert [r.id for r in batch_io.read_prompts(p)] == ["a"]
     text = p.read_bytes()
     err = _refused(["generate", "--prompts", str(p), "--output", str(p), "--force"], capsys)
     assert "\n" not in err and "--prompts and --output are the same file" in err
@@ -280,11 +280,13 @@ def test_tune_reports_progress(monkeypatch):
     target, drafter = tf.models()
     seen = []
     tune.tune(target, drafter, [[5, 6, 7], [8, 9]], DecodeConfig(max_new_tokens=4),
-              budgets=[2, 4], batch_sizes=[1], repeats=1,
+              budgets=[2], batch_sizes=[1], repeats=1,
               progress=lambda what, done, total: seen.append((what, done, total)))
     whats = [w for w, _, _ in seen]
     assert whats.index("prompts") < whats.index("contexts") < whats.index("programs")
-    assert ("prompts", 2, 2) in seen and ("programs", 3, 3) in seen
+    # programs: AR and budget 2, each a round and a no-op (its dispatch)
+    assert ("prompts", 2, 2) in seen and ("programs", 4, 4) in seen
+    assert ("timed passes", 1, 1) in seen
     assert np.all([d <= t for _, d, t in seen])
 
 
