@@ -20,6 +20,7 @@ import re
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -183,3 +184,60 @@ def test_twenty_interrupts_per_command(name, tmp_path, rollouts):
                         rollouts=rollouts)
     assert sum(c != 0 for c in codes) >= 10, f"{name}: most runs ended before the signal"
     assert -11 not in codes and 139 not in codes
+
+
+def test_a_signal_during_a_compile_is_raised_after_it(tmp_path):
+    """The mechanism, deterministically: SIGINT that arrives inside jax's compile call
+    (here a stand-in with its file and function name) is raised once the call has
+    returned, so the compile's work is not left running; without the deferral it is
+    raised inside the call (the segfault of a real compile thread outliving the
+    interpreter)."""
+    import importlib.util
+
+    from tev_jax import exits
+
+    (tmp_path / "compiler.py").write_text(
+        "import os, signal, time\n"
+        "def backend_compile_and_load(log):\n"
+        "    os.kill(os.getpid(), signal.SIGINT)\n"
+        "    t = time.perf_counter()\n"
+        "    while time.perf_counter() - t < 0.3:\n"
+        "        pass\n"
+        "    log.append('compiled')\n")
+    spec = importlib.util.spec_from_file_location("compiler", tmp_path / "compiler.py")
+    compiler = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(compiler)
+    log = []
+    with pytest.raises(KeyboardInterrupt):
+        with exits.signals_as_interrupts():
+            compiler.backend_compile_and_load(log)
+            log.append("returned")
+            time.sleep(5)  # the deferred interrupt comes here
+    assert log == ["compiled", "returned"]
+
+
+def test_a_signal_during_a_gc_callback_is_not_dropped():
+    """SIGTERM that arrives inside a garbage-collector callback (jax registers one) is
+    raised after it; raised inside it, Python reports and drops it and the command runs
+    on."""
+    import gc
+
+    from tev_jax import exits
+
+    def callback(phase, info):
+        if phase == "start":
+            os.kill(os.getpid(), signal.SIGTERM)
+            t = time.perf_counter()
+            while time.perf_counter() - t < 0.1:
+                pass
+
+    gc.callbacks.append(callback)
+    try:
+        with pytest.raises(exits.Terminated):
+            with exits.signals_as_interrupts():
+                gc.collect()
+                gc.callbacks.remove(callback)
+                time.sleep(5)
+    finally:
+        if callback in gc.callbacks:
+            gc.callbacks.remove(callback)
