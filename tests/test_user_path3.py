@@ -270,26 +270,6 @@ def test_window_rates_ignore_bursts():
     assert rate.rate("tokens") is None or rate.rate("tokens") < 100
 
 
-def test_tune_reports_progress(monkeypatch):
-    """Item 11: the tuner reports prompts, contexts and budgets as it gets them done."""
-    import numpy as np
-
-    from tev_jax import tune
-    from tev_jax.decode import DecodeConfig
-
-    target, drafter = tf.models()
-    seen = []
-    tune.tune(target, drafter, [[5, 6, 7], [8, 9]], DecodeConfig(max_new_tokens=4),
-              budgets=[2], batch_sizes=[1], repeats=1,
-              progress=lambda what, done, total: seen.append((what, done, total)))
-    whats = [w for w, _, _ in seen]
-    assert whats.index("prompts") < whats.index("contexts") < whats.index("programs")
-    # programs: AR and budget 2, each a round and a no-op (its dispatch)
-    assert ("prompts", 2, 2) in seen and ("programs", 4, 4) in seen
-    assert ("timed passes", 1, 1) in seen
-    assert np.all([d <= t for _, d, t in seen])
-
-
 def test_exit_tree_figure_has_whole_depths_and_a_clear_root(tmp_path):
     """Item 15: the depth axis has ticks at whole depths only, and the root's label sits
     left of the root, clear of its children."""
