@@ -139,7 +139,8 @@ COMMANDS = {
     "rollouts": (["-m", "train", "rollouts", "--target", "bundled", "--prompt-set", "gsm",
                   "--limit", "24", "--out", "ro", "--max-new-tokens", "32", "--batch-size",
                   "4", "--shard-size", "4"], 12, _check_rollouts),
-    "compare": (["-m", "tev_jax.cli", "compare", "--max-new-tokens", "24"], 20,
+    "compare": (["-m", "tev_jax.cli", "compare", "--max-new-tokens", "16", "--repeats", "1"],
+                20,
                 _check_compare),
 }
 

@@ -165,6 +165,6 @@ def name_flags(message: str, flags: dict[str, str]) -> str:
     return re.sub(r"(?<=\S) or None\b", " or unset", message)  # a flag is unset, not None
 
 
-__all__ = ["EXIT_RESUMABLE", "EXIT_SIGNAL", "EXIT_USAGE", "Interrupted", "NATIVE_WAITS", "Terminated",
-           "flag_names", "in_native_wait", "in_swallowing_call", "interrupt_exit", "name_flags", "parse_args",
-           "signals_as_interrupts"]
+__all__ = ["EXIT_RESUMABLE", "EXIT_SIGNAL", "EXIT_USAGE", "Interrupted", "NATIVE_WAITS",
+           "Terminated", "flag_names", "in_native_wait", "in_swallowing_call", "interrupt_exit",
+           "name_flags", "parse_args", "signals_as_interrupts"]

@@ -371,9 +371,10 @@ def _plan_mesh_shape(ns) -> tuple[int, int, int]:
     if ns.mesh_data * fsdp * ns.mesh_tensor > devices:
         hint = ("" if ns.topology or ns.gpu else " (on CPU simulate devices with "
                 "--host-devices N or XLA_FLAGS=--xla_force_host_platform_device_count=N)")
+        need = ns.mesh_data * fsdp * ns.mesh_tensor
         raise ValueError(f"the mesh --mesh-data {ns.mesh_data} x --mesh-fsdp {fsdp} x "
-                         f"--mesh-tensor {ns.mesh_tensor} needs {ns.mesh_data * fsdp * ns.mesh_tensor} "
-                         f"devices; {what} have {devices}{hint}")
+                         f"--mesh-tensor {ns.mesh_tensor} needs {need} devices; {what} have "
+                         f"{devices}{hint}")
     return ns.mesh_data, fsdp, ns.mesh_tensor
 
 
