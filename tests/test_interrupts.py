@@ -242,3 +242,22 @@ def test_a_signal_during_a_gc_callback_is_not_dropped():
     finally:
         if callback in gc.callbacks:
             gc.callbacks.remove(callback)
+
+
+def test_importing_tev_jax_refines_only_the_default_interrupt_handler():
+    """``import tev_jax`` replaces Python's default SIGINT handler before jax is imported
+    (jax's gc callback dropped Ctrl-C in the first seconds of a command half the time),
+    and leaves a handler of the user's own alone."""
+    code = ("import signal, sys\n"
+            "import tev_jax\n"
+            "h = signal.getsignal(signal.SIGINT)\n"
+            "assert h is not signal.default_int_handler and h.__module__ == 'tev_jax.exits'\n"
+            "mine = lambda *a: None\n"
+            "signal.signal(signal.SIGINT, mine)\n"
+            "from tev_jax import exits\n"
+            "assert not exits.refine_default_interrupt()\n"
+            "assert signal.getsignal(signal.SIGINT) is mine\n"
+            "print('ok')\n")
+    run = subprocess.run([sys.executable, "-c", code], env=_env(), capture_output=True,
+                         text=True, timeout=120)
+    assert run.stdout.strip() == "ok", run.stderr[-1000:]

@@ -80,6 +80,31 @@ def _deliver_later(signum: int) -> None:
     _thread.interrupt_main(signum)
 
 
+def _interrupt(signum, frame):
+    """The handler of `signals_as_interrupts` and `refine_default_interrupt`."""
+    if _must_wait(frame):
+        threading.Thread(target=_deliver_later, args=(signum,),
+                         name="tev-jax-deferred-signal", daemon=True).start()
+        return
+    raise Terminated() if signum == signal.SIGTERM else KeyboardInterrupt()
+
+
+def refine_default_interrupt() -> bool:
+    """Replaces Python's default SIGINT handler, and only that one, with `_interrupt`:
+    Ctrl-C still raises KeyboardInterrupt, but not inside jax's compile call or a
+    garbage-collector callback, where it would crash the process at exit or be dropped
+    (jax's callback runs often while jax and its users import: Ctrl-C in the first
+    seconds of a command was lost half the time). ``import tev_jax`` calls it, before it
+    imports jax. A handler of your own is left alone, and so is a thread other than the
+    main one; -> whether it replaced the handler."""
+    if threading.current_thread() is not threading.main_thread():
+        return False
+    if signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+        return False
+    signal.signal(signal.SIGINT, _interrupt)
+    return True
+
+
 @contextlib.contextmanager
 def signals_as_interrupts():
     """Turns SIGINT into KeyboardInterrupt and SIGTERM into `Terminated` (a
@@ -93,14 +118,7 @@ def signals_as_interrupts():
         yield
         return
 
-    def interrupt(signum, frame):
-        if _must_wait(frame):
-            threading.Thread(target=_deliver_later, args=(signum,),
-                             name="tev-jax-deferred-signal", daemon=True).start()
-            return
-        raise Terminated() if signum == signal.SIGTERM else KeyboardInterrupt()
-
-    previous = {sig: signal.signal(sig, interrupt) for sig in (signal.SIGINT, signal.SIGTERM)}
+    previous = {sig: signal.signal(sig, _interrupt) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         yield
     finally:
@@ -167,4 +185,4 @@ def name_flags(message: str, flags: dict[str, str]) -> str:
 
 __all__ = ["EXIT_RESUMABLE", "EXIT_SIGNAL", "EXIT_USAGE", "Interrupted", "NATIVE_WAITS",
            "Terminated", "flag_names", "in_native_wait", "in_swallowing_call", "interrupt_exit",
-           "name_flags", "parse_args", "signals_as_interrupts"]
+           "name_flags", "parse_args", "refine_default_interrupt", "signals_as_interrupts"]
