@@ -49,17 +49,30 @@ def rollouts(tmp_path_factory):
     return out
 
 
+LOST_AFTER = 2.0
+"""Seconds after its signal that a command may still end with 0 (it was finishing)."""
+
+
 def _interrupt(argv, cwd, delay, sig) -> tuple[int, str]:
     """Runs ``argv``, sends ``sig`` after ``delay`` seconds (unless it ended), -> (exit
-    code, stdout and stderr); a process killed by a signal has a negative code."""
+    code, stdout and stderr); a process killed by a signal has a negative code. A
+    command that ends with 0 long after its signal lost the signal: an error."""
     with open(cwd / "stderr.txt", "w") as err:
         p = subprocess.Popen(argv, cwd=cwd, env=_env(), stdout=err, stderr=subprocess.STDOUT)
+        sent = None
         try:
             p.wait(timeout=delay)
         except subprocess.TimeoutExpired:
             p.send_signal(sig)
+            sent = time.perf_counter()
         code = p.wait(timeout=600)
-    return code, (cwd / "stderr.txt").read_text()
+    out = (cwd / "stderr.txt").read_text()
+    if sent is not None and code == 0:
+        late = time.perf_counter() - sent
+        assert late < LOST_AFTER, (f"{signal.Signals(sig).name} after {delay:.1f} s was "
+                                   f"lost: the command ran {late:.0f} s more and ended "
+                                   f"with 0: {out[-1500:]}")
+    return code, out
 
 
 def _check_exit(name, code, err, sig, delay):
@@ -120,9 +133,10 @@ def _check_rollouts(cwd, code, err, sig):
     said = re.search(r"(\d+) complete shard\(s\)", err)
     assert said and int(said.group(1)) == len(shards), err[-2000:]
     for record in shards:
-        rows = json.loads(record.read_text())["rows"]
+        meta = json.loads(record.read_text())
         stem = record.name[: -len(".json")]
-        assert np.load(cwd / "ro" / f"{stem}.tokens.npy").shape[0] == rows
+        tokens = np.load(cwd / "ro" / f"{stem}.tokens.npy")
+        assert tokens.shape == (meta["count"], meta["seq_len"])
 
 
 def _check_compare(cwd, code, err, sig):

@@ -9,7 +9,6 @@ the flag the user typed (`flag_names`, `name_flags`).
 
 from __future__ import annotations
 
-import _thread
 import argparse
 import contextlib
 import gc
@@ -73,11 +72,12 @@ def _must_wait(frame) -> bool:
 
 def _deliver_later(signum: int) -> None:
     """Waits (on a helper thread) until the main thread has left the native wait or the
-    callback, then delivers ``signum`` to it again."""
+    callback, then sends ``signum`` to it again (a real signal: it also ends a sleep or
+    a blocking read there, as the first one would have)."""
     main = threading.main_thread().ident
     while _must_wait(sys._current_frames().get(main)):
         time.sleep(_POLL_SECONDS)
-    _thread.interrupt_main(signum)
+    signal.pthread_kill(main, signum)
 
 
 def _interrupt(signum, frame):
