@@ -275,3 +275,30 @@ def test_importing_tev_jax_refines_only_the_default_interrupt_handler():
     run = subprocess.run([sys.executable, "-c", code], env=_env(), capture_output=True,
                          text=True, timeout=120)
     assert run.stdout.strip() == "ok", run.stderr[-1000:]
+
+
+def test_a_signal_during_an_import_is_raised_after_it(tmp_path):
+    """SIGINT that arrives while a module is imported is raised once the import is done:
+    raised inside a C extension's initialisation (jaxlib's) it became an ImportError,
+    which an optional import swallows, or a crash."""
+    import importlib
+
+    from tev_jax import exits
+
+    (tmp_path / "slow_module_47.py").write_text(
+        "import os, signal, time\n"
+        "os.kill(os.getpid(), signal.SIGINT)\n"
+        "t = time.perf_counter()\n"
+        "while time.perf_counter() - t < 0.3:\n"
+        "    pass\n"
+        "DONE = True\n")
+    sys.path.insert(0, str(tmp_path))
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            with exits.signals_as_interrupts():
+                module = importlib.import_module("slow_module_47")
+                time.sleep(5)
+        assert module.DONE
+    finally:
+        sys.path.remove(str(tmp_path))
+        sys.modules.pop("slow_module_47", None)

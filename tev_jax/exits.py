@@ -66,8 +66,19 @@ def in_swallowing_call(frame) -> bool:
     return False
 
 
+def in_import(frame) -> bool:
+    """Whether ``frame`` (or a caller) runs an import. An interrupt raised there can
+    break a C extension's initialisation (an ImportError, which an optional import then
+    swallows; or a crash), so it waits for the import to finish."""
+    while frame is not None:
+        if frame.f_code.co_filename.startswith("<frozen importlib._bootstrap"):
+            return True
+        frame = frame.f_back
+    return False
+
+
 def _must_wait(frame) -> bool:
-    return in_native_wait(frame) or in_swallowing_call(frame)
+    return in_native_wait(frame) or in_swallowing_call(frame) or in_import(frame)
 
 
 def _deliver_later(signum: int) -> None:
@@ -91,10 +102,11 @@ def _interrupt(signum, frame):
 
 def refine_default_interrupt() -> bool:
     """Replaces Python's default SIGINT handler, and only that one, with `_interrupt`:
-    Ctrl-C still raises KeyboardInterrupt, but not inside jax's compile call or a
-    garbage-collector callback, where it would crash the process at exit or be dropped
-    (jax's callback runs often while jax and its users import: Ctrl-C in the first
-    seconds of a command was lost half the time). ``import tev_jax`` calls it, before it
+    Ctrl-C still raises KeyboardInterrupt, but not inside jax's compile call, a
+    garbage-collector callback or an import, where it would crash the process or be
+    dropped (jax's callback runs often while jax and its users import: Ctrl-C in the
+    first seconds of a command was lost half the time; inside jaxlib's initialisation
+    it became an ImportError, or a segfault). ``import tev_jax`` calls it, before it
     imports jax. A handler of your own is left alone, and so is a thread other than the
     main one; -> whether it replaced the handler."""
     if threading.current_thread() is not threading.main_thread():
@@ -111,9 +123,10 @@ def signals_as_interrupts():
     KeyboardInterrupt) while the block runs, so a terminated command ends like an
     interrupted one: its work so far on disk, one line on stderr. A signal that arrives
     while jax waits for a compile is raised once the compile has returned (`NATIVE_WAITS`),
-    so that no XLA thread still runs when the interpreter exits, and one that arrives in
+    so that no XLA thread still runs when the interpreter exits, one that arrives in
     a garbage-collector callback or ``__del__`` once that has returned, so that it is not
-    dropped (`in_swallowing_call`). A no-op off the main thread."""
+    dropped (`in_swallowing_call`), and one that arrives in an import once the import is
+    done (`in_import`). A no-op off the main thread."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -184,5 +197,5 @@ def name_flags(message: str, flags: dict[str, str]) -> str:
 
 
 __all__ = ["EXIT_RESUMABLE", "EXIT_SIGNAL", "EXIT_USAGE", "Interrupted", "NATIVE_WAITS",
-           "Terminated", "flag_names", "in_native_wait", "in_swallowing_call", "interrupt_exit",
+           "Terminated", "flag_names", "in_import", "in_native_wait", "in_swallowing_call", "interrupt_exit",
            "name_flags", "parse_args", "refine_default_interrupt", "signals_as_interrupts"]
