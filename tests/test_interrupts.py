@@ -49,6 +49,10 @@ def rollouts(tmp_path_factory):
     return out
 
 
+def _default_sigint():
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 LOST_AFTER = 2.0
 """Seconds after its signal that a command may still end with 0 (it was finishing)."""
 
@@ -58,7 +62,10 @@ def _interrupt(argv, cwd, delay, sig) -> tuple[int, str]:
     code, stdout and stderr); a process killed by a signal has a negative code. A
     command that ends with 0 long after its signal lost the signal: an error."""
     with open(cwd / "stderr.txt", "w") as err:
-        p = subprocess.Popen(argv, cwd=cwd, env=_env(), stdout=err, stderr=subprocess.STDOUT)
+        # as from a terminal: SIGINT handled (a test run in the background ignores it,
+        # and its children would inherit that)
+        p = subprocess.Popen(argv, cwd=cwd, env=_env(), stdout=err, stderr=subprocess.STDOUT,
+                             preexec_fn=_default_sigint)
         sent = None
         try:
             p.wait(timeout=delay)

@@ -126,12 +126,16 @@ def signals_as_interrupts():
     so that no XLA thread still runs when the interpreter exits, one that arrives in
     a garbage-collector callback or ``__del__`` once that has returned, so that it is not
     dropped (`in_swallowing_call`), and one that arrives in an import once the import is
-    done (`in_import`). A no-op off the main thread."""
+    done (`in_import`). A signal the process ignores (started by ``nohup`` or as a
+    background job) stays ignored. A no-op off the main thread."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
 
-    previous = {sig: signal.signal(sig, _interrupt) for sig in (signal.SIGINT, signal.SIGTERM)}
+    # a SIGINT the process was started ignoring (nohup, a background job) stays ignored
+    signals = [s for s in (signal.SIGINT, signal.SIGTERM)
+               if signal.getsignal(s) != signal.SIG_IGN]
+    previous = {sig: signal.signal(sig, _interrupt) for sig in signals}
     try:
         yield
     finally:
