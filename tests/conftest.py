@@ -32,13 +32,15 @@ def _release_compiled_programs():
     gc.collect()
 
 
-SLOW_FIRST = ("test_decode.py", "test_decode_mesh.py", "test_gemma4.py", "test_moe.py",
-              "test_moe_train.py",
-              "test_tpu_plan.py", "test_decode_stats.py", "test_tune.py",
+SLOW_FIRST = ("test_interrupts.py", "test_decode.py", "test_decode_mesh.py", "test_gemma4.py",
+              "test_moe.py", "test_moe_train.py", "test_tpu_plan.py", "test_decode_stats.py",
+              "test_tune.py",
               "test_train_step.py", "test_functional_contract.py", "test_multihost.py",
               "test_gpu_measure.py", "test_decode_speed_script.py")
 """The files with the most test time (about 35–100 s each on the 2-core machine, measured
-2026-12-04 with --durations=0), longest first."""
+2026-12-04 with --durations=0), longest first; test_interrupts.py first: in the slow tier
+(-m slow) its 80 interrupted commands take the longest (about 25 minutes on the loaded
+machine), so it starts at once on one worker while the other runs the rest."""
 
 
 def pytest_configure(config):

@@ -347,7 +347,7 @@ def test_every_mesh_gives_single_device_tokens(models, single_device, mesh_name,
         rules = tuple((n, None) if n == "experts" else (n, a) for n, a in rules)
     if mesh_name == "tensor8_grouped":
         target = _with_method(target, "grouped")
-    mesh = shd.make_mesh(**MESHES.get(mesh_name, MESHES[mesh_name.split("_")[0]]))
+    mesh = shd.make_mesh(**MESHES[mesh_name if mesh_name in MESHES else mesh_name.split("_")[0]])
     with shd.axis_rules(rules):
         placed = shd.state_shardings(nnx.state(target), mesh, strict=True)
         gate = placed["layers"]["mlp"]["experts"]["gate_proj"].get_value()

@@ -60,12 +60,27 @@ def prompts():
     return [rng.integers(0, V, size=int(n)).tolist() for n in (5, 9, 12)]
 
 
+PROGRESS: list[tuple[str, int, int]] = []  # what the tuned fixture's tuner reported
+
+
 @pytest.fixture(scope="module")
 def tuned(models, prompts):
     target, drafter = models
     config = decode.DecodeConfig(max_new_tokens=M, prompt_len=16)
     return tune.tune(target, drafter, prompts, config, budgets=(2, N_MAX),
-                     batch_sizes=(1,), repeats=1)
+                     batch_sizes=(1,), repeats=1,
+                     progress=lambda *step: PROGRESS.append(step))
+
+
+def test_tune_reports_progress(tuned):
+    """Issue 47, item 11: the tuner reports the prompts, the contexts and the budget
+    programs as it gets them done (tev-jax tune draws a bar of each)."""
+    whats = [w for w, _, _ in PROGRESS]
+    assert whats.index("prompts") < whats.index("contexts") < whats.index("programs")
+    # programs: AR and the two budgets, each a round and a no-op (its dispatch)
+    assert ("prompts", 3, 3) in PROGRESS and ("programs", 6, 6) in PROGRESS
+    assert ("timed passes", 1, 1) in PROGRESS
+    assert all(0 <= done <= total for _, done, total in PROGRESS)
 
 
 # ------------------------------------------------------------------- nested trees

@@ -6,15 +6,22 @@ is `tev_jax.verify`, DDTree's best-first builder is `tev_jax.ddtree`; draft tree
 Decoding goes through one object, `tev_jax.engine.Engine` (`Engine.create(target,
 drafter, DecodeConfig(...), batch_size)`), or its one-call form `generate`.
 (The function `exit_law` is not re-exported here: it would hide the module of that name.)
+Importing the package first refines Python's default Ctrl-C handler so that an interrupt
+is neither dropped in jax's garbage-collector callback nor raised inside a compile
+(`tev_jax.exits.refine_default_interrupt`).
 """
 
-from tev_jax.decode import DecodeConfig
-from tev_jax.engine import Engine, generate, generate_ar
-from tev_jax.exit_law import ExitLaw
-from tev_jax.generation import Generation
-from tev_jax.sampling import Sampling
-from tev_jax.tree import DraftTree, make_tree, validate
-from tev_jax.verify import Verdict, greedy, predraw, sequential_residual, tev
+from tev_jax.exits import refine_default_interrupt
+
+refine_default_interrupt()  # before jax is imported: its gc callback would drop Ctrl-C
+
+from tev_jax.decode import DecodeConfig  # noqa: E402
+from tev_jax.engine import Engine, generate, generate_ar  # noqa: E402
+from tev_jax.exit_law import ExitLaw  # noqa: E402
+from tev_jax.generation import Generation  # noqa: E402
+from tev_jax.sampling import Sampling  # noqa: E402
+from tev_jax.tree import DraftTree, make_tree, validate  # noqa: E402
+from tev_jax.verify import Verdict, greedy, predraw, sequential_residual, tev  # noqa: E402
 
 __all__ = [
     "DecodeConfig", "DraftTree", "Engine", "ExitLaw", "Generation", "Sampling", "Verdict",

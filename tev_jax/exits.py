@@ -9,7 +9,6 @@ the flag the user typed (`flag_names`, `name_flags`).
 
 from __future__ import annotations
 
-import _thread
 import argparse
 import contextlib
 import gc
@@ -67,17 +66,55 @@ def in_swallowing_call(frame) -> bool:
     return False
 
 
+def in_import(frame) -> bool:
+    """Whether ``frame`` (or a caller) runs an import. An interrupt raised there can
+    break a C extension's initialisation (an ImportError, which an optional import then
+    swallows; or a crash), so it waits for the import to finish."""
+    while frame is not None:
+        if frame.f_code.co_filename.startswith("<frozen importlib._bootstrap"):
+            return True
+        frame = frame.f_back
+    return False
+
+
 def _must_wait(frame) -> bool:
-    return in_native_wait(frame) or in_swallowing_call(frame)
+    return in_native_wait(frame) or in_swallowing_call(frame) or in_import(frame)
 
 
 def _deliver_later(signum: int) -> None:
     """Waits (on a helper thread) until the main thread has left the native wait or the
-    callback, then delivers ``signum`` to it again."""
+    callback, then sends ``signum`` to it again (a real signal: it also ends a sleep or
+    a blocking read there, as the first one would have)."""
     main = threading.main_thread().ident
     while _must_wait(sys._current_frames().get(main)):
         time.sleep(_POLL_SECONDS)
-    _thread.interrupt_main(signum)
+    signal.pthread_kill(main, signum)
+
+
+def _interrupt(signum, frame):
+    """The handler of `signals_as_interrupts` and `refine_default_interrupt`."""
+    if _must_wait(frame):
+        threading.Thread(target=_deliver_later, args=(signum,),
+                         name="tev-jax-deferred-signal", daemon=True).start()
+        return
+    raise Terminated() if signum == signal.SIGTERM else KeyboardInterrupt()
+
+
+def refine_default_interrupt() -> bool:
+    """Replaces Python's default SIGINT handler, and only that one, with `_interrupt`:
+    Ctrl-C still raises KeyboardInterrupt, but not inside jax's compile call, a
+    garbage-collector callback or an import, where it would crash the process or be
+    dropped (jax's callback runs often while jax and its users import: Ctrl-C in the
+    first seconds of a command was lost half the time; inside jaxlib's initialisation
+    it became an ImportError, or a segfault). ``import tev_jax`` calls it, before it
+    imports jax. A handler of your own is left alone, and so is a thread other than the
+    main one; -> whether it replaced the handler."""
+    if threading.current_thread() is not threading.main_thread():
+        return False
+    if signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+        return False
+    signal.signal(signal.SIGINT, _interrupt)
+    return True
 
 
 @contextlib.contextmanager
@@ -86,21 +123,19 @@ def signals_as_interrupts():
     KeyboardInterrupt) while the block runs, so a terminated command ends like an
     interrupted one: its work so far on disk, one line on stderr. A signal that arrives
     while jax waits for a compile is raised once the compile has returned (`NATIVE_WAITS`),
-    so that no XLA thread still runs when the interpreter exits, and one that arrives in
+    so that no XLA thread still runs when the interpreter exits, one that arrives in
     a garbage-collector callback or ``__del__`` once that has returned, so that it is not
-    dropped (`in_swallowing_call`). A no-op off the main thread."""
+    dropped (`in_swallowing_call`), and one that arrives in an import once the import is
+    done (`in_import`). A signal the process ignores (started by ``nohup`` or as a
+    background job) stays ignored. A no-op off the main thread."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
 
-    def interrupt(signum, frame):
-        if _must_wait(frame):
-            threading.Thread(target=_deliver_later, args=(signum,),
-                             name="tev-jax-deferred-signal", daemon=True).start()
-            return
-        raise Terminated() if signum == signal.SIGTERM else KeyboardInterrupt()
-
-    previous = {sig: signal.signal(sig, interrupt) for sig in (signal.SIGINT, signal.SIGTERM)}
+    # a SIGINT the process was started ignoring (nohup, a background job) stays ignored
+    signals = [s for s in (signal.SIGINT, signal.SIGTERM)
+               if signal.getsignal(s) != signal.SIG_IGN]
+    previous = {sig: signal.signal(sig, _interrupt) for sig in signals}
     try:
         yield
     finally:
@@ -165,6 +200,6 @@ def name_flags(message: str, flags: dict[str, str]) -> str:
     return re.sub(r"(?<=\S) or None\b", " or unset", message)  # a flag is unset, not None
 
 
-__all__ = ["EXIT_RESUMABLE", "EXIT_SIGNAL", "EXIT_USAGE", "Interrupted", "NATIVE_WAITS", "Terminated",
-           "flag_names", "in_native_wait", "in_swallowing_call", "interrupt_exit", "name_flags", "parse_args",
-           "signals_as_interrupts"]
+__all__ = ["EXIT_RESUMABLE", "EXIT_SIGNAL", "EXIT_USAGE", "Interrupted", "NATIVE_WAITS",
+           "Terminated", "flag_names", "in_import", "in_native_wait", "in_swallowing_call", "interrupt_exit",
+           "name_flags", "parse_args", "refine_default_interrupt", "signals_as_interrupts"]

@@ -290,8 +290,11 @@ def _run(ns) -> int:
     ran = result.update - result.start_update
     lines = []
     if result.drafter_path:
+        from tev_jax.cli.flags import is_bundled_target
+
+        target = "" if is_bundled_target(cfg.target_path) else f"--target {cfg.target_path} "
         lines.append(f"drafter written to {result.drafter_path} (DFlash layout: tev-jax "
-                     f"generate --target {cfg.target_path} --drafter {result.drafter_path})")
+                     f"generate {target}--drafter {result.drafter_path})")
     if ran:
         last = result.history[-1] if result.history else {}
         speed = (f", {last['seq_tokens_per_s']:.0f} sequence tokens/s at the last update"
@@ -376,9 +379,10 @@ def _plan_mesh_shape(ns) -> tuple[int, int, int]:
     if ns.mesh_data * fsdp * ns.mesh_tensor > devices:
         hint = ("" if ns.topology or ns.gpu else " (on CPU simulate devices with "
                 "--host-devices N or XLA_FLAGS=--xla_force_host_platform_device_count=N)")
+        need = ns.mesh_data * fsdp * ns.mesh_tensor
         raise ValueError(f"the mesh --mesh-data {ns.mesh_data} x --mesh-fsdp {fsdp} x "
-                         f"--mesh-tensor {ns.mesh_tensor} needs {ns.mesh_data * fsdp * ns.mesh_tensor} "
-                         f"devices; {what} have {devices}{hint}")
+                         f"--mesh-tensor {ns.mesh_tensor} needs {need} devices; {what} have "
+                         f"{devices}{hint}")
     return ns.mesh_data, fsdp, ns.mesh_tensor
 
 

@@ -1,4 +1,4 @@
-"""Every bundled demo artefact, from the shared data to the shipped models, in order.
+"""Every bundled demo artefact, from the source data in data/ to the shipped models, in order.
 
     python -m train.demo_models                  # all stages; a finished stage is skipped
     python -m train.demo_models --only rollouts  # one stage (reruns it if its output exists)
@@ -108,7 +108,7 @@ def _output(stage: str, runs: Path, target: str | None = None) -> Path:
 def run_stage(stage: str, plan: DemoPlan, runs: Path, target: str | None = None,
               data_dir: str | None = None) -> None:
     """Runs one stage through its own command-line entry point (``target``: an existing
-    target folder that replaces the target stage; ``data_dir``: the shared data folder)."""
+    target folder that replaces the target stage; ``data_dir``: the source data folder)."""
     data = ["--data-dir", data_dir] if data_dir else []
     if stage == "target" and target:
         raise ValueError(f"--target {target} replaces the target stage; do not run it")

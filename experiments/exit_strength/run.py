@@ -4,7 +4,7 @@ Issue 25: the recipe sweep (``../exit_recipe``) found ExitTrain equal to token-o
 fine-tuning with a weak drafter (τ 1.4-2.1), where a third of the target mass leaves the
 tree at the root. Here the target is predictable and the drafter trains long:
 
-1. ``prompts``: the GSM-style training questions of ``../shared/data/gsm_train.jsonl``
+1. ``prompts``: the GSM-style training questions of ``data/gsm_train.jsonl``
    in the chat template (the evaluation questions, ``gsm_eval``, are other problems).
 2. ``rollouts``: the bundled target's answers, 160 new tokens: greedy (T = 0, the
    default) or sampled (``--rollout-temperature 1``).
@@ -223,7 +223,7 @@ def main():
     ap = pc.study_parser(__doc__, prompts=32, max_new_tokens=64)
     ap.set_defaults(sets=["gsm"])
     ap.add_argument("--runs", default=str(REPO / "runs" / "strength"))
-    ap.add_argument("--data-dir", default=str(REPO.parent / "shared" / "data"))
+    ap.add_argument("--data-dir", default=str(REPO / "data"))
     ap.add_argument("--rollout-temperature", type=float, default=0.0,
                     help="the training rollouts' temperature (a separate --runs per value)")
     ap.add_argument("--base-steps", type=int, default=5000)

@@ -116,13 +116,19 @@ def draw_tree(ax, tree: dict, tokenizer, title: str, wmax: float):
     for i in range(n):
         note = f"  P={reach[i]:.2f} w={w[i]:.2f}" if (w[i] >= 0.02 or reach[i] >= 0.1) else ""
         radius = np.sqrt(40 + 500 * reach[i]) / 2  # points
-        ax.annotate(show_token(tokenizer, int(tree["tokens"][i])) + note, (depths[i], y[i]),
-                    xytext=(radius + 3, 0), textcoords="offset points", fontsize=7,
-                    va="center", zorder=3)
+        label = show_token(tokenizer, int(tree["tokens"][i])) + note
+        if i == 0:  # the root's label goes to its left: to its right are its children
+            ax.annotate(f"root {label.strip()}  ", (depths[i], y[i]),
+                        xytext=(-radius - 3, 0), textcoords="offset points", fontsize=7,
+                        va="center", ha="right", zorder=3)
+            continue
+        ax.annotate(label, (depths[i], y[i]), xytext=(radius + 3, 0),
+                    textcoords="offset points", fontsize=7, va="center", zorder=3)
     ax.set_title(title, fontsize=10)
     ax.set_xlabel("depth")
     ax.set_yticks([])
-    ax.set_xlim(-0.5, max(depths) + 2.5)
+    ax.set_xticks(range(int(max(depths)) + 1))  # depths are whole numbers
+    ax.set_xlim(-1.6, max(depths) + 2.5)
     for side in ("top", "right", "left"):
         ax.spines[side].set_visible(False)
 
@@ -149,23 +155,33 @@ def plot_exit_trees(models, args, path: Path) -> dict:
                            depths=cap.tree.depths[0, :n].tolist(),
                            reach=law.reach[0, :n].tolist(), w=law.w[0, :n].tolist(),
                            coverage=float(law.coverage[0]))
+    draw_exit_trees(trees, context, models.tokenizer, args, path)
+    return dict(context=context, trees=trees)
+
+
+def draw_exit_trees(trees: dict, context, tokenizer, args, path: Path) -> None:
+    """The two trees of `plot_exit_trees` side by side (also from a results.json:
+    ``--replot``)."""
+    import matplotlib.pyplot as plt
+    from matplotlib.cm import ScalarMappable
+    from matplotlib.colors import Normalize
+
     wmax = max(max(t["w"]) for t in trees.values())
     fig, axes = plt.subplots(1, 2, figsize=(15, 0.32 * args.tree_budget + 3))
     for ax, (name, t) in zip(axes, trees.items()):
         label = "DFlash drafter (DDTree)" if name == "dflash" else "ExitTrain drafter"
-        draw_tree(ax, t, models.tokenizer,
+        draw_tree(ax, t, tokenizer,
                   f"{label}: coverage C = {t['coverage']:.2f}, 1 + C = "
                   f"{1 + t['coverage']:.2f}; lost at the root w = {t['w'][0]:.2f}", wmax)
     sm = ScalarMappable(norm=Normalize(0, wmax), cmap=plt.get_cmap("magma_r"))
     fig.colorbar(sm, ax=axes, fraction=0.02, label="exit weight w = P·ρ")
-    tail = models.tokenizer.decode(context[-24:], skip_special_tokens=False)
+    tail = tokenizer.decode(context[-24:], skip_special_tokens=False)
     fig.suptitle(f"Where the tree loses target mass ({args.set} prompt {args.prompt_index} "
-                 f"+ {args.cut} generated tokens, B = {args.tree_budget}, "
+                 f"+ {args.cut} generated tokens, budget {args.tree_budget}, "
                  f"T = {args.temperature:g}); "
                  f"context ends: …{tail[-70:]!r}", fontsize=10)
     fig.savefig(path, dpi=130, bbox_inches="tight")
     plt.close(fig)
-    return dict(context=context, trees=trees)
 
 
 def main():
@@ -183,10 +199,22 @@ def main():
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out-dir", default=str(HERE))
     ap.add_argument("--no-compile-cache", action="store_true")
+    ap.add_argument("--replot", action="store_true",
+                    help="redraw exit_tree.png from the trees in results.json (no models)")
     args = ap.parse_args()
     import matplotlib
 
     matplotlib.use("Agg")
+    if args.replot:
+        from tev_jax.data.tokenizer import load_default_tokenizer
+
+        suffix = "_random" if args.random_models else ""
+        saved = json.loads((Path(args.out_dir) / f"results{suffix}.json").read_text())
+        draw_exit_trees(saved["exit_tree"]["trees"], saved["exit_tree"]["context"],
+                        load_default_tokenizer(), args,
+                        Path(args.out_dir) / f"exit_tree{suffix}.png")
+        print(f"wrote {Path(args.out_dir) / f'exit_tree{suffix}.png'}")
+        return
     started = time.time()
     pc.enable_compile_cache(args)
     out_dir = Path(args.out_dir)

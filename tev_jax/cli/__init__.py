@@ -50,6 +50,10 @@ def main(argv: list[str] | None = None) -> int:
         if isinstance(e, Interrupted):
             print(f"tev-jax {args.command}: {what}; {e}", file=sys.stderr)
             return EXIT_RESUMABLE
+        if getattr(args, "output", None):  # a batch job, before it started: a rerun starts it
+            print(f"tev-jax {args.command}: {what} before anything was written: run the "
+                  "same command again to start it", file=sys.stderr)
+            return EXIT_RESUMABLE
         print(f"tev-jax {args.command}: {what}", file=sys.stderr)
         return code
     except ValueError as e:

@@ -37,7 +37,7 @@ def _mesh_for_plan(args):
 def plan_command(args) -> int:
     """``tev-jax plan``: per-device memory and cost of the decode programs, without weights
     (local devices, or a TPU slice with ``--topology``)."""
-    from tev_jax import plan
+    from tev_jax import engine, plan
 
     if (args.model is None) == (args.config is None):
         raise ValueError("give exactly one of --model PRESET or --config path/config.json")
@@ -56,14 +56,16 @@ def plan_command(args) -> int:
                          "(the local devices have no published peak figures)")
     dtype = jnp.dtype(args.dtype)
     programs = tuple(p.strip() for p in args.programs.split(","))
+    # the settings' shapes are checked (cache length, mesh, batch) before anything compiles
+    target, drafter = plan.abstract_models(cfg, config, dtype=dtype,
+                                           drafter_layers=args.drafter_layers)
+    engine.decode_spec(target, drafter, config, args.batch, mesh=mesh)
     print(f"compiling {len(programs)} program(s) ({', '.join(programs)}) of "
           f"{args.model or args.config} for {where} (minutes for a large model) ...",
           file=sys.stderr, flush=True)
     result = plan.plan_decode_programs(
         cfg, config, args.batch, dtype=dtype, drafter_layers=args.drafter_layers, mesh=mesh,
         programs=programs, chip=chip, devices_per_chip=per_chip, ops=args.ops)
-    target, drafter = plan.abstract_models(cfg, config, dtype=dtype,
-                                           drafter_layers=args.drafter_layers)
     floor = plan.decode_floor(target, drafter, config, args.batch)
     hbm = plan.hbm_shortfall(result, floor, config)
     axes = {"data": args.mesh_data, "fsdp": args.mesh_fsdp, "tensor": args.mesh_tensor}
