@@ -34,12 +34,12 @@ from flax import nnx, struct
 from tev_jax import sharding as shd
 from tev_jax.draft_opd import OpdConfig, opd_loss
 from tev_jax.models import lm_head
-from tev_jax.models.drafter import anchor_hidden, draft_head
+from tev_jax.models.drafter import draft_head
 from tev_jax.tree_scoring import target_context
 from train.optimizer import OptimConfig, make_optimizer
 from train.placement import Placement, abstract_state, placement
 from train.state import Frozen, Graphs, TrainState, merge_drafter, split_models
-from train.step import DTYPES, REMAT
+from train.step import DTYPES, REMAT, drafter_pass
 
 
 @struct.dataclass
@@ -104,14 +104,8 @@ def opd_loss_and_grads(params, graphs: Graphs, frozen: Frozen, batch: OpdBatch,
     feats, _ = target_context(target, batch.tokens, cfg.taps, with_cache=False)
     head = draft_head(merge_drafter(graphs, frozen, params), target)
 
-    def drafter_forward(p):
-        if cfg.compute_dtype is not None:
-            p = jax.tree.map(lambda x: x.astype(cfg.compute_dtype), p)
-        drafter = merge_drafter(graphs, frozen, p)
-        return anchor_hidden(drafter, target, feats, batch.tokens, batch.anchors,
-                             REMAT[cfg.remat])
-
-    hidden, pullback = jax.vjp(drafter_forward, params)
+    hidden, pullback = drafter_pass(params, graphs, frozen, target, feats, batch.tokens,
+                                    batch.anchors, cfg.compute_dtype, cfg.remat)
     rows = lambda h: lm_head.head_rows(h, head, cfg.vocab_block)
     (total, aux), dhidden = jax.value_and_grad(
         lambda h: opd_loss(rows(h), batch.response, batch.response_logp, batch.rejected,

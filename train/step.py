@@ -109,6 +109,20 @@ class StepConfig:
                              f"{self.target_sharding!r}")
 
 
+def drafter_pass(params, graphs: Graphs, frozen: Frozen, target, feats, tokens, anchors,
+                 compute_dtype, remat: str):
+    """The drafter's hidden states at the anchors and their pullback: ``jax.vjp`` of the
+    drafter's forward in its trained ``params`` (cast to ``compute_dtype`` where set,
+    rematerialised as ``remat`` says). -> (hidden, pullback)."""
+    def forward(p):
+        if compute_dtype is not None:
+            p = jax.tree.map(lambda x: x.astype(compute_dtype), p)
+        drafter = merge_drafter(graphs, frozen, p)
+        return anchor_hidden(drafter, target, feats, tokens, anchors, REMAT[remat])
+
+    return jax.vjp(forward, params)
+
+
 def loss_and_grads(params, graphs: Graphs, frozen: Frozen, batch: Batch, cfg: StepConfig):
     """Drafter gradients of the objective and per-step metrics (un-jitted).
 
@@ -121,14 +135,8 @@ def loss_and_grads(params, graphs: Graphs, frozen: Frozen, batch: Batch, cfg: St
                                   with_cache=ocfg.needs_cache)
     head = draft_head(merge_drafter(graphs, frozen, params), target)
 
-    def drafter_forward(p):
-        if cfg.compute_dtype is not None:
-            p = jax.tree.map(lambda x: x.astype(cfg.compute_dtype), p)
-        drafter = merge_drafter(graphs, frozen, p)
-        return anchor_hidden(drafter, target, feats, batch.tokens, batch.anchors,
-                             REMAT[cfg.remat])
-
-    hidden, pullback = jax.vjp(drafter_forward, params)
+    hidden, pullback = drafter_pass(params, graphs, frozen, target, feats, batch.tokens,
+                                    batch.anchors, cfg.compute_dtype, cfg.remat)
     rows = lambda h: lm_head.head_rows(h, head, ocfg.vocab_block)
     detached = rows(jax.lax.stop_gradient(hidden))
     k = ddtree.tree_k(detached, ocfg.budget) if ocfg.builds_trees else 1
