@@ -122,7 +122,9 @@ def slice_devices(name: str) -> Slice:
                              "the stale lock file") from e
         raise ValueError(f"unknown TPU topology {name!r}: {reason}") from e
     devices = tuple(desc.devices)
-    return Slice(name=name, devices=devices, chip=chip_of(devices[0].device_kind),
+    kind = devices[0].device_kind
+    return Slice(name=name, devices=devices,
+                 chip=next((c for c in CHIPS.values() if c.device_kind == kind), None),
                  chips=math.prod(int(d) for d in m.group(2).split("x")),
                  hosts=len({d.process_index for d in devices}))
 
