@@ -14,11 +14,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from tev_jax import gpu_time
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.slow  # ~65 s of compiles on 2 cores: the fast tier stays under 10 minutes
 def test_the_measuring_script_smoke_run(tmp_path):
     out = tmp_path / "m"
     env = os.environ | {"JAX_PLATFORMS": "cpu"}

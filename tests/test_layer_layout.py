@@ -62,6 +62,7 @@ def _cfg():
 
 
 @needs8
+@pytest.mark.slow
 def test_engine_tokens_equal_in_both_layouts_on_one_device_and_a_mesh(models):  # noqa: F811
     target, drafter = models
     mesh = shd.make_mesh(data=2, tensor=4, fsdp=1)

@@ -105,6 +105,7 @@ def test_mixture_target_shapes_the_exit_loss(single_device):
     assert abs(float(metrics["exit_loss"]) - float(single_device[1]["exit_loss"])) > 1e-3
 
 
+@pytest.mark.slow
 def test_a_few_updates_lower_the_loss_of_a_fixed_batch():
     program, _, _, frozen, state = _program(None)
     batch = place_batch(tf.progressions().batch_at(0, 0, B, A, tf.BLOCK - 1), program.place)
