@@ -39,7 +39,7 @@ from tev_jax.tree_scoring import target_context
 from train.optimizer import OptimConfig, make_optimizer
 from train.placement import Placement, abstract_state, placement
 from train.state import Frozen, Graphs, TrainState, merge_drafter, split_models
-from train.step import DTYPES, REMAT, drafter_pass
+from train.step import check_pass_options, drafter_pass
 
 
 @struct.dataclass
@@ -83,14 +83,7 @@ class OpdStepConfig:
     vocab_block: int = lm_head.BLOCK
 
     def __post_init__(self):
-        if self.compute_dtype not in (None,) + DTYPES:
-            raise ValueError(f"compute_dtype must be None or one of {DTYPES}, got "
-                             f"{self.compute_dtype!r}")
-        if self.remat not in REMAT:
-            raise ValueError(f"remat must be one of {tuple(REMAT)}, got {self.remat!r}")
-        if self.target_sharding not in shd.TARGET_SHARDINGS:
-            raise ValueError(f"target_sharding must be one of {shd.TARGET_SHARDINGS}, got "
-                             f"{self.target_sharding!r}")
+        check_pass_options(self.compute_dtype, self.remat, self.target_sharding)
 
 
 def opd_loss_and_grads(params, graphs: Graphs, frozen: Frozen, batch: OpdBatch,

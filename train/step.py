@@ -99,14 +99,20 @@ class StepConfig:
     target_sharding: str = "fsdp"
 
     def __post_init__(self):
-        if self.compute_dtype not in (None,) + DTYPES:
-            raise ValueError(f"compute_dtype must be None or one of {DTYPES}, got "
-                             f"{self.compute_dtype!r}")
-        if self.remat not in REMAT:
-            raise ValueError(f"remat must be one of {tuple(REMAT)}, got {self.remat!r}")
-        if self.target_sharding not in shd.TARGET_SHARDINGS:
-            raise ValueError(f"target_sharding must be one of {shd.TARGET_SHARDINGS}, got "
-                             f"{self.target_sharding!r}")
+        check_pass_options(self.compute_dtype, self.remat, self.target_sharding)
+
+
+def check_pass_options(compute_dtype, remat: str, target_sharding: str) -> None:
+    """ValueError naming a compute dtype, remat policy or target sharding a step does not
+    know (the options every drafter step shares)."""
+    if compute_dtype not in (None,) + DTYPES:
+        raise ValueError(f"compute_dtype must be None or one of {DTYPES}, got "
+                         f"{compute_dtype!r}")
+    if remat not in REMAT:
+        raise ValueError(f"remat must be one of {tuple(REMAT)}, got {remat!r}")
+    if target_sharding not in shd.TARGET_SHARDINGS:
+        raise ValueError(f"target_sharding must be one of {shd.TARGET_SHARDINGS}, got "
+                         f"{target_sharding!r}")
 
 
 def drafter_pass(params, graphs: Graphs, frozen: Frozen, target, feats, tokens, anchors,
