@@ -153,31 +153,48 @@ def _check_compare(cwd, code, err, sig):
 
 
 COMMANDS = {
-    # name: (argv without the program, seconds over which the signal is drawn, check)
+    # name: (argv without the program, check)
     "generate": (["-m", "tev_jax.cli", "generate", "--prompts", "bundled:mt_bench", "--output",
-                  "out.jsonl", "--batch-size", "8", "--max-new-tokens", "48"], 15,
+                  "out.jsonl", "--batch-size", "8", "--max-new-tokens", "48"],
                  _check_generate),
-    "run": (["-m", "train", "run", *RUN_FLAGS, "--out-dir", "run"], 25, _check_run),
+    "run": (["-m", "train", "run", *RUN_FLAGS, "--out-dir", "run"], _check_run),
     "rollouts": (["-m", "train", "rollouts", "--target", "bundled", "--prompt-set", "gsm",
                   "--limit", "24", "--out", "ro", "--max-new-tokens", "32", "--batch-size",
-                  "4", "--shard-size", "4"], 12, _check_rollouts),
+                  "4", "--shard-size", "4"], _check_rollouts),
     "compare": (["-m", "tev_jax.cli", "compare", "--max-new-tokens", "16", "--repeats", "1"],
-                20,
                 _check_compare),
 }
 
 
+def _argv(name, rollouts):
+    argv, _ = COMMANDS[name]
+    return [sys.executable, *argv] + (["--data-dir", str(rollouts)] if name == "run" else [])
+
+
+def _duration(name, cwd, rollouts) -> float:
+    """Wall seconds of one uninterrupted run of the command (which must end with 0)."""
+    start = time.perf_counter()
+    done = subprocess.run(_argv(name, rollouts), cwd=cwd, env=_env(), capture_output=True,
+                          text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return time.perf_counter() - start
+
+
 def _interrupts(name, count, seed, tmp_path, rollouts):
-    argv, horizon, check = COMMANDS[name]
+    """``count`` runs of the command, each sent one signal (SIGINT and SIGTERM in turn)
+    at a random time within its lifetime (measured first, uninterrupted: its imports,
+    compiles, work and exit), all checked; -> their exit codes."""
+    check = COMMANDS[name][1]
+    (tmp_path / "timing").mkdir()
+    lifetime = _duration(name, tmp_path / "timing", rollouts)
     rng = random.Random(seed)
     codes = []
     for i in range(count):
         cwd = tmp_path / f"{name}-{i}"
         cwd.mkdir()
         sig = (signal.SIGINT, signal.SIGTERM)[i % 2]
-        delay = rng.uniform(0.5, horizon)
-        args = list(argv) + (["--data-dir", str(rollouts)] if name == "run" else [])
-        code, err = _interrupt([sys.executable, *args], cwd, delay, sig)
+        delay = rng.uniform(0.3, 0.9 * lifetime)
+        code, err = _interrupt(_argv(name, rollouts), cwd, delay, sig)
         codes.append(code)
         if _check_exit(name, code, err, sig, delay):
             check(cwd, code, err, sig)
@@ -188,12 +205,11 @@ def _interrupts(name, count, seed, tmp_path, rollouts):
 def test_one_interrupt_ends_cleanly(name, sig_index, seed, tmp_path, rollouts):
     """Fast tier: one signal to a batch generation (SIGINT) and to a training run
     (SIGTERM) at a random time in their first seconds (imports, compiling)."""
-    argv, horizon, check = COMMANDS[name]
+    check = COMMANDS[name][1]
     rng = random.Random(seed)
     sig = (signal.SIGINT, signal.SIGTERM)[sig_index]
     delay = rng.uniform(2.0, 8.0)
-    args = list(argv) + (["--data-dir", str(rollouts)] if name == "run" else [])
-    code, err = _interrupt([sys.executable, *args], tmp_path, delay, sig)
+    code, err = _interrupt(_argv(name, rollouts), tmp_path, delay, sig)
     if _check_exit(name, code, err, sig, delay):
         check(tmp_path, code, err, sig)
 
@@ -201,11 +217,12 @@ def test_one_interrupt_ends_cleanly(name, sig_index, seed, tmp_path, rollouts):
 @pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(COMMANDS))
 def test_twenty_interrupts_per_command(name, tmp_path, rollouts):
-    """Slow tier: 20 signals (SIGINT and SIGTERM in turn) at random times per command;
-    0 of 20 may end in a segfault or lose what its message says is on disk."""
+    """Slow tier: 20 signals (SIGINT and SIGTERM in turn) at random times within each
+    command's lifetime; 0 of 20 may end in a segfault, lose its signal or lose what its
+    message says is on disk, and most must be interrupted (not finished first)."""
     codes = _interrupts(name, 20, seed=sorted(COMMANDS).index(name), tmp_path=tmp_path,
                         rollouts=rollouts)
-    assert sum(c != 0 for c in codes) >= 10, f"{name}: most runs ended before the signal"
+    assert sum(c != 0 for c in codes) >= 15, f"{name}: most runs ended before the signal"
     assert -11 not in codes and 139 not in codes
 
 
@@ -264,6 +281,33 @@ def test_a_signal_during_a_gc_callback_is_not_dropped():
     finally:
         if callback in gc.callbacks:
             gc.callbacks.remove(callback)
+
+
+def test_a_signal_dropped_by_python_is_sent_again():
+    """SIGTERM raised inside a weakref callback, where Python reports an exception and
+    drops it (as in a gc callback, which `in_swallowing_call` knows, but this one it does
+    not), is sent again through ``sys.unraisablehook`` and raised after the callback;
+    without that the command ran on and ended with 0 (a lost signal)."""
+    import weakref
+
+    from tev_jax import exits
+
+    class Thing:
+        pass
+
+    def callback(ref):
+        os.kill(os.getpid(), signal.SIGTERM)
+        t = time.perf_counter()
+        while time.perf_counter() - t < 0.1:
+            pass
+
+    thing = Thing()
+    ref = weakref.ref(thing, callback)
+    with pytest.raises(exits.Terminated):
+        with exits.signals_as_interrupts():
+            del thing
+            time.sleep(5)
+    assert ref() is None
 
 
 def test_importing_tev_jax_refines_only_the_default_interrupt_handler():

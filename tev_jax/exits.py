@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import gc
 import os
 import re
@@ -56,11 +57,13 @@ def in_native_wait(frame) -> bool:
 
 def in_swallowing_call(frame) -> bool:
     """Whether ``frame`` (or a caller) runs where Python reports an exception and drops
-    it ("Exception ignored in ..."): a garbage-collector callback (jax has one) or a
-    ``__del__``. An interrupt raised there would be lost."""
+    it ("Exception ignored in ..."): a garbage-collector callback (jax has one), a
+    ``__del__`` or our own ``sys.unraisablehook``. An interrupt raised there would be
+    lost."""
     callbacks = {getattr(cb, "__code__", None) for cb in gc.callbacks}
     while frame is not None:
-        if frame.f_code in callbacks or frame.f_code.co_name == "__del__":
+        if (frame.f_code in callbacks or frame.f_code.co_name == "__del__"
+                or frame.f_code is _redeliver_dropped.__code__):
             return True
         frame = frame.f_back
     return False
@@ -100,6 +103,22 @@ def _interrupt(signum, frame):
     raise Terminated() if signum == signal.SIGTERM else KeyboardInterrupt()
 
 
+def _redeliver_dropped(next_hook, unraisable) -> None:
+    """Our ``sys.unraisablehook`` (as ``partial(_redeliver_dropped, next_hook)``) while
+    our handlers are in place: an interrupt that Python reported and dropped ("Exception
+    ignored in ...": a weakref callback, an atexit function, a callback
+    `in_swallowing_call` does not know) is sent again once the main thread has left
+    this hook, instead of being lost (the command ran on and ended with 0); anything
+    else goes to ``next_hook``."""
+    exc = unraisable.exc_value
+    if not isinstance(exc, KeyboardInterrupt):
+        next_hook(unraisable)
+        return
+    signum = signal.SIGTERM if isinstance(exc, Terminated) else signal.SIGINT
+    threading.Thread(target=_deliver_later, args=(signum,),
+                     name="tev-jax-deferred-signal", daemon=True).start()
+
+
 def refine_default_interrupt() -> bool:
     """Replaces Python's default SIGINT handler, and only that one, with `_interrupt`:
     Ctrl-C still raises KeyboardInterrupt, but not inside jax's compile call, a
@@ -114,6 +133,9 @@ def refine_default_interrupt() -> bool:
     if signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
         return False
     signal.signal(signal.SIGINT, _interrupt)
+    if sys.unraisablehook is sys.__unraisablehook__:
+        sys.unraisablehook = functools.partial(_redeliver_dropped,
+                                                   sys.__unraisablehook__)
     return True
 
 
@@ -126,8 +148,9 @@ def signals_as_interrupts():
     so that no XLA thread still runs when the interpreter exits, one that arrives in
     a garbage-collector callback or ``__del__`` once that has returned, so that it is not
     dropped (`in_swallowing_call`), and one that arrives in an import once the import is
-    done (`in_import`). A signal the process ignores (started by ``nohup`` or as a
-    background job) stays ignored. A no-op off the main thread."""
+    done (`in_import`); one that Python still drops anywhere else (a weakref callback,
+    ...) is sent again (``sys.unraisablehook``). A signal the process ignores (started
+    by ``nohup`` or as a background job) stays ignored. A no-op off the main thread."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -136,9 +159,12 @@ def signals_as_interrupts():
     signals = [s for s in (signal.SIGINT, signal.SIGTERM)
                if signal.getsignal(s) != signal.SIG_IGN]
     previous = {sig: signal.signal(sig, _interrupt) for sig in signals}
+    previous_hook = sys.unraisablehook
+    sys.unraisablehook = functools.partial(_redeliver_dropped, previous_hook)
     try:
         yield
     finally:
+        sys.unraisablehook = previous_hook
         for sig, handler in previous.items():
             signal.signal(sig, handler)
 
