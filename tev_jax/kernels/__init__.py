@@ -12,7 +12,8 @@ kernel ran:
 - `tev_jax.kernels.stacked_matmul`: ``x · w[g]`` for one entry of a stacked weight,
   read in place (`stacked_dot`): a GPU (Triton) kernel; TPU's compiler does it itself;
 - `tev_jax.kernels.expert_kernel`: grouped SwiGLU experts over rows sorted by expert
-  (`grouped_experts`): a TPU (Mosaic) kernel; ``ragged_dot`` elsewhere.
+  (`grouped_experts`): a TPU (Mosaic) kernel; ``ragged_dot`` elsewhere;
+- `tev_jax.kernels.gpu_table`: the lookup of a kernel's per-GPU block table.
 
 Kernels import nothing from `tev_jax.models`.
 """

@@ -42,6 +42,7 @@ from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import triton as pltriton
 
 from tev_jax import op_costs
+from tev_jax.kernels import gpu_table
 
 PLATFORMS = ("tpu", "cuda", "reference")
 TPU_KEY_BLOCK = 512
@@ -70,27 +71,14 @@ class GpuBlocks:
     num_stages: int = 2
 
 
-# Per GPU (device kind contains the key). Today's values are H100's (227 KiB of shared
-# memory per block, 132 multiprocessors) everywhere; a measurement on each GPU refines them.
-GPU_BLOCKS = {
-    "H100": GpuBlocks(),
-    "H200": GpuBlocks(),
-    "B200": GpuBlocks(),
-}
-DEFAULT_GPU = "H100"
+# Today's values are H100's (227 KiB of shared memory per block, 132 multiprocessors) on
+# every GPU; a measurement on each GPU refines them.
+GPU_BLOCKS = {name: GpuBlocks() for name in gpu_table.GPUS}
 
 
 def gpu_blocks(kind: str | None = None) -> GpuBlocks:
-    """The `GPU_BLOCKS` entry of a GPU: ``kind`` (a device kind such as 'NVIDIA H200'),
-    else the first local device's when it is a GPU, else `DEFAULT_GPU`'s (plans compiled
-    ahead of time without a GPU)."""
-    if kind is None:
-        device = jax.devices()[0]
-        kind = device.device_kind if device.platform == "gpu" else DEFAULT_GPU
-    for name, blocks in GPU_BLOCKS.items():
-        if name.lower() in kind.lower():
-            return blocks
-    return GPU_BLOCKS[DEFAULT_GPU]
+    """The `GPU_BLOCKS` entry of a GPU (`tev_jax.kernels.gpu_table.lookup`)."""
+    return gpu_table.lookup(GPU_BLOCKS, kind)
 
 
 def cost(b: int, kh: int, qg: int, s: int, hd: int, itemsize: int,
@@ -162,10 +150,6 @@ def reference_state(q_BKQd: jax.Array, k_LBSKd: jax.Array, v_LBSKd: jax.Array, l
     m = s.max(axis=-1)
     p = jnp.exp(s - jnp.where(jnp.isfinite(m), m, 0.0)[..., None])
     return m, p.sum(axis=-1), jnp.einsum("bkqs,bskd->bkqd", p, v.astype(jnp.float32))
-
-
-def _pow2(n: int) -> int:
-    return 1 << max(int(n) - 1, 0).bit_length()
 
 
 # ---------------------------------------------------------------------------- TPU
@@ -295,7 +279,7 @@ def gpu_fits(head_dim: int, itemsize: int = 2, blocks: GpuBlocks | None = None) 
     at least 16, and the smallest tiles must fit the GPU's shared-memory budget
     (`GpuBlocks`; keys past the cache's length are masked, so any length is taken)."""
     budget = (blocks or gpu_blocks()).shared_budget
-    return (head_dim >= 16 and head_dim == _pow2(head_dim)
+    return (head_dim >= 16 and head_dim == gpu_table.pow2(head_dim)
             and (16 + 4 * 16) * head_dim * itemsize <= budget)
 
 
@@ -360,8 +344,8 @@ def gpu_state(q_BKQd: jax.Array, k_LBSKd: jax.Array, v_LBSKd: jax.Array, layer,
     if not gpu_fits(hd, k_LBSKd.dtype.itemsize, blocks):
         raise ValueError(f"the GPU cache kernel needs a power-of-two head dimension of at "
                          f"least 16 whose tiles fit shared memory, not {hd}")
-    kb = max(16, min(_pow2(key_block), _pow2(s)))
-    rows = max(16, min(blocks.row_tile, _pow2(qg)))                       # Triton dots: >= 16
+    kb = max(16, min(gpu_table.pow2(key_block), gpu_table.pow2(s)))
+    rows = max(16, min(blocks.row_tile, gpu_table.pow2(qg)))          # Triton dots: >= 16
     itemsize = k_LBSKd.dtype.itemsize
     while (rows + 4 * kb) * hd * itemsize > blocks.shared_budget and max(rows, kb) > 16:
         if kb >= rows:

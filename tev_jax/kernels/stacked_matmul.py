@@ -29,6 +29,7 @@ from jax.experimental.pallas import triton as pltriton
 from jax.sharding import PartitionSpec
 
 from tev_jax import op_costs, platforms
+from tev_jax.kernels import gpu_table
 from tev_jax import sharding as shd
 
 
@@ -52,27 +53,14 @@ class GpuBlocks:
     num_stages: int = 3
 
 
-# Per GPU (device kind contains the key). Today's values are H100's (132 multiprocessors)
-# everywhere; a measurement on each GPU refines them.
-GPU_BLOCKS = {
-    "H100": GpuBlocks(),
-    "H200": GpuBlocks(),
-    "B200": GpuBlocks(),
-}
-DEFAULT_GPU = "H100"
+# Today's values are H100's (132 multiprocessors) on every GPU; a measurement on each GPU
+# refines them.
+GPU_BLOCKS = {name: GpuBlocks() for name in gpu_table.GPUS}
 
 
 def gpu_blocks(kind: str | None = None) -> GpuBlocks:
-    """The `GPU_BLOCKS` entry of a GPU: ``kind`` (a device kind such as 'NVIDIA H200'),
-    else the first local device's when it is a GPU, else `DEFAULT_GPU`'s (plans compiled
-    ahead of time without a GPU)."""
-    if kind is None:
-        device = jax.devices()[0]
-        kind = device.device_kind if device.platform == "gpu" else DEFAULT_GPU
-    for name, blocks in GPU_BLOCKS.items():
-        if name.lower() in kind.lower():
-            return blocks
-    return GPU_BLOCKS[DEFAULT_GPU]
+    """The `GPU_BLOCKS` entry of a GPU (`tev_jax.kernels.gpu_table.lookup`)."""
+    return gpu_table.lookup(GPU_BLOCKS, kind)
 
 
 def cost(m: int, k: int, n: int, w_itemsize: int, x_itemsize: int, splits: int = 1,
@@ -83,10 +71,6 @@ def cost(m: int, k: int, n: int, w_itemsize: int, x_itemsize: int, splits: int =
     out = w_itemsize if out_itemsize is None else out_itemsize
     return dict(flops=2 * m * k * n,
                 bytes_accessed=k * n * w_itemsize + m * k * x_itemsize + splits * m * n * out)
-
-
-def _pow2(n: int) -> int:
-    return 1 << max(int(n) - 1, 0).bit_length()
 
 
 def _kernel(g_ref, x_ref, w_ref, o_ref, *, m: int, k: int, n: int, bm: int, bn: int,
@@ -124,7 +108,7 @@ def stacked_matmul(x_MK: jax.Array, w_GKN: jax.Array, g, *, interpret: bool = Fa
     _, k2, n = w_GKN.shape
     if k != k2:
         raise ValueError(f"x [{m}, {k}] does not contract with a stack of [{k2}, {n}]")
-    bm = max(16, min(blocks.block_m, _pow2(m)))                   # Triton dots: >= 16
+    bm = max(16, min(blocks.block_m, gpu_table.pow2(m)))          # Triton dots: >= 16
     bn, bk = blocks.block_n, blocks.block_k
     tiles = -(-m // bm) * -(-n // bn)
     ks = -(-k // bk)
