@@ -38,9 +38,11 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import importlib.util
 import json
 import os
 import platform
+import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -228,6 +230,33 @@ class Models:
                     target_layers=t.num_layers, hidden=t.hidden_size,
                     drafter_layers=None if d is None else d.config.num_layers,
                     block_size=None if d is None else d.config.block_size)
+
+
+def load_study(name: str):
+    """Another study's ``experiments/<name>/run.py`` as a module (``<name>_study``), for
+    the study that builds on its stages."""
+    spec = importlib.util.spec_from_file_location(f"{name}_study", REPO / "experiments" / name
+                                                  / "run.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def flags(args: dict) -> list[str]:
+    """``{"lr": "1e-4", "num_anchors": 8}`` -> ``["--lr", "1e-4", "--num-anchors", "8"]``."""
+    return [x for k, v in args.items() for x in ("--" + k.replace("_", "-"), str(v))]
+
+
+def run_train(argv: Sequence[str], log: Path, study: str) -> None:
+    """``python -m train ARGV`` from the repository root, logged to ``log`` (a run
+    resumes from its checkpoints); a failure stops the ``study``."""
+    print(f"[{study}] python -m train {' '.join(map(str, argv))}", flush=True)
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    with open(log, "a") as out:
+        code = subprocess.call([sys.executable, "-m", "train", *map(str, argv)], cwd=REPO,
+                               env=env, stdout=out, stderr=subprocess.STDOUT)
+    if code:
+        raise SystemExit(f"python -m train {argv[0]} failed (exit {code}; see {log})")
 
 
 def drafter_dir(root: str | os.PathLike, name: str) -> Path:

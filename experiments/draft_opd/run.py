@@ -36,10 +36,8 @@ shard, the trainings from their checkpoints, the evaluation from its cache file)
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import json
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -53,14 +51,7 @@ sys.path.insert(0, str(HERE.parent))
 import paper_common as pc  # noqa: E402
 
 
-def _load(name: str):
-    spec = importlib.util.spec_from_file_location(f"{name}_study", HERE.parent / name / "run.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-strength = _load("exit_strength")
+strength = pc.load_study("exit_strength")
 cov = strength.cov
 
 # The fine-tunes' shared flags: exit_strength's (batch 4 x 8 anchors, lr 1e-4, warmup 20,
@@ -78,19 +69,8 @@ ARMS["opd-lr1e-5"] = dict(ARMS["opd"], lr="1e-5")
 REFERENCE = "token"
 
 
-def cli(args: dict) -> list[str]:
-    return [x for k, v in args.items() for x in ("--" + k.replace("_", "-"), str(v))]
-
-
 def run_train(argv: list[str], log: Path) -> None:
-    """``python -m train ARGV`` logged to ``log`` (resumes from its checkpoints)."""
-    print(f"[draft_opd] python -m train {' '.join(argv)}", flush=True)
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    with open(log, "a") as out:
-        code = subprocess.call([sys.executable, "-m", "train", *argv], cwd=REPO, env=env,
-                               stdout=out, stderr=subprocess.STDOUT)
-    if code:
-        raise SystemExit(f"python -m train {argv[0]} failed (exit {code}; see {log})")
+    pc.run_train(argv, log, "draft_opd")
 
 
 def arm_flags(arm: str, args, steps: int, seed: int) -> dict:
@@ -119,12 +99,12 @@ def train_arms(args, runs: Path, rollouts: Path, base: Path) -> None:
             if arm == "opd-exittrain":     # OPD's first half, then ExitTrain
                 half = run_dir(runs, "opd-half", seed)
                 if not (half / "drafter" / "config.json").exists():
-                    run_train(["run", "--no-progress", *cli(dict(
+                    run_train(["run", "--no-progress", *pc.flags(dict(
                         arm_flags("opd", args, args.steps // 2, seed),
                         target_path=args.target, data_dir=rollouts, drafter_path=base,
                         out_dir=half))], half.with_suffix(".log"))
                 start, steps = half / "drafter", args.steps - args.steps // 2
-            run_train(["run", "--no-progress", *cli(dict(
+            run_train(["run", "--no-progress", *pc.flags(dict(
                 arm_flags(arm, args, steps, seed), target_path=args.target,
                 data_dir=rollouts, drafter_path=start, out_dir=out))], out.with_suffix(".log"))
 
@@ -138,11 +118,11 @@ def prepare(args, runs: Path) -> tuple[Path, Path]:
     if not (rollouts / "manifest.json").exists():
         run_train(["rollouts", "--target", args.target, "--prompts-file",
                    str(runs / "prompts.jsonl"), "--out", str(rollouts),
-                   *cli(strength.ROLLOUTS), "--limit", str(args.train_prompts),
+                   *pc.flags(strength.ROLLOUTS), "--limit", str(args.train_prompts),
                    "--temperature", "0"], rollouts.with_suffix(".log"))
     base = runs / "base"
     if not (base / "drafter" / "config.json").exists():
-        run_train(["run", "--no-progress", *cli(dict(
+        run_train(["run", "--no-progress", *pc.flags(dict(
             strength.BASE_RUN, target_path=args.target, data_dir=rollouts, out_dir=base,
             steps=args.base_steps,
             warmup_steps=min(int(strength.BASE_RUN["warmup_steps"]), args.base_steps)))],

@@ -36,10 +36,7 @@ Every stage is skipped when its output exists (a killed run resumes from its che
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -53,15 +50,8 @@ sys.path.insert(0, str(HERE.parent))
 import paper_common as pc  # noqa: E402
 
 
-def _load(name: str):
-    spec = importlib.util.spec_from_file_location(f"{name}_study", HERE.parent / name / "run.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-cov = _load("coverage")
-recipe = _load("exit_recipe")
+cov = pc.load_study("coverage")
+recipe = pc.load_study("exit_recipe")
 
 ROLLOUTS = dict(max_prompt_len="192", max_new_tokens="160", batch_size="64", seed="0")
 BASE_RUN = dict(loss="token", drafter_layers="1", batch_size="8", num_anchors="16",
@@ -82,19 +72,8 @@ VARIANTS.update({f"t0-{name}": dict(VARIANTS[name], temperature="0")
 WEIGHT = [name for name in VARIANTS if name.startswith("weight-")]   # the λ choice
 
 
-def cli(args: dict) -> list[str]:
-    return [x for k, v in args.items() for x in ("--" + k.replace("_", "-"), str(v))]
-
-
 def run_train(argv: list[str], log: Path) -> None:
-    """``python -m train ARGV``, logged to ``log``; a failure stops the study."""
-    print(f"[exit_strength] python -m train {' '.join(argv)}", flush=True)
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    with open(log, "a") as out:
-        code = subprocess.call([sys.executable, "-m", "train", *argv], cwd=REPO, env=env,
-                               stdout=out, stderr=subprocess.STDOUT)
-    if code:
-        raise SystemExit(f"python -m train {argv[0]} failed (see {log})")
+    pc.run_train(argv, log, "exit_strength")
 
 
 def write_prompts(data_dir: Path, out: Path) -> None:
@@ -121,11 +100,11 @@ def prepare(args, runs: Path) -> None:
     rollouts = runs / f"rollouts_t{args.rollout_temperature:g}"
     if not (rollouts / "manifest.json").exists():
         run_train(["rollouts", "--target", args.target, "--prompts-file",
-                   str(runs / "prompts.jsonl"), "--out", str(rollouts), *cli(ROLLOUTS),
+                   str(runs / "prompts.jsonl"), "--out", str(rollouts), *pc.flags(ROLLOUTS),
                    "--temperature", f"{args.rollout_temperature:g}"],
                   rollouts.with_suffix(".log"))
     if not (runs / "base" / "drafter" / "config.json").exists():
-        run_train(["run", "--no-progress", *cli(dict(
+        run_train(["run", "--no-progress", *pc.flags(dict(
             BASE_RUN, target_path=args.target, data_dir=rollouts,
             out_dir=runs / "base", steps=args.base_steps,
             drafter_every=args.snapshot_every))], runs / "base.log")
