@@ -56,9 +56,3 @@ def pytest_collection_modifyitems(items):
     long file that started last (that tail was about 45 s of a 617 s run)."""
     rank = {name: i for i, name in enumerate(SLOW_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
-
-
-def pytest_configure(config):
-    config.addinivalue_line(
-        "markers", "slow: a test of more than ~30 s (an end-to-end run); deselect with "
-                   "-m 'not slow'")

@@ -26,7 +26,6 @@ from tev_jax.data import prompts as prompt_sets
 from tev_jax.models import ModelConfig, init_target, save_target
 from tev_jax.models import bundled
 from tev_jax.models.checkpoint_io import weights_fingerprint
-from tev_jax.models.drafter_io import save_drafter
 from train import __main__ as train_cli
 from train.checkpoint import TrainCheckpointer
 from train.loop import check_data_target
@@ -406,15 +405,7 @@ def test_rollouts_read_prompts_as_generate_does(tmp_path, target_dir, capsys):
 @pytest.fixture(scope="module")
 def train_dirs(tmp_path_factory):
     root = tmp_path_factory.mktemp("train")
-    target, drafter = tf.models()
-    save_target(target, root / "target")
-    save_drafter(drafter, root / "drafter")
-    data = tf.progressions()
-    spans = data.spans
-    write_rollouts(root / "data", [t[:s] for t, (s, _) in zip(data.tokens, spans)],
-                   [t[s:e] for t, (s, e) in zip(data.tokens, spans)],
-                   info={"target": str(root / "target"),
-                         "target_fingerprint": weights_fingerprint(root / "target")})
+    tf.write_train_dirs(root)
     return root
 
 

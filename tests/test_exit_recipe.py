@@ -279,6 +279,6 @@ def test_strength_study_fine_tunes_differ_only_in_the_objective(tmp_path):
     runs = tmp_path / "runs"
     assert study.snapshot_path(runs, 500, 5000) == runs / "base" / "drafters" / "update-500"
     assert study.snapshot_path(runs, 5000, 5000) == runs / "base" / "drafter"
-    base = config_from_args(build_parser().parse_args(["run", *study.cli(dict(
+    base = config_from_args(build_parser().parse_args(["run", *study.pc.flags(dict(
         study.BASE_RUN, out_dir="o", steps=5000, drafter_every=500))]))
     assert (base.objective, base.drafter_every, base.partial_anchors) == ("token", 500, False)

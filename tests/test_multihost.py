@@ -5,7 +5,6 @@ save at the same update, and a new job resumes to the same final state."""
 from __future__ import annotations
 
 import json
-import os
 import socket
 import subprocess
 import sys

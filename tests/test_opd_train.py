@@ -248,20 +248,9 @@ def test_cli_opd_run_preempted_and_resumed_equals_an_uninterrupted_one(tmp_path,
 
     from safetensors.numpy import load_file
 
-    from tev_jax.models import save_target
-    from tev_jax.models.checkpoint_io import weights_fingerprint
-    from tev_jax.models.drafter_io import save_drafter
     from train import __main__ as train_cli
-    from train.rollouts import write_rollouts
 
-    target, drafter = tf.models()
-    save_target(target, tmp_path / "target")
-    save_drafter(drafter, tmp_path / "drafter")
-    data = tf.progressions()
-    write_rollouts(tmp_path / "data", [t[:s] for t, (s, _) in zip(data.tokens, data.spans)],
-                   [t[s:e] for t, (s, e) in zip(data.tokens, data.spans)],
-                   info={"target": str(tmp_path / "target"),
-                         "target_fingerprint": weights_fingerprint(tmp_path / "target")})
+    tf.write_train_dirs(tmp_path)
     argv = lambda out: [
         "run", "--objective", "opd", "--target-path", str(tmp_path / "target"),
         "--init-from", str(tmp_path / "drafter"), "--data-dir", str(tmp_path / "data"),
@@ -307,7 +296,7 @@ def test_comparison_arms_match_updates_schedule_and_batch(tmp_path):
     study = experiment_scripts.load("draft_opd")
     args = SimpleNamespace(snapshot_every=50, opd_steps=10, opd_prompts=16,
                            opd_max_new_tokens=160)
-    configs = {arm: config_from_args(build_parser().parse_args(["run", *study.cli(dict(
+    configs = {arm: config_from_args(build_parser().parse_args(["run", *study.pc.flags(dict(
         study.arm_flags(arm, args, 200, 1), target_path="T", data_dir="d",
         drafter_path="base", out_dir=str(tmp_path / arm)))]))
         for arm in ("token", "exittrain", "opd")}

@@ -12,25 +12,15 @@ import pytest
 import train_fixtures as tf
 from tev_jax import batch_io
 from tev_jax.models.bundled import bundled_paths
-from tev_jax.models.checkpoint_io import weights_fingerprint
-from tev_jax.models import save_target
-from tev_jax.models.drafter_io import save_drafter
 from train import __main__ as train_cli
 from train.checkpoint import steps_in
-from train.rollouts import RolloutSet, write_rollouts
+from train.rollouts import RolloutSet
 
 
 @pytest.fixture(scope="module")
 def train_dirs(tmp_path_factory):
     root = tmp_path_factory.mktemp("train")
-    target, drafter = tf.models()
-    save_target(target, root / "target")
-    save_drafter(drafter, root / "drafter")
-    data = tf.progressions()
-    write_rollouts(root / "data", [t[:s] for t, (s, _) in zip(data.tokens, data.spans)],
-                   [t[s:e] for t, (s, e) in zip(data.tokens, data.spans)],
-                   info={"target": str(root / "target"),
-                         "target_fingerprint": weights_fingerprint(root / "target")})
+    tf.write_train_dirs(root)
     return root
 
 

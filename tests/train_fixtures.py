@@ -47,3 +47,22 @@ def config(out_dir, **kw) -> TrainConfig:
                 keep_checkpoints=2, out_dir=str(out_dir), seed=0)
     base.update(kw)
     return TrainConfig(**base)
+
+
+def write_train_dirs(root) -> None:
+    """The files a ``tev-train run`` reads, under ``root``: the tiny `models` as
+    ``target/`` and ``drafter/`` checkpoints and the `progressions` as ``data/``, rollouts
+    of that target (its fingerprint in their info)."""
+    from tev_jax.models import save_target
+    from tev_jax.models.checkpoint_io import weights_fingerprint
+    from tev_jax.models.drafter_io import save_drafter
+    from train.rollouts import write_rollouts
+
+    target, drafter = models()
+    save_target(target, root / "target")
+    save_drafter(drafter, root / "drafter")
+    data = progressions()
+    write_rollouts(root / "data", [t[:s] for t, (s, _) in zip(data.tokens, data.spans)],
+                   [t[s:e] for t, (s, e) in zip(data.tokens, data.spans)],
+                   info={"target": str(root / "target"),
+                         "target_fingerprint": weights_fingerprint(root / "target")})

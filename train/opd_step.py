@@ -21,7 +21,6 @@ like its tokens.
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import functools
 from typing import Any
@@ -39,7 +38,7 @@ from tev_jax.tree_scoring import target_context
 from train.optimizer import OptimConfig, make_optimizer
 from train.placement import Placement, abstract_state, placement
 from train.state import Frozen, Graphs, TrainState, merge_drafter, split_models
-from train.step import check_pass_options, drafter_pass
+from train.step import ProgramCache, check_pass_options, drafter_pass
 
 
 @struct.dataclass
@@ -181,29 +180,22 @@ def _build(graphs, cfg: OpdStepConfig, ocfg: OptimConfig, mesh, param_state, fro
     return OpdProgram(place, batch_sh, optimizer, lr_schedule, step_fn)
 
 
-_PROGRAMS: collections.OrderedDict = collections.OrderedDict()
-_MAX_PROGRAMS = 8
+_PROGRAMS = ProgramCache()
 
 
 def opd_program(graphs: Graphs, cfg: OpdStepConfig, ocfg: OptimConfig, mesh, param_state,
                 frozen: Frozen, batch_shape: tuple[int, int, int]) -> OpdProgram:
     """The OPD step for one (models, settings, mesh, batch shape), built once per
-    process (the last few are kept, as `train.step.step_program` does).
+    process (`train.step.ProgramCache`).
 
     Args:
       param_state: the drafter's ``nnx.Param`` state (for its logical axes).
       frozen: the frozen model state (for the target's logical axes).
       batch_shape: (B, L, A).
     """
-    key = (graphs, cfg, ocfg, mesh, tuple(batch_shape))
-    if key in _PROGRAMS:
-        _PROGRAMS.move_to_end(key)
-        return _PROGRAMS[key]
-    program = _build(graphs, cfg, ocfg, mesh, param_state, frozen, batch_shape)
-    _PROGRAMS[key] = program
-    while len(_PROGRAMS) > _MAX_PROGRAMS:
-        _PROGRAMS.popitem(last=False)
-    return program
+    return _PROGRAMS.get((graphs, cfg, ocfg, mesh, tuple(batch_shape)),
+                         lambda: _build(graphs, cfg, ocfg, mesh, param_state, frozen,
+                                        batch_shape))
 
 
 def place_opd_batch(arrays: OpdBatch, program: OpdProgram) -> OpdBatch:

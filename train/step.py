@@ -214,35 +214,48 @@ class StepProgram:
     step_fn: Any
 
 
-_PROGRAMS: collections.OrderedDict = collections.OrderedDict()
-_MAX_PROGRAMS = 8
+class ProgramCache:
+    """The last few compiled train programs of this process, by (models, settings, mesh,
+    batch shape): runs of the same shapes in one process (a resumed run, a test) reuse
+    a step instead of tracing and compiling it again."""
+
+    def __init__(self, size: int = 8):
+        self.size = size
+        self.programs: collections.OrderedDict = collections.OrderedDict()
+
+    def get(self, key, build):
+        """The program under ``key``, built by ``build()`` the first time."""
+        if key in self.programs:
+            self.programs.move_to_end(key)
+            return self.programs[key]
+        program = self.programs[key] = build()
+        while len(self.programs) > self.size:
+            self.programs.popitem(last=False)
+        return program
+
+
+_PROGRAMS = ProgramCache()
 
 
 def step_program(graphs: Graphs, cfg: StepConfig, ocfg: OptimConfig, mesh, param_state,
                  frozen: Frozen, batch_shape: tuple[int, int, int]) -> StepProgram:
-    """The step for one (models, settings, mesh, batch shape), built once per process.
-
-    Runs of the same shapes in one process (a resumed run, a test) reuse the compiled
-    step instead of tracing and compiling it again (the last `_MAX_PROGRAMS` are kept).
+    """The step for one (models, settings, mesh, batch shape), built once per process
+    (`ProgramCache`).
 
     Args:
       param_state: the drafter's ``nnx.Param`` state (for its logical axes).
       frozen: the frozen model state (for the target's logical axes).
       batch_shape: (B, L, A).
     """
-    key = (graphs, cfg, ocfg, mesh, tuple(batch_shape))
-    if key in _PROGRAMS:
-        _PROGRAMS.move_to_end(key)
-        return _PROGRAMS[key]
-    optimizer, lr_schedule = make_optimizer(ocfg)
-    place = placement(mesh, graphs, frozen, param_state, optimizer, batch_shape,
-                      cfg.target_sharding)
-    program = StepProgram(place, optimizer, lr_schedule,
-                          make_step_fn(graphs, cfg, optimizer, place, lr_schedule))
-    _PROGRAMS[key] = program
-    while len(_PROGRAMS) > _MAX_PROGRAMS:
-        _PROGRAMS.popitem(last=False)
-    return program
+
+    def build():
+        optimizer, lr_schedule = make_optimizer(ocfg)
+        place = placement(mesh, graphs, frozen, param_state, optimizer, batch_shape,
+                          cfg.target_sharding)
+        return StepProgram(place, optimizer, lr_schedule,
+                           make_step_fn(graphs, cfg, optimizer, place, lr_schedule))
+
+    return _PROGRAMS.get((graphs, cfg, ocfg, mesh, tuple(batch_shape)), build)
 
 
 def lower(target, drafter, step_config: StepConfig, optim_config: OptimConfig, mesh,
@@ -278,5 +291,5 @@ def lower(target, drafter, step_config: StepConfig, optim_config: OptimConfig, m
         return step_fn.lower(state, batch, jax.tree.map(shape, frozen))
 
 
-__all__ = ["DTYPES", "REMAT", "StepConfig", "StepProgram", "loss_and_grads", "lower",
+__all__ = ["DTYPES", "REMAT", "ProgramCache", "StepConfig", "StepProgram", "loss_and_grads", "lower",
            "make_step_fn", "step_program", "train_step"]

@@ -84,8 +84,7 @@ def train_args(flags: dict, base: dict, target: str, data_dir: Path, drafter: Pa
     over the shared ``base``)."""
     flags = {"target_path": target, "data_dir": str(data_dir), "drafter_path": str(drafter),
              "out_dir": str(out_dir), **base, **flags}
-    return ["run", "--no-progress"] + [x for k, v in flags.items()
-                                       for x in ("--" + k.replace("_", "-"), v)]
+    return ["run", "--no-progress", *pc.flags(flags)]
 
 
 def finetune_all(variants: dict[str, dict], base: dict, target: str, data_dir: Path,
