@@ -341,6 +341,14 @@ class ModelConfig:
         the text-only ``gemma4_unified_text`` config, transformers 5.x)."""
         return registry.family(self.model_type).write_config(self, dtype=dtype)
 
+    def dims_hf(self) -> dict[str, Any]:
+        """The shape fields every family's ``config.json`` shares (vocabulary, widths,
+        layers, heads)."""
+        return {"vocab_size": self.vocab_size, "hidden_size": self.hidden_size,
+                "intermediate_size": self.intermediate_size,
+                "num_hidden_layers": self.num_layers, "num_attention_heads": self.num_heads,
+                "num_key_value_heads": self.num_kv_heads, "head_dim": self.head_dim}
+
     def special_tokens_hf(self) -> dict[str, Any]:
         """The ``bos_token_id`` / ``eos_token_id`` fields of a ``config.json`` (those set)."""
         d: dict[str, Any] = {}
