@@ -19,7 +19,7 @@ import sys
 
 import pytest
 
-import train_fixtures as tf
+from train_fixtures import train_dirs  # noqa: F401  (a fixture)
 from decode_fixtures import greedy_reference
 from tev_jax import batch_io, batching, cli, exits, profile
 from tev_jax.data import prompts as prompt_sets
@@ -400,13 +400,6 @@ def test_rollouts_read_prompts_as_generate_does(tmp_path, target_dir, capsys):
 
 
 # --------------------------------------------------------------------- training
-
-
-@pytest.fixture(scope="module")
-def train_dirs(tmp_path_factory):
-    root = tmp_path_factory.mktemp("train")
-    tf.write_train_dirs(root)
-    return root
 
 
 def _train(root, out, *extra):

@@ -9,19 +9,12 @@ from __future__ import annotations
 
 import pytest
 
-import train_fixtures as tf
+from train_fixtures import train_dirs  # noqa: F401  (a fixture)
 from tev_jax import batch_io
 from tev_jax.models.bundled import bundled_paths
 from train import __main__ as train_cli
 from train.checkpoint import steps_in
 from train.rollouts import RolloutSet
-
-
-@pytest.fixture(scope="module")
-def train_dirs(tmp_path_factory):
-    root = tmp_path_factory.mktemp("train")
-    tf.write_train_dirs(root)
-    return root
 
 
 def _train(root, out, *extra):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 
 import numpy as np
+import pytest
 
 from tev_jax.models import ModelConfig, init_target
 from tev_jax.models.drafter_io import init_drafter
@@ -66,3 +67,11 @@ def write_train_dirs(root) -> None:
                    [t[s:e] for t, (s, e) in zip(data.tokens, data.spans)],
                    info={"target": str(root / "target"),
                          "target_fingerprint": weights_fingerprint(root / "target")})
+
+
+@pytest.fixture(scope="module")
+def train_dirs(tmp_path_factory):
+    """A folder of `write_train_dirs`, per test module."""
+    root = tmp_path_factory.mktemp("train")
+    write_train_dirs(root)
+    return root

@@ -38,7 +38,7 @@ from tev_jax.tree_scoring import target_context
 from train.optimizer import OptimConfig, make_optimizer
 from train.placement import Placement, abstract_state, placement
 from train.state import Frozen, Graphs, TrainState, merge_drafter, split_models
-from train.step import ProgramCache, check_pass_options, drafter_pass
+from train.step import ProgramCache, apply_grads, check_pass_options, drafter_pass
 
 
 @struct.dataclass
@@ -119,12 +119,7 @@ def opd_train_step(state: TrainState, batch: OpdBatch, frozen: Frozen, *, graphs
                    cfg: OpdStepConfig, optimizer, lr_schedule=None):
     """One micro-batch: gradients, optimiser update (un-jitted; see `make_opd_step_fn`)."""
     grads, metrics = opd_loss_and_grads(state.params, graphs, frozen, batch, cfg)
-    updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
-    params = optax.apply_updates(state.params, updates)
-    if lr_schedule is not None:
-        metrics["lr"] = jnp.asarray(lr_schedule(state.step), jnp.float32)
-    metrics = {k: jnp.asarray(v, jnp.float32) for k, v in metrics.items()}
-    return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics
+    return apply_grads(state, grads, metrics, optimizer, lr_schedule)
 
 
 def opd_batch_shardings(mesh, batch_shape: tuple[int, int, int], horizon: int):

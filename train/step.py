@@ -180,10 +180,17 @@ def train_step(state: TrainState, batch: Batch, frozen: Frozen, *, graphs: Graph
       (new TrainState, metrics dict of float32 [])
     """
     grads, metrics = loss_and_grads(state.params, graphs, frozen, batch, cfg)
+    return apply_grads(state, grads, metrics, optimizer, lr_schedule)
+
+
+def apply_grads(state: TrainState, grads, metrics: dict, optimizer, lr_schedule=None):
+    """The optimiser update of ``state`` by ``grads``; -> (new TrainState, ``metrics``
+    as float32 scalars, with the update's learning rate as 'lr' when ``lr_schedule`` is
+    given)."""
     updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
     if lr_schedule is not None:
-        metrics["lr"] = jnp.asarray(lr_schedule(state.step), jnp.float32)
+        metrics = dict(metrics, lr=lr_schedule(state.step))
     metrics = {k: jnp.asarray(v, jnp.float32) for k, v in metrics.items()}
     return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics
 
@@ -291,5 +298,5 @@ def lower(target, drafter, step_config: StepConfig, optim_config: OptimConfig, m
         return step_fn.lower(state, batch, jax.tree.map(shape, frozen))
 
 
-__all__ = ["DTYPES", "REMAT", "ProgramCache", "StepConfig", "StepProgram", "loss_and_grads", "lower",
+__all__ = ["DTYPES", "REMAT", "ProgramCache", "apply_grads", "StepConfig", "StepProgram", "loss_and_grads", "lower",
            "make_step_fn", "step_program", "train_step"]
