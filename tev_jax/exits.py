@@ -13,6 +13,7 @@ import argparse
 import contextlib
 import functools
 import gc
+import importlib.util
 import os
 import re
 import signal
@@ -36,23 +37,43 @@ class Interrupted(KeyboardInterrupt):
     on disk; the command ends with `EXIT_RESUMABLE`: rerunning it resumes."""
 
 
-# The jax calls that wait, interruptibly, for native work on XLA's threads: a compile.
-# Raising KeyboardInterrupt inside them lets the interpreter finalize (and jax's atexit
-# destroy the backend) while the compile still runs on its thread, which then crashes
-# the process with a segfault (exit 139) instead of the interrupt's exit code.
-NATIVE_WAITS = (("compiler.py", "backend_compile_and_load"),)
+def _package_dir(name: str) -> str | None:
+    spec = importlib.util.find_spec(name)
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    return os.path.join(list(spec.submodule_search_locations)[0], "")
+
+
+# Where a signal is held until the main thread has left: jax's (and jaxlib's) own Python
+# code. Raised inside a compile call, KeyboardInterrupt let the interpreter finalize
+# while the compile still ran on XLA's threads, which then crashed the process (exit
+# 139); raised just after one, jax's bare ``except:`` clauses (reading the compiled
+# program's layouts and shardings) swallowed it and the command ran on (exit 0).
+HELD_IN = tuple(d for d in map(_package_dir, ("jax", "jaxlib")) if d)
 _POLL_SECONDS = 0.02
 
 
-def in_native_wait(frame) -> bool:
-    """Whether ``frame`` (or a caller) is one of jax's interruptible native waits."""
+# Where jax waits for a device: a jitted call running its program under jax's API
+# boundary, and a result read back. A signal is taken when the wait in C++ returns, and
+# raised there it propagates; holding it would wait out the next computation too.
+WAITS = (("traceback_util.py", "reraise_with_filtered_traceback"), ("array.py", "_value"))
+
+
+def in_jax(frame) -> bool:
+    """Whether ``frame`` (or a caller) runs jax's own Python code (`HELD_IN`: tracing,
+    lowering, compiling, reading a compiled program), unless ``frame`` is one of jax's
+    `WAITS` for a device."""
+    if frame is not None and any(_code_is(frame.f_code, *w) for w in WAITS):
+        return False
     while frame is not None:
-        code = frame.f_code
-        for file, name in NATIVE_WAITS:
-            if code.co_name == name and os.path.basename(code.co_filename) == file:
-                return True
+        if frame.f_code.co_filename.startswith(HELD_IN):
+            return True
         frame = frame.f_back
     return False
+
+
+def _code_is(code, file: str, name: str) -> bool:
+    return code.co_name == name and os.path.basename(code.co_filename) == file
 
 
 def in_swallowing_call(frame) -> bool:
@@ -81,12 +102,12 @@ def in_import(frame) -> bool:
 
 
 def _must_wait(frame) -> bool:
-    return in_native_wait(frame) or in_swallowing_call(frame) or in_import(frame)
+    return in_jax(frame) or in_swallowing_call(frame) or in_import(frame)
 
 
 def _deliver_later(signum: int) -> None:
-    """Waits (on a helper thread) until the main thread has left the native wait or the
-    callback, then sends ``signum`` to it again (a real signal: it also ends a sleep or
+    """Waits (on a helper thread) until the main thread has left jax, the callback or the
+    import, then sends ``signum`` to it again (a real signal: it also ends a sleep or
     a blocking read there, as the first one would have)."""
     main = threading.main_thread().ident
     while _must_wait(sys._current_frames().get(main)):
@@ -121,7 +142,7 @@ def _redeliver_dropped(next_hook, unraisable) -> None:
 
 def refine_default_interrupt() -> bool:
     """Replaces Python's default SIGINT handler, and only that one, with `_interrupt`:
-    Ctrl-C still raises KeyboardInterrupt, but not inside jax's compile call, a
+    Ctrl-C still raises KeyboardInterrupt, but not inside jax (`in_jax`), a
     garbage-collector callback or an import, where it would crash the process or be
     dropped (jax's callback runs often while jax and its users import: Ctrl-C in the
     first seconds of a command was lost half the time; inside jaxlib's initialisation
@@ -134,8 +155,7 @@ def refine_default_interrupt() -> bool:
         return False
     signal.signal(signal.SIGINT, _interrupt)
     if sys.unraisablehook is sys.__unraisablehook__:
-        sys.unraisablehook = functools.partial(_redeliver_dropped,
-                                                   sys.__unraisablehook__)
+        sys.unraisablehook = functools.partial(_redeliver_dropped, sys.__unraisablehook__)
     return True
 
 
@@ -144,8 +164,9 @@ def signals_as_interrupts():
     """Turns SIGINT into KeyboardInterrupt and SIGTERM into `Terminated` (a
     KeyboardInterrupt) while the block runs, so a terminated command ends like an
     interrupted one: its work so far on disk, one line on stderr. A signal that arrives
-    while jax waits for a compile is raised once the compile has returned (`NATIVE_WAITS`),
-    so that no XLA thread still runs when the interpreter exits, one that arrives in
+    while jax traces, compiles or waits is raised once the main thread has left jax
+    (`in_jax`), so that no XLA thread still runs when the interpreter exits and no
+    ``except:`` of jax's drops it, one that arrives in
     a garbage-collector callback or ``__del__`` once that has returned, so that it is not
     dropped (`in_swallowing_call`), and one that arrives in an import once the import is
     done (`in_import`); one that Python still drops anywhere else (a weakref callback,
@@ -226,6 +247,7 @@ def name_flags(message: str, flags: dict[str, str]) -> str:
     return re.sub(r"(?<=\S) or None\b", " or unset", message)  # a flag is unset, not None
 
 
-__all__ = ["EXIT_RESUMABLE", "EXIT_SIGNAL", "EXIT_USAGE", "Interrupted", "NATIVE_WAITS",
-           "Terminated", "flag_names", "in_import", "in_native_wait", "in_swallowing_call", "interrupt_exit",
-           "name_flags", "parse_args", "refine_default_interrupt", "signals_as_interrupts"]
+__all__ = ["EXIT_RESUMABLE", "EXIT_SIGNAL", "EXIT_USAGE", "HELD_IN", "Interrupted",
+           "Terminated", "WAITS", "flag_names", "in_import", "in_jax", "in_swallowing_call",
+           "interrupt_exit", "name_flags", "parse_args", "refine_default_interrupt",
+           "signals_as_interrupts"]
