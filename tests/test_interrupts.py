@@ -231,73 +231,83 @@ def test_twenty_interrupts_per_command(name, tmp_path, rollouts):
     assert -11 not in codes and 139 not in codes
 
 
-def test_a_signal_inside_jax_is_raised_after_it(tmp_path, monkeypatch):
-    """The mechanism, deterministically: SIGINT that arrives while the main thread runs
-    jax's code (here a stand-in module in a folder added to `exits.HELD_IN`: a compile
-    call, then a bare ``except:`` as jax's reading of the compiled layouts has) is
-    raised once the call has returned to our code; without the hold it is raised inside
-    the call, where the ``except:`` drops it (the command ran on and ended with 0) or a
-    compile thread outlives the interpreter (a segfault)."""
-    import importlib.util
-
+def test_a_signal_during_a_compile_is_raised_after_it(tmp_path):
+    """The mechanism, deterministically: SIGINT that arrives inside jax's compile call
+    (here a stand-in with its file and function name) is raised once the call has
+    returned, so the compile's work is not left running; without the deferral it is
+    raised inside the call (the segfault of a real compile thread outliving the
+    interpreter)."""
     from tev_jax import exits
 
-    jax_like = tmp_path / "jax_like"
-    jax_like.mkdir()
-    (jax_like / "compiler.py").write_text(
+    compiler = _module(tmp_path, "compiler", (
         "import os, signal, time\n"
-        "def compile_and_read_layouts(log):\n"
+        "def backend_compile_and_load(log):\n"
         "    os.kill(os.getpid(), signal.SIGINT)\n"
         "    t = time.perf_counter()\n"
         "    while time.perf_counter() - t < 0.3:\n"
         "        pass\n"
-        "    log.append('compiled')\n"
-        "    try:\n"
-        "        time.sleep(0.1)\n"
-        "    except:\n"
-        "        log.append('dropped')\n")
-    spec = importlib.util.spec_from_file_location("compiler", jax_like / "compiler.py")
-    compiler = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(compiler)
-    monkeypatch.setattr(exits, "HELD_IN", (*exits.HELD_IN, str(jax_like)))
+        "    log.append('compiled')\n"))
     log = []
     with pytest.raises(KeyboardInterrupt):
         with exits.signals_as_interrupts():
-            compiler.compile_and_read_layouts(log)
+            compiler.backend_compile_and_load(log)
             log.append("returned")
-            time.sleep(5)  # the held interrupt comes here
+            time.sleep(5)  # the deferred interrupt comes here
     assert log == ["compiled", "returned"]
 
 
-def test_a_signal_during_a_device_wait_is_raised_at_once(tmp_path, monkeypatch):
-    """A signal that comes while jax waits for a device (`exits.WAITS`: here a stand-in
-    ``array.py`` with jax's ``_value``, in a folder of `exits.HELD_IN`) is raised there
-    at once: held, it would wait out the whole computation (a fused generation) and the
-    ones after it, and the command ran to its end."""
-    import importlib.util
-
+def test_a_signal_inside_a_catch_all_try_is_raised_after_it(tmp_path, monkeypatch):
+    """SIGINT that arrives inside a ``try`` of jax's (here a stand-in in a folder added to
+    `exits.CATCH_ALL_IN`) whose bare ``except:`` would drop it (jax reads a compiled
+    program's layouts so, just after the compile) is raised once the ``try`` is left; raised inside it, it was dropped and the command ran on to exit 0. A
+    catch-all that raises again (cleanup, then ``raise``) holds nothing."""
     from tev_jax import exits
 
-    jax_like = tmp_path / "jax_like"
-    jax_like.mkdir()
-    (jax_like / "array.py").write_text(
+    layouts = _module(tmp_path, "pxla_like", (
         "import os, signal, time\n"
-        "def _value(log):\n"
-        "    os.kill(os.getpid(), signal.SIGINT)\n"
-        "    t = time.perf_counter()\n"
-        "    while time.perf_counter() - t < 0.3:\n"
-        "        pass\n"
-        "    log.append('waited')\n")
-    spec = importlib.util.spec_from_file_location("array", jax_like / "array.py")
-    array = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(array)
-    monkeypatch.setattr(exits, "HELD_IN", (*exits.HELD_IN, str(jax_like)))
+        "def read_layouts(log):\n"
+        "    try:\n"
+        "        os.kill(os.getpid(), signal.SIGINT)\n"
+        "        t = time.perf_counter()\n"
+        "        while time.perf_counter() - t < 0.3:\n"
+        "            pass\n"
+        "        log.append('read')\n"
+        "    except:\n"
+        "        log.append('dropped')\n"
+        "def cleanup_then_raise(log):\n"
+        "    try:\n"
+        "        os.kill(os.getpid(), signal.SIGINT)\n"
+        "        t = time.perf_counter()\n"
+        "        while time.perf_counter() - t < 0.3:\n"
+        "            pass\n"
+        "        log.append('finished')\n"
+        "    except BaseException:\n"
+        "        log.append('cleaned up')\n"
+        "        raise\n"))
+    assert len(exits.catch_all_spans(layouts.__file__)) == 1
+    monkeypatch.setattr(exits, "CATCH_ALL_IN", (*exits.CATCH_ALL_IN, str(tmp_path)))
     log = []
     with pytest.raises(KeyboardInterrupt):
         with exits.signals_as_interrupts():
-            array._value(log)
-            time.sleep(5)  # a held interrupt would come here
-    assert log == []
+            layouts.read_layouts(log)
+            log.append("returned")
+            time.sleep(5)  # the held interrupt comes here
+    assert log == ["read", "returned"]
+    log = []
+    with pytest.raises(KeyboardInterrupt):
+        with exits.signals_as_interrupts():
+            layouts.cleanup_then_raise(log)
+    assert log == ["cleaned up"]
+
+
+def _module(folder, name: str, source: str):
+    import importlib.util
+
+    (folder / f"{name}.py").write_text(source)
+    spec = importlib.util.spec_from_file_location(name, folder / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def test_a_signal_during_a_gc_callback_is_not_dropped():

@@ -10,6 +10,7 @@ the flag the user typed (`flag_names`, `name_flags`).
 from __future__ import annotations
 
 import argparse
+import ast
 import contextlib
 import functools
 import gc
@@ -37,6 +38,25 @@ class Interrupted(KeyboardInterrupt):
     on disk; the command ends with `EXIT_RESUMABLE`: rerunning it resumes."""
 
 
+# The jax calls that wait, interruptibly, for native work on XLA's threads: a compile.
+# Raising KeyboardInterrupt inside them lets the interpreter finalize (and jax's atexit
+# destroy the backend) while the compile still runs on its thread, which then crashes
+# the process with a segfault (exit 139) instead of the interrupt's exit code.
+NATIVE_WAITS = (("compiler.py", "backend_compile_and_load"),)
+_POLL_SECONDS = 0.02
+
+
+def in_native_wait(frame) -> bool:
+    """Whether ``frame`` (or a caller) is one of jax's interruptible native waits."""
+    while frame is not None:
+        code = frame.f_code
+        if any(code.co_name == name and os.path.basename(code.co_filename) == file
+               for file, name in NATIVE_WAITS):
+            return True
+        frame = frame.f_back
+    return False
+
+
 def _package_dir(name: str) -> str | None:
     spec = importlib.util.find_spec(name)
     if spec is None or not spec.submodule_search_locations:
@@ -44,36 +64,54 @@ def _package_dir(name: str) -> str | None:
     return os.path.join(list(spec.submodule_search_locations)[0], "")
 
 
-# Where a signal is held until the main thread has left: jax's (and jaxlib's) own Python
-# code. Raised inside a compile call, KeyboardInterrupt let the interpreter finalize
-# while the compile still ran on XLA's threads, which then crashed the process (exit
-# 139); raised just after one, jax's bare ``except:`` clauses (reading the compiled
-# program's layouts and shardings) swallowed it and the command ran on (exit 0).
-HELD_IN = tuple(d for d in map(_package_dir, ("jax", "jaxlib")) if d)
-_POLL_SECONDS = 0.02
+# Whose ``try: ... except:`` blocks hold a signal (`in_catch_all`): jax's and jaxlib's.
+# (Elsewhere a catch-all often keeps the exception and raises it later, as pytest's
+# plugin calls do, which a reading of the source cannot tell from dropping it.)
+CATCH_ALL_IN = tuple(d for d in map(_package_dir, ("jax", "jaxlib")) if d)
+_SPANS: dict[str, tuple[tuple[int, int], ...]] = {}
 
 
-# Where jax waits for a device: a jitted call running its program under jax's API
-# boundary, and a result read back. A signal is taken when the wait in C++ returns, and
-# raised there it propagates; holding it would wait out the next computation too.
-WAITS = (("traceback_util.py", "reraise_with_filtered_traceback"), ("array.py", "_value"))
+def catch_all_spans(filename: str, parse: bool = True) -> tuple[tuple[int, int], ...]:
+    """(first, last) lines of the ``try`` bodies in the Python file ``filename`` whose
+    handler takes every exception (``except:``, ``except BaseException``) and does not
+    raise again: an interrupt raised inside one is dropped. () for a file that is not
+    Python source (a frozen module, a C extension), or not read yet when ``parse`` is
+    False (the helper thread's check: Python 3.11's parser must not run on two threads
+    at once, so only the main thread parses)."""
+    if filename in _SPANS or not parse:
+        return _SPANS.get(filename, ())
+    try:
+        with open(filename, "rb") as f:
+            tree = ast.parse(f.read())
+    except (OSError, SyntaxError, ValueError):
+        tree = ast.Module(body=[], type_ignores=[])
+    spans = []
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Try):
+            continue
+        for handler in node.handlers:
+            names = {n.id for n in ast.walk(handler.type)
+                     if isinstance(n, ast.Name)} if handler.type else {"BaseException"}
+            if ("BaseException" in names
+                    and not any(isinstance(n, ast.Raise) for n in ast.walk(handler))):
+                spans.append((node.body[0].lineno, node.body[-1].end_lineno))
+                break
+    _SPANS[filename] = tuple(spans)
+    return _SPANS[filename]
 
 
-def in_jax(frame) -> bool:
-    """Whether ``frame`` (or a caller) runs jax's own Python code (`HELD_IN`: tracing,
-    lowering, compiling, reading a compiled program), unless ``frame`` is one of jax's
-    `WAITS` for a device."""
-    if frame is not None and any(_code_is(frame.f_code, *w) for w in WAITS):
-        return False
+def in_catch_all(frame, parse: bool = True) -> bool:
+    """Whether ``frame`` (or a caller) runs inside one of jax's ``try`` blocks that would
+    drop an interrupt (`CATCH_ALL_IN`, `catch_all_spans`): jax reads a compiled
+    program's layouts and shardings in ``try: ... except:``, and a SIGINT raised there,
+    just after a compile, was lost (the command ran on and ended with 0)."""
     while frame is not None:
-        if frame.f_code.co_filename.startswith(HELD_IN):
+        file, line = frame.f_code.co_filename, frame.f_lineno
+        if file.startswith(CATCH_ALL_IN) and any(
+                a <= line <= b for a, b in catch_all_spans(file, parse)):
             return True
         frame = frame.f_back
     return False
-
-
-def _code_is(code, file: str, name: str) -> bool:
-    return code.co_name == name and os.path.basename(code.co_filename) == file
 
 
 def in_swallowing_call(frame) -> bool:
@@ -101,16 +139,17 @@ def in_import(frame) -> bool:
     return False
 
 
-def _must_wait(frame) -> bool:
-    return in_jax(frame) or in_swallowing_call(frame) or in_import(frame)
+def _must_wait(frame, parse: bool = True) -> bool:
+    return (in_native_wait(frame) or in_catch_all(frame, parse) or in_swallowing_call(frame)
+            or in_import(frame))
 
 
 def _deliver_later(signum: int) -> None:
-    """Waits (on a helper thread) until the main thread has left jax, the callback or the
-    import, then sends ``signum`` to it again (a real signal: it also ends a sleep or
+    """Waits (on a helper thread) until the main thread has left the compile, the
+    catch-all ``try``, the callback or the import, then sends ``signum`` to it again (a real signal: it also ends a sleep or
     a blocking read there, as the first one would have)."""
     main = threading.main_thread().ident
-    while _must_wait(sys._current_frames().get(main)):
+    while _must_wait(sys._current_frames().get(main), parse=False):
         time.sleep(_POLL_SECONDS)
     signal.pthread_kill(main, signum)
 
@@ -142,9 +181,9 @@ def _redeliver_dropped(next_hook, unraisable) -> None:
 
 def refine_default_interrupt() -> bool:
     """Replaces Python's default SIGINT handler, and only that one, with `_interrupt`:
-    Ctrl-C still raises KeyboardInterrupt, but not inside jax (`in_jax`), a
-    garbage-collector callback or an import, where it would crash the process or be
-    dropped (jax's callback runs often while jax and its users import: Ctrl-C in the
+    Ctrl-C still raises KeyboardInterrupt, but not inside jax's compile call, a ``try``
+    that drops every exception, a garbage-collector callback or an import, where it
+    would crash the process or be dropped (jax's callback runs often while jax and its users import: Ctrl-C in the
     first seconds of a command was lost half the time; inside jaxlib's initialisation
     it became an ImportError, or a segfault). ``import tev_jax`` calls it, before it
     imports jax. A handler of your own is left alone, and so is a thread other than the
@@ -164,9 +203,10 @@ def signals_as_interrupts():
     """Turns SIGINT into KeyboardInterrupt and SIGTERM into `Terminated` (a
     KeyboardInterrupt) while the block runs, so a terminated command ends like an
     interrupted one: its work so far on disk, one line on stderr. A signal that arrives
-    while jax traces, compiles or waits is raised once the main thread has left jax
-    (`in_jax`), so that no XLA thread still runs when the interpreter exits and no
-    ``except:`` of jax's drops it, one that arrives in
+    while jax waits for a compile is raised once the compile has returned (`NATIVE_WAITS`),
+    so that no XLA thread still runs when the interpreter exits, one that arrives inside
+    a ``try`` whose ``except:`` would drop it once the ``try`` is left (`in_catch_all`),
+    one that arrives in
     a garbage-collector callback or ``__del__`` once that has returned, so that it is not
     dropped (`in_swallowing_call`), and one that arrives in an import once the import is
     done (`in_import`); one that Python still drops anywhere else (a weakref callback,
@@ -247,7 +287,7 @@ def name_flags(message: str, flags: dict[str, str]) -> str:
     return re.sub(r"(?<=\S) or None\b", " or unset", message)  # a flag is unset, not None
 
 
-__all__ = ["EXIT_RESUMABLE", "EXIT_SIGNAL", "EXIT_USAGE", "HELD_IN", "Interrupted",
-           "Terminated", "WAITS", "flag_names", "in_import", "in_jax", "in_swallowing_call",
-           "interrupt_exit", "name_flags", "parse_args", "refine_default_interrupt",
-           "signals_as_interrupts"]
+__all__ = ["CATCH_ALL_IN", "EXIT_RESUMABLE", "EXIT_SIGNAL", "EXIT_USAGE", "Interrupted",
+           "NATIVE_WAITS", "Terminated", "catch_all_spans", "flag_names", "in_catch_all", "in_import",
+           "in_native_wait", "in_swallowing_call", "interrupt_exit", "name_flags",
+           "parse_args", "refine_default_interrupt", "signals_as_interrupts"]
