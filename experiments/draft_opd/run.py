@@ -139,10 +139,14 @@ def drafter_names(args) -> dict[str, Path]:
         for arm in args.arms:
             out = run_dir(runs, arm, seed)
             names[f"{arm}-s{seed}"] = out / "drafter"
-            offset = args.steps // 2 if arm == "opd-exittrain" else 0
-            steps = args.steps - offset
-            for u in range(args.snapshot_every, steps, args.snapshot_every):
-                names[f"{arm}-s{seed}@{u + offset}"] = out / "drafters" / f"update-{u}"
+            parts = [(out, 0, args.steps)]
+            if arm == "opd-exittrain":      # its OPD half, then its ExitTrain half
+                half = args.steps // 2
+                parts = [(run_dir(runs, "opd-half", seed), 0, half), (out, half, args.steps)]
+                names[f"{arm}-s{seed}@{half}"] = parts[0][0] / "drafter"
+            for folder, start, end in parts:
+                for u in range(args.snapshot_every, end - start, args.snapshot_every):
+                    names[f"{arm}-s{seed}@{u + start}"] = folder / "drafters" / f"update-{u}"
     return names
 
 
@@ -242,7 +246,7 @@ def winners(summ: dict, arms) -> list[str]:
 
 
 def table(summ: dict, arms, cells) -> str:
-    header = ["arm", "seeds"] + [f"B={b} T={t:g} {what}" for b, t in cells
+    header = ["arm", "seeds"] + [f"budget {b}, T {t:g}: {what}" for b, t in cells
                                  for what in ("τ̂", "/ token (paired SE)")]
     rows = []
     for arm in ["base", *arms]:
@@ -291,7 +295,7 @@ def figure(curve: dict, path: Path) -> None:
         if points:
             u, m, se = zip(*points)
             ax.errorbar(u, m, yerr=se, fmt="-o", ms=3, capsize=2, label=arm)
-    ax.set(xlabel="fine-tune updates", ylabel="τ̂ (B = 64, T = 0, held-out prompts)",
+    ax.set(xlabel="fine-tune updates", ylabel="τ̂ (budget 64, T = 0, held-out prompts)",
            title="τ̂ against updates (mean ± SE over seeds)")
     ax.legend(fontsize=8)
     fig.tight_layout()
