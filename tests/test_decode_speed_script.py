@@ -15,10 +15,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.slow
 def test_decode_speed_quick_run(tmp_path):
+    """An end-to-end run of the study script (a subprocess): the slow tier."""
     out = tmp_path / "results.json"
     subprocess.run([sys.executable, str(ROOT / "experiments" / "decode_speed" / "run.py"),
                     "--quick", "--budgets", "16", "--temperatures", "0",
