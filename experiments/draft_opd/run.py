@@ -307,7 +307,7 @@ def main():
     ap = pc.study_parser(__doc__, prompts=16, max_new_tokens=64)
     ap.set_defaults(sets=["gsm"])
     ap.add_argument("--runs", default=str(REPO / "runs" / "draft_opd"))
-    ap.add_argument("--data-dir", default=str(REPO.parent / "shared" / "data"))
+    ap.add_argument("--data-dir", default=str(REPO / "data"))
     ap.add_argument("--train-prompts", type=int, default=2992,
                     help="gsm_train questions rolled out (the first N; all: 2992)")
     ap.add_argument("--base-steps", type=int, default=5000,
