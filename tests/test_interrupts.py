@@ -5,7 +5,8 @@ and with nothing lost: what the message says is on disk is there and complete.
 
 Each command runs as a subprocess with the bundled models and gets one signal at a
 random time (seeded), from the first second (imports, compiling) to past its first
-results. The slow tier sends 20 per command; the fast tier one to each of two commands.
+results. The slow tier interrupts each command 20 times; the fast tier two commands
+once each.
 A signal that comes while Python still imports the command (before its handlers exist,
 nothing written yet) ends the process by that signal, which a shell or scheduler reads
 as 130 / 143; that is accepted, a crash (SIGSEGV, 139) never.
@@ -186,15 +187,23 @@ def _duration(name, cwd, rollouts) -> float:
 
 
 def _interrupts(name, count, seed, tmp_path, rollouts):
-    """``count`` runs of the command, each sent one signal (SIGINT and SIGTERM in turn)
-    at a random time within its lifetime (measured first, uninterrupted: its imports,
-    compiles, work and exit), all checked; -> their exit codes."""
+    """Runs of the command, each sent one signal (SIGINT and SIGTERM in turn) at a random
+    time within its lifetime (measured first, uninterrupted: its imports, compiles, work
+    and exit), all checked, until ``count`` of them were interrupted (a run that finished
+    before its signal is checked too and does not count; at most ``count // 2`` of
+    those); -> the exit codes of all runs.
+
+    The lifetime is one run's, and a command that runs beside other tests (CI's two
+    workers) can take half as long again or less, so some draws land after its end.
+    """
     _, done, check = COMMANDS[name]
     (tmp_path / "timing").mkdir()
     lifetime = _duration(name, tmp_path / "timing", rollouts)
     rng = random.Random(seed)
     codes = []
-    for i in range(count):
+    for i in range(count + count // 2):
+        if sum(c != 0 for c in codes) == count:
+            break
         cwd = tmp_path / f"{name}-{i}"
         cwd.mkdir()
         sig = (signal.SIGINT, signal.SIGTERM)[i % 2]
@@ -223,11 +232,13 @@ def test_one_interrupt_ends_cleanly(name, sig_index, seed, tmp_path, rollouts):
 @pytest.mark.parametrize("name", sorted(COMMANDS))
 def test_twenty_interrupts_per_command(name, tmp_path, rollouts):
     """Slow tier: 20 signals (SIGINT and SIGTERM in turn) at random times within each
-    command's lifetime; 0 of 20 may end in a segfault, lose its signal or lose what its
-    message says is on disk, and most must be interrupted (not finished first)."""
+    command's lifetime, until 20 interrupted it; none may end in a segfault, lose its
+    signal or lose what its message says is on disk, and at most 10 runs may finish
+    before their signal."""
     codes = _interrupts(name, 20, seed=sorted(COMMANDS).index(name), tmp_path=tmp_path,
                         rollouts=rollouts)
-    assert sum(c != 0 for c in codes) >= 15, f"{name}: most runs ended before the signal"
+    assert sum(c != 0 for c in codes) == 20, (
+        f"{name}: {sum(c == 0 for c in codes)} of {len(codes)} runs ended before the signal")
     assert -11 not in codes and 139 not in codes
 
 
