@@ -25,8 +25,10 @@ from tev_jax.models import ModelConfig, init_target, load_target, save_target
 from tev_jax.models.config import MoeSpec
 from tev_jax.models.drafter import Drafter
 from tev_jax.models.layers import jitted_initializer
+from tev_jax.kernels import expert_kernel
 from tev_jax.kernels.expert_kernel import (
-    grouped_expert_mlp, ragged_expert_mlp, reference_expert_mlp, tile_rows, visits,
+    expert_sum, grouped_expert_mlp, ragged_expert_mlp, reference_expert_mlp,
+    resident_expert_sum, tile_rows, visits,
 )
 from tev_jax.models import moe
 from tev_jax.models.moe import expected_steps, expected_touched, expert_mlp, route
@@ -125,6 +127,38 @@ def test_grouped_kernel_visits_every_tile_of_every_group(sizes):
     assert list(zip(tile[:n].tolist(), expert[:n].tolist())) == pairs
     if n:   # the rest repeat the last visit: no new block to fetch
         assert (tile[n:] == tile[n - 1]).all() and (expert[n:] == expert[n - 1]).all()
+
+
+@pytest.mark.parametrize("sizes", [[0, 37, 5, 0, 20, 18], [3, 0, 0, 0, 0, 0], [0] * 6,
+                                   [100, 0, 0, 0, 0, 0], [30, 0, 0, 0, 0, 0]])
+def test_the_tokens_in_vmem_kernel_sums_each_tokens_pairs(sizes, monkeypatch):
+    """`resident_expert_sum` (interpreted): each token's output is the weighted sum of
+    its own pairs' expert MLPs, by hand; tokens with several pairs (here up to 4, some
+    in one tile), pairs past ``sum(sizes)`` (other devices' experts: 30 of 100 held)
+    adding nothing, entry 1 of a stack of 3. `expert_sum` gives the same through the
+    kernel, through the gathered rows (`fits_resident` false) and through ragged_dot."""
+    rng = np.random.default_rng(2)
+    m, k, d, f, e = 25, 4, 16, 8, 6
+    x = jnp.asarray(rng.normal(size=(m, d)), jnp.float32)
+    token = jnp.asarray(rng.integers(0, m, m * k), jnp.int32)
+    gate, up = (jnp.asarray(rng.normal(size=(3, e, d, f)) / 4, jnp.float32) for _ in range(2))
+    down = jnp.asarray(rng.normal(size=(3, e, f, d)) / 4, jnp.float32)
+    w = rng.uniform(0.5, 2.0, size=m * k).astype(np.float32)
+    sizes_E = jnp.asarray(sizes, jnp.int32)
+    want = np.zeros((m, d), np.float32)
+    for r, ex in enumerate(np.repeat(np.arange(e), sizes)):
+        t = int(token[r])
+        h = jax.nn.silu(x[t] @ gate[1, ex]) * (x[t] @ up[1, ex])
+        want[t] += w[r] * np.asarray(h @ down[1, ex])
+    got = resident_expert_sum(x, token, sizes_E, gate, up, down, jnp.int32(1), jnp.asarray(w),
+                              total_experts=e, interpret=True)
+    np.testing.assert_allclose(np.asarray(got), want, atol=1e-5)
+    args = (x, token, sizes_E, gate, up, down, 1, jnp.asarray(w))
+    for method in ("grouped", "ragged", "reference"):
+        np.testing.assert_allclose(np.asarray(expert_sum(*args, method=method)), want,
+                                   atol=1e-5)
+    monkeypatch.setattr(expert_kernel, "RESIDENT_BYTES", 0)
+    np.testing.assert_allclose(np.asarray(expert_sum(*args)), want, atol=1e-5)
 
 
 def test_an_expert_read_in_place_equals_its_slice():
@@ -454,6 +488,39 @@ def test_long_passes_read_the_stacked_experts_in_place_on_tpu(monkeypatch):
     layer_experts = 3 * 4 * 256 * 128 * 2           # gate, up, down of 4 experts, bf16
     hbm = lambda ops: op_costs.totals(ops)["hbm_bytes"]
     assert hbm(ops) <= hbm(control) - cfg.num_layers * layer_experts
+
+
+@pytest.mark.skipif(importlib.util.find_spec("libtpu") is None,
+                    reason="libtpu is not installed (pip install -e '.[tpu]')")
+def test_a_round_gathers_its_pairs_in_the_kernel_on_tpu(monkeypatch):
+    """A budget-16 round at B 8 (136 tokens, 1 088 pairs) of a 2-layer bf16 mixture,
+    compiled for v5e:2x4 (tensor 4): the kernel takes the tokens, and the program has no
+    gather or scatter of the [1 088, D] pair rows; the control (`fits_resident` false:
+    XLA gathers every pair's row, a device's own experts' quarter of them computed)
+    moves at least those rows once more per layer."""
+    cfg = _moe_config(vocab_size=4096, hidden_size=256, num_heads=16, num_kv_heads=4,
+                      head_dim=64, num_experts=16, num_experts_per_tok=8,
+                      moe_intermediate_size=128)
+    config = decode.DecodeConfig(max_new_tokens=32, budget=16, prompt_len=256)
+    mesh, _ = topology.slice_mesh("v5e:2x4", data=2, tensor=4)
+    target, drafter = plan.abstract_models(cfg, config, dtype=jnp.bfloat16)
+
+    def round_ops():
+        compiled = engine.Engine.create(target, drafter, config, 16, mesh=mesh).lower(
+            "run_rounds").compile()
+        return op_costs.op_costs(compiled.as_text())
+
+    pairs = f"bf16[{8 * 17 * 8},{cfg.hidden_size}]"
+    ops = round_ops()
+    assert any("resident_expert_sum" in o.source for o in ops)
+    assert not any(pairs in o.shape for o in ops), [o.shape for o in ops if pairs in o.shape]
+    monkeypatch.setattr(expert_kernel, "RESIDENT_BYTES", 0)
+    jax.clear_caches()
+    control = round_ops()
+    assert any(pairs in o.shape for o in control)
+    hbm = lambda ops: op_costs.totals(ops)["hbm_bytes"]
+    rows = 8 * 17 * 8 * cfg.hidden_size * 2
+    assert hbm(ops) <= hbm(control) - cfg.num_layers * rows
 
 
 @pytest.mark.skipif(importlib.util.find_spec("libtpu") is None,

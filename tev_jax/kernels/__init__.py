@@ -11,8 +11,9 @@ kernel ran:
   (Triton) kernels;
 - `tev_jax.kernels.stacked_matmul`: ``x · w[g]`` for one entry of a stacked weight,
   read in place (`stacked_dot`): a GPU (Triton) kernel; TPU's compiler does it itself;
-- `tev_jax.kernels.expert_kernel`: grouped SwiGLU experts over rows sorted by expert
-  (`grouped_experts`): a TPU (Mosaic) kernel; ``ragged_dot`` elsewhere;
+- `tev_jax.kernels.expert_kernel`: grouped SwiGLU experts over (token, expert) pairs
+  sorted by expert, summed per token (`expert_sum`): TPU (Mosaic) kernels, one with the
+  tokens in VMEM; ``ragged_dot`` elsewhere;
 - `tev_jax.kernels.gpu_table`: the lookup of a kernel's per-GPU block table.
 
 Kernels import nothing from `tev_jax.models`.

@@ -53,7 +53,7 @@ from jax.sharding import PartitionSpec
 from tev_jax import platforms
 from tev_jax import sharding as shd
 from tev_jax.models.config import MoeSpec
-from tev_jax.kernels.expert_kernel import grouped_experts
+from tev_jax.kernels.expert_kernel import expert_sum
 from tev_jax.models.layers import Linear, expert_usage_sink, make_param, stack_index
 from tev_jax.kernels.stacked_matmul import stacked_matmul
 from tev_jax.op_costs import bound_scope
@@ -161,14 +161,10 @@ def _sorted_pairs(x_MD, key_MK, w_MK, gate_EDF, up_EDF, down_EFD, stack, method:
     key = key_MK.reshape(-1)
     order = jnp.argsort(key, stable=True)
     sizes = jnp.bincount(key, length=e).astype(jnp.int32)
-    token = order // k
     stacks = [a if stack is not None else a[None] for a in (gate_EDF, up_EDF, down_EFD)]
-    o = grouped_experts(x_MD[token], sizes, *stacks, 0 if stack is None else stack,
-                        w_MK.reshape(-1)[order], method=method, total_experts=total,
-                        expected_experts=expected_touched(e, total or e, k, m))
-    # rows past the pairs held here (other devices' experts) are dropped
-    token = jnp.where(jnp.arange(m * k) < jnp.sum(sizes), token, m)
-    return jnp.zeros((m, o.shape[-1]), o.dtype).at[token].add(o, mode="drop")
+    return expert_sum(x_MD, order // k, sizes, *stacks, 0 if stack is None else stack,
+                      w_MK.reshape(-1)[order], method=method, total_experts=total,
+                      expected_experts=expected_touched(e, total or e, k, m))
 
 
 def expected_touched(held: int, total: int, k: int, tokens: int) -> int:
