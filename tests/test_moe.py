@@ -458,6 +458,16 @@ def test_plan_floor_counts_the_experts_a_round_touches():
 
 # ------------------------------------------------------------ compiled for TPU
 
+def _v5e_ops(cfg, config, batch: int, program: str):
+    """The per-op table of an engine program of the bf16 pair, compiled for v5e:2x4
+    (data 2 x tensor 4)."""
+    mesh, _ = topology.slice_mesh("v5e:2x4", data=2, tensor=4)
+    target, drafter = plan.abstract_models(cfg, config, dtype=jnp.bfloat16)
+    compiled = engine.Engine.create(target, drafter, config, batch, mesh=mesh).lower(
+        program).compile()
+    return op_costs.op_costs(compiled.as_text())
+
+
 @pytest.mark.skipif(importlib.util.find_spec("libtpu") is None,
                     reason="libtpu is not installed (pip install -e '.[tpu]')")
 def test_long_passes_read_the_stacked_experts_in_place_on_tpu(monkeypatch):
@@ -470,14 +480,7 @@ def test_long_passes_read_the_stacked_experts_in_place_on_tpu(monkeypatch):
                       num_heads=16, num_kv_heads=4, head_dim=64, num_experts=16,
                       moe_intermediate_size=128)
     config = decode.DecodeConfig(max_new_tokens=32, budget=16, prompt_len=1024)
-    mesh, _ = topology.slice_mesh("v5e:2x4", data=2, tensor=4)
-    target, drafter = plan.abstract_models(cfg, config, dtype=jnp.bfloat16)
-
-    def prefill_ops():
-        compiled = engine.Engine.create(target, drafter, config, 2, mesh=mesh).lower(
-            "prefill").compile()
-        return op_costs.op_costs(compiled.as_text())
-
+    prefill_ops = lambda: _v5e_ops(cfg, config, 2, "prefill")   # noqa: E731
     ops = prefill_ops()
     kernel = [o for o in ops if o.opcode == "custom-call" and "expert_kernel" in o.source]
     assert len(kernel) == 1 and kernel[0].count % cfg.num_layers == 0   # per layer (and chunk)
@@ -502,14 +505,7 @@ def test_a_round_gathers_its_pairs_in_the_kernel_on_tpu(monkeypatch):
                       head_dim=64, num_experts=16, num_experts_per_tok=8,
                       moe_intermediate_size=128)
     config = decode.DecodeConfig(max_new_tokens=32, budget=16, prompt_len=256)
-    mesh, _ = topology.slice_mesh("v5e:2x4", data=2, tensor=4)
-    target, drafter = plan.abstract_models(cfg, config, dtype=jnp.bfloat16)
-
-    def round_ops():
-        compiled = engine.Engine.create(target, drafter, config, 16, mesh=mesh).lower(
-            "run_rounds").compile()
-        return op_costs.op_costs(compiled.as_text())
-
+    round_ops = lambda: _v5e_ops(cfg, config, 16, "run_rounds")   # noqa: E731
     pairs = f"bf16[{8 * 17 * 8},{cfg.hidden_size}]"
     ops = round_ops()
     assert any("resident_expert_sum" in o.source for o in ops)

@@ -23,7 +23,7 @@ and each pair's token id instead of the pairs' rows: the tokens are read into VM
 a tile's rows are gathered there, and each tile's weighted outputs are added to its
 tokens' float32 sums, which are written once at the end. XLA's gather wrote every pair's
 row (M·k rows, though a device computes only its own experts' pairs) and its scatter
-read them back: at B 32, budget 32 on v5p-8 that was 74 of the 330 MB a layer read.
+read them back: at B 32, budget 32 on v5p-8, 74 MB per layer beside the experts' 302.
 
 **Elsewhere** (`ragged_expert_mlp`: GPU, CPU). Three grouped matmuls
 (``jax.lax.ragged_dot``). Under the layer scan XLA copies each layer's experts out of
@@ -144,46 +144,68 @@ def grouped_expert_mlp(xs_PD: jax.Array, sizes_E: jax.Array, gate_SEDF: jax.Arra
       reaches are never written: drop them).
     """
     p, d = xs_PD.shape
-    _, e, _, f = gate_SEDF.shape
-    tm = tile_rows(p, total_experts or e)
-    tiles = -(-p // tm)
-    count = tiles + e - 1
-    expert, tile, starts, ends, real = visits(sizes_E.astype(jnp.int32), tm, count)
-    xs = jnp.pad(xs_PD, ((0, tiles * tm - p), (0, 0)))
-    w = jnp.ones((p,), jnp.float32) if weights_P is None else weights_P.astype(jnp.float32)
-    w = jnp.pad(w, (0, tiles * tm - p))[:, None]
-
-    def rows(v, g, expert, tile, *_):
-        return tile[v], 0
-
-    def weights(v, g, expert, *_):
-        return g[0], expert[v], 0, 0
-
-    w_bytes = 3 * d * f * gate_SEDF.dtype.itemsize
+    f = gate_SEDF.shape[-1]
+    tm, visit, w = _tiling(sizes_E, p, gate_SEDF.shape[1], total_experts, weights_P)
+    xs = jnp.pad(xs_PD, ((0, w.shape[0] - p), (0, 0)))
     row_bytes = tm * d * (2 * xs.dtype.itemsize + 4) + 3 * tm * f * 4
-    touched = expected_experts or e
-    visited = -(-p * e // ((total_experts or e) * tm)) + touched   # this device's pairs
     call = pl.pallas_call(
         _kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=6, grid=(count,),
-            in_specs=[pl.BlockSpec((tm, d), rows),
-                      pl.BlockSpec((None, None, d, f), weights),
-                      pl.BlockSpec((None, None, d, f), weights),
-                      pl.BlockSpec((None, None, f, d), weights),
-                      pl.BlockSpec((tm, 1), rows)],
-            out_specs=pl.BlockSpec((tm, d), rows),
+            num_scalar_prefetch=6, grid=(visit[0].shape[0],),
+            in_specs=[pl.BlockSpec((tm, d), _row_block), *_expert_specs(tm, d, f)],
+            out_specs=pl.BlockSpec((tm, d), _row_block),
             scratch_shapes=[pltpu.VMEM((tm, d), jnp.float32)]),
         out_shape=jax.ShapeDtypeStruct(xs.shape, xs.dtype),
         compiler_params=pltpu.CompilerParams(
             dimension_semantics=("arbitrary",),
-            vmem_limit_bytes=2 * (w_bytes + row_bytes) + VMEM_MARGIN),
-        cost_estimate=pl.CostEstimate(**cost(visited, tm, d, f, touched,
-                                             gate_SEDF.dtype.itemsize,
-                                             xs.size * xs.dtype.itemsize)),
+            vmem_limit_bytes=2 * (_expert_bytes(gate_SEDF) + row_bytes) + VMEM_MARGIN),
+        cost_estimate=_estimate(p, tm, gate_SEDF, total_experts, expected_experts,
+                                xs.size * xs.dtype.itemsize),
         interpret=interpret)
-    return call(jnp.reshape(stack, (1,)).astype(jnp.int32), expert, tile, starts, ends, real,
-                xs, gate_SEDF, up_SEDF, down_SEFD, w)[:p]
+    return call(jnp.reshape(stack, (1,)).astype(jnp.int32), *visit, xs, gate_SEDF, up_SEDF,
+                down_SEFD, w)[:p]
+
+
+def _tiling(sizes_E, pairs: int, experts: int, total_experts, weights_P):
+    """A kernel call's rows per tile, its visits (`visits`, the grid sized for the worst
+    case) and the row weights padded to whole tiles ([tiles · tm, 1] float32)."""
+    tm = tile_rows(pairs, total_experts or experts)
+    tiles = -(-pairs // tm)
+    visit = visits(sizes_E.astype(jnp.int32), tm, tiles + experts - 1)
+    w = (jnp.ones((pairs,), jnp.float32) if weights_P is None
+         else weights_P.astype(jnp.float32))
+    return tm, visit, jnp.pad(w, (0, tiles * tm - pairs))[:, None]
+
+
+def _row_block(v, g, expert, tile, *_):     # a visit's row tile
+    return tile[v], 0
+
+
+def _expert_block(v, g, expert, *_):        # a visit's expert, in stack entry g
+    return g[0], expert[v], 0, 0
+
+
+def _expert_specs(tm: int, d: int, f: int) -> list:
+    """The blocks of a visit's expert (gate, up, down) and of its rows' weights."""
+    return [pl.BlockSpec((None, None, d, f), _expert_block),
+            pl.BlockSpec((None, None, d, f), _expert_block),
+            pl.BlockSpec((None, None, f, d), _expert_block),
+            pl.BlockSpec((tm, 1), _row_block)]
+
+
+def _expert_bytes(gate_SEDF) -> int:
+    """One expert's gate, up and down matrices."""
+    return 3 * gate_SEDF.shape[-2] * gate_SEDF.shape[-1] * gate_SEDF.dtype.itemsize
+
+
+def _estimate(pairs: int, tm: int, gate_SEDF, total_experts, expected_experts,
+              rows_bytes: int) -> pl.CostEstimate:
+    """`cost` of a call over ``pairs`` pairs, this device's share of them visited."""
+    _, e, d, f = gate_SEDF.shape
+    touched = expected_experts or e
+    visited = -(-pairs * e // ((total_experts or e) * tm)) + touched
+    return pl.CostEstimate(**cost(visited, tm, d, f, touched, gate_SEDF.dtype.itemsize,
+                                  rows_bytes))
 
 
 def _resident_kernel(stack_ref, expert_ref, tile_ref, start_ref, end_ref, real_ref, token_ref,
@@ -255,40 +277,19 @@ def resident_expert_sum(x_MD: jax.Array, token_P: jax.Array, sizes_E: jax.Array,
       [M, D] in x's dtype.
     """
     m, d = x_MD.shape
-    p = token_P.shape[0]
-    _, e, _, f = gate_SEDF.shape
-    tm = tile_rows(p, total_experts or e)
-    tiles = -(-p // tm)
-    count = tiles + e - 1
-    expert, tile, starts, ends, real = visits(sizes_E.astype(jnp.int32), tm, count)
-    token = jnp.pad(token_P.astype(jnp.int32), (0, tiles * tm - p))
-    w = jnp.ones((p,), jnp.float32) if weights_P is None else weights_P.astype(jnp.float32)
-    w = jnp.pad(w, (0, tiles * tm - p))[:, None]
-
-    def tokens(v, *_):
-        return 0, 0
-
-    def rows(v, g, expert, tile, *_):
-        return tile[v], 0
-
-    def weights(v, g, expert, *_):
-        return g[0], expert[v], 0, 0
-
-    once = dict(pipeline_mode=pl.Buffered(1))
-    w_bytes = 3 * d * f * gate_SEDF.dtype.itemsize
-    vmem = 2 * w_bytes + 12 * m * d + 8 * tm * d + 3 * tm * f * 4 + VMEM_MARGIN
-    touched = expected_experts or e
-    visited = -(-p * e // ((total_experts or e) * tm)) + touched   # this device's pairs
+    p, f = token_P.shape[0], gate_SEDF.shape[-1]
+    tm, visit, w = _tiling(sizes_E, p, gate_SEDF.shape[1], total_experts, weights_P)
+    token = jnp.pad(token_P.astype(jnp.int32), (0, w.shape[0] - p))
+    # the tokens and their sums: one block for the whole call, fetched / written once
+    whole = pl.BlockSpec((m, d), lambda v, *_: (0, 0), pipeline_mode=pl.Buffered(1))
+    vmem = (2 * _expert_bytes(gate_SEDF) + 12 * m * d + 8 * tm * d + 3 * tm * f * 4
+            + VMEM_MARGIN)
     call = pl.pallas_call(
         _resident_kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=7, grid=(count,),
-            in_specs=[pl.BlockSpec((m, d), tokens, **once),
-                      pl.BlockSpec((None, None, d, f), weights),
-                      pl.BlockSpec((None, None, d, f), weights),
-                      pl.BlockSpec((None, None, f, d), weights),
-                      pl.BlockSpec((tm, 1), rows)],
-            out_specs=pl.BlockSpec((m, d), tokens, **once),
+            num_scalar_prefetch=7, grid=(visit[0].shape[0],),
+            in_specs=[whole, *_expert_specs(tm, d, f)],
+            out_specs=whole,
             scratch_shapes=[pltpu.VMEM((m, d), jnp.float32),
                             pltpu.VMEM((tm, d), jnp.float32),
                             pltpu.VMEM((tm, d), jnp.float32),
@@ -296,12 +297,11 @@ def resident_expert_sum(x_MD: jax.Array, token_P: jax.Array, sizes_E: jax.Array,
         out_shape=jax.ShapeDtypeStruct((m, d), x_MD.dtype),
         compiler_params=pltpu.CompilerParams(dimension_semantics=("arbitrary",),
                                              vmem_limit_bytes=vmem),
-        cost_estimate=pl.CostEstimate(**cost(
-            visited, tm, d, f, touched, gate_SEDF.dtype.itemsize,
-            x_MD.size * x_MD.dtype.itemsize + w.size * 4)),
+        cost_estimate=_estimate(p, tm, gate_SEDF, total_experts, expected_experts,
+                                x_MD.size * x_MD.dtype.itemsize + w.size * 4),
         interpret=interpret)
-    return call(jnp.reshape(stack, (1,)).astype(jnp.int32), expert, tile, starts, ends, real,
-                token, x_MD, gate_SEDF, up_SEDF, down_SEFD, w)
+    return call(jnp.reshape(stack, (1,)).astype(jnp.int32), *visit, token, x_MD, gate_SEDF,
+                up_SEDF, down_SEFD, w)
 
 
 def ragged_expert_mlp(xs_PD: jax.Array, sizes_E: jax.Array, gate_SEDF: jax.Array,
@@ -351,17 +351,17 @@ def expert_sum(x_MD: jax.Array, token_P: jax.Array, sizes_E: jax.Array,
         raise ValueError(f"grouped experts method must be one of {METHODS}, got {method!r}")
     m, d = x_MD.shape
     args = (sizes_E, gate_SEDF, up_SEDF, down_SEFD, jnp.asarray(stack, jnp.int32), weights_P)
-    sizes = dict(total_experts=total_experts, expected_experts=expected_experts)
+
+    def on_tpu(kernel, *operands):   # the Mosaic kernel on TPU, interpreted elsewhere
+        def call(interpret):
+            return lambda *a: kernel(*a, total_experts=total_experts,
+                                     expected_experts=expected_experts, interpret=interpret)
+        return jax.lax.platform_dependent(*operands, tpu=call(False), default=call(True))
+
     if method == "grouped" and fits_resident(m, d):
-        kernel = lambda interpret: lambda *a: resident_expert_sum(*a, **sizes,
-                                                                  interpret=interpret)
-        return jax.lax.platform_dependent(x_MD, token_P, *args, tpu=kernel(False),
-                                          default=kernel(True))
+        return on_tpu(resident_expert_sum, x_MD, token_P, *args)
     if method == "grouped":
-        kernel = lambda interpret: lambda *a: grouped_expert_mlp(*a, **sizes,
-                                                                 interpret=interpret)
-        o = jax.lax.platform_dependent(x_MD[token_P], *args, tpu=kernel(False),
-                                       default=kernel(True))
+        o = on_tpu(grouped_expert_mlp, x_MD[token_P], *args)
     else:
         mlp = ragged_expert_mlp if method == "ragged" else reference_expert_mlp
         o = mlp(x_MD[token_P], *args)
