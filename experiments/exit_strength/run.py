@@ -190,7 +190,7 @@ def figure(summ: dict, setup, snapshots, budgets, chosen: dict, path: Path) -> N
             ax.errorbar(x, [r[f"vs_{ref}"] for r in rows], yerr=[r[f"se_{ref}"] for r in rows],
                         fmt=style, capsize=2, ms=4, label=f"{name} / {ref}")
         ax.axhline(1.0, color="grey", lw=0.8)
-        ax.set(title=f"B = {b}, T = {t:g}", xlabel="base drafter τ̂ (DFlash + DDTree)",
+        ax.set(title=f"budget {b}, T = {t:g}", xlabel="base drafter τ̂ (DFlash + DDTree)",
                ylabel="τ̂ ratio")
     axes[0][0].legend(fontsize=7)
     fig.tight_layout()
