@@ -242,68 +242,75 @@ def test_twenty_interrupts_per_command(name, tmp_path, rollouts):
     assert -11 not in codes and 139 not in codes
 
 
+def _sigint_then_work(indent: int) -> str:
+    """Stand-in source: SIGINT to this process, then 0.3 s of Python work (where the
+    signal's handler runs), at ``indent`` spaces."""
+    lines = ("os.kill(os.getpid(), signal.SIGINT)", "t = time.perf_counter()",
+             "while time.perf_counter() - t < 0.3:", "    pass")
+    return "".join(" " * indent + line + "\n" for line in lines)
+
+
+def _work(seconds: float) -> None:
+    """Python work for ``seconds`` (a signal's handler runs inside it)."""
+    t = time.perf_counter()
+    while time.perf_counter() - t < seconds:
+        pass
+
+
+def _raised_after(call) -> list[str]:
+    """``call(log)`` under `exits.signals_as_interrupts`, then "returned" and a sleep,
+    which the held interrupt must end (pytest.raises fails otherwise); -> the log."""
+    from tev_jax import exits
+
+    log = []
+    with pytest.raises(KeyboardInterrupt):
+        with exits.signals_as_interrupts():
+            call(log)
+            log.append("returned")
+            time.sleep(5)  # the held interrupt comes here
+    return log
+
+
 def test_a_signal_during_a_compile_is_raised_after_it(tmp_path):
     """The mechanism, deterministically: SIGINT that arrives inside jax's compile call
     (here a stand-in with its file and function name) is raised once the call has
     returned, so the compile's work is not left running; without the deferral it is
     raised inside the call (the segfault of a real compile thread outliving the
     interpreter)."""
-    from tev_jax import exits
-
     compiler = _module(tmp_path, "compiler", (
         "import os, signal, time\n"
         "def backend_compile_and_load(log):\n"
-        "    os.kill(os.getpid(), signal.SIGINT)\n"
-        "    t = time.perf_counter()\n"
-        "    while time.perf_counter() - t < 0.3:\n"
-        "        pass\n"
+        + _sigint_then_work(4) +
         "    log.append('compiled')\n"))
-    log = []
-    with pytest.raises(KeyboardInterrupt):
-        with exits.signals_as_interrupts():
-            compiler.backend_compile_and_load(log)
-            log.append("returned")
-            time.sleep(5)  # the deferred interrupt comes here
-    assert log == ["compiled", "returned"]
+    assert _raised_after(compiler.backend_compile_and_load) == ["compiled", "returned"]
 
 
 def test_a_signal_inside_a_catch_all_try_is_raised_after_it(tmp_path, monkeypatch):
     """SIGINT that arrives inside a ``try`` of jax's (here a stand-in in a folder added to
     `exits.CATCH_ALL_IN`) whose bare ``except:`` would drop it (jax reads a compiled
-    program's layouts so, just after the compile) is raised once the ``try`` is left; raised inside it, it was dropped and the command ran on to exit 0. A
-    catch-all that raises again (cleanup, then ``raise``) holds nothing."""
+    program's layouts so, just after the compile) is raised once the ``try`` is left;
+    raised inside it, it was dropped and the command ran on to exit 0. A catch-all that
+    raises again (cleanup, then ``raise``) holds nothing."""
     from tev_jax import exits
 
     layouts = _module(tmp_path, "pxla_like", (
         "import os, signal, time\n"
         "def read_layouts(log):\n"
         "    try:\n"
-        "        os.kill(os.getpid(), signal.SIGINT)\n"
-        "        t = time.perf_counter()\n"
-        "        while time.perf_counter() - t < 0.3:\n"
-        "            pass\n"
+        + _sigint_then_work(8) +
         "        log.append('read')\n"
         "    except:\n"
         "        log.append('dropped')\n"
         "def cleanup_then_raise(log):\n"
         "    try:\n"
-        "        os.kill(os.getpid(), signal.SIGINT)\n"
-        "        t = time.perf_counter()\n"
-        "        while time.perf_counter() - t < 0.3:\n"
-        "            pass\n"
+        + _sigint_then_work(8) +
         "        log.append('finished')\n"
         "    except BaseException:\n"
         "        log.append('cleaned up')\n"
         "        raise\n"))
     assert len(exits.catch_all_spans(layouts.__file__)) == 1
     monkeypatch.setattr(exits, "CATCH_ALL_IN", (*exits.CATCH_ALL_IN, str(tmp_path)))
-    log = []
-    with pytest.raises(KeyboardInterrupt):
-        with exits.signals_as_interrupts():
-            layouts.read_layouts(log)
-            log.append("returned")
-            time.sleep(5)  # the held interrupt comes here
-    assert log == ["read", "returned"]
+    assert _raised_after(layouts.read_layouts) == ["read", "returned"]
     log = []
     with pytest.raises(KeyboardInterrupt):
         with exits.signals_as_interrupts():
@@ -332,9 +339,7 @@ def test_a_signal_during_a_gc_callback_is_not_dropped():
     def callback(phase, info):
         if phase == "start":
             os.kill(os.getpid(), signal.SIGTERM)
-            t = time.perf_counter()
-            while time.perf_counter() - t < 0.1:
-                pass
+            _work(0.1)
 
     gc.callbacks.append(callback)
     try:
@@ -362,9 +367,7 @@ def test_a_signal_dropped_by_python_is_sent_again():
 
     def callback(ref):
         os.kill(os.getpid(), signal.SIGTERM)
-        t = time.perf_counter()
-        while time.perf_counter() - t < 0.1:
-            pass
+        _work(0.1)
 
     thing = Thing()
     ref = weakref.ref(thing, callback)
@@ -404,10 +407,7 @@ def test_a_signal_during_an_import_is_raised_after_it(tmp_path):
 
     (tmp_path / "slow_module_47.py").write_text(
         "import os, signal, time\n"
-        "os.kill(os.getpid(), signal.SIGINT)\n"
-        "t = time.perf_counter()\n"
-        "while time.perf_counter() - t < 0.3:\n"
-        "    pass\n"
+        + _sigint_then_work(0) +
         "DONE = True\n")
     sys.path.insert(0, str(tmp_path))
     try:

@@ -473,9 +473,9 @@ def _v5e_ops(cfg, config, batch: int, program: str):
 def test_long_passes_read_the_stacked_experts_in_place_on_tpu(monkeypatch):
     """A bf16 prefill of 2 x 1024 tokens (a long pass: the grouped kernel) of a 4-layer
     mixture compiled for v5e:2x4 (data 2 x tensor 4: 4 of 16 experts per chip): one
-    kernel call per layer and prefill chunk, and per chip at least a copy of every layer's experts fewer
-    HBM bytes than the same program through ``ragged_dot`` (the control), which copies
-    each layer's experts out of the stacked weights first."""
+    kernel call per layer and prefill chunk, and per chip at least a copy of every
+    layer's experts fewer HBM bytes than the same program through ``ragged_dot`` (the
+    control), which copies each layer's experts out of the stacked weights first."""
     cfg = _moe_config(vocab_size=4096, hidden_size=256, intermediate_size=256, num_layers=4,
                       num_heads=16, num_kv_heads=4, head_dim=64, num_experts=16,
                       moe_intermediate_size=128)

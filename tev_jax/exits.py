@@ -146,8 +146,9 @@ def _must_wait(frame, parse: bool = True) -> bool:
 
 def _deliver_later(signum: int) -> None:
     """Waits (on a helper thread) until the main thread has left the compile, the
-    catch-all ``try``, the callback or the import, then sends ``signum`` to it again (a real signal: it also ends a sleep or
-    a blocking read there, as the first one would have)."""
+    catch-all ``try``, the callback or the import, then sends ``signum`` to it again (a
+    real signal: it also ends a sleep or a blocking read there, as the first one would
+    have)."""
     main = threading.main_thread().ident
     while _must_wait(sys._current_frames().get(main), parse=False):
         time.sleep(_POLL_SECONDS)
@@ -183,8 +184,9 @@ def refine_default_interrupt() -> bool:
     """Replaces Python's default SIGINT handler, and only that one, with `_interrupt`:
     Ctrl-C still raises KeyboardInterrupt, but not inside jax's compile call, a ``try``
     that drops every exception, a garbage-collector callback or an import, where it
-    would crash the process or be dropped (jax's callback runs often while jax and its users import: Ctrl-C in the
-    first seconds of a command was lost half the time; inside jaxlib's initialisation
+    would crash the process or be dropped (jax's callback runs often while jax and its
+    users import: Ctrl-C in the first seconds of a command was lost half the time;
+    inside jaxlib's initialisation
     it became an ImportError, or a segfault). ``import tev_jax`` calls it, before it
     imports jax. A handler of your own is left alone, and so is a thread other than the
     main one; -> whether it replaced the handler."""
@@ -206,12 +208,12 @@ def signals_as_interrupts():
     while jax waits for a compile is raised once the compile has returned (`NATIVE_WAITS`),
     so that no XLA thread still runs when the interpreter exits, one that arrives inside
     a ``try`` whose ``except:`` would drop it once the ``try`` is left (`in_catch_all`),
-    one that arrives in
-    a garbage-collector callback or ``__del__`` once that has returned, so that it is not
-    dropped (`in_swallowing_call`), and one that arrives in an import once the import is
-    done (`in_import`); one that Python still drops anywhere else (a weakref callback,
-    ...) is sent again (``sys.unraisablehook``). A signal the process ignores (started
-    by ``nohup`` or as a background job) stays ignored. A no-op off the main thread."""
+    one that arrives in a garbage-collector callback or ``__del__`` once that has
+    returned, so that it is not dropped (`in_swallowing_call`), and one that arrives in
+    an import once the import is done (`in_import`); one that Python still drops
+    anywhere else (a weakref callback, ...) is sent again (``sys.unraisablehook``). A
+    signal the process ignores (started by ``nohup`` or as a background job) stays
+    ignored. A no-op off the main thread."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -288,6 +290,6 @@ def name_flags(message: str, flags: dict[str, str]) -> str:
 
 
 __all__ = ["CATCH_ALL_IN", "EXIT_RESUMABLE", "EXIT_SIGNAL", "EXIT_USAGE", "Interrupted",
-           "NATIVE_WAITS", "Terminated", "catch_all_spans", "flag_names", "in_catch_all", "in_import",
-           "in_native_wait", "in_swallowing_call", "interrupt_exit", "name_flags",
-           "parse_args", "refine_default_interrupt", "signals_as_interrupts"]
+           "NATIVE_WAITS", "Terminated", "catch_all_spans", "flag_names", "in_catch_all",
+           "in_import", "in_native_wait", "in_swallowing_call", "interrupt_exit",
+           "name_flags", "parse_args", "refine_default_interrupt", "signals_as_interrupts"]

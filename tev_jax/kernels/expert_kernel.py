@@ -46,9 +46,12 @@ METHODS = ("grouped", "ragged", "reference")
 MIN_ROWS, MAX_ROWS = 16, 256
 VMEM_MARGIN = 8 * 2**20
 RESIDENT_BYTES = 32 * 2**20
-"""VMEM that `resident_expert_sum` may give the tokens and their sums (12 bytes per
-token entry: bfloat16 in and out, float32 copy and sums); v5p has 64 MiB per core, and
-the experts' double-buffered weights take 19 of them for Qwen3-Coder-30B-A3B."""
+"""VMEM that `resident_expert_sum` may give the tokens and their sums
+(`RESIDENT_ENTRY_BYTES` per token entry); v5p has 64 MiB per core, and the experts'
+double-buffered weights take 19 of them for Qwen3-Coder-30B-A3B."""
+RESIDENT_ENTRY_BYTES = 12
+"""VMEM per token entry in `resident_expert_sum`: bfloat16 in and out, a float32 copy
+and the float32 sums."""
 
 
 def cost(visited: int, tm: int, d: int, f: int, touched: int, w_itemsize: int,
@@ -64,7 +67,7 @@ def cost(visited: int, tm: int, d: int, f: int, touched: int, w_itemsize: int,
 def fits_resident(tokens: int, d: int) -> bool:
     """Whether `resident_expert_sum` can hold ``tokens`` [tokens, d] and their sums in
     VMEM (`RESIDENT_BYTES`)."""
-    return 12 * tokens * d <= RESIDENT_BYTES
+    return RESIDENT_ENTRY_BYTES * tokens * d <= RESIDENT_BYTES
 
 
 def tile_rows(pairs: int, total_experts: int) -> int:
@@ -282,8 +285,8 @@ def resident_expert_sum(x_MD: jax.Array, token_P: jax.Array, sizes_E: jax.Array,
     token = jnp.pad(token_P.astype(jnp.int32), (0, w.shape[0] - p))
     # the tokens and their sums: one block for the whole call, fetched / written once
     whole = pl.BlockSpec((m, d), lambda v, *_: (0, 0), pipeline_mode=pl.Buffered(1))
-    vmem = (2 * _expert_bytes(gate_SEDF) + 12 * m * d + 8 * tm * d + 3 * tm * f * 4
-            + VMEM_MARGIN)
+    vmem = (2 * _expert_bytes(gate_SEDF) + RESIDENT_ENTRY_BYTES * m * d + 8 * tm * d
+            + 3 * tm * f * 4 + VMEM_MARGIN)
     call = pl.pallas_call(
         _resident_kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(
