@@ -332,7 +332,7 @@ def test_version_and_help_for_every_flag(capsys, monkeypatch):
                 assert action.help and not action.help.startswith("(default"), (name, action)
     main_parser = argparse.ArgumentParser()
     sub = main_parser.add_subparsers()
-    for add in cli.SUBCOMMANDS:
+    for add in cli.subcommands():
         add(sub)
     for name, p in sub.choices.items():
         for action in p._actions:
@@ -429,7 +429,8 @@ def test_training_edges(train_dirs, tmp_path, capsys, monkeypatch):
 
     monkeypatch.setattr(RolloutSet, "batch_at", batch_at)
     assert train_cli.main(_train(train_dirs, out)) == 75
-    assert "preempted (SIGTERM) at update 2" in capsys.readouterr().out
+    assert "train run: preempted (SIGTERM) at update 2: checkpoint saved in " in (
+        capsys.readouterr().err)
     monkeypatch.setattr(RolloutSet, "batch_at", read)
 
     assert train_cli.main(_train(train_dirs, out)) == 0

@@ -270,7 +270,8 @@ def test_cli_opd_run_preempted_and_resumed_equals_an_uninterrupted_one(tmp_path,
 
     monkeypatch.setattr(RoundBuffer, "batch_at", batch_at)
     assert train_cli.main(argv(tmp_path / "parts")) == 75
-    assert "preempted (SIGTERM) at update 2" in capsys.readouterr().out
+    assert "train run: preempted (SIGTERM) at update 2: checkpoint saved in " in (
+        capsys.readouterr().err)
     monkeypatch.setattr(RoundBuffer, "batch_at", read)
     assert train_cli.main(argv(tmp_path / "parts")) == 0
     summary = capsys.readouterr().out

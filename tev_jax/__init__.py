@@ -6,26 +6,39 @@ is `tev_jax.verify`, DDTree's best-first builder is `tev_jax.ddtree`; draft tree
 Decoding goes through one object, `tev_jax.engine.Engine` (`Engine.create(target,
 drafter, DecodeConfig(...), batch_size)`), or its one-call form `generate`.
 (The function `exit_law` is not re-exported here: it would hide the module of that name.)
-Importing the package first refines Python's default Ctrl-C handler so that an interrupt
-is neither dropped in jax's garbage-collector callback nor raised inside a compile
-(`tev_jax.exits.refine_default_interrupt`).
+
+The names below are imported on first use, so ``import tev_jax`` neither imports jax
+nor changes anything in the process (no signal handler, no environment variable): the
+command lines start quickly and handle their signals themselves (`tev_jax.stop`).
 """
 
-from tev_jax.exits import refine_default_interrupt
+import importlib
 
-refine_default_interrupt()  # before jax is imported: its gc callback would drop Ctrl-C
+# name -> the module that defines it
+_EXPORTS = {
+    "DecodeConfig": "decode", "Engine": "engine", "generate": "engine",
+    "generate_ar": "engine", "ExitLaw": "exit_law", "Generation": "generation",
+    "Sampling": "sampling", "DraftTree": "tree", "make_tree": "tree", "validate": "tree",
+    "Verdict": "verify", "greedy": "verify", "predraw": "verify",
+    "sequential_residual": "verify", "tev": "verify",
+}
 
-from tev_jax.decode import DecodeConfig  # noqa: E402
-from tev_jax.engine import Engine, generate, generate_ar  # noqa: E402
-from tev_jax.exit_law import ExitLaw  # noqa: E402
-from tev_jax.generation import Generation  # noqa: E402
-from tev_jax.sampling import Sampling  # noqa: E402
-from tev_jax.tree import DraftTree, make_tree, validate  # noqa: E402
-from tev_jax.verify import Verdict, greedy, predraw, sequential_residual, tev  # noqa: E402
-
-__all__ = [
-    "DecodeConfig", "DraftTree", "Engine", "ExitLaw", "Generation", "Sampling", "Verdict",
-    "generate", "generate_ar", "greedy", "make_tree", "predraw", "sequential_residual",
-    "tev", "validate",
-]
+__all__ = sorted(_EXPORTS)
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        value = getattr(importlib.import_module(f"tev_jax.{_EXPORTS[name]}"), name)
+        globals()[name] = value
+        return value
+    try:  # a submodule not imported yet: tev_jax.testing, tev_jax.models, ...
+        return importlib.import_module(f"tev_jax.{name}")
+    except ModuleNotFoundError as e:
+        if e.name != f"tev_jax.{name}":
+            raise
+        raise AttributeError(f"module 'tev_jax' has no attribute {name!r}") from None
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_EXPORTS))

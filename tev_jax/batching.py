@@ -25,7 +25,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from tev_jax import decode, extensions
+from tev_jax import decode, extensions, stop
 from tev_jax.budget import AutoBudget, check_tuned_for
 from tev_jax import sharding as shd
 from tev_jax.engine import Engine
@@ -199,6 +199,7 @@ def generate_continuous(target, drafter, requests: Iterable[Request],
     pending = iter(requests)
     exhausted = False
     while True:
+        stop.check()  # a safe point: the finished rows are handed back, none is in flight
         free = [i for i, r in enumerate(in_slot) if r is None]
         batch = []
         while len(batch) < len(free) and not exhausted:

@@ -26,7 +26,7 @@ from collections.abc import Callable, Sequence
 import jax
 import numpy as np
 
-from tev_jax import decode
+from tev_jax import decode, stop
 from tev_jax.decode import DecodeConfig, DecodeState
 from tev_jax.engine import Engine, engine_for
 from tev_jax.generation import Generation
@@ -231,6 +231,7 @@ def compare_methods(target, methods: Sequence[tuple[str, object, DecodeConfig]],
     gens: list[list[Generation]] = [[] for _ in methods]
     for r in range(passes):
         for k in range(len(methods)):
+            stop.check()  # between passes
             m = (k + r) % len(methods)
             gens[m] = [run() for run in runs[m]]
             seconds[m][r] = sum(g.stats.seconds for g in gens[m])

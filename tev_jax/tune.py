@@ -50,7 +50,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from tev_jax import decode
+from tev_jax import decode, stop
 from tev_jax.budget import AutoBudget, model_fingerprint, read_tuning
 from tev_jax.decode import DecodeConfig
 from tev_jax.drafters import DFlashDrafter, as_drafter
@@ -119,6 +119,7 @@ def continuations(target, prompt_ids: Sequence[Sequence[int]], *, max_new_tokens
     key = _key(key)
     out: list[list[int]] = []
     for i, (chunk, real) in enumerate(_chunks(prompts, rows)):
+        stop.check()
         st = engine.generate(engine.prompts(chunk), jax.random.fold_in(key, i))
         out += engine.finish(st).rows()[:real]
         if progress:
@@ -210,6 +211,7 @@ def tree_reach(target, drafter, prompt_ids: Sequence[Sequence[int]],
     pairs = list(zip(before, roots))
     with _mesh_scope(mesh):
         for chunk, real in _chunks(pairs, rows):
+            stop.check()
             st = engine.prefill(engine.prompts([b for b, _ in chunk]), key)
             st = st.replace(root_B=jnp.asarray([r for _, r in chunk], jnp.int32))
             draft_BHV, _ = draft(engine.params, st)
@@ -367,6 +369,7 @@ def round_costs(target, drafter, prompt_ids: Sequence[Sequence[int]], config: De
     for bs in batch_sizes:
         rows = [prompts[i % len(prompts)] for i in range(bs)]
         for b in (0, *budgets):
+            stop.check()
             cfg = (dataclasses.replace(base, builder="none", budget=64) if b == 0
                    else dataclasses.replace(base, builder="ddtree", budget=b))
             engine = Engine.create(target, None if b == 0 else drafter, cfg, bs, mesh=mesh)
@@ -375,6 +378,7 @@ def round_costs(target, drafter, prompt_ids: Sequence[Sequence[int]], config: De
     calls = {(k, "round"): engines[k].round for k in engines}
     calls |= {(k, "noop"): functools.partial(_noop, engines[k].params) for k in engines}
     for i, ((k, _), call) in enumerate(calls.items()):
+        stop.check()
         jax.block_until_ready(call(_copy(states[k])))
         if progress:
             progress("programs", i + 1, len(calls))

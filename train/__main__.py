@@ -16,9 +16,10 @@ settings), ``--config`` reads a JSON file over it and flags override both.
 
 Exit codes (as ``tev-jax``'s, `tev_jax.exits`): 0 done (or stopped where asked, with
 ``--until-update`` / ``--max-minutes``); 2 bad input or a refused run (one line on
-stderr, nothing written); 75 ``run`` preempted (SIGTERM: checkpoint saved) or ``run`` /
-``rollouts`` interrupted: run the same command again to resume; 130 / 143 ``plan``
-interrupted / terminated.
+stderr, nothing written); 75 ``run`` stopped by SIGTERM or SIGINT after an update
+(checkpoint saved) or ``rollouts`` between shards: run the same command again to resume;
+130 / 143 ``plan`` interrupted / terminated. A second signal ends any command at once
+(128 + its number).
 """
 
 from __future__ import annotations
@@ -27,12 +28,11 @@ import argparse
 import contextlib
 import dataclasses
 import json
+import signal
 import sys
 import types
 import typing
 from pathlib import Path
-
-from train.config import RECIPES, TrainConfig, field_help
 
 DESCRIPTION = ("Drafter training for tree speculative decoding: target rollouts, DFlash / "
                "ExitTrain training runs (resumable), memory plans.")
@@ -86,6 +86,8 @@ def _field_parser(tp):
 
 
 def _add_config_flags(p: argparse.ArgumentParser) -> None:
+    from train.config import TrainConfig, field_help
+
     hints = typing.get_type_hints(TrainConfig)
     helps = field_help()
     for f in dataclasses.fields(TrainConfig):
@@ -103,6 +105,7 @@ NEW_DRAFTER_FIELDS = ("drafter_layers", "block_size", "mask_token_id", "target_l
 
 def config_from_args(ns: argparse.Namespace) -> TrainConfig:
     from tev_jax.batch_io import read_text
+    from train.config import RECIPES, TrainConfig
 
     base = dict(RECIPES[ns.recipe]) if ns.recipe else {}
     if ns.config is not None:
@@ -260,7 +263,7 @@ def _rollouts(ns) -> None:
 
 def _run(ns) -> int:
     from tev_jax.batch_io import lock_output
-    from tev_jax.exits import EXIT_RESUMABLE, Interrupted
+    from tev_jax.exits import EXIT_RESUMABLE, Interrupted, Terminated, interrupt_exit
     from train.checkpoint import steps_in
     from train.loop import train
 
@@ -311,14 +314,18 @@ def _run(ns) -> int:
     else:
         lines.append(f"nothing to do: the checkpoint in {where} is at update "
                      f"{result.update} of {cfg.steps}")
-    if result.preempted:
-        lines.append(f"preempted (SIGTERM) at update {result.update}: checkpoint saved in "
-                     f"{where}; run the same command again to resume")
-    elif result.update < cfg.steps:
+    if result.update < cfg.steps and not result.preempted:
         lines.append(f"stopped at update {result.update} of {cfg.steps} as asked: checkpoint "
                      f"in {where}; run the same command to continue")
     print("\n".join(lines))
-    return EXIT_RESUMABLE if result.preempted else 0
+    if result.preempted:
+        what, _ = interrupt_exit(Terminated() if result.stop_signal == signal.SIGTERM
+                                 else KeyboardInterrupt())
+        what = what.replace("terminated", "preempted")
+        print(f"{prog_name()} run: {what} at update {result.update}: checkpoint saved in {where}; "
+              "run the same command again to resume", file=sys.stderr)
+        return EXIT_RESUMABLE
+    return 0
 
 
 def _check_plan_flags(ns) -> tuple[float, ...]:
@@ -429,11 +436,16 @@ def _plan(ns) -> None:
               "rounds):\n" + rollouts.format())
 
 
+def prog_name() -> str:
+    """How the user called the command, for its messages."""
+    return "tev-train" if Path(sys.argv[0]).name == "tev-train" else "python -m train"
+
+
 def build_parser() -> argparse.ArgumentParser:
     from tev_jax import __version__
+    from train.config import RECIPES
 
-    prog = "tev-train" if Path(sys.argv[0]).name == "tev-train" else "python -m train"
-    p = argparse.ArgumentParser(prog=prog, description=DESCRIPTION)
+    p = argparse.ArgumentParser(prog=prog_name(), description=DESCRIPTION)
     p.add_argument("--version", action="version", version=f"tev-train {__version__}")
     sub = p.add_subparsers(dest="command", required=True)
     p.set_defaults(subcommands=sub)  # main shows a subcommand's usage for its flag typos
@@ -562,47 +574,61 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
-    """The ``tev-train`` command; the exit codes are in the module docstring."""
-    from tev_jax.exits import (
-        EXIT_RESUMABLE,
-        EXIT_USAGE,
-        Interrupted,
-        flag_names,
-        interrupt_exit,
-        name_flags,
-        parse_args,
-        signals_as_interrupts,
-    )
-    from tev_jax.platforms import skip_absent_tpu
-    from train.checkpoint import CheckpointError
+    """The ``tev-train`` command; the exit codes are in the module docstring. SIGINT and
+    SIGTERM are recorded from the first line on (`tev_jax.stop`) and taken at safe points:
+    between updates (``run`` saves a checkpoint), shards (``rollouts``) or at the end."""
+    from tev_jax import stop
 
-    parser = build_parser()
-    ns = parse_args(parser, parser.get_default("subcommands"), argv)
-    skip_absent_tpu()
-    # with jax.distributed, jax's own SIGTERM handler must stay (preemption sync)
-    distributed = getattr(ns, "distributed", False) in (True, "true")
-    guard = contextlib.nullcontext() if distributed else signals_as_interrupts()
+    with stop.handled_signals("tev-train"):
+        return _main(argv)
+
+
+def _main(argv) -> int:
+    from tev_jax import stop
+    from tev_jax.exits import (EXIT_RESUMABLE, EXIT_USAGE, Interrupted, flag_names,
+                               interrupt_exit, name_flags, parse_args)
+
+    prog, command = prog_name(), None
     try:
-        with guard:
-            return ns.fn(ns) or 0
+        parser = build_parser()
+        stop.check()
+        ns = parse_args(parser, parser.get_default("subcommands"), argv)
+        command = ns.command
+        if getattr(ns, "distributed", False) in (True, "true"):
+            # jax's preemption sync takes SIGTERM in every process; Ctrl-C is Python's
+            stop.release(signal.SIGTERM)
+            stop.release(signal.SIGINT)
+        stop.check()
+        from tev_jax.platforms import skip_absent_tpu
+        from train.checkpoint import CheckpointError
+
+        skip_absent_tpu()
+        try:
+            code = ns.fn(ns) or 0
+        except CheckpointError as e:
+            raise ValueError(str(e)) from None
+        if code == 0:
+            stop.check()  # a signal the command's last stretch did not take
+        return code
     except KeyboardInterrupt as e:
+        name = f"{prog} {command}" if command else prog
         what, code = interrupt_exit(e.__cause__ if isinstance(e, Interrupted) else e)
         if isinstance(e, Interrupted):
-            print(f"{parser.prog} {ns.command}: {what}; {e}", file=sys.stderr)
+            print(f"{name}: {what}; {e}", file=sys.stderr)
             return EXIT_RESUMABLE
-        if ns.command in ("run", "rollouts"):  # before it started: a rerun starts it
-            print(f"{parser.prog} {ns.command}: {what} before anything was written: run "
-                  "the same command again to start it", file=sys.stderr)
+        if command in ("run", "rollouts"):  # before it started: a rerun starts it
+            print(f"{name}: {what} before anything was written: run the same command "
+                  "again to start it", file=sys.stderr)
             return EXIT_RESUMABLE
-        print(f"{parser.prog} {ns.command}: {what}", file=sys.stderr)
+        print(f"{name}: {what}", file=sys.stderr)
         return code
-    except (ValueError, CheckpointError) as e:
-        print(f"{parser.prog} {ns.command}: error: {name_flags(str(e), flag_names(parser))}",
+    except ValueError as e:
+        print(f"{prog} {command}: error: {name_flags(str(e), flag_names(parser))}",
               file=sys.stderr)
         return EXIT_USAGE
     except OSError as e:
         where = f"{e.filename}: " if e.filename else ""
-        print(f"{parser.prog} {ns.command}: error: {where}{e.strerror or e}", file=sys.stderr)
+        print(f"{prog} {command}: error: {where}{e.strerror or e}", file=sys.stderr)
         return EXIT_USAGE
 
 

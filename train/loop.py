@@ -54,7 +54,9 @@ class TrainResult:
       history: one metrics dict per logged update (host floats).
       start_update: the update the run started from (> 0 when resumed).
       drafter: the trained drafter module (parameters merged back).
-      preempted: the run stopped early on SIGTERM (with a checkpoint at its last update).
+      preempted: the run stopped early on SIGTERM or SIGINT (with a checkpoint at its last
+        update).
+      stop_signal: which of the two stopped it (None when it was not preempted).
       update: the last update run.
       seconds: wall time of the updates this call ran (compilation included).
       drafter_path: where the drafter was written (``out_dir/drafter``), or None (the
@@ -66,6 +68,7 @@ class TrainResult:
     start_update: int
     drafter: Any
     preempted: bool = False
+    stop_signal: int | None = None
     update: int = 0
     seconds: float = 0.0
     drafter_path: str | None = None
@@ -311,8 +314,9 @@ def train(cfg: TrainConfig, *, target=None, drafter=None, data: RolloutSet | Non
     passes before ``out_dir/config.json`` is written. A checkpoint that cannot be read
     is moved aside with one line on stderr and the one before it is used; with
     ``cfg.resume`` False an earlier run's checkpoints are moved aside
-    (`train.checkpoint.set_aside`). On SIGTERM (preemption) it saves after the current
-    update and returns with ``preempted=True``; calling it again resumes.
+    (`train.checkpoint.set_aside`). On SIGTERM (preemption; also SIGINT under ``tev-train``)
+    it saves after the current update and returns with ``preempted=True``; calling it
+    again resumes.
 
     Args:
       cfg: the `TrainConfig`.
@@ -406,7 +410,7 @@ def train(cfg: TrainConfig, *, target=None, drafter=None, data: RolloutSet | Non
                desc=f"train[{cfg.objective}]")
     t_start = time.perf_counter()
     t_last, n_since = time.perf_counter(), 0
-    update, preempted = start, False
+    update, preempted, stop_signal = start, False, None
     try:
         with place.context(), PreemptionWatch(ckpt) as preemption:
             while update < stop:
@@ -454,6 +458,7 @@ def train(cfg: TrainConfig, *, target=None, drafter=None, data: RolloutSet | Non
                     _save_drafter(merge_drafter(graphs, frozen, state.params),
                                   out / "drafters" / f"update-{update}")
                 if out_of_time or preempted:
+                    stop_signal = preemption.signal if preempted else None
                     break
     finally:  # also on Ctrl-C: a save in flight commits before the process ends
         bar.close()
@@ -466,8 +471,8 @@ def train(cfg: TrainConfig, *, target=None, drafter=None, data: RolloutSet | Non
         _save_drafter(drafter_out, out / "drafter")
         drafter_path = str(out / "drafter")
     return TrainResult(state=state, history=history, start_update=start, drafter=drafter_out,
-                       preempted=preempted, update=update, seconds=seconds,
-                       drafter_path=drafter_path)
+                       preempted=preempted, stop_signal=stop_signal, update=update,
+                       seconds=seconds, drafter_path=drafter_path)
 
 
 def _on_process_0(flag: bool) -> bool:

@@ -1,4 +1,4 @@
-"""Preemption: stop between updates with a checkpoint when the job gets SIGTERM.
+"""Preemption: stop between updates with a checkpoint when the job gets SIGTERM (or SIGINT).
 
 Two mechanisms, chosen by how the job runs:
 
@@ -8,9 +8,10 @@ Two mechanisms, chosen by how the job runs:
   ``jax.experimental.multihost_utils.reached_preemption_sync_point(step)`` (through
   orbax's ``CheckpointManager.reached_preemption``) becomes True at the same update
   everywhere (the fastest process's next update), so every process saves the same
-  step. No Python signal handler is installed: it would replace jax's.
-- **one process without it**: a Python SIGTERM handler sets a flag that the loop reads
-  after each update.
+  step. ``tev-train`` leaves SIGTERM to jax there (`tev_jax.stop.release`).
+- **one process without it**: the signal is recorded (`tev_jax.stop`: ``tev-train``
+  records SIGINT and SIGTERM; a library caller gets SIGTERM recorded while the loop
+  runs) and the loop reads it after each update.
 
 Either way the loop saves (forced) at that update, waits for the save to commit and
 returns; rerunning the same command resumes from it.
@@ -18,10 +19,12 @@ returns; rerunning the same command resumes from it.
 
 from __future__ import annotations
 
+import contextlib
 import signal
-import threading
 
 import jax
+
+from tev_jax import stop
 
 
 class PreemptionWatch:
@@ -34,24 +37,26 @@ class PreemptionWatch:
     def __init__(self, checkpointer):
         self._checkpointer = checkpointer
         self._distributed = jax.distributed.is_initialized()
-        self._flag = threading.Event()
-        self._previous = None
+        self._handled = contextlib.ExitStack()
 
     def __enter__(self):
-        if not self._distributed and threading.current_thread() is threading.main_thread():
-            self._previous = signal.signal(signal.SIGTERM, lambda *_: self._flag.set())
+        if not self._distributed and not stop.handling(signal.SIGTERM):
+            self._handled.enter_context(stop.handled_signals("train", (signal.SIGTERM,)))
         return self
 
     def __exit__(self, *exc):
-        if self._previous is not None:
-            signal.signal(signal.SIGTERM, self._previous)
-            self._previous = None
+        self._handled.close()
 
     def reached(self, update: int) -> bool:
         """Call once after every update (all processes): True means save and stop."""
         if self._distributed:
             return self._checkpointer.reached_preemption(update)
-        return self._flag.is_set()
+        return stop.requested() is not None
+
+    @property
+    def signal(self) -> int:
+        """The signal that stopped the loop (SIGTERM under jax.distributed)."""
+        return stop.requested() or signal.SIGTERM
 
 
 __all__ = ["PreemptionWatch"]

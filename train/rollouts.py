@@ -38,6 +38,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
+from tev_jax import stop
 from tev_jax.sampling import Sampling
 from train.anchors import labels_in_response, sample_anchors, step_rng
 
@@ -99,6 +100,7 @@ def generate_responses(target, prompts: Sequence[Sequence[int]], config: Rollout
     key = jax.random.key(config.seed) if key is None else key
     out = []
     for i in range(0, len(prompts), config.batch_size):
+        stop.check()  # between batches (a shard's batches so far are dropped)
         chunk = [list(p) for p in prompts[i:i + config.batch_size]]
         gen = generate_ar(target, chunk, dc, jax.random.fold_in(key, i // config.batch_size))
         out.extend(np.asarray(r, np.int32) for r in gen.rows())
@@ -311,6 +313,7 @@ def make_rollouts(target, prompts: Sequence[Sequence[int]], out_dir: str | os.Pa
     root = jax.random.key(config.seed)
     try:
         for i in range(process_index, n, process_count):
+            stop.check()  # between shards: the written ones are complete
             record = _shard_record(out_dir, i, n)
             if record is not None and record.get("key") == run_key:
                 continue

@@ -4,7 +4,10 @@ Each subcommand parses its arguments into library objects and calls the library;
 work lives in ``tev_jax`` (`tev_jax.engine`, `tev_jax.profile`, `tev_jax.serve`,
 `tev_jax.plan`). The flags several subcommands share are declared and read in
 `tev_jax.cli.flags`. Add a subcommand by writing a module whose ``add_parser(subparsers)``
-registers its arguments and sets ``func``, and listing it in ``SUBCOMMANDS``.
+registers its arguments and sets ``func``, and listing it in `subcommands`.
+
+`main` handles SIGINT and SIGTERM before it imports anything heavy (`tev_jax.stop`): a
+signal is recorded, and the command stops at its next safe point with one line.
 """
 
 from __future__ import annotations
@@ -12,52 +15,69 @@ from __future__ import annotations
 import argparse
 import sys
 
-from tev_jax.cli import compare, exit_law, generate, merge_outputs, plan, tune
+from tev_jax import stop
 from tev_jax.exits import (EXIT_RESUMABLE, EXIT_USAGE, Interrupted, flag_names, interrupt_exit,
-                           name_flags, parse_args, signals_as_interrupts)
-from tev_jax.platforms import skip_absent_tpu
+                           name_flags, parse_args)
 
 DESCRIPTION = ("Tree speculative decoding with exact verifiers: generate text, compare "
                "methods, plan memory, tune the tree budget, show the exit law.")
 
-SUBCOMMANDS = [exit_law.add_parser, generate.add_parser, compare.add_parser, plan.add_parser,
-               tune.add_parser, merge_outputs.add_parser]
+
+def subcommands() -> list:
+    """The subcommands' ``add_parser`` functions (their modules import jax)."""
+    from tev_jax.cli import compare, exit_law, generate, merge_outputs, plan, tune
+
+    return [exit_law.add_parser, generate.add_parser, compare.add_parser, plan.add_parser,
+            tune.add_parser, merge_outputs.add_parser]
 
 
 def main(argv: list[str] | None = None) -> int:
     """The ``tev-jax`` command. Exit codes: 0 done; 2 bad input or a refused run (one
     line on stderr); 75 a batch job interrupted (SIGINT / SIGTERM) with its results so far
-    on disk: rerun to resume; 130 / 143 a single generation interrupted / terminated."""
+    on disk: rerun to resume; 130 / 143 any other command interrupted / terminated."""
+    with stop.handled_signals("tev-jax"):
+        return _main(argv)
+
+
+def _main(argv: list[str] | None) -> int:
     from tev_jax import __version__
 
+    command, args = "tev-jax", None
     parser = argparse.ArgumentParser(prog="tev-jax", description=DESCRIPTION)
     parser.add_argument("--version", action="version", version=f"tev-jax {__version__}")
-    sub = parser.add_subparsers(dest="command", required=True)
-    for add in SUBCOMMANDS:
-        add(sub)
-    args = parse_args(parser, sub, argv)
-
-    def fail(message: str) -> SystemExit:
-        print(f"tev-jax {args.command}: error: {message}", file=sys.stderr)
-        return SystemExit(EXIT_USAGE)
-
-    skip_absent_tpu()
     try:
-        with signals_as_interrupts():
-            return args.func(args)
+        sub = parser.add_subparsers(dest="command", required=True)
+        for add in subcommands():
+            add(sub)
+        stop.check()
+        args = parse_args(parser, sub, argv)
+        command = f"tev-jax {args.command}"
+        stop.check()
+        from tev_jax.platforms import skip_absent_tpu
+
+        skip_absent_tpu()
+        code = args.func(args)
+        if not code:
+            stop.check()  # a signal the command's last stretch did not take
+        return code
     except KeyboardInterrupt as e:
         what, code = interrupt_exit(e.__cause__ if isinstance(e, Interrupted) else e)
         if isinstance(e, Interrupted):
-            print(f"tev-jax {args.command}: {what}; {e}", file=sys.stderr)
+            print(f"{command}: {what}; {e}", file=sys.stderr)
             return EXIT_RESUMABLE
         if getattr(args, "output", None):  # a batch job, before it started: a rerun starts it
-            print(f"tev-jax {args.command}: {what} before anything was written: run the "
-                  "same command again to start it", file=sys.stderr)
+            print(f"{command}: {what} before anything was written: run the same command "
+                  "again to start it", file=sys.stderr)
             return EXIT_RESUMABLE
-        print(f"tev-jax {args.command}: {what}", file=sys.stderr)
+        print(f"{command}: {what}", file=sys.stderr)
         return code
     except ValueError as e:
-        raise fail(name_flags(str(e), flag_names(parser))) from None
+        raise _fail(command, name_flags(str(e), flag_names(parser))) from None
     except OSError as e:
         where = f"{e.filename}: " if e.filename else ""
-        raise fail(f"{where}{e.strerror or e}") from None
+        raise _fail(command, f"{where}{e.strerror or e}") from None
+
+
+def _fail(command: str, message: str) -> SystemExit:
+    print(f"{command}: error: {message}", file=sys.stderr)
+    return SystemExit(EXIT_USAGE)

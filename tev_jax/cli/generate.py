@@ -8,6 +8,7 @@ import sys
 
 import jax.numpy as jnp
 
+from tev_jax import stop
 from tev_jax.budget import AutoBudget, resolve_budget
 from tev_jax.cli import batch, flags
 
@@ -70,6 +71,7 @@ def generate_command(args) -> int:
     stream = (sys.stdout.isatty() and not args.no_stream and not args.compare_ar
               and args.repeats == 1)
     plan.check_decode_floor(target, drafter, config, 1, mesh=mesh)  # from shapes, at once
+    stop.check()  # the models are loaded; the compile comes next
     print("compiling the decode program (once per setting) ...", file=sys.stderr, flush=True)
     # with --chat the turns are shown, the template's role markers as "user:" / "assistant:"
     head, shown_prompt = ((f"user: {args.prompt}\nassistant: ", []) if args.chat
@@ -105,6 +107,7 @@ def generate_command(args) -> int:
         if args.builder == "none":
             lines.append("--compare-ar: this run is already autoregressive")
         else:
+            stop.check()
             ar = timed(target, None, config=dataclasses.replace(config, builder="none"))
             ar_speed = int(ar.lengths[0]) / ar.stats.seconds
             lines.append(f"AR {ar_speed:.1f} tokens/s -> speed-up {speed / ar_speed:.2f}x "
