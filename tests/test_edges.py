@@ -220,6 +220,27 @@ def test_a_prompt_the_model_ends_at_once(tmp_path, capsys):
     assert "tau n/a (every prompt ended at its first token" in err and "None" not in err
 
 
+def test_force_with_other_settings_on_a_complete_output_is_refused(tmp_path, target_dir,
+                                                                   capsys):
+    """Issue 51, item 6: ``--force`` with changed settings on an output that already has
+    every result would decode nothing yet rewrite its settings file to name the new
+    settings (a file that then lies about its rows): refused, the file unchanged. With a
+    prompt left to decode, --force goes on (the control)."""
+    assert cli.main(_batch(target_dir, tmp_path)) == 0
+    side = batch_io.settings_path(tmp_path / "out.jsonl")
+    before = side.read_text()
+    line = _refused(_batch(target_dir, tmp_path, "--force", "--seed", "7"), capsys)
+    assert "--force with other settings (seed) would decode nothing" in line
+    assert side.read_text() == before
+    (tmp_path / "more").mkdir()
+    more = _batch(target_dir, tmp_path / "more", "--force", "--seed", "7")
+    more[more.index("--output") + 1] = str(tmp_path / "out.jsonl")
+    _prompts_file(tmp_path / "more" / "p.jsonl", n=6)
+    assert cli.main(more) == 0
+    assert len((tmp_path / "out.jsonl").read_text().splitlines()) == 6
+    assert '"seed": 7' in side.read_text()
+
+
 def test_interrupts_end_with_one_line_and_a_documented_code(tmp_path, target_dir, capsys,
                                                             monkeypatch):
     """Issue 26, finding 15: Ctrl-C or SIGTERM in batch mode ends with one line saying

@@ -456,18 +456,27 @@ def read_settings(side: str | Path) -> dict:
     return old
 
 
-def check_output_settings(out: str | Path, settings: dict, *, force: bool = False) -> None:
-    """Refuses ``out`` if it was written with other settings (without ``force``), has
-    results but no sidecar, or holds lines that are not results; writes nothing."""
+def check_output_settings(out: str | Path, settings: dict, *, force: bool = False,
+                          ids: set[str] | None = None) -> None:
+    """Refuses ``out`` if it was written with other settings (without ``force``; with it,
+    when it already holds a result for each of ``ids``, this run's prompts: nothing would
+    be decoded with the new settings, and its settings file would name them), has results
+    but no sidecar, or holds lines that are not results; writes nothing."""
     out = Path(out)
     side = settings_path(out)
     if side.exists():
         old = read_settings(side)
-        if _comparable(old) != _comparable(settings) and not force:
+        if _comparable(old) != _comparable(settings):
             diff = sorted(k for k in set(old) | set(settings) if k != RUN_KEY
                           and old.get(k) != settings.get(k))
-            raise ValueError(f"{out} was written with other settings ({', '.join(diff)} "
-                             f"differ, see {side}); use another --output or --force")
+            if not force:
+                raise ValueError(f"{out} was written with other settings ({', '.join(diff)} "
+                                 f"differ, see {side}); use another --output or --force")
+            if ids is not None and ids <= read_done_ids(out):
+                raise ValueError(f"--force with other settings ({', '.join(diff)}) would "
+                                 f"decode nothing: {out} already has a result for every "
+                                 f"prompt, written with the settings in {side}; use "
+                                 "another --output to decode them with the new settings")
     elif out.exists() and out.stat().st_size and not force:
         raise ValueError(f"{out} exists but has no settings file {side}; use another "
                          "--output or --force")

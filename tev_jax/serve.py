@@ -175,15 +175,16 @@ def _run(job: FileJob, out: Path, mesh, progress: bool) -> dict:
     if not config.stop_token_ids:
         config = dataclasses.replace(config, stop_token_ids=stop_token_ids(target, tokenizer))
     settings = job.settings(config, mesh)
-    batch_io.check_output_settings(out, settings, force=job.force)
+    mine = batch_io.shard_of(list(enumerate(requests)), job.process_index,
+                             job.process_count)
+    batch_io.check_output_settings(out, settings, force=job.force,
+                                   ids={batch_io.id_key(r.id) for _, r in mine})
     drafter = (None if job.drafter is None
                else load_drafter(job.drafter, target, dtype=dtype, mesh=mesh))
     # An automatic budget is checked as the widest program it runs (all slot counts
     # share its cache length).
     if isinstance(config.budget, AutoBudget) and config.builder == "ddtree":
         check_tuned_for(config.budget, target, drafter)
-    mine = batch_io.shard_of(list(enumerate(requests)), job.process_index,
-                             job.process_count)
     # more slots than prompts would only cost memory: decode with as many as there are
     batch = batching.fit_batch(job.batch_size, len(mine), mesh)
     widest = batching.slot_configs(config, batch, mesh=mesh)[batch]

@@ -37,6 +37,7 @@ from train.config import TrainConfig
 from train.local_input import batch_rows, place_local_batch
 from train.opd_phases import OpdPhases, run_key
 from train.opd_step import OpdStepConfig, opd_program, place_opd_batch
+from train.plan import check_step_fits, check_step_floor
 from train.preemption import PreemptionWatch
 from train.rollouts import RolloutSet
 from train.optimizer import OptimConfig
@@ -207,9 +208,11 @@ def check_data_target(data: RolloutSet, target_path: str | None, data_dir=None) 
                          "target's outputs: make rollouts with this target")
 
 
-def check_anchors(data: RolloutSet, horizon: int, partial: bool, data_dir=None) -> None:
+def check_anchors(data: RolloutSet, horizon: int, partial: bool, data_dir=None,
+                  num_anchors: int | None = None) -> None:
     """Refuses rollouts in which no sequence has a valid anchor (`train.anchors`): every
-    loss would be 0 and the drafter would learn nothing."""
+    loss would be 0 and the drafter would learn nothing; and ``num_anchors`` above the
+    anchor positions a sequence of the data's length has (they could only be padding)."""
     spans = data.spans
     counts = [hi - lo for lo, hi in (anchor_range(int(a), int(b), horizon, partial)
                                      for a, b in spans)]
@@ -220,6 +223,12 @@ def check_anchors(data: RolloutSet, horizon: int, partial: bool, data_dir=None) 
                          f"the longest response has {longest} tokens, and block_size="
                          f"{horizon + 1} needs at least {need}; make longer rollouts "
                          "(--max-new-tokens) or lower --block-size")
+    lo, hi = anchor_range(0, data.seq_len, horizon, partial)
+    if num_anchors is not None and num_anchors > hi - lo:
+        raise ValueError(f"num_anchors ({num_anchors}) is more than the anchor positions of "
+                         f"a sequence of data_dir={data_dir} ({hi - lo} in "
+                         f"{data.seq_len} tokens with block_size={horizon + 1}); use at "
+                         f"most {hi - lo}")
 
 
 def _set_aside(directory) -> None:
@@ -356,10 +365,13 @@ def train(cfg: TrainConfig, *, target=None, drafter=None, data: RolloutSet | Non
         raise ValueError(f"sequences of length {data.seq_len} are too short for block size "
                          f"{drafter.config.block_size}")
     if not opd:
-        check_anchors(data, horizon, cfg.partial_anchors, cfg.data_dir)
+        check_anchors(data, horizon, cfg.partial_anchors, cfg.data_dir, cfg.num_anchors)
 
     log_path = out / "train_log.jsonl"
     scfg = step_config(cfg, drafter)
+    check_step_floor(cfg, seq_len=data.seq_len, taps=len(scfg.taps),  # shapes, at once
+                     width=target.config.hidden_size, mesh=mesh,
+                     itemsize=jax.tree.leaves(nnx.state(target, nnx.Param))[0].dtype.itemsize)
     graphs, frozen, params = split_models(target, drafter)
     _, param_state, _ = nnx.split(drafter, nnx.Param, ...)
     phases = None
@@ -374,6 +386,15 @@ def train(cfg: TrainConfig, *, target=None, drafter=None, data: RolloutSet | Non
                                batch_shape)
     place, optimizer, step_fn = program.place, program.optimizer, program.step_fn
     frozen = place_frozen(frozen, place)
+    if not opd:  # the step's compiled memory, before anything is written (jax keeps the
+        # compile: the first update does not compile again)
+        first = place_local_batch(data.batch_at(
+            cfg.seed, 0, cfg.batch_size, cfg.num_anchors, horizon,
+            rows=batch_rows(place, batch_shape), partial=cfg.partial_anchors),
+            place, batch_shape)
+        with place.context():
+            lowered = step_fn.lower(abstract_state(params, optimizer, place), first, frozen)
+        check_step_fits(lowered, cfg, mesh)
     if phases is not None:
         phases.merge = lambda p: merge_drafter(graphs, frozen, p)
 

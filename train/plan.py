@@ -31,9 +31,11 @@ from tev_jax.models.drafter import default_target_layer_ids
 from tev_jax.plan import (
     PRESETS,
     GiB,
+    NotEnoughMemory,
     ProgramReport,
     abstract_drafter,
     abstract_target,
+    available_bytes,
     compile_report,
     model_config,
 )
@@ -282,4 +284,45 @@ def plan_rollouts(target_config, *, drafter_layers: int = 1, block_size: int = 1
                                 devices_per_chip=1 if tpu is None else tpu.devices_per_chip)
 
 
-__all__ = ["StepPlan", "plan_rollouts", "plan_step", "step_model_flops", "target_config_from"]
+
+def _check_memory(need: int, parts: dict[str, int], cfg, mesh) -> None:
+    have, where = available_bytes(None if mesh is None else mesh.devices.flat)
+    if need > have:
+        unit, size = ("GiB", GiB) if need >= GiB else ("MiB", 2**20)
+        shown = ", ".join(f"{k} {v / size:.2f}" for k, v in parts.items())
+        raise NotEnoughMemory(
+            f"not enough memory: a training update needs {need / size:.2f} {unit} per "
+            f"device ({shown} {unit}) but {have / size:.2f} {unit} of {where} is free; "
+            f"lower num_anchors ({cfg.num_anchors}) or batch_size ({cfg.batch_size})")
+
+
+def check_step_floor(cfg, *, seq_len: int, taps: int, width: int, itemsize: int,
+                     mesh=None) -> None:
+    """Refuses at once, from shapes, a step whose batch alone would not fit: the target's
+    features at the drafter's ``taps`` for every position of the micro-batch
+    (B x L x taps x D x itemsize, at best sharded over the whole mesh), which the step
+    holds in any setting. `check_step_fits` then checks the compiled step.
+
+    Raises:
+      NotEnoughMemory: one line naming the flags to lower.
+    """
+    devices = 1 if mesh is None else mesh.devices.size
+    features = -(-cfg.batch_size * seq_len * taps * width * itemsize // devices)
+    _check_memory(features, {"target features": features}, cfg, mesh)
+
+
+def check_step_fits(lowered, cfg, mesh=None) -> ProgramReport:
+    """Compiles one update (``lowered``: the step the loop runs, so jax keeps the compile)
+    and refuses it when its arguments, outputs and temporaries exceed the free memory of
+    a device (`tev_jax.plan.available_bytes`).
+
+    Raises:
+      NotEnoughMemory: one line with every part and the flags to lower.
+    """
+    r = compile_report(lowered)
+    parts = {"arguments": r.argument_bytes, "temporaries": r.temp_bytes,
+             "outputs": r.output_bytes - r.alias_bytes, "code": r.code_bytes}
+    _check_memory(sum(parts.values()), parts, cfg, mesh)
+    return r
+
+__all__ = ["check_step_fits", "check_step_floor", "StepPlan", "plan_rollouts", "plan_step", "step_model_flops", "target_config_from"]
