@@ -33,6 +33,7 @@ from tev_jax.exits import EXIT_SIGNAL, Terminated
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 _received: list[int] = []   # signals recorded by the handler, in order
 _previous: dict[int, object] = {}   # signal -> its handler before `handled_signals`
+_watching: list[threading.Thread] = []   # the watcher of the `handled_signals` in force
 
 
 def handling(signum: int = signal.SIGTERM) -> bool:
@@ -92,16 +93,17 @@ def release(signum: int) -> None:
 @contextlib.contextmanager
 def handled_signals(prog: str, signals=STOP_SIGNALS):
     """While the block runs, ``signals`` (SIGINT, SIGTERM) are recorded for `check`, and
-    a SIGINT after one of them exits at once. A signal the process was started ignoring (``nohup``, a
-    background job) stays ignored. For command lines only; a no-op off the main thread.
+    a SIGINT after one of them exits at once. A signal the process was started ignoring
+    (``nohup``, a background job) stays ignored. For command lines only; a no-op off the
+    main thread and inside another `handled_signals`.
 
     Args:
       prog: the command's name, for the line a second Ctrl-C prints.
-      signals: which signals to handle (``tev-train`` under jax.distributed leaves
-        SIGTERM to jax's preemption sync).
+      signals: which signals to record (`train.preemption` records SIGTERM alone for a
+        library caller of the training loop).
     """
-    if threading.current_thread() is not threading.main_thread() or _previous:
-        yield  # off the main thread, or inside another handled_signals: nothing to do
+    if threading.current_thread() is not threading.main_thread() or _watching:
+        yield
         return
     mine = [s for s in signals if signal.getsignal(s) != signal.SIG_IGN]
     _received.clear()
@@ -109,13 +111,14 @@ def handled_signals(prog: str, signals=STOP_SIGNALS):
     os.set_blocking(write_fd, False)
     previous_fd = signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
     watcher = threading.Thread(target=_watch, args=(read_fd, prog, frozenset(mine)),
-                               daemon=True,
-                               name="tev-jax-signals")
+                               daemon=True, name="tev-jax-signals")
     watcher.start()
+    _watching.append(watcher)
     _previous.update({s: signal.signal(s, _record) for s in mine})
     try:
         yield
     finally:
+        _watching.clear()
         for s in list(_previous):
             release(s)
         signal.set_wakeup_fd(previous_fd)

@@ -286,7 +286,9 @@ def plan_rollouts(target_config, *, drafter_layers: int = 1, block_size: int = 1
 
 
 def _check_memory(need: int, parts: dict[str, int], cfg, mesh) -> None:
-    have, where = available_bytes(None if mesh is None else mesh.devices.flat)
+    mine = None if mesh is None else [d for d in mesh.devices.flat    # this process's
+                                      if d.process_index == jax.process_index()]
+    have, where = available_bytes(mine)
     if need > have:
         unit, size = ("GiB", GiB) if need >= GiB else ("MiB", 2**20)
         shown = ", ".join(f"{k} {v / size:.2f}" for k, v in parts.items())
