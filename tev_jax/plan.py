@@ -300,7 +300,8 @@ class DecodePlan:
                                               ": no calibrated estimate)"))
         if calibrated:
             e = next(r.estimate for r in self.programs.values() if r.estimate is not None)
-            lines.append(f"estimate: calibrated on {e['gpu']} ({e['source']}), one call in a "
+            lines.append(f"estimate: calibrated on {e['gpu']} (tev_jax/data/gpus/{e['gpu']}.json: "
+                         f"{e['source']}), one call in a "
                          f"fused loop; a dispatch from the host adds "
                          f"{e['call_seconds'] * 1e3:.2f} ms (tev_jax.gpu_time)")
         for name, r in self.programs.items():
