@@ -21,22 +21,26 @@ from the repository root).
 
 from __future__ import annotations
 
-import argparse
-import functools
+from tev_jax.platforms import quiet_start
 
-import jax
-import jax.numpy as jnp
-import numpy as np
-from flax import nnx
+if __name__ == "__main__":
+    quiet_start()  # before jax is imported: the CPU where no accelerator is attached, quietly
 
-from tev_jax import ddtree, testing
-from tev_jax.exit_law import exit_law
-from tev_jax.models import load_bundled
-from tev_jax.models.drafter import draft_step, init_drafter_cache
-from tev_jax.sampling import Sampling, log_probs
-from tev_jax.tree import DraftTree, ancestor_mask, children_mask, path_to
-from tev_jax.verify import Verdict
-from tev_jax.platforms import skip_absent_tpu
+import argparse  # noqa: E402
+import functools  # noqa: E402
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from flax import nnx  # noqa: E402
+
+from tev_jax import ddtree, testing  # noqa: E402
+from tev_jax.exit_law import exit_law  # noqa: E402
+from tev_jax.models import load_bundled  # noqa: E402
+from tev_jax.models.drafter import draft_step, init_drafter_cache  # noqa: E402
+from tev_jax.sampling import Sampling, log_probs  # noqa: E402
+from tev_jax.tree import DraftTree, ancestor_mask, children_mask, path_to  # noqa: E402
+from tev_jax.verify import Verdict  # noqa: E402
 
 
 def verdict(tree: DraftTree, exit_node, bonus, horizon: int) -> Verdict:
@@ -131,5 +135,4 @@ if __name__ == "__main__":
     p.add_argument("--num-draws", type=int, default=100_000)
     p.add_argument("--temperature", type=float, default=1.0)
     a = p.parse_args()
-    skip_absent_tpu()  # jax on the CPU where no TPU is attached: no libtpu errors
     main(a.prompt, a.budget, a.num_draws, a.temperature)

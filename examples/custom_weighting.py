@@ -18,22 +18,26 @@ from the repository root).
 
 from __future__ import annotations
 
-import argparse
+from tev_jax.platforms import quiet_start
 
-import jax
-import jax.numpy as jnp
-import numpy as np
+if __name__ == "__main__":
+    quiet_start()  # before jax is imported: the CPU where no accelerator is attached, quietly
 
-from tev_jax.exit_law import ExitLaw
-from tev_jax.exit_train import ExitTrainConfig
-from tev_jax.models import load_bundled
-from tev_jax.sampling import Sampling
-from tev_jax.tree import DraftTree
-from tev_jax.platforms import skip_absent_tpu
-from train.optimizer import OptimConfig, make_optimizer
-from train.placement import init_state, placement
-from train.state import Batch, split_models
-from train.step import StepConfig, make_step_fn
+import argparse  # noqa: E402
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from tev_jax.exit_law import ExitLaw  # noqa: E402
+from tev_jax.exit_train import ExitTrainConfig  # noqa: E402
+from tev_jax.models import load_bundled  # noqa: E402
+from tev_jax.sampling import Sampling  # noqa: E402
+from tev_jax.tree import DraftTree  # noqa: E402
+from train.optimizer import OptimConfig, make_optimizer  # noqa: E402
+from train.placement import init_state, placement  # noqa: E402
+from train.state import Batch, split_models  # noqa: E402
+from train.step import StepConfig, make_step_fn  # noqa: E402
 
 TEXTS = (
     "def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1) + "
@@ -92,5 +96,4 @@ if __name__ == "__main__":
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--budget", type=int, default=16)
     a = p.parse_args()
-    skip_absent_tpu()  # jax on the CPU where no TPU is attached: no libtpu errors
     main(a.steps, a.budget)

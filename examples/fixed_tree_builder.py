@@ -21,16 +21,20 @@ from the repository root).
 
 from __future__ import annotations
 
-import argparse
+from tev_jax.platforms import quiet_start
 
-import jax
-import jax.numpy as jnp
-import numpy as np
+if __name__ == "__main__":
+    quiet_start()  # before jax is imported: the CPU where no accelerator is attached, quietly
 
-from tev_jax import decode, engine
-from tev_jax.models import load_bundled
-from tev_jax.tree import DraftTree
-from tev_jax.platforms import skip_absent_tpu
+import argparse  # noqa: E402
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from tev_jax import decode, engine  # noqa: E402
+from tev_jax.models import load_bundled  # noqa: E402
+from tev_jax.tree import DraftTree  # noqa: E402
 
 PARENTS = (-1, 0, 0, 0, 1, 1, 2, 4)
 RANKS = (0, 0, 1, 2, 0, 1, 0, 0)
@@ -99,5 +103,4 @@ if __name__ == "__main__":
     p.add_argument("--max-new-tokens", type=int, default=48)
     p.add_argument("--prompt", default="def fibonacci(n):")
     a = p.parse_args()
-    skip_absent_tpu()  # jax on the CPU where no TPU is attached: no libtpu errors
     main(a.max_new_tokens, a.prompt)

@@ -4,8 +4,9 @@ One module for what the studies under ``experiments/`` (main_table, ablation, fi
 verifier_stage, budget, figures) have in common:
 
 - **models**: the trained target (Hugging Face layout) and the named DFlash drafters
-  ``<drafters>/<name>/drafter`` (`load_models`), or a tiny random pair for smoke runs
-  and tests (`make_random_models`);
+  ``<drafters>/<name>/drafter`` (`load_models`; `MAKE_MODELS` trains them into ``runs/``,
+  and without them the bundled target and drafters stand in, `study_model_dirs`), or a
+  tiny random pair for smoke runs and tests (`make_random_models`);
 - **prompts**: the four evaluation sets, a fixed evenly spaced selection of prompts
   from each, left-truncated to ``prompt_len`` tokens (`eval_prompts`);
 - **runs**: every generation goes through the fused engine of `tev_jax.decode` (the
@@ -81,6 +82,11 @@ DRAFTER_LABELS = {
     "ft_exit": "exit weighting (ExitTrain)",
     "ft_exit_depth": "exit x depth weighting",
 }
+BUNDLED_AS = {"dflash": "dflash", "ft_exit": "exittrain"}
+"""The study drafters the package ships (`tev_jax.models.bundled`), study name -> bundled
+name: DFlash, and its ExitTrain fine-tune (`experiments/exit_recipe`'s choice)."""
+MAKE_MODELS = "python -m train.demo_models"
+"""Trains the studies' target and all five drafters into ``runs/`` (`DEFAULT_TARGET`)."""
 FIELD_LABELS = {"tau": "τ", "sr": "SR", "tau_exit_law": "1+C", "tau_se": "±"}
 _ALIGN = 8  # the engine's length alignment
 
@@ -162,9 +168,11 @@ def add_arguments(ap: argparse.ArgumentParser, *, prompts: int = 8, max_new_toke
                   repeats: int = 1) -> argparse.ArgumentParser:
     """The command-line flags every study shares (defaults = the study's full run)."""
     ap.add_argument("--target", default=str(DEFAULT_TARGET),
-                    help="target checkpoint directory (Hugging Face layout)")
+                    help="target checkpoint directory (Hugging Face layout; default: the "
+                    f"one `{MAKE_MODELS}` trains, else the bundled target)")
     ap.add_argument("--drafters", default=str(DEFAULT_DRAFTERS),
-                    help="folder holding <name>/drafter for each drafter")
+                    help="folder holding <name>/drafter for each drafter (default: the "
+                    f"ones `{MAKE_MODELS}` trains, else the bundled {'/'.join(BUNDLED_AS)})")
     ap.add_argument("--random-models", action="store_true",
                     help="use a tiny random target/drafter pair (smoke runs, no README update)")
     ap.add_argument("--quick", action="store_true",
@@ -270,6 +278,15 @@ def load_models(target_dir: str | os.PathLike, drafter_root: str | os.PathLike,
     Raises:
       ValueError: a missing target or drafter directory (named in the message).
     """
+    return load_model_dirs(target_dir, {n: drafter_dir(drafter_root, n) for n in names})
+
+
+def load_model_dirs(target_dir: str | os.PathLike, drafter_dirs: dict[str, Path]) -> Models:
+    """Loads the target and each named drafter from its directory.
+
+    Raises:
+      ValueError: a missing target or drafter directory (named in the message).
+    """
     target_dir = Path(target_dir)
     if not (target_dir / "config.json").is_file():
         raise ValueError(f"no target checkpoint at {target_dir} (config.json missing); "
@@ -278,13 +295,44 @@ def load_models(target_dir: str | os.PathLike, drafter_root: str | os.PathLike,
     tokenizer = (load_tokenizer(target_dir) if (target_dir / "tokenizer.json").is_file()
                  else load_default_tokenizer())
     drafters, source = {}, {"target": str(target_dir)}
-    for name in names:
-        path = drafter_dir(drafter_root, name)
-        if not (path / "config.json").is_file():
+    for name, path in drafter_dirs.items():
+        if not (Path(path) / "config.json").is_file():
             raise ValueError(f"no drafter {name!r} at {path}; pass --drafters ROOT")
         drafters[name] = load_drafter(path, target)
         source[name] = str(path)
     return Models(target, tokenizer, drafters, source)
+
+
+def study_model_dirs(target: str | os.PathLike, drafter_root: str | os.PathLike,
+                     names: Iterable[str], *, trained_target: Path = DEFAULT_TARGET,
+                     trained_drafters: Path = DEFAULT_DRAFTERS
+                     ) -> tuple[Path, dict[str, Path]]:
+    """Where a study's models are: ``--target`` and ``<--drafters>/<name>/drafter``, or,
+    where both flags keep their defaults and `MAKE_MODELS` has not trained a target
+    there (a fresh clone), the bundled target and its drafters (`BUNDLED_AS`).
+
+    Returns:
+      (target directory, {drafter name: directory}).
+    Raises:
+      ValueError: on the bundled models, a drafter the package does not ship (the
+        message names the command that trains it).
+    """
+    names = tuple(names)
+    defaults = (Path(target) == Path(trained_target)
+                and Path(drafter_root) == Path(trained_drafters))
+    if not defaults or (Path(trained_target) / "config.json").is_file():
+        return Path(target), {n: drafter_dir(drafter_root, n) for n in names}
+    missing = [n for n in names if n not in BUNDLED_AS]
+    if missing:
+        raise ValueError(
+            f"no drafter{'s' * (len(missing) > 1)} {', '.join(missing)} in {trained_drafters}"
+            f": `{MAKE_MODELS}` trains them (the package bundles only "
+            f"{', '.join(BUNDLED_AS)}), or pass --target DIR --drafters ROOT or "
+            "--random-models")
+    from tev_jax.models import bundled_paths
+
+    paths = bundled_paths(drafters=tuple(BUNDLED_AS[n] for n in names))
+    return paths.target, {n: paths.drafters[BUNDLED_AS[n]] for n in names}
 
 
 def make_random_models(root: str | os.PathLike, names: Iterable[str] = DRAFTER_NAMES, *,
@@ -316,7 +364,8 @@ def make_random_models(root: str | os.PathLike, names: Iterable[str] = DRAFTER_N
 
 
 def models_from_args(args: argparse.Namespace, names: Iterable[str]) -> Models:
-    """`load_models` from ``--target/--drafters``, or a fresh random pair."""
+    """The study's models (`study_model_dirs` of ``--target/--drafters``), or a fresh
+    random pair."""
     names = tuple(names)
     if args.random_models:
         import tempfile
@@ -326,7 +375,7 @@ def models_from_args(args: argparse.Namespace, names: Iterable[str]) -> Models:
         models = load_models(target_dir, drafter_root, names)
         models.source["random"] = "tiny random pair (make_random_models)"
         return models
-    return load_models(args.target, args.drafters, names)
+    return load_model_dirs(*study_model_dirs(args.target, args.drafters, names))
 
 
 # ------------------------------------------------------------------------- prompts

@@ -49,6 +49,7 @@ def test_read_prompts_kinds_and_text(tmp_path):
     ('["a"]', "p.jsonl:2: expected a JSON object"),
     ('{"prompt": "x"}', "p.jsonl:2: missing id"),
     ('{"id": "b", "prompt": ""}', "p.jsonl:2: id 'b' has an empty prompt"),
+    ('{"id": "b", "prompt": 42}', "p.jsonl:2: id 'b': prompt must be a string, got int 42"),
     ('{"id": "b"}', "p.jsonl:2: id 'b' needs exactly one of"),
     ('{"id": "b", "prompt": "x", "prompt_ids": [1]}', "needs exactly one of"),
     ('{"id": "b", "messages": [{"role": "user"}]}', "messages must be a non-empty list"),
@@ -64,6 +65,8 @@ def test_read_prompts_bad_lines(tmp_path, line, message):
 def test_read_prompts_bad_files(tmp_path):
     with pytest.raises(ValueError, match="no such prompts file"):
         batch_io.read_prompts(tmp_path / "missing.jsonl")
+    with pytest.raises(ValueError, match="a directory; give a prompts file"):
+        batch_io.read_prompts(tmp_path)
     with pytest.raises(ValueError, match="p.txt:2: empty prompt"):
         batch_io.read_prompts(_write(tmp_path / "p.txt", ["a", " ", "b"]))
     with pytest.raises(ValueError, match="no prompts"):
@@ -238,3 +241,34 @@ def test_tev_jax_does_not_import_train():
             "m.startswith('train.')]; print(bad); sys.exit(1 if bad else 0)")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_an_output_folder_that_is_a_file_names_the_flag_it_came_from(tmp_path):
+    """Issue 51, item 7: tev-train run --out-dir FILE named generate's --output."""
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    with pytest.raises(ValueError, match=rf"{afile}: cannot write there \({afile} is a file, "
+                       r"not a folder\); choose another --out-dir"):
+        with batch_io.lock_output(afile / "run", flag="--out-dir", what=str(afile)):
+            pass
+    with pytest.raises(ValueError, match=r"choose another --output$"):
+        with batch_io.lock_output(afile / "out.jsonl"):
+            pass
+
+
+def test_run_flags_have_their_own_help():
+    """Issue 51, item 7: --keep-checkpoints' help repeated --checkpoint-every's."""
+    from train.config import field_help
+
+    helps = field_help()
+    assert helps["keep_checkpoints"] != helps["checkpoint_every"]
+    assert "kept" in helps["keep_checkpoints"] and "every" in helps["checkpoint_every"]
+
+
+@pytest.mark.parametrize("rate, shown", [(885.31, "885.3"), (10.0, "10.0"), (4.567, "4.57"),
+                                         (0.03123, "0.0312"), (0.0004, "0.0004")])
+def test_a_slow_generation_does_not_read_zero_tokens_per_second(rate, shown):
+    """Issue 51, item 7: --budget 20000 printed '0.0 tokens/s'."""
+    from tev_jax.cli.generate import per_second
+
+    assert per_second(rate) == shown

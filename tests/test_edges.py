@@ -184,8 +184,10 @@ def test_generate_edges_of_a_single_prompt(tmp_path, target_dir, capsys):
     (tmp_path / "long.jsonl").write_text(json.dumps({"id": "l", "prompt_ids": [9] * 60}) + "\n")
     argv = _batch(target_dir, tmp_path, "--max-new-tokens", "8")
     argv[argv.index("--prompts") + 1] = str(tmp_path / "long.jsonl")
-    assert "long.jsonl:1: id 'l': the prompt (60 tokens) + --max-new-tokens (8)" in _refused(
-        argv, capsys)
+    line = _refused(argv, capsys)
+    assert "long.jsonl:1: id 'l': the prompt (60 tokens) + --max-new-tokens (8)" in line
+    assert line.endswith("or pass --prompt-len 56 --truncate left (each prompt keeps its "
+                         "last tokens)")
     assert not list(tmp_path.glob("out*"))
 
 

@@ -138,3 +138,46 @@ def test_coverage_ratios_are_paired_and_harmonic():
         assert 1.0 < ratio < 2.0 and se > 0.05  # the gain is one prompt's: not certain
     assert cov.set_mean(ref, harmonic=True) == pytest.approx(4 / (1 + 0.5 + 0.25 + 1 / 1.5))
     assert cov.set_mean(ref, harmonic=False) == pytest.approx(8.5 / 4)
+
+
+def test_studies_default_to_the_bundled_models_in_a_fresh_clone(tmp_path):
+    """From a clone (nothing trained in runs/), a study's default flags name the bundled
+    target and drafters; drafters the package does not ship name the command that trains
+    them; a trained target in runs/, or explicit flags, are used as given."""
+    from tev_jax.models import bundled_paths
+
+    runs_target, runs_drafters = tmp_path / "target" / "hf", tmp_path / "drafters"
+    where = dict(trained_target=runs_target, trained_drafters=runs_drafters)
+    bundle = bundled_paths(verify=False)
+    target, drafters = pc.study_model_dirs(runs_target, runs_drafters, ("dflash", "ft_exit"),
+                                           **where)
+    assert target == bundle.target
+    assert drafters == {"dflash": bundle.drafters["dflash"],
+                        "ft_exit": bundle.drafters["exittrain"]}
+    with pytest.raises(ValueError, match=r"ft_token, ft_prefix.*python -m train\.demo_models"):
+        pc.study_model_dirs(runs_target, runs_drafters, ("ft_token", "ft_prefix", "ft_exit"),
+                            **where)
+    mine = tmp_path / "mine"
+    assert pc.study_model_dirs(mine, runs_drafters, ("dflash",), **where) == (
+        mine, {"dflash": runs_drafters / "dflash" / "drafter"})
+    runs_target.mkdir(parents=True)
+    (runs_target / "config.json").write_text("{}")
+    assert pc.study_model_dirs(runs_target, runs_drafters, ("ft_token",), **where) == (
+        runs_target, {"ft_token": runs_drafters / "ft_token" / "drafter"})
+
+
+@pytest.mark.skipif((pc.DEFAULT_TARGET / "config.json").is_file(),
+                    reason="runs/ holds trained study models, which the defaults then name")
+def test_a_study_with_default_flags_loads_the_bundled_models():
+    args = pc.study_parser("A study.").parse_args(["--quick"])
+    models = pc.models_from_args(args, ("dflash", "ft_exit"))
+    assert set(models.drafters) == {"dflash", "ft_exit"}
+    assert "exittrain" in models.source["ft_exit"]
+    assert models.target.config.vocab_size == models.tokenizer.get_vocab_size()
+
+
+def test_quick_runs_do_not_replace_the_full_results():
+    step = experiment_scripts.load("drafter_step")
+    assert Path(step.parse_args(["--quick"]).out).name == "results_quick.json"
+    assert Path(step.parse_args([]).out).name == "results.json"
+    assert step.parse_args(["--quick", "--out", "x.json"]).out == "x.json"

@@ -244,3 +244,16 @@ def test_a_compiled_loop_launches_its_gemm_once_per_trip():
     assert gemms and all(g.count == 7 for g in gemms)
     assert launches.total(items) >= 7 and not any(x.in_loop for x in items)
     assert math.isfinite(launches.total(items))
+
+
+@pytest.mark.parametrize("table", sorted(gpu_time.TABLES.glob("*.json")), ids=lambda p: p.stem)
+def test_a_calibration_names_only_what_the_package_ships(table):
+    """Issue 51, item 8: plan --gpu printed a 700-character source naming measurement
+    files outside the repository; it now names the shipped folder they are in."""
+    cal = gpu_time.load(table.stem)
+    assert len(cal.source) <= 200, cal.source
+    package = gpu_time.TABLES.parents[1]
+    named = [w for w in cal.source.replace(",", " ").replace(";", " ").split() if "/" in w]
+    assert named, cal.source
+    for path in named:
+        assert path.startswith("tev_jax/") and (package.parent / path).exists(), path

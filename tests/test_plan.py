@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 
 import jax
 import jax.numpy as jnp
@@ -16,6 +17,7 @@ from flax import nnx
 from tev_jax import cli, decode, plan, sharding
 from tev_jax.models import ModelConfig, init_target
 from tev_jax.models.drafter_io import init_drafter
+from tev_jax.plan import GiB
 from tev_jax.sampling import Sampling
 
 # Attention-heavy on purpose: a dense [T, T + L] score tensor would dominate its memory.
@@ -130,6 +132,33 @@ def test_preflight_refuses_from_shapes_before_compiling(tiny_models, monkeypatch
     with pytest.raises(plan.NotEnoughMemory, match=r"lower budget \(2000\)") as e:
         plan.check_decode_fits(target, drafter, config, 1)
     assert "\n" not in str(e.value) and "of test memory is free" in str(e.value)
+
+
+def test_a_wide_budget_is_refused_before_compiling_naming_every_part(tiny_models, monkeypatch):
+    """Issue 51, item 7: at budget 100000 the exact verifiers' float32 table over node
+    pairs (37 GiB) is part of the floor, so a machine with 20 GiB refuses it from shapes
+    (it compiled first, then refused 84.5 GiB); the parts printed add up to the total."""
+    target, drafter = tiny_models
+    config = dataclasses.replace(CONFIG, budget=100_000, max_cache_len=None)
+    floor = plan.decode_floor(target, drafter, config, 1)
+    assert floor["verifier pairs"] == 4 * 100_001 ** 2
+    greedy = dataclasses.replace(config, verifier="greedy", sampling=Sampling(temperature=0.0))
+    assert plan.decode_floor(target, drafter, greedy, 1)["verifier pairs"] == 0
+    monkeypatch.setattr(plan, "available_bytes", lambda devices=None: (20 * GiB, "test memory"))
+    monkeypatch.setattr(plan, "compile_report", _refuse_compiling)
+    with pytest.raises(plan.NotEnoughMemory) as e:
+        plan.check_decode_fits(target, drafter, config, 1)
+    total, parts = re.search(r"needs ([\d.]+) GiB per device \((.*) GiB\)", str(e.value)).groups()
+    assert "verifier pairs 37.25" in parts and "lower budget (100000)" in str(e.value)
+    assert sum(float(x) for x in re.findall(r" ([\d.]+)(?: \+|$)", parts)) == pytest.approx(
+        float(total), abs=0.02)
+
+
+def test_a_compiled_shortfall_names_what_the_floor_does_not():
+    msg = plan.shortfall(10 * GiB, {"kv cache": GiB, "tree mask": 2 * GiB, "tree logits": 0},
+                         5 * GiB, "test memory", CONFIG)
+    assert "needs 10.00 GiB per device (kv cache 1.00 + tree mask 2.00 + other compiled " \
+           "buffers 7.00 GiB) but 5.0 GiB of test memory is free" in msg
 
 
 def test_preflight_uses_the_compiled_program(tiny_models, monkeypatch):

@@ -81,6 +81,10 @@ def test_tune_reports_progress(tuned):
     assert ("prompts", 3, 3) in PROGRESS and ("programs", 6, 6) in PROGRESS
     assert ("timed passes", 1, 1) in PROGRESS
     assert all(0 <= done <= total for _, done, total in PROGRESS)
+    # issue 51, item 7: each step shows its bar at 0 before its first compilation, so
+    # the previous bar does not sit full while the next step compiles
+    for what in ("prompts", "contexts", "programs", "timed passes"):
+        assert next(done for w, done, _ in PROGRESS if w == what) == 0, what
 
 
 # ------------------------------------------------------------------- nested trees

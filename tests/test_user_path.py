@@ -113,7 +113,8 @@ def test_batch_generation_with_an_automatic_budget(dirs, tmp_path, capsys):
 def test_single_prompt_flags_are_refused_with_a_prompts_file(dirs, tmp_path, capsys, flags):
     """Item 2 (and the nit on tev-jax's errors: one line, one prefix, no usage)."""
     line = _refused(_batch(dirs, tmp_path, *flags), capsys)
-    assert f"{flags[0]} only apply to a single PROMPT" in line
+    assert f"{flags[0]} only applies to a single PROMPT" in line
+    assert ("'messages'" in line) == (flags[0] == "--chat")  # the hint of that flag only
     _nothing_but(tmp_path, "p.jsonl")
 
 

@@ -87,6 +87,9 @@ def read_prompts(path: str | Path, *, line_ids: bool = False) -> list[PromptReco
     if bundled is not None:
         return _bundled_records(bundled)
     path = Path(path)
+    if path.is_dir():
+        raise ValueError(f"{path}: a directory; give a prompts file (JSONL records, or "
+                         "text with one prompt per line)")
     if not path.is_file():
         raise ValueError(f"{path}: no such prompts file")
     lines = read_text(path).splitlines()
@@ -186,7 +189,10 @@ def _json_record(path: Path, n: int, line: str, line_ids: bool = False) -> Promp
         raise ValueError(f"{where}: id {rid!r} needs exactly one of {PROMPT_FIELDS}, "
                          f"got {kinds or 'none'}")
     kind, value = kinds[0], obj[kinds[0]]
-    if kind == "prompt" and not (isinstance(value, str) and value):
+    if kind == "prompt" and not isinstance(value, str):
+        raise ValueError(f"{where}: id {rid!r}: prompt must be a string, got "
+                         f"{type(value).__name__} {json.dumps(value)[:40]}")
+    if kind == "prompt" and not value:
         raise ValueError(f"{where}: id {rid!r} has an empty prompt")
     if kind == "messages":
         ok = isinstance(value, list) and value and all(
@@ -285,8 +291,13 @@ def encode_records(records: Sequence[PromptRecord], tokenizer, chat, *, vocab_si
                                  "--prompt-len or pass --truncate left")
             ids = ids[-prompt_len:]
         if max_positions is not None:
+            room = max(max_positions - max_new_tokens, 1)
+            advice = ("lower --prompt-len or --max-new-tokens" if truncate else
+                      "shorten the prompt, lower --max-new-tokens, or pass --prompt-len "
+                      f"{room} --truncate left (each prompt keeps "
+                      "its last tokens)")
             check_context(len(ids), max_new_tokens, max_positions,
-                          what=f"{where}:{r.line}: id {r.id!r}")
+                          what=f"{where}:{r.line}: id {r.id!r}", advice=advice)
         requests.append(Request(id=r.id, prompt_ids=ids))
     return requests
 
@@ -330,9 +341,11 @@ def settings_fingerprint(settings: dict) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:12]
 
 
-def _unwritable(out: Path, e: OSError) -> ValueError:
-    return ValueError(f"{out}: cannot write there ({e.strerror or e}); choose another "
-                      "--output")
+def _unwritable(out: Path, e: OSError, flag: str = "--output", what: str | None = None
+                ) -> ValueError:
+    file = next((p for p in (out.parent, *out.parent.parents) if p.is_file()), None)
+    why = f"{file} is a file, not a folder" if file is not None else e.strerror or e
+    return ValueError(f"{what or out}: cannot write there ({why}); choose another {flag}")
 
 
 def read_results(out: Path) -> list[dict]:
@@ -420,7 +433,7 @@ def lock_output(out: str | Path, *, command: str = "tev-jax generate", flag: str
             os.close(fd)
     except OSError as e:
         _remove_empty(made)
-        raise _unwritable(out, e) from None
+        raise _unwritable(out, e, flag, what) from None
     try:
         os.ftruncate(fd, 0)
         os.write(fd, f"pid {os.getpid()} on {socket.gethostname()} since "

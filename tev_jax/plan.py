@@ -300,7 +300,8 @@ class DecodePlan:
                                               ": no calibrated estimate)"))
         if calibrated:
             e = next(r.estimate for r in self.programs.values() if r.estimate is not None)
-            lines.append(f"estimate: calibrated on {e['gpu']} ({e['source']}), one call in a "
+            lines.append(f"estimate: calibrated on {e['gpu']} (tev_jax/data/gpus/{e['gpu']}.json: "
+                         f"{e['source']}), one call in a "
                          f"fused loop; a dispatch from the host adds "
                          f"{e['call_seconds'] * 1e3:.2f} ms (tev_jax.gpu_time)")
         for name, r in self.programs.items():
@@ -480,14 +481,17 @@ def decode_floor(target, drafter, config, batch_size: int) -> dict[str, int]:
     built (`tev_jax.engine.decode_spec` reads N and L from the settings; the caches
     are shapes from ``jax.eval_shape``), so absurd settings are sized in milliseconds.
     The buffers: the target's and the drafter's KV caches (held in the loop state), the
-    verify pass's float32 logits [B, N, V] and its ancestor mask [B, N, N].
+    verify pass's float32 logits [B, N, V] and its ancestor mask [B, N, N], and, for the
+    exact verifiers (all but ``greedy``), the decide stage's float32 table over node
+    pairs [B, N, N] (siblings, ancestors: at wide budgets the largest buffer).
 
     Args:
       target, drafter: the models (real or abstract); drafter None without a tree.
       config: the `DecodeConfig`, with ``prompt_len`` set.
       batch_size: B.
     Returns:
-      {'kv cache': ..., 'tree logits': ..., 'tree mask': ...}: bytes per buffer.
+      {'kv cache': ..., 'tree logits': ..., 'tree mask': ..., 'verifier pairs': ...}:
+      bytes per buffer.
     """
     spec = decode_spec(target, drafter, config, batch_size)
     b, n, l = batch_size, spec.num_slots, spec.max_len
@@ -495,9 +499,11 @@ def decode_floor(target, drafter, config, batch_size: int) -> dict[str, int]:
     if spec.has_drafter:
         context = as_drafter(drafter).init_context
         caches.append(jax.eval_shape(lambda: context(target, b, l)))
+    pairs = spec.has_drafter and n > 1 and config.verifier != "greedy"
     return {"kv cache": sum(_bytes(x.shape, x.dtype) for x in jax.tree.leaves(caches)),
             "tree logits": _bytes((b, n, target.config.vocab_size), jnp.float32),
-            "tree mask": _bytes((b, n, n), jnp.bool_)}
+            "tree mask": _bytes((b, n, n), jnp.bool_),
+            "verifier pairs": _bytes((b, n, n), jnp.float32) if pairs else 0}
 
 
 def available_bytes(devices=None) -> tuple[int, str]:
@@ -545,9 +551,13 @@ def shortfall(need_bytes: int, floor: dict[str, int], have: int, where: str, con
     else:
         advice = (f"lower max_new_tokens ({config.max_new_tokens}), the cache length or "
                   "the batch size")
-    parts = ", ".join(f"{k} {v / GiB:.2f}" for k, v in floor.items())
-    return (f"not enough memory: decoding needs {need_bytes / GiB:.1f} GiB (of which "
-            f"{parts} GiB) per device but {have / GiB:.1f} GiB of {where} is free; {advice}")
+    parts = {k: v for k, v in floor.items() if v}
+    rest = need_bytes - sum(floor.values())
+    if rest > 0:
+        parts["other compiled buffers"] = rest
+    terms = " + ".join(f"{k} {v / GiB:.2f}" for k, v in parts.items())
+    return (f"not enough memory: decoding needs {need_bytes / GiB:.2f} GiB per device "
+            f"({terms} GiB) but {have / GiB:.1f} GiB of {where} is free; {advice}")
 
 
 def hbm_shortfall(plan: DecodePlan, floor: dict[str, int], config) -> str | None:

@@ -3,20 +3,29 @@
 With the ``tpu`` extra installed (libtpu), jax starts the TPU runtime on every run, and on
 a machine without TPU chips libtpu prints errors while it looks for them ("Failed to find
 host bounds for accelerator type ...", "unexpected worker hostname ..."); the CPU run
-then goes on as usual. `skip_absent_tpu` is what ``tev-jax`` and ``tev-train`` call before
-any work: where ``JAX_PLATFORMS`` is not set, no TPU chip is on the PCI bus and no NVIDIA
-GPU is visible, jax uses the CPU alone. Compiling for a TPU slice (``--topology``) loads
-libtpu by itself and is not affected.
+then goes on as usual. With the ``gpu`` extra (jax's CUDA plugin) on a machine without a
+CUDA driver, the plugin prints "cudart_stub.cc ... Could not find cuda drivers on your
+machine" when jax is imported and again when jax starts its backends, even with
+``JAX_PLATFORMS=cpu``. `quiet_start` is what ``tev-jax``, ``tev-train``, the examples and
+the README's snippets call first, before anything imports jax: where ``JAX_PLATFORMS``
+is not set, no TPU chip is on the PCI bus and no NVIDIA GPU is visible, jax uses the CPU
+alone (`skip_absent_tpu`), libtpu is quieted (`quiet_tpu_runtime`) and the CUDA
+plugin's driver lines are dropped (`without_absent_cuda_lines`). Compiling for a TPU slice
+(``--topology``) or a GPU (``--gpu``) loads the plugin by itself and is not affected.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import glob
 import importlib.metadata
 import os
 import pkgutil
 import re
+import sys
+import tempfile
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 GOOGLE_PCI_VENDOR = "0x1ae0"
@@ -118,6 +127,76 @@ def skip_absent_tpu() -> bool:
     return True
 
 
-__all__ = ["CUDA_PLUGIN_NAME", "GOOGLE_PCI_VENDOR", "QUIET_TPU_ENV", "cuda_major",
-           "cuda_plugin_installed", "cuda_plugins", "gpu_kernels_traced", "nvidia_gpu_visible",
-           "quiet_tpu_runtime", "skip_absent_tpu", "tpu_chips_present"]
+ABSENT_CUDA_LINES = (
+    re.compile(r"cudart_stub\.cc:\d+\] Could not find cuda drivers on your machine"),
+    re.compile(r"^WARNING: All log messages before absl::InitializeLog\(\) is called are "
+               r"written to STDERR$"),
+)
+"""What jax's CUDA plugin writes to stderr where no CUDA driver is installed: the
+driver line (once per plugin library loaded) and absl's banner before each."""
+
+
+def without_absent_cuda_lines(text: str) -> str:
+    """``text`` (what went to stderr) without `ABSENT_CUDA_LINES`; every other line kept,
+    in order."""
+    return "".join(line for line in text.splitlines(keepends=True)
+                   if not any(p.search(line.rstrip("\r\n")) for p in ABSENT_CUDA_LINES))
+
+
+@contextlib.contextmanager
+def filtered_stderr(keep: Callable[[str], str]) -> Iterator[None]:
+    """Sends file descriptor 2 (where C++ libraries log) to a temporary file for the body,
+    then writes ``keep(what it caught)`` to stderr, also when the body raises."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as caught:
+        os.dup2(caught.fileno(), 2)
+        try:
+            yield
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            caught.seek(0)
+            text = keep(caught.read().decode("utf-8", "replace"))
+            if text:
+                sys.stderr.write(text)
+                sys.stderr.flush()
+
+
+def _register_plugins() -> None:
+    # jax loads its plugins (the CUDA plugin prints its driver line there) when it first
+    # starts a backend; registering them now, inside `filtered_stderr`, starts no backend,
+    # so that jax.distributed.initialize and XLA_FLAGS set later still apply. jax has no
+    # public name for this step; where a release lacks it, the line is left to print.
+    from jax._src import xla_bridge
+
+    register = getattr(xla_bridge, "_discover_and_register_pjrt_plugins", None)
+    if register is not None:
+        register()
+
+
+def quiet_start() -> bool:
+    """What a command line (or a script) calls first, before anything imports jax: jax on
+    the CPU where no TPU or NVIDIA GPU is attached and ``JAX_PLATFORMS`` is unset
+    (`skip_absent_tpu`), libtpu quiet (`quiet_tpu_runtime`), and, where jax's CUDA
+    plugin is installed but no NVIDIA GPU is visible, the plugin's driver lines dropped
+    from stderr (`without_absent_cuda_lines`; everything else it printed is kept). Starts
+    no backend. -> whether it restricted jax to the CPU.
+
+    Called after jax was imported, the lines printed at import have already gone out;
+    the ones of the backends' start are still dropped.
+    """
+    quiet_tpu_runtime()
+    if not cuda_plugin_installed() or nvidia_gpu_visible():
+        return skip_absent_tpu()
+    with filtered_stderr(without_absent_cuda_lines):
+        restricted = skip_absent_tpu()  # imports jax
+        _register_plugins()
+    return restricted
+
+
+__all__ = ["ABSENT_CUDA_LINES", "CUDA_PLUGIN_NAME", "GOOGLE_PCI_VENDOR", "QUIET_TPU_ENV",
+           "cuda_major", "cuda_plugin_installed", "cuda_plugins", "filtered_stderr",
+           "gpu_kernels_traced", "nvidia_gpu_visible", "quiet_start", "quiet_tpu_runtime",
+           "skip_absent_tpu", "tpu_chips_present", "without_absent_cuda_lines"]

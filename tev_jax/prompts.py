@@ -52,16 +52,18 @@ def check_prompt(ids, vocab_size: int, prompt_len: int | None = None, *,
 
 
 def check_context(prompt_tokens: int, max_new_tokens: int, max_positions: int, *,
-                  what: str = "prompt") -> None:
-    """A ValueError starting with ``what`` unless the prompt and ``max_new_tokens`` fit in
-    the target's context (``max_position_embeddings``: beyond it a model trained on
-    shorter texts writes garbage), as vLLM checks its ``max_model_len``."""
+                  what: str = "prompt",
+                  advice: str = "shorten the prompt or lower --max-new-tokens") -> None:
+    """A ValueError starting with ``what`` and ending with ``advice`` unless the prompt
+    and ``max_new_tokens`` fit in the target's context (``max_position_embeddings``:
+    beyond it a model trained on shorter texts writes garbage), as vLLM checks its
+    ``max_model_len``."""
     if prompt_tokens + max_new_tokens > max_positions:
         raise ValueError(
             f"{what}: the prompt ({prompt_tokens} tokens) + --max-new-tokens "
             f"({max_new_tokens}) = {prompt_tokens + max_new_tokens} tokens exceed the "
             f"target's context length (max_position_embeddings = {max_positions}); "
-            "shorten the prompt or lower --max-new-tokens")
+            f"{advice}")
 
 
 def check_prompts(prompt_ids, vocab_size: int, prompt_len: int | None = None

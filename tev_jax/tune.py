@@ -115,6 +115,8 @@ def continuations(target, prompt_ids: Sequence[Sequence[int]], *, max_new_tokens
                           stop_token_ids=tuple(stop_token_ids),
                           prompt_len=_align(max(len(p) for p in prompts)))
     rows = min(batch_size, len(prompts))
+    if progress:  # announced before the first batch compiles
+        progress("prompts", 0, len(prompts))
     engine = Engine.create(target, None, config, rows, mesh=mesh)
     key = _key(key)
     out: list[list[int]] = []
@@ -201,6 +203,8 @@ def tree_reach(target, drafter, prompt_ids: Sequence[Sequence[int]],
         raise ValueError("no context: every continuation has fewer than 2 tokens, so no "
                          "decode round would run (raise max_new_tokens?)")
     rows = min(batch_size, len(owner))
+    if progress:  # announced before the first call compiles
+        progress("contexts", 0, len(owner))
     config = DecodeConfig(max_new_tokens=2, budget=budget, sampling=sampling,
                           prompt_len=_align(max(len(b) for b in before)))
     engine = Engine.create(target, drafter, config, rows, mesh=mesh)
@@ -366,6 +370,8 @@ def round_costs(target, drafter, prompt_ids: Sequence[Sequence[int]], config: De
     width = config.prompt_len or _align(max(len(p) for p in prompts))
     base = dataclasses.replace(config, prompt_len=width, tuning=None)
     states, engines = {}, {}
+    if progress:  # announced before the prefills compile (a round and a no-op each)
+        progress("programs", 0, 2 * len(set(batch_sizes)) * (len(set(budgets)) + 1))
     for bs in batch_sizes:
         rows = [prompts[i % len(prompts)] for i in range(bs)]
         for b in (0, *budgets):

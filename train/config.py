@@ -146,7 +146,9 @@ class TrainConfig:
         drafter (``out_dir/drafter``); a local folder (process 0 writes the log).
       checkpoint_dir: where checkpoints go instead of ``out_dir/checkpoints``; may be a
         bucket (``gs://...``) that every process of a pod writes its shards to.
-      checkpoint_every, keep_checkpoints: orbax save interval (updates) and retention.
+      checkpoint_every: an orbax checkpoint every this many updates (and at the last).
+      keep_checkpoints: how many of the newest checkpoints are kept; older ones are
+        deleted as new ones are written.
       drafter_every: also write the drafter (DFlash layout) to
         ``out_dir/drafters/update-<k>`` every this many updates: snapshots along one run
         (e.g. drafters of increasing strength); 0 (default): only the final one.

@@ -22,7 +22,7 @@ Setups:
   the depth-independent part (embedding, lm_head, cache writes, dispatch).
 
     python experiments/drafter_step/run.py            # both -> results.json
-    python experiments/drafter_step/run.py --quick    # demo only, fewer repeats
+    python experiments/drafter_step/run.py --quick    # demo only, fewer repeats -> results_quick.json
 """
 
 from __future__ import annotations
@@ -230,13 +230,22 @@ def run_setup(setup: dict, repeats: int, min_time: float, seed: int = 0) -> dict
     return result
 
 
-def main():
+def parse_args(argv=None) -> argparse.Namespace:
+    """The flags; ``out`` defaults to results.json, results_quick.json with ``--quick``
+    (a quick run never replaces the full run's results)."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="demo only, few repeats")
     ap.add_argument("--setups", nargs="*", default=None, choices=sorted(SETUPS))
     ap.add_argument("--repeats", type=int, default=None)
-    ap.add_argument("--out", default=str(HERE / "results.json"))
-    args = ap.parse_args()
+    ap.add_argument("--out", default=None,
+                    help="results file (default results.json, results_quick.json with --quick)")
+    args = ap.parse_args(argv)
+    args.out = args.out or str(HERE / ("results_quick.json" if args.quick else "results.json"))
+    return args
+
+
+def main():
+    args = parse_args()
     names = args.setups or (["demo"] if args.quick else list(SETUPS))
     repeats = args.repeats or (3 if args.quick else 7)
     min_time = 0.5 if args.quick else 3.0

@@ -13,7 +13,7 @@
     size and the width of its incoming edge grow with the reach P, computed from the
     target's real logits at temperature ``--temperature`` (`tev_jax.exit_law`).
 
-    python experiments/figures/run.py                 # trained models + budget results -> PNGs
+    python experiments/figures/run.py                 # runs/ models (else the bundled ones) + budget results -> PNGs
     python experiments/figures/run.py --random-models --budget-results experiments/budget/results_random.json
 """
 

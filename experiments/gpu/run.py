@@ -302,9 +302,12 @@ def main(argv=None) -> int:
     ap.add_argument("--only", default=None, help="only keys containing this text")
     ap.add_argument("--gpus", default=",".join(GPUS),
                     help="GPUs of the decode grid (default %(default)s; b200 and a100 too)")
-    ap.add_argument("--out", default=str(HERE / "results.json"))
+    ap.add_argument("--out", default=None,
+                    help="results file, also the cache of what was compiled (default "
+                    "results.json, results_quick.json with --quick)")
     ap.add_argument("--report", default=None, metavar="JSON", help="print the tables")
     args = ap.parse_args(argv)
+    args.out = args.out or str(HERE / ("results_quick.json" if args.quick else "results.json"))
     if args.report:
         print(tables(json.loads(Path(args.report).read_text())))
         return 0

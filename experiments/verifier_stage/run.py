@@ -16,7 +16,7 @@ fresh random order each repeat, median over repeats:
 
 At T = 0 the greedy verifier (follow the argmax) is timed too, for reference.
 
-    python experiments/verifier_stage/run.py            # trained models -> results.json + README
+    python experiments/verifier_stage/run.py            # runs/ models, else the bundled ones -> results.json + README
     python experiments/verifier_stage/run.py --quick
 """
 

@@ -39,6 +39,14 @@ def add_batch_options(p) -> None:
                    help="return to the host (progress bar) at least every this many rounds")
 
 
+SINGLE_PROMPT_HINTS = {
+    "--chat": "with --prompts FILE, chat prompts are JSONL records with 'messages'",
+    "--compare-ar": "for AR's speed on the same prompts, run the file again with --builder "
+                    "none",
+}
+"""What to do instead, for the single-PROMPT flags a --prompts FILE refuses."""
+
+
 def _process_shard(args) -> tuple[int, int]:
     if args.process_index is None and args.process_count is None:
         return jax.process_index(), jax.process_count()
@@ -63,8 +71,9 @@ def batch_generate_command(args) -> int:
         ("--chat", args.chat), ("--compare-ar", args.compare_ar),
         ("--repeats", args.repeats != 1), ("--no-stream", args.no_stream)) if given]
     if single:
-        raise ValueError(f"{', '.join(single)} only apply to a single PROMPT; with --prompts "
-                         "FILE, chat prompts are JSONL records with 'messages'")
+        hints = [SINGLE_PROMPT_HINTS[f] for f in single if f in SINGLE_PROMPT_HINTS]
+        raise ValueError(f"{', '.join(single)} only appl{'ies' if len(single) == 1 else 'y'} "
+                         "to a single PROMPT" + "".join(f"; {h}" for h in hints))
     flags.check_writable(args.summary_json, "--summary-json")
     index, count = _process_shard(args)
     target_dir, drafter_dir, where = flags.checkpoint_dirs(args)

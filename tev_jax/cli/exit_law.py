@@ -69,8 +69,8 @@ def exit_law_demo(args) -> int:
 def add_parser(sub) -> None:
     p = sub.add_parser("exit-law", help="show the canonical exit law of a draft tree")
     p.add_argument("--demo", action="store_true",
-                   help="use the built-in example tree and synthetic target logits (the "
-                        "only tree it shows so far: the default)")
+                   help="use the built-in example tree and synthetic target logits "
+                        "(the default, and the only tree this command shows)")
     flags.add_sampling_flags(p, temperature=1.0)
     p.add_argument("--draws", type=int, default=10_000, help="TEV draws for the mean length")
     p.add_argument("--show", type=int, default=5, help="how many draws to print")

@@ -101,8 +101,8 @@ def generate_command(args) -> int:
         return 0
     speed = n / gen.stats.seconds
     lines.append(f"{n} new tokens in {gen.stats.rounds} rounds: tau = {gen.stats.tau:.2f} "
-                 f"tokens/round, {speed:.1f} tokens/s ({gen.stats.seconds:.3f} s, {timing}; "
-                 f"compile {compile_s:.1f} s, not counted)")
+                 f"tokens/round, {per_second(speed)} tokens/s ({gen.stats.seconds:.3f} s, "
+                 f"{timing}; compile {compile_s:.1f} s, not counted)")
     if args.compare_ar:
         if args.builder == "none":
             lines.append("--compare-ar: this run is already autoregressive")
@@ -110,10 +110,16 @@ def generate_command(args) -> int:
             stop.check()
             ar = timed(target, None, config=dataclasses.replace(config, builder="none"))
             ar_speed = int(ar.lengths[0]) / ar.stats.seconds
-            lines.append(f"AR {ar_speed:.1f} tokens/s -> speed-up {speed / ar_speed:.2f}x "
-                         "(same target, same run)")
+            lines.append(f"AR {per_second(ar_speed)} tokens/s -> speed-up "
+                         f"{speed / ar_speed:.3g}x (same target, same run)")
     print("\n".join(lines), file=sys.stderr)
     return 0
+
+
+def per_second(rate: float) -> str:
+    """A rate as the summary prints it: one decimal from 10 on (885.3, 88.1), three
+    significant digits below (4.57, 0.0312), so that a slow run never reads 0.0."""
+    return f"{rate:.1f}" if rate >= 10 else f"{rate:.3g}"
 
 
 def text_of(tokenizer, ids: list[int]) -> str:

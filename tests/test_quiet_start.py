@@ -1,0 +1,93 @@
+"""Quiet on a CPU (`tev_jax.platforms.quiet_start`): with the ``tpu`` extra (libtpu) or the
+``gpu`` extra (jax's CUDA plugin) installed on a machine without TPUs or GPUs, the
+README's snippets and the examples print none of their start-up lines.
+
+The filter is tested on what a C library writes to file descriptor 2 (where the CUDA
+plugin and libtpu log), with a line that must survive; the README's first snippet runs
+as written in a fresh interpreter whose environment names no platform, so that without
+`quiet_start` libtpu (which CI installs) or the CUDA plugin would print.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tev_jax import platforms
+
+README = Path(__file__).resolve().parents[1] / "README.md"
+DRIVER_LINE = ("I0000 00:00:1796460962.070192    9221 cudart_stub.cc:31] Could not find cuda "
+               "drivers on your machine, GPU will not be used.")
+BANNER = "WARNING: All log messages before absl::InitializeLog() is called are written to STDERR"
+NOISE = re.compile(r"cudart_stub|absl::InitializeLog|Jax plugin configuration error|"
+                   r"TPU_ACCELERATOR_TYPE|TPU_WORKER_HOSTNAMES|Failed to find host bounds|"
+                   r"libtpu|InitGoogle")
+
+
+def test_absent_cuda_lines_are_dropped_and_the_rest_kept():
+    kept = ("W1205 cuda_executor.cc:1] something else about cudart_stub.cc\n"
+            "a warning the user must see\n")
+    text = f"{BANNER}\n{DRIVER_LINE}\n{kept}{BANNER}\r\n{DRIVER_LINE}"
+    assert platforms.without_absent_cuda_lines(text) == kept
+    assert platforms.without_absent_cuda_lines(kept) == kept
+
+
+def test_filtered_stderr_drops_what_a_c_library_writes_to_fd_2(capfd):
+    with pytest.raises(RuntimeError, match="body failed"):
+        with platforms.filtered_stderr(platforms.without_absent_cuda_lines):
+            os.write(2, f"{BANNER}\n{DRIVER_LINE}\nkeep me\n".encode())
+            print("from python", file=sys.stderr)
+            raise RuntimeError("body failed")
+    os.write(2, b"after\n")
+    err = capfd.readouterr().err  # (under capfd, Python's sys.stderr bypasses fd 2)
+    assert sorted(err.splitlines()) == ["after", "from python", "keep me"]
+
+
+def _first_python_block(text: str) -> str:
+    return re.search(r"```python\n(.*?)```", text, re.S).group(1)
+
+
+def _extras() -> list[str]:
+    tpu = importlib.util.find_spec("libtpu") is not None
+    return [name for name, present in (("tpu", tpu), ("gpu", platforms.cuda_plugin_installed()))
+            if present]
+
+
+@pytest.mark.skipif(not _extras(), reason="neither libtpu nor a CUDA plugin is installed: "
+                    "nothing would print")
+@pytest.mark.skipif(platforms.tpu_chips_present() or platforms.nvidia_gpu_visible(),
+                    reason="an accelerator is attached: its runtime is expected to start")
+def test_the_readme_snippet_runs_quietly_as_written():
+    snippet = _first_python_block(README.read_text())
+    assert "quiet_start()" in snippet.split("import jax")[0]
+    env = {k: v for k, v in os.environ.items()
+           if k != "JAX_PLATFORMS" and not k.startswith("TPU_")}
+    run = subprocess.run([sys.executable, "-c", snippet], env=env, capture_output=True,
+                         text=True, timeout=120, cwd=README.parent)
+    assert run.returncode == 0, run.stderr
+    noisy = [line for line in run.stderr.splitlines() if NOISE.search(line)]
+    assert not noisy, f"with the {_extras()} extra: {noisy}"
+    assert run.stdout.strip()
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not _extras(), reason="neither libtpu nor a CUDA plugin is installed: "
+                    "nothing would print")
+@pytest.mark.skipif(platforms.tpu_chips_present() or platforms.nvidia_gpu_visible(),
+                    reason="an accelerator is attached: its runtime is expected to start")
+@pytest.mark.parametrize("argv", [["-m", "tev_jax.cli", "exit-law"],
+                                  ["-m", "train", "plan", "--help"]])
+def test_the_documented_commands_run_quietly(argv):
+    env = {k: v for k, v in os.environ.items()
+           if k != "JAX_PLATFORMS" and not k.startswith("TPU_")}
+    run = subprocess.run([sys.executable, *argv], env=env, capture_output=True, text=True,
+                         timeout=300, cwd=README.parent)
+    assert run.returncode == 0, run.stderr
+    noisy = [line for line in run.stderr.splitlines() if NOISE.search(line)]
+    assert not noisy, f"with the {_extras()} extra: {noisy}"
