@@ -80,6 +80,13 @@ class Emulator:
             text = r.read()
         return json.loads(text) if text else {}
 
+    def put(self, bucket: str, name: str, data: bytes) -> None:
+        """Writes (or overwrites) the object ``name``."""
+        query = urllib.parse.urlencode({"uploadType": "media", "name": name})
+        req = urllib.request.Request(f"{self.url}/upload/storage/v1/b/{bucket}/o?{query}",
+                                     data=data, method="POST")
+        urllib.request.urlopen(req, timeout=30).close()
+
     def make_bucket(self, name: str) -> None:
         self._call("POST", "/storage/v1/b?project=test", {"name": name})
 

@@ -160,8 +160,25 @@ def test_a_preempted_run_resumes_from_the_bucket_bit_identically(
     err = _one_line_refusal(_train(train_dirs, tmp_path / "other", "--checkpoint-dir", bucket,
                                    "--lr", "0.02"), capsys)
     assert f"cannot resume from step 4 in {bucket}: the config differs (lr:" in err
+    err = _one_line_refusal(_train(train_dirs, tmp_path / "other", "--checkpoint-dir", bucket,
+                                   "--resume", "false"), capsys)
+    assert "holds the checkpoints of an earlier run (steps [3, 4])" in err
     assert gcs.objects(BUCKET, "preempted/") == before
     assert not (tmp_path / "other" / "config.json").exists()
+
+    # a committed newest step that does not restore: moved aside in the bucket, and the
+    # run goes on from the step before it
+    for name in before:
+        if name.startswith("preempted/4/state/") and "commit_success" not in name:
+            gcs.put(BUCKET, name, b"garbage")
+    assert train_cli.main(_train(train_dirs, out, "--checkpoint-dir", bucket)) == 0
+    out_, err = capsys.readouterr()
+    assert "resuming from step 3, the newest checkpoint that restores" in err
+    assert "updates 4..4 of 4" in out_ and "Traceback" not in err
+    _assert_same_run(out, straight)
+    names = gcs.objects(BUCKET, "preempted/")
+    assert any(n.startswith("preempted/unreadable-4-") for n in names)
+    assert _steps(gcs, "preempted") == {3: True, 4: True}
 
 
 @pytest.mark.slow
