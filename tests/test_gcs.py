@@ -22,11 +22,12 @@ import pytest
 
 from gcs_emulator import BUCKET, gcs  # noqa: F401  (a fixture)
 import gcs_emulator as ge
+import train_fixtures as tf
 from train_fixtures import train_dirs  # noqa: F401  (a fixture)
 from train import __main__ as train_cli
 from train.checkpoint import TrainCheckpointer, abstract_like, steps_in
-from train.loop import read_log
-from train.rollouts import RolloutSet
+from train.loop import read_log, train
+from train.rollouts import RolloutSet, write_rollouts
 
 REPO = Path(__file__).resolve().parents[1]
 TIMEOUT_S = 900   # a hang, not a slow shared machine (a writer takes ~30 s alone)
@@ -220,17 +221,18 @@ def test_a_writer_killed_mid_save_resumes_from_the_last_complete_checkpoint(
 
 
 WORKER = Path(__file__).with_name("gcs_multihost_worker.py")
+TRAIN_WORKER = Path(__file__).with_name("multihost_worker.py")
 
 
-def _launch(spec: dict, out: Path) -> list[dict]:
-    """Runs the two worker processes to completion; their ``proc<i>.json`` records."""
+def _launch(spec: dict, out: Path, worker: Path = WORKER) -> list[dict]:
+    """Runs the two processes of ``worker`` to completion; their ``proc<i>.json``."""
     out.mkdir(parents=True, exist_ok=True)
     port = str(ge.free_port())
     procs, logs = [], [out / f"proc{i}.log" for i in range(2)]
     for i, log in enumerate(logs):
         with open(log, "w") as f:
             procs.append(subprocess.Popen(
-                [sys.executable, str(WORKER), str(i), port,
+                [sys.executable, str(worker), str(i), port,
                  json.dumps({**spec, "out": str(out), "timeout_s": TIMEOUT_S})],
                 stdout=f, stderr=subprocess.STDOUT))
     try:
@@ -262,3 +264,44 @@ def test_two_processes_write_one_checkpoint_and_both_resume_from_it(gcs, tmp_pat
         assert r["step"] == 1 and r["meta"] == {"update": 1} and r["same_sharding"]
         assert r["local"] == r["expected"] and len(r["local"]) == 2
     assert restored[0]["expected"] != restored[1]["expected"]
+
+
+@pytest.mark.slow
+def test_two_processes_preempted_save_in_the_bucket_and_both_resume(gcs, tmp_path):
+    """`tests/multihost_worker.py` (2 processes x 1 CPU device, fsdp 2: each process
+    holds half of every parameter) with --checkpoint-dir in the bucket: process 1 gets
+    SIGTERM, both save the same update there and stop; a new job resumes both from it
+    and ends as one process does."""
+    data = tf.progressions()
+    write_rollouts(tmp_path / "data", [t[:s] for t, (s, _) in zip(data.tokens, data.spans)],
+                   [t[s:e] for t, (s, e) in zip(data.tokens, data.spans)], shard_size=16)
+    config = {"mesh_fsdp": 2, "checkpoint_dir": f"gs://{BUCKET}/pod"}
+    spec = {"data": str(tmp_path / "data"), "config": config, "devices": 1,
+            "until_update": 3, "check_batches": 0}
+    # a job of 1-device processes that loads the step another job compiled (jax's
+    # persistent cache) hangs in its first cross-process all-reduce (jax 0.10.2, CPU):
+    # one cache per job
+    first = _launch({**spec, "sigterm_at_micro": 0, "compile_cache": str(tmp_path / "cc0")},
+                    tmp_path / "two", TRAIN_WORKER)
+    assert all(r["preempted"] for r in first)
+    saved = first[0]["history"][-1]["update"]
+    assert first[1]["history"][-1]["update"] == saved < 3
+    steps = _steps(gcs, "pod")
+    assert steps[saved] and max(steps) == saved
+    names = gcs.objects(BUCKET, f"pod/{saved}/state/")
+    for i in range(2):
+        assert any(n.startswith(f"pod/{saved}/state/ocdbt.process_{i}/") for n in names)
+
+    second = _launch({**spec, "compile_cache": str(tmp_path / "cc1")}, tmp_path / "two",
+                     TRAIN_WORKER)
+    assert [r["start_update"] for r in second] == [saved, saved]
+    target, drafter = tf.models()
+    one = train(tf.config(tmp_path / "one", mesh_fsdp=2), target=target, drafter=drafter,
+                data=RolloutSet.load(tmp_path / "data"), until_update=3, progress=False,
+                save_final_drafter=False)
+    history = first[0]["history"] + second[0]["history"]
+    assert [h["update"] for h in history] == [1, 2, 3]
+    for key in ("loss", "token_loss", "exit_loss", "grad_norm"):
+        # the two programs sum gradients in different orders (tests/test_multihost.py)
+        np.testing.assert_allclose([h[key] for h in history],
+                                   [h[key] for h in one.history], rtol=2e-5, atol=1e-5)
