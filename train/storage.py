@@ -60,17 +60,17 @@ def check_bucket(directory: str | os.PathLike, name: str = "checkpoint_dir") -> 
     """
     text = os.fspath(directory)
     if not text.startswith(GCS):
-        raise StorageError(f"{name} {text}: only gs:// buckets are supported as remote "
+        raise StorageError(f"{name}={text}: only gs:// buckets are supported as remote "
                            "folders (or a local / mounted folder)")
     try:
         import gcsfs  # noqa: F401  (etils.epath's gs:// backend)
         from google.cloud import storage
     except ImportError:
-        raise StorageError(f"{name} {text}: a gs:// folder needs gcsfs and "
+        raise StorageError(f"{name}={text}: a gs:// folder needs gcsfs and "
                            "google-cloud-storage: pip install 'tev-jax[gcs]'") from None
     bucket, prefix = split_gcs(text)
     if not bucket:
-        raise StorageError(f"{name} {text}: no bucket name")
+        raise StorageError(f"{name}={text}: no bucket name")
     probe = "/".join(p for p in (prefix, f".tev-train-probe-{socket.gethostname()}-"
                                            f"{os.getpid()}") if p)
     try:
@@ -82,7 +82,7 @@ def check_bucket(directory: str | os.PathLike, name: str = "checkpoint_dir") -> 
         blob.upload_from_string(b"", timeout=PROBE_TIMEOUT_S, retry=None)
         blob.delete(timeout=PROBE_TIMEOUT_S, retry=None)
     except Exception as e:  # google.auth, google.api_core and requests raise many types
-        raise StorageError(f"{name} {text}: the bucket gs://{bucket} {_cause(e)}; nothing "
+        raise StorageError(f"{name}={text}: the bucket gs://{bucket} {_cause(e)}; nothing "
                            "was written (check the bucket's name, the credentials and "
                            "their storage.objects list / create / delete permissions)"
                            ) from e
