@@ -2,12 +2,13 @@
 
     python tests/multihost_worker.py PROCESS_ID PORT SPEC_JSON
 
-Joins a 2-process job on localhost with 4 CPU devices, trains the tiny fixture pair on a
-data 2 x fsdp 4 mesh from a rollout folder, and writes ``proc<i>.json`` (its batch rows,
-the run's history) and, from process 0, ``result.npz`` (the gathered final parameters
-and the gathered global batches of the first updates) into ``SPEC["out"]``. With
-``SPEC["sigterm_at_micro"]`` process 1 sends itself SIGTERM while it reads that
-micro-batch, as a preempted host would receive it.
+Joins a 2-process job on localhost with 4 CPU devices each (``SPEC["devices"]``), trains
+the tiny fixture pair on the mesh of ``SPEC["config"]`` (test_multihost: data 2 x fsdp 4;
+test_gcs: checkpoints in a bucket) from a rollout folder, and writes ``proc<i>.json``
+(its batch rows, the run's history) and, from process 0, ``result.npz`` (the gathered
+final parameters and the gathered global batches of the first updates) into
+``SPEC["out"]``. With ``SPEC["sigterm_at_micro"]`` process 1 sends itself SIGTERM
+while it reads that micro-batch, as a preempted host would receive it.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import signal
 import sys
 
 PROCESS_ID, PORT, SPEC = int(sys.argv[1]), sys.argv[2], json.loads(sys.argv[3])
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
+os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={SPEC.get('devices', 4)}"
 os.environ["JAX_PLATFORMS"] = "cpu"
 _TESTS = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [os.path.dirname(_TESTS), _TESTS]

@@ -200,7 +200,13 @@ def _rollouts(ns) -> None:
     from tev_jax.models.checkpoint_io import weights_fingerprint
     from tev_jax.sampling import Sampling
     from train.rollouts import RolloutConfig, make_rollouts, write_manifest
+    from train.storage import require_local
 
+    require_local(ns.out, "--out", "shards are written under temporary names and renamed "
+                  "into place, which a bucket cannot do; write them to local disk or a "
+                  "gcsfuse mount, then copy them up (gcloud storage cp -r)")
+    require_local(ns.target, "--target", "copy it to local disk (gcloud storage cp -r) or "
+                  "mount the bucket with gcsfuse, and pass that folder")
     if ns.merge:
         manifest = write_manifest(ns.out)
         print(f"wrote the manifest of {manifest['num_sequences']} sequences in "

@@ -14,6 +14,7 @@ from tev_jax.exit_weights import NORMALIZERS, WEIGHTINGS, check_floor
 from tev_jax.sampling import Sampling
 from tev_jax.sharding import TARGET_SHARDINGS
 from train.step import DTYPES, REMAT
+from train.storage import require_local
 
 LOSSES = ("token",) + WEIGHTINGS
 
@@ -294,6 +295,7 @@ class TrainConfig:
         if self.target_layer_ids is not None and not isinstance(self.target_layer_ids, tuple):
             raise ValueError("target_layer_ids must be a tuple of ints or None")
         self.sampling  # validates temperature / top-k / top-p
+        check_local_folders(self)
 
     @property
     def sampling(self) -> Sampling:
@@ -378,6 +380,22 @@ class TrainConfig:
         return d
 
 
+def check_local_folders(cfg: TrainConfig) -> None:
+    """Refuses a remote (``gs://``) folder where a run needs a local or mounted one, in
+    one line naming what to do instead; only ``checkpoint_dir`` may be a bucket
+    (`train.storage`)."""
+    copy = ("copy it to local disk (gcloud storage cp -r) or mount the bucket with "
+            "gcsfuse, and pass that folder")
+    require_local(cfg.data_dir, "data_dir", "rollouts are memory-mapped and read a few "
+                  f"rows at every update; {copy}")
+    require_local(cfg.target_path, "target_path", copy)
+    require_local(cfg.drafter_path, "drafter_path", copy)
+    require_local(cfg.out_dir, "out_dir", "it holds the run's lock, its log (appended "
+                  "at every update) and the drafter; keep it local, put the checkpoints "
+                  "in the bucket with --checkpoint-dir gs://..., and copy the drafter "
+                  "there after the run (gcloud storage cp -r OUT_DIR/drafter gs://...)")
+
+
 def field_help() -> dict[str, str]:
     """Each `TrainConfig` field's line of its docstring (``name: text`` entries, a
     shared entry ``a, b: text`` for each name), as plain text: the ``tev-train run``
@@ -405,4 +423,5 @@ def field_help() -> dict[str, str]:
     return {k: v for k, v in helps.items() if k in fields}
 
 
-__all__ = ["LOSSES", "OBJECTIVES", "RECIPES", "TrainConfig", "field_help"]
+__all__ = ["LOSSES", "OBJECTIVES", "RECIPES", "TrainConfig", "check_local_folders",
+           "field_help"]

@@ -40,6 +40,7 @@ from train.opd_step import OpdStepConfig, opd_program, place_opd_batch
 from train.plan import check_step_fits, check_step_floor
 from train.preemption import PreemptionWatch
 from train.rollouts import RolloutSet
+from train.storage import check_bucket, is_remote
 from train.optimizer import OptimConfig
 from train.placement import abstract_state, init_state, place_frozen
 from train.state import merge_drafter, split_models
@@ -344,6 +345,8 @@ def train(cfg: TrainConfig, *, target=None, drafter=None, data: RolloutSet | Non
 
     out = Path(cfg.out_dir)
     ckdir = cfg.checkpoint_dir or out / "checkpoints"
+    if is_remote(ckdir):
+        check_bucket(ckdir)
     if cfg.resume is True and not steps_in(ckdir):
         raise ValueError(f"resume=True but {ckdir} holds no checkpoint: is out_dir "
                          f"({cfg.out_dir}) mistyped? Drop resume=True to start a new run there")
