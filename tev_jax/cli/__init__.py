@@ -2,7 +2,7 @@
 
 Each subcommand parses its arguments into library objects and calls the library; the
 work lives in ``tev_jax`` (`tev_jax.engine`, `tev_jax.profile`, `tev_jax.serve`,
-`tev_jax.plan`). The flags several subcommands share are declared and read in
+`tev_jax.plan`, `tev_jax.server`). The flags several subcommands share are declared and read in
 `tev_jax.cli.flags`. Add a subcommand by writing a module whose ``add_parser(subparsers)``
 registers its arguments and sets ``func``, and listing it in ``SUBCOMMANDS``.
 """
@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from tev_jax.cli import compare, exit_law, generate, merge_outputs, plan, tune
+from tev_jax.cli import compare, exit_law, generate, merge_outputs, plan, serve, tune
 from tev_jax.exits import (EXIT_RESUMABLE, EXIT_USAGE, Interrupted, flag_names, interrupt_exit,
                            name_flags, parse_args, signals_as_interrupts)
 from tev_jax.platforms import skip_absent_tpu
@@ -21,7 +21,7 @@ DESCRIPTION = ("Tree speculative decoding with exact verifiers: generate text, c
                "methods, plan memory, tune the tree budget, show the exit law.")
 
 SUBCOMMANDS = [exit_law.add_parser, generate.add_parser, compare.add_parser, plan.add_parser,
-               tune.add_parser, merge_outputs.add_parser]
+               tune.add_parser, merge_outputs.add_parser, serve.add_parser]
 
 
 def main(argv: list[str] | None = None) -> int:
