@@ -196,13 +196,11 @@ def parse_request(body: dict, limits: Limits, encode: Callable[[str], Sequence[i
     chat = chat_format is not None
     limit_name = "max_completion_tokens" if chat and "max_completion_tokens" in body else \
         "max_tokens"
-    max_tokens = _field(body, limit_name, _is_int, "a positive integer",
-                        limits.max_tokens if chat else min(DEFAULT_MAX_TOKENS,
-                                                           limits.max_tokens))
-    if max_tokens < 1:
+    max_tokens = _field(body, limit_name, _is_int, "a positive integer")
+    if max_tokens is not None and max_tokens < 1:
         raise RequestError(f"'{limit_name}' must be a positive integer, got {max_tokens}",
                            limit_name)
-    if max_tokens > limits.max_tokens:
+    if max_tokens is not None and max_tokens > limits.max_tokens:
         raise RequestError(f"'{limit_name}' is {max_tokens}, more than this server's "
                            f"--max-tokens ({limits.max_tokens})", limit_name)
     sampling = sampling_of(body)
@@ -223,6 +221,10 @@ def parse_request(body: dict, limits: Limits, encode: Callable[[str], Sequence[i
     if len(ids) > limits.prompt_len:
         raise RequestError(f"'{where}' is {len(ids)} tokens, more than the cache's prompt "
                            f"part (--max-prompt-tokens {limits.prompt_len})", where)
+    if max_tokens is None:  # OpenAI's defaults: 16 for completions, the rest for chat
+        room = max(1, limits.max_positions - len(ids))
+        max_tokens = min(limits.max_tokens, room, limits.max_tokens if chat else
+                         DEFAULT_MAX_TOKENS)
     if len(ids) + max_tokens > limits.max_positions:
         raise RequestError(f"'{where}' ({len(ids)} tokens) + '{limit_name}' ({max_tokens}) "
                            f"exceed the model's context ({limits.max_positions})", where)
