@@ -60,14 +60,16 @@ def _error(e: RequestError, headers: dict | None = None) -> JSONResponse:
     return JSONResponse(error_body(e), status_code=e.status, headers=headers)
 
 
-def _choice(req: GenerationRequest, text: str, finish: str | None, *, delta: bool) -> dict:
+def _choice(req: GenerationRequest, text: str, finish: str | None, *, delta: bool,
+            token_ids: tuple[int, ...] = ()) -> dict:
+    ids = {"token_ids": list(token_ids)} if req.return_token_ids else {}
     if not req.chat:
-        return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+        return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish} | ids
     if delta:
         return {"index": 0, "delta": {"content": text} if text else {},
-                "logprobs": None, "finish_reason": finish}
+                "logprobs": None, "finish_reason": finish} | ids
     return {"index": 0, "message": {"role": "assistant", "content": text},
-            "logprobs": None, "finish_reason": finish}
+            "logprobs": None, "finish_reason": finish} | ids
 
 
 def _usage(prompt: int, completion: int) -> dict:
@@ -116,19 +118,21 @@ def create_app(served: Served) -> Starlette:
             return StreamingResponse(_stream(req, job, events, head),
                                      media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
-        text, last = [req.prompt_text] if req.echo else [], None
+        text, last, ids = [req.prompt_text] if req.echo else [], None, []
         try:
             while last is None or last.finish_reason is None:
                 try:
                     last = await asyncio.wait_for(events.get(), POLL_S)
                     text.append(last.text)
+                    ids.extend(last.token_ids)
                 except TimeoutError:
                     if await request.is_disconnected():
                         return Response(status_code=499)
         finally:
             job.cancel()
         return JSONResponse(head | {
-            "choices": [_choice(req, "".join(text), last.finish_reason, delta=False)],
+            "choices": [_choice(req, "".join(text), last.finish_reason, delta=False,
+                                token_ids=tuple(ids))],
             "usage": _usage(last.prompt_tokens, last.completion_tokens)})
 
     async def completions(request: Request) -> Response:
@@ -168,7 +172,8 @@ async def _stream(req: GenerationRequest, job, events: asyncio.Queue, head: dict
             yield data([_choice(req, req.prompt_text, None, delta=True)])
         while True:
             event = await events.get()
-            yield data([_choice(req, event.text, event.finish_reason, delta=True)])
+            yield data([_choice(req, event.text, event.finish_reason, delta=True,
+                                token_ids=event.token_ids)])
             if event.finish_reason is not None:
                 break
         if req.include_usage:

@@ -72,6 +72,8 @@ class GenerationRequest:
       seed: the client's seed (see the server's README: not per row yet).
       echo: /v1/completions only: the answer's text starts with the prompt's.
       prompt_text: the prompt as text (for ``echo``).
+      return_token_ids: the extra field ``return_token_ids``: each choice also carries
+        the generated token ids (``token_ids``), as vLLM's does.
     """
 
     chat: bool
@@ -84,6 +86,7 @@ class GenerationRequest:
     seed: int | None = None
     echo: bool = False
     prompt_text: str = ""
+    return_token_ids: bool = False
 
 
 def read_json(body: bytes) -> dict:
@@ -232,7 +235,9 @@ def parse_request(body: dict, limits: Limits, encode: Callable[[str], Sequence[i
         chat=chat, prompt_ids=tuple(int(t) for t in ids), max_tokens=max_tokens,
         sampling=sampling, stop=stop, stream=stream,
         include_usage=bool(options.get("include_usage")), seed=seed, echo=bool(echo),
-        prompt_text=text if isinstance(text, str) else "")
+        prompt_text=text if isinstance(text, str) else "",
+        return_token_ids=bool(_field(body, "return_token_ids", lambda v: isinstance(v, bool),
+                                     "true or false", False)))
 
 
 def stop_at(text: str, stops: Sequence[str]) -> int | None:

@@ -72,12 +72,14 @@ class Event:
       text: the new text (may be empty with a ``finish_reason``).
       finish_reason: None while it runs; then one of STOP, LENGTH, ABORT, ERROR.
       prompt_tokens, completion_tokens: the usage so far.
+      token_ids: the new token ids (those whose text is ``text`` or held back).
     """
 
     text: str
     finish_reason: str | None
     prompt_tokens: int
     completion_tokens: int
+    token_ids: tuple[int, ...] = ()
 
 
 @dataclasses.dataclass(eq=False)
@@ -91,6 +93,7 @@ class Job:
     emit: Callable[[Event], None]
     tokens: list[int] = dataclasses.field(default_factory=list)
     sent: int = 0
+    sent_tokens: int = 0
     cancelled: bool = False
     finish_reason: str | None = None
     submitted: float = dataclasses.field(default_factory=time.perf_counter)
@@ -189,6 +192,7 @@ class Scheduler:
         self._thread = threading.Thread(target=self._loop, name="tev-jax-scheduler",
                                         daemon=True)
         self.stats = {"rounds": 0, "row_rounds": 0, "block_tokens": 0, "finished": 0,
+                      "finish_reasons": collections.Counter(),
                       "budgets": collections.Counter(), "slot_counts": collections.Counter()}
 
     # ----------------------------------------------------------------- other threads
@@ -234,6 +238,7 @@ class Scheduler:
             "waiting": len(self._waiting), "lanes": len(lanes),
             "draining": self._drain_at is not None, "rounds": self.stats["rounds"],
             "finished": self.stats["finished"],
+            "finish_reasons": dict(self.stats["finish_reasons"]),
             "tau": round(self.stats["block_tokens"] / rows, 4) if rows else None,
             "budgets": {str(k): v for k, v in sorted(self.stats["budgets"].items())},
             "slot_counts": {str(k): v for k, v in sorted(self.stats["slot_counts"].items())},
@@ -394,11 +399,12 @@ class Scheduler:
                 reason = (STOP if hit or ended_by_token else LENGTH if at_length else None)
                 if len(text) > job.sent or reason:
                     job.emit(Event(text[job.sent:], reason, len(req.prompt_ids),
-                                   len(job.tokens)))
-                    job.sent = max(job.sent, len(text))
+                                   len(job.tokens), tuple(job.tokens[job.sent_tokens:])))
+                    job.sent, job.sent_tokens = max(job.sent, len(text)), len(job.tokens)
             if reason is None:
                 continue
             job.finish_reason = reason
+            self.stats["finish_reasons"][reason] += 1
             rounds = int(rounds_B[slot])
             self.stats["row_rounds"] += rounds
             self.stats["block_tokens"] += int(start_B[slot]) - len(req.prompt_ids)
@@ -411,6 +417,7 @@ class Scheduler:
 
     def _finish(self, job: Job, reason: str, note: str = "") -> None:
         job.finish_reason = reason
+        self.stats["finish_reasons"][reason] += 1
         job.emit(Event("", reason, len(job.request.prompt_ids), len(job.tokens)))
 
     def _compact(self) -> None:
