@@ -240,6 +240,7 @@ class Scheduler:
             "finished": self.stats["finished"],
             "finish_reasons": dict(self.stats["finish_reasons"]),
             "tau": round(self.stats["block_tokens"] / rows, 4) if rows else None,
+            "row_rounds": rows, "block_tokens": self.stats["block_tokens"],
             "budgets": {str(k): v for k, v in sorted(self.stats["budgets"].items())},
             "slot_counts": {str(k): v for k, v in sorted(self.stats["slot_counts"].items())},
         }
