@@ -303,7 +303,7 @@ def test_t1_first_tokens_pass_chi_square_and_the_negative_control_fails(server, 
 
 @pytest.fixture(scope="module")
 def small_server():
-    s = Server("--budget", "8", "--max-batch", "1", "--max-queue", "1",
+    s = Server("--budget", "8", "--max-batch", "1", "--max-queue", "1", "--warmup",
                "--max-tokens", "64", "--max-prompt-tokens", "32")
     yield s
     s.stop()

@@ -113,7 +113,8 @@ def run(args) -> dict:
                "AR": ["--builder", "none"]}
     for name, flags in methods.items():
         server = Server(*flags, "--max-batch", "32", "--max-tokens", str(max_tokens),
-                        "--max-prompt-tokens", "128", "--max-queue", "128")
+                        "--max-prompt-tokens", "128", "--max-queue", "128",
+                        "--warmup", wait_s=900)
         try:
             client = server.client()
             print(f"[{name}] warming up (compiles every slot count) ...", file=sys.stderr)

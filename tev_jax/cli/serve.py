@@ -39,7 +39,7 @@ def serve_command(args) -> int:
         ("tev-jax-bundled" if flags.is_bundled_target(args.target) else args.target),
         host=args.host, port=args.port, max_batch=args.max_batch, max_queue=args.max_queue,
         max_lanes=args.max_lanes, drain_seconds=args.drain_seconds, seed=args.seed,
-        dtype=args.dtype)
+        dtype=args.dtype, warmup=args.warmup)
     print(f"tev-jax serve: {where}; {flags.method_label(config)}", file=sys.stderr)
     return run.serve(options)
 
@@ -81,6 +81,9 @@ def add_parser(sub) -> None:
     p.add_argument("--prefill-chunk", type=int, default=512,
                    help="prefill prompts in chunks of this many tokens (default %(default)s)")
     p.add_argument("--seed", type=int, default=0, help="the scheduler's sampling seed")
+    p.add_argument("--warmup", action="store_true",
+                   help="compile the greedy lane's programs (every slot count and prompt "
+                        "bucket) before listening; default: each when first met")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
                    help="parameter and KV-cache dtype (default %(default)s)")
     p.set_defaults(func=serve_command)

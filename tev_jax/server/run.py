@@ -41,6 +41,8 @@ class ServeOptions:
       drain_seconds: on SIGTERM, how long running requests may go on.
       seed: the scheduler's key.
       dtype: parameter and cache dtype.
+      warmup: compile the greedy lane's programs before listening (else each compiles
+        when first met, and the request that meets it waits for it).
     """
 
     target: str
@@ -55,6 +57,7 @@ class ServeOptions:
     drain_seconds: float = 0.0
     seed: int = 0
     dtype: str = "float32"
+    warmup: bool = False
 
 
 def build(options: ServeOptions) -> Served:
@@ -123,6 +126,10 @@ def _quiet_signals():
 def serve(options: ServeOptions, served: Served | None = None) -> int:
     """Serves until SIGINT / SIGTERM; 0 after a drained shutdown."""
     served = served or build(options)
+    if options.warmup:
+        print("tev-jax serve: compiling the greedy lane's programs ...", file=sys.stderr,
+              flush=True)
+        served.scheduler.warmup()
     logging.basicConfig(level=logging.INFO, format="%(levelname)s: %(message)s")
     config = uvicorn.Config(create_app(served), host=options.host, port=options.port,
                             log_level="info", timeout_graceful_shutdown=30)

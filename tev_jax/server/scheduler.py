@@ -245,6 +245,35 @@ class Scheduler:
             "slot_counts": {str(k): v for k, v in sorted(self.stats["slot_counts"].items())},
         }
 
+    def warmup(self, sampling: Sampling = Sampling(temperature=0.0)) -> int:
+        """Compiles every program a lane of ``sampling`` may run (each slot count's round,
+        each refill bucket, each move between slot counts) on scratch states, before
+        `start`; -> the programs run. Without it they compile when first met."""
+        if self._thread.is_alive():
+            raise RuntimeError("warm up before the scheduler starts")
+        count = 0
+        for slots in self.sizes:
+            engine, axes = self._engine(sampling, slots), self._slot_axes(sampling, slots)
+            st = engine.empty_slots(self._next_key())
+            for k in batching.row_buckets(slots):
+                for t in self.widths:  # every prompt dropped (slot index >= slots)
+                    st = engine.refill(st, np.ones((k, t), np.int32), np.ones((k,), np.int32),
+                                       np.full((k,), slots, np.int32), self._next_key(),
+                                       axes=axes)
+                    count += 1
+            st = engine.run_rounds(st, slots + 1, 1)
+            st = st.replace(done_B=st.done_B | np.zeros((slots,), bool))
+            for other in self.sizes:
+                scratch = self._engine(sampling, other).empty_slots(self._next_key())
+                if other < slots:
+                    st = engine.put_slots(st, scratch, np.arange(other), axes=axes)
+                elif other > slots:
+                    engine.take_slots(scratch, np.arange(slots), axes=axes)
+                count += other != slots
+            jax.block_until_ready(st.done_B)
+            count += 1
+        return count
+
     # ------------------------------------------------------------- the thread's work
 
     def _loop(self) -> None:
@@ -414,7 +443,9 @@ class Scheduler:
             if not done_B[slot]:
                 stop_rows.append(slot)
         if stop_rows:  # rows the host ended: the device stops decoding them
-            lane.st = st.replace(done_B=st.done_B.at[np.asarray(stop_rows)].set(True))
+            ended_B = np.zeros(done_B.shape, bool)  # one shape per slot count: one compile
+            ended_B[stop_rows] = True
+            lane.st = st.replace(done_B=st.done_B | ended_B)
 
     def _finish(self, job: Job, reason: str, note: str = "") -> None:
         job.finish_reason = reason
