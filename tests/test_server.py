@@ -165,7 +165,7 @@ def test_greedy_completions_equal_ar_at_every_concurrency(server, bundled):
         assert all(f.result(timeout=300).usage.completion_tokens >= 1 for f in sampled)
     for (g_text, g_n, reason), (w_text, w_n), m in zip(got, want, lengths):
         assert (g_text, g_n) == (w_text, w_n)
-        assert reason == ("length" if g_n == m else "stop")
+        assert reason == "stop" if g_n < m else reason in ("stop", "length")
     h = server.wait_idle()
     assert h["slots_free"] == MAX_BATCH and h["live"] == 0
 

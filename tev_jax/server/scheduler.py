@@ -185,6 +185,7 @@ class Scheduler:
         self._key = jax.random.key(seed)
         self._engines: dict[tuple[Sampling, int], Engine] = {}
         self._axes: dict[tuple[Sampling, int], tuple] = {}
+        self._empties: dict[tuple[Sampling, int], Callable] = {}
         self._lanes: dict[Sampling, _Lane] = {}
         self._waiting: collections.deque[Job] = collections.deque()
         self._cv = threading.Condition()
@@ -254,7 +255,7 @@ class Scheduler:
         count = 0
         for slots in self.sizes:
             engine, axes = self._engine(sampling, slots), self._slot_axes(sampling, slots)
-            st = engine.empty_slots(self._next_key())
+            st = self._empty(sampling, slots)
             for k in batching.row_buckets(slots):
                 for t in self.widths:  # every prompt dropped (slot index >= slots)
                     st = engine.refill(st, np.ones((k, t), np.int32), np.ones((k,), np.int32),
@@ -264,7 +265,7 @@ class Scheduler:
             st = engine.run_rounds(st, slots + 1, 1)
             st = st.replace(done_B=st.done_B | np.zeros((slots,), bool))
             for other in self.sizes:
-                scratch = self._engine(sampling, other).empty_slots(self._next_key())
+                scratch = self._empty(sampling, other)
                 if other < slots:
                     st = engine.put_slots(st, scratch, np.arange(other), axes=axes)
                 elif other > slots:
@@ -325,6 +326,13 @@ class Scheduler:
                 self.target, None if c.builder == "none" else self.drafter, c, slots)
         return self._engines[sampling, slots]
 
+    def _empty(self, sampling: Sampling, slots: int):
+        """A fresh state of free slots: one compiled program per slot count (the eager
+        `tev_jax.engine.Engine.empty_slots` traces the prefill's shapes every call)."""
+        if (sampling, slots) not in self._empties:
+            self._empties[sampling, slots] = jax.jit(self._engine(sampling, slots).empty_slots)
+        return self._empties[sampling, slots](self._next_key())
+
     def _slot_axes(self, sampling: Sampling, slots: int) -> tuple:
         if (sampling, slots) not in self._axes:
             self._axes[sampling, slots] = self._engine(sampling, slots).slot_axes()
@@ -335,9 +343,9 @@ class Scheduler:
         engine = self._engine(lane.sampling, slots)
         axes = self._slot_axes(lane.sampling, slots)
         if lane.st is None:
-            lane.st, lane.jobs = engine.empty_slots(self._next_key()), [None] * slots
+            lane.st, lane.jobs = self._empty(lane.sampling, slots), [None] * slots
         elif slots > len(lane.jobs):
-            big = engine.empty_slots(self._next_key())
+            big = self._empty(lane.sampling, slots)
             lane.st = engine.put_slots(big, lane.st, np.arange(len(lane.jobs)), axes=axes)
             lane.jobs = lane.jobs + [None] * (slots - len(lane.jobs))
         elif slots < len(lane.jobs):
