@@ -133,3 +133,16 @@ def test_lane_configs_share_one_cache_and_follow_the_tuning():
     assert len({c.max_cache_len for c in configs.values()}) == 1
     ar = lane_configs(DecodeConfig(max_new_tokens=16, prompt_len=16, builder="none"), 2)
     assert {budget_of(c) for c in ar.values()} == {0}
+
+
+def test_serve_without_the_extra_says_how_to_install_it(monkeypatch, capsys):
+    import sys
+
+    from tev_jax import cli
+
+    for name in ("uvicorn", "tev_jax.server.run", "tev_jax.server.app"):
+        monkeypatch.setitem(sys.modules, name, None)  # as if the serve extra were absent
+    monkeypatch.delattr("tev_jax.server.run", raising=False)
+    assert cli.main(["serve"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and 'pip install -e ".[serve]"' in err
