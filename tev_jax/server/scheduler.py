@@ -34,7 +34,6 @@ from __future__ import annotations
 import collections
 import dataclasses
 import logging
-import math
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -307,12 +306,12 @@ class Scheduler:
                     if lane.live:
                         self._round(lane)
                 self._compact()
-            except Exception as e:  # nothing hangs: every job of a failed lane ends
+            except Exception:  # nothing hangs: every job of a failed lane ends
                 log.exception("the scheduler failed a round")
                 for lane in list(self._lanes.values()):
                     for job in lane.jobs:
                         if job is not None:
-                            self._finish(job, ERROR, note=str(e))
+                            self._finish(job, ERROR)
                 self._lanes.clear()
 
     def _next_key(self) -> jax.Array:
@@ -455,7 +454,7 @@ class Scheduler:
             ended_B[stop_rows] = True
             lane.st = st.replace(done_B=st.done_B | ended_B)
 
-    def _finish(self, job: Job, reason: str, note: str = "") -> None:
+    def _finish(self, job: Job, reason: str) -> None:
         job.finish_reason = reason
         self.stats["finish_reasons"][reason] += 1
         job.emit(Event("", reason, len(job.request.prompt_ids), len(job.tokens)))
@@ -474,11 +473,5 @@ class Scheduler:
                 self._resize(lane, slots)
 
 
-def tau_of(stats: dict) -> float:
-    """Mean tokens per row and round over the finished requests (nan before any)."""
-    rows = stats["row_rounds"]
-    return stats["block_tokens"] / rows if rows else math.nan
-
-
 __all__ = ["ABORT", "ERROR", "LENGTH", "STOP", "Draining", "Event", "Job", "QueueFull",
-           "Scheduler", "budget_of", "lane_configs", "next_text", "tau_of"]
+           "Scheduler", "budget_of", "lane_configs", "next_text"]
