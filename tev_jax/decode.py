@@ -584,6 +584,16 @@ def refill(graphdef, params, st: DecodeState, tokens_KT, lengths_K, slots_K, key
       The state with those rows freshly prefilled (t0 sampled, rounds 0).
     """
     new = prefill(graphdef, params, tokens_KT, lengths_K, key, spec=spec)
+    return put_rows(graphdef, params, st, new, slots_K, spec=spec, axes=axes)
+
+
+def put_rows(graphdef, params, st: DecodeState, rows: DecodeState, slots_K, *,
+             spec: DecodeSpec, axes: tuple[int | None, ...]) -> DecodeState:
+    """The K rows of ``rows`` written into the slots ``slots_K`` of ``st`` (a state of the
+    same shapes but B rows; ``>= B`` drops a row); the per-batch scalars of ``st`` are
+    kept and its flags OR-ed with those of ``rows``. `refill` puts freshly prefilled
+    rows; a scheduler that grows its slot count puts the rows of a smaller state into
+    an `empty_state`. ``axes`` is `row_axes`."""
     big, treedef = jax.tree.flatten(st)
 
     def put(axis, old, fresh):
@@ -591,7 +601,7 @@ def refill(graphdef, params, st: DecodeState, tokens_KT, lengths_K, slots_K, key
             return old | fresh if old.dtype == jnp.bool_ else old
         return old.at[(slice(None),) * axis + (slots_K,)].set(fresh, mode="drop")
 
-    st = treedef.unflatten([put(a, o, f) for a, o, f in zip(axes, big, jax.tree.leaves(new))])
+    st = treedef.unflatten([put(a, o, f) for a, o, f in zip(axes, big, jax.tree.leaves(rows))])
     return constrain_state(st, merge_models(graphdef, params)[1], spec)
 
 
@@ -625,6 +635,7 @@ def rounds_until(graphdef, params, st: DecodeState, until_done, max_rounds, *,
 
 __all__ = ["LEN_ALIGN", "PAD_TOKEN", "STAGES", "DecodeConfig", "DecodeSpec", "DecodeState",
            "build_stage", "commit_stage", "constrain_state", "decide_stage", "decode_round",
-           "draft_stage", "empty_state", "generation", "merge_models", "prefill", "refill",
+           "draft_stage", "empty_state", "generation", "merge_models", "prefill", "put_rows",
+           "refill",
            "round_keys", "row_axes", "rounds_until", "running", "state_axes", "state_shapes",
            "take_rows", "traced_round", "verify_stage"]

@@ -220,6 +220,12 @@ def _refill_jit(graphdef, params, st, tokens_KT, lengths_K, slots_K, key, *, spe
                          axes=axes)
 
 
+@functools.partial(jax.jit, static_argnames=("graphdef", "spec", "axes"),
+                   donate_argnames=("st",))
+def _put_jit(graphdef, params, st, rows, slots_K, *, spec, axes):
+    return decode.put_rows(graphdef, params, st, rows, slots_K, spec=spec, axes=axes)
+
+
 @functools.partial(jax.jit, static_argnames=("graphdef", "spec", "axes"))
 def _take_jit(graphdef, params, st, rows_K, *, spec, axes):
     return decode.take_rows(graphdef, params, st, rows_K, spec=spec, axes=axes)
@@ -511,6 +517,18 @@ class Engine:
             raise ValueError(f"take_slots needs {self.spec.batch_size} row indices, got "
                              f"shape {rows.shape}")
         return self._call(_take_jit, st, jnp.asarray(rows), axes=axes)
+
+    def put_slots(self, st: DecodeState, rows: DecodeState, slots, *,
+                  axes: tuple[int | None, ...]) -> DecodeState:
+        """The rows of ``rows`` (a state of another engine with the same shapes but fewer
+        slots) written into the slots ``slots`` (one index per row) of ``st`` (this
+        engine's, donated): the inverse of `take_slots`, for a server whose live rows
+        outgrow a smaller program. ``axes`` is `slot_axes`."""
+        slots = np.asarray(slots, np.int32)
+        if slots.shape != (rows.done_B.shape[0],):
+            raise ValueError(f"put_slots needs one slot per row ({rows.done_B.shape[0]}), got "
+                             f"shape {slots.shape}")
+        return self._call(_put_jit, st, rows, jnp.asarray(slots), axes=axes)
 
     def run_rounds(self, st: DecodeState, until_done: int, max_rounds: int) -> DecodeState:
         """Runs rounds until ``until_done`` rows are done, all are, or ``max_rounds``

@@ -596,6 +596,9 @@ def _main(argv) -> int:
 
     prog, command = prog_name(), None
     try:
+        from tev_jax.platforms import quiet_start
+
+        quiet_start()  # before jax is imported: no libtpu / CUDA plugin lines on a CPU
         parser = build_parser()
         stop.check()
         ns = parse_args(parser, parser.get_default("subcommands"), argv)
@@ -605,10 +608,8 @@ def _main(argv) -> int:
             stop.release(signal.SIGTERM)
             stop.release(signal.SIGINT)
         stop.check()
-        from tev_jax.platforms import skip_absent_tpu
         from train.checkpoint import CheckpointError
 
-        skip_absent_tpu()
         try:
             code = ns.fn(ns) or 0
         except CheckpointError as e:

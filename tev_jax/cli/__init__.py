@@ -2,8 +2,8 @@
 
 Each subcommand parses its arguments into library objects and calls the library; the
 work lives in ``tev_jax`` (`tev_jax.engine`, `tev_jax.profile`, `tev_jax.serve`,
-`tev_jax.plan`). The flags several subcommands share are declared and read in
-`tev_jax.cli.flags`. Add a subcommand by writing a module whose ``add_parser(subparsers)``
+`tev_jax.plan`, `tev_jax.server`). The flags several subcommands share are declared and
+read in `tev_jax.cli.flags`. Add a subcommand by writing a module whose ``add_parser(subparsers)``
 registers its arguments and sets ``func``, and listing it in `subcommands`.
 
 `main` handles SIGINT and SIGTERM before it imports anything heavy (`tev_jax.stop`): a
@@ -25,10 +25,10 @@ DESCRIPTION = ("Tree speculative decoding with exact verifiers: generate text, c
 
 def subcommands() -> list:
     """The subcommands' ``add_parser`` functions (their modules import jax)."""
-    from tev_jax.cli import compare, exit_law, generate, merge_outputs, plan, tune
+    from tev_jax.cli import compare, exit_law, generate, merge_outputs, plan, serve, tune
 
     return [exit_law.add_parser, generate.add_parser, compare.add_parser, plan.add_parser,
-            tune.add_parser, merge_outputs.add_parser]
+            tune.add_parser, merge_outputs.add_parser, serve.add_parser]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -46,6 +46,9 @@ def _main(argv: list[str] | None) -> int:
     parser = argparse.ArgumentParser(prog="tev-jax", description=DESCRIPTION)
     parser.add_argument("--version", action="version", version=f"tev-jax {__version__}")
     try:
+        from tev_jax.platforms import quiet_start
+
+        quiet_start()  # before jax is imported: no libtpu / CUDA plugin lines on a CPU
         sub = parser.add_subparsers(dest="command", required=True)
         for add in subcommands():
             add(sub)
@@ -53,9 +56,6 @@ def _main(argv: list[str] | None) -> int:
         args = parse_args(parser, sub, argv)
         command = f"tev-jax {args.command}"
         stop.check()
-        from tev_jax.platforms import skip_absent_tpu
-
-        skip_absent_tpu()
         code = args.func(args)
         if not code:
             stop.check()  # a signal the command's last stretch did not take

@@ -135,7 +135,7 @@ def add_decode_flags(p, *, max_new_tokens: int = 256, tree: bool = True) -> None
     """The flags of a `DecodeConfig` (the builder and verifier choices are the
     registries' names); ``tree=False`` leaves out the tree's (builder, budget, tuning)."""
     if tree:
-        _add_tree_flags(p)
+        add_tree_flags(p)
     p.add_argument("--verifier", choices=tuple(extensions.VERIFIERS), default="tev",
                    help="exact tree verifier (default %(default)s; greedy: T = 0 only)")
     add_sampling_flags(p, temperature=0.0)
@@ -146,7 +146,8 @@ def add_decode_flags(p, *, max_new_tokens: int = 256, tree: bool = True) -> None
                         "default %(default)s)")
 
 
-def _add_tree_flags(p) -> None:
+def add_tree_flags(p) -> None:
+    """The tree's flags of `add_decode_flags` (builder, budget, tuning)."""
     p.add_argument("--builder", choices=tuple(extensions.BUILDERS), default="ddtree",
                    help="ddtree (default), chain (plain DFlash) or none (autoregressive)")
     p.add_argument("--budget", type=_budget, default=64,

@@ -1,0 +1,144 @@
+"""Running the server: the models loaded into a `Served`, and uvicorn serving it.
+
+`serve` loads the target, the drafter and the tokenizer, builds the `Scheduler`
+(`tev_jax.server.scheduler`) and the app (`tev_jax.server.app`), and runs uvicorn until
+SIGINT / SIGTERM. On a signal it stops admitting and drains the scheduler: the waiting
+requests end at once and the running ones at the end of the current round (or after
+``drain_seconds``), each with its ``finish_reason``; then uvicorn closes the
+connections and `serve` returns (exit 0).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import logging
+import signal
+import sys
+from pathlib import Path
+
+import uvicorn
+
+from tev_jax.decode import DecodeConfig
+from tev_jax.server.app import Served, create_app
+from tev_jax.server.requests import Limits
+from tev_jax.server.scheduler import Scheduler
+
+
+@dataclasses.dataclass(frozen=True)
+class ServeOptions:
+    """``tev-jax serve``'s settings.
+
+    Attributes:
+      target: the target checkpoint directory.
+      drafter: the drafter's (None for plain AR).
+      config: builder, budget, verifier, ``max_new_tokens`` (the most a request may ask
+        for) and ``prompt_len`` (the longest prompt); sampling comes per request.
+      model: the served model's name (``GET /v1/models``).
+      host, port: where to listen (loopback by default).
+      max_batch, max_queue, max_lanes: the `Scheduler`'s.
+      drain_seconds: on SIGTERM, how long running requests may go on.
+      seed: the scheduler's key.
+      dtype: parameter and cache dtype.
+      warmup: compile the greedy lane's programs before listening (else each compiles
+        when first met, and the request that meets it waits for it).
+    """
+
+    target: str
+    drafter: str | None
+    config: DecodeConfig
+    model: str = "tev-jax"
+    host: str = "127.0.0.1"
+    port: int = 8000
+    max_batch: int = 8
+    max_queue: int = 64
+    max_lanes: int = 4
+    drain_seconds: float = 0.0
+    seed: int = 0
+    dtype: str = "float32"
+    warmup: bool = False
+
+
+def build(options: ServeOptions) -> Served:
+    """Loads the models and builds the scheduler (not started) and the request limits."""
+    import jax.numpy as jnp
+
+    from tev_jax import batch_io
+    from tev_jax.budget import AutoBudget, check_tuned_for
+    from tev_jax.data.tokenizer import BOS
+    from tev_jax.models import load_drafter, load_target, load_tokenizer
+    from tev_jax.serve import stop_token_ids
+
+    dtype = jnp.dtype(options.dtype)
+    target = load_target(options.target, dtype=dtype)
+    tokenizer = load_tokenizer(options.target)
+    drafter = (None if options.drafter is None
+               else load_drafter(options.drafter, target, dtype=dtype))
+    config = options.config
+    if not config.stop_token_ids:
+        config = dataclasses.replace(config, stop_token_ids=stop_token_ids(target, tokenizer))
+    if isinstance(config.budget, AutoBudget) and config.builder == "ddtree":
+        check_tuned_for(config.budget, target, drafter)
+    config_file = Path(options.target) / "tokenizer_config.json"
+    chat = batch_io.chat_formatter(
+        json.loads(config_file.read_text()) if config_file.is_file() else None)
+    has_bos = tokenizer.token_to_id(BOS) is not None
+
+    def encode(text: str) -> list[int]:  # a chat template that writes BOS itself
+        return tokenizer.encode(text, add_special_tokens=not (has_bos and text.startswith(BOS))
+                                ).ids
+
+    scheduler = Scheduler(target, drafter, config, tokenizer.decode,
+                          max_batch=options.max_batch, max_queue=options.max_queue,
+                          max_lanes=options.max_lanes, seed=options.seed)
+    limits = Limits(model=options.model, prompt_len=config.prompt_len,
+                    max_tokens=config.max_new_tokens,
+                    max_positions=target.config.max_position_embeddings)
+    return Served(scheduler, limits, encode, chat, options.drain_seconds)
+
+
+class _DrainingServer(uvicorn.Server):
+    """uvicorn's server whose exit signal also drains the scheduler at once, so running
+    streams end within a round instead of uvicorn waiting for them."""
+
+    def __init__(self, config: uvicorn.Config, served: Served):
+        super().__init__(config)
+        self.served = served
+
+    def handle_exit(self, sig, frame) -> None:
+        self.served.scheduler.drain(self.served.drain_seconds)
+        super().handle_exit(sig, frame)
+
+
+@contextlib.contextmanager
+def _quiet_signals():
+    """uvicorn raises the signal it caught again once it has shut down; here that
+    re-raise finds a handler that ignores it, so a drained server exits 0."""
+    old = {s: signal.signal(s, lambda *_: None) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for s, handler in old.items():
+            signal.signal(s, handler)
+
+
+def serve(options: ServeOptions, served: Served | None = None) -> int:
+    """Serves until SIGINT / SIGTERM; 0 after a drained shutdown."""
+    served = served or build(options)
+    if options.warmup:
+        print("tev-jax serve: compiling the greedy lane's programs ...", file=sys.stderr,
+              flush=True)
+        served.scheduler.warmup()
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s: %(message)s")
+    config = uvicorn.Config(create_app(served), host=options.host, port=options.port,
+                            log_level="info", timeout_graceful_shutdown=30)
+    server = _DrainingServer(config, served)
+    print(f"tev-jax serve: {options.model} on http://{options.host}:{options.port}/v1 "
+          f"(max batch {options.max_batch})", file=sys.stderr, flush=True)
+    with _quiet_signals():
+        server.run()
+    return 0 if served.scheduler.join(30) else 1
+
+
+__all__ = ["ServeOptions", "build", "serve"]

@@ -1,0 +1,477 @@
+"""The server's scheduler: one thread owns the engine and runs continuous batching.
+
+Requests wait in a bounded queue (`Scheduler.submit`). Between rounds the thread admits
+them into free row slots with the engine's refill program, runs one decode round,
+reads every row's new tokens and hands them to the requests' streams (one `Event` per
+request per round), and frees the slot of a request that ended (a stop token or stop
+string, its ``max_tokens``, the engine's M, a client gone, a drain)::
+
+    loop:  cut (drain deadline) -> admit (refill) -> first tokens -> one round -> hand out
+
+Sampling settings are not per row in the decode state (the `tev_jax.sampling.Sampling`
+is a static field of the `tev_jax.decode.DecodeConfig`: every program is compiled for
+one), so requests are grouped by their setting: each setting in use has a *lane*, its
+own decode state and programs, and the lanes take turns, a round each. At most
+``max_batch`` rows are live over all lanes, and at most ``max_lanes`` settings at once.
+
+A lane decodes on the smallest slot program that holds its live rows (the slot counts
+of `tev_jax.batching.row_buckets`: 1, 2, 4, ..., B); it moves its rows onto a larger
+program when requests arrive (`tev_jax.engine.Engine.put_slots`) and onto a smaller
+one once they end and nobody waits (`tev_jax.engine.Engine.take_slots`). With an
+automatic budget each slot count decodes with the budget its tuning picks
+(`tev_jax.batching.slot_configs`), so the tree budget follows the live batch; a fixed
+budget is the same for all. Programs are compiled lazily, the first time a (setting,
+slot count, prompt-width bucket) is met, and then reused.
+
+Rows never interact: at T = 0 every request gets the greedy tokens of its prompt alone,
+whatever shares the batch; at T > 0 each is an exact sample (its random numbers depend
+on the batch, so a request's ``seed`` cannot be honoured per row yet: the state holds one
+key per lane).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+
+import jax
+import numpy as np
+
+from tev_jax import batching, extensions
+from tev_jax.budget import AutoBudget
+from tev_jax.decode import DecodeConfig
+from tev_jax.engine import Engine
+from tev_jax.sampling import Sampling
+from tev_jax.server.requests import GenerationRequest, held_back, stop_at
+
+log = logging.getLogger("tev_jax.server")
+
+STOP, LENGTH, ABORT, ERROR = "stop", "length", "abort", "error"
+"""The finish reasons: a stop token or string, ``max_tokens`` (or the server's M), a
+drain that cut the request, an engine error."""
+
+
+class QueueFull(RuntimeError):
+    """The waiting queue is full (answered with HTTP 429)."""
+
+
+class Draining(RuntimeError):
+    """The server is shutting down and admits nothing (answered with HTTP 503)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Event:
+    """What a request's stream receives after a round.
+
+    Attributes:
+      text: the new text (may be empty with a ``finish_reason``).
+      finish_reason: None while it runs; then one of STOP, LENGTH, ABORT, ERROR.
+      prompt_tokens, completion_tokens: the usage so far.
+      token_ids: the new token ids (those whose text is ``text`` or held back).
+    """
+
+    text: str
+    finish_reason: str | None
+    prompt_tokens: int
+    completion_tokens: int
+    token_ids: tuple[int, ...] = ()
+
+
+@dataclasses.dataclass(eq=False)
+class Job:
+    """A request in the scheduler: its stream callback and what it has been given.
+
+    ``emit`` is called from the scheduler thread (the app makes it thread-safe);
+    ``cancel`` may be called from any thread."""
+
+    request: GenerationRequest
+    emit: Callable[[Event], None]
+    tokens: list[int] = dataclasses.field(default_factory=list)
+    sent: int = 0
+    sent_tokens: int = 0
+    cancelled: bool = False
+    finish_reason: str | None = None
+    submitted: float = dataclasses.field(default_factory=time.perf_counter)
+
+    def cancel(self) -> None:
+        """The client is gone: the slot is freed at the next round."""
+        self.cancelled = True
+
+
+@dataclasses.dataclass
+class _Lane:
+    """One sampling setting's decode state and the job in each of its slots."""
+
+    sampling: Sampling
+    engine: Engine | None = None
+    st: object = None
+    jobs: list = dataclasses.field(default_factory=list)
+
+    @property
+    def live(self) -> int:
+        return sum(j is not None for j in self.jobs)
+
+
+def budget_of(config: DecodeConfig) -> int:
+    """The tree budget a slot config decodes with; 0 for plain AR (with or without the
+    drafter's context)."""
+    if config.builder == "ddtree":
+        return int(config.budget)
+    return 0 if config.builder in ("none", extensions.root_only_builder) else -1
+
+
+def lane_configs(config: DecodeConfig, max_batch: int) -> dict[int, DecodeConfig]:
+    """The config of each slot count a lane may run (`tev_jax.batching.row_buckets`),
+    all with one cache length: an automatic budget's per slot count
+    (`tev_jax.batching.slot_configs`), else ``config`` for every count."""
+    sizes = batching.row_buckets(max_batch)
+    if isinstance(config.budget, AutoBudget) and config.builder == "ddtree":
+        return batching.slot_configs(config, max_batch)
+    if isinstance(config.budget, AutoBudget):
+        config = dataclasses.replace(config, budget=64, tuning=None)
+    return {s: config for s in sizes}
+
+
+def next_text(tokens: Sequence[int], decode: Callable[[list[int]], str], stops: Sequence[str],
+              final: bool) -> tuple[str, bool]:
+    """(the text that may be shown now, whether a stop string ended it).
+
+    A last character whose UTF-8 bytes are not all generated yet, and an end that could
+    be the start of a stop string, are held back until the text is final."""
+    text = decode(list(tokens))
+    cut = stop_at(text, stops)
+    if cut is not None:
+        return text[:cut], True
+    if final:
+        return text, False
+    text = text.rstrip("\ufffd")
+    return text[: len(text) - held_back(text, stops)], False
+
+
+class Scheduler:
+    """The thread that owns the engine (see the module docstring).
+
+    Args:
+      target, drafter: the models (drafter None for plain AR).
+      config: the base `DecodeConfig`: builder, budget (an int or an `AutoBudget`),
+        verifier, ``max_new_tokens`` M (the most a request may ask for),
+        ``prompt_len`` P, ``stop_token_ids``; its sampling is replaced per lane.
+      decode: ``token ids -> text`` (the tokenizer's).
+      max_batch: B, live rows over all lanes.
+      max_queue: requests that may wait for a slot (more: `QueueFull`).
+      max_lanes: sampling settings decoded at once.
+      seed: the key of every lane's random numbers.
+      widths: prompt width buckets (default three of `tev_jax.batching.width_buckets`).
+    """
+
+    def __init__(self, target, drafter, config: DecodeConfig, decode: Callable[[list[int]], str],
+                 *, max_batch: int = 8, max_queue: int = 64, max_lanes: int = 4,
+                 seed: int = 0, widths: Sequence[int] | None = None):
+        if max_batch < 1 or max_queue < 0 or max_lanes < 1:
+            raise ValueError(f"max_batch and max_lanes must be >= 1 and max_queue >= 0, got "
+                             f"{max_batch}, {max_lanes}, {max_queue}")
+        self.target, self.drafter, self.decode = target, drafter, decode
+        self.config = config
+        self.max_batch, self.max_queue, self.max_lanes = max_batch, max_queue, max_lanes
+        self.configs = lane_configs(config, max_batch)
+        self.sizes = tuple(sorted(self.configs))
+        self.widths = tuple(sorted(widths or batching.width_buckets(config.prompt_len, 3)))
+        self.stop_ids = frozenset(config.stop_token_ids)
+        self._key = jax.random.key(seed)
+        self._engines: dict[tuple[Sampling, int], Engine] = {}
+        self._axes: dict[tuple[Sampling, int], tuple] = {}
+        self._empties: dict[tuple[Sampling, int], Callable] = {}
+        self._lanes: dict[Sampling, _Lane] = {}
+        self._waiting: collections.deque[Job] = collections.deque()
+        self._cv = threading.Condition()
+        self._drain_at: float | None = None
+        self._thread = threading.Thread(target=self._loop, name="tev-jax-scheduler",
+                                        daemon=True)
+        self.stats = {"rounds": 0, "row_rounds": 0, "block_tokens": 0, "finished": 0,
+                      "finish_reasons": collections.Counter(),
+                      "budgets": collections.Counter(), "slot_counts": collections.Counter()}
+
+    # ----------------------------------------------------------------- other threads
+
+    def start(self) -> Scheduler:
+        self._thread.start()
+        return self
+
+    def submit(self, request: GenerationRequest, emit: Callable[[Event], None]) -> Job:
+        """Queues a request. Raises `QueueFull` or `Draining`."""
+        with self._cv:
+            if self._drain_at is not None:
+                raise Draining("the server is shutting down")
+            if len(self._waiting) >= self.max_queue:
+                raise QueueFull(f"{len(self._waiting)} requests are waiting for a slot")
+            job = Job(request, emit)
+            self._waiting.append(job)
+            self._cv.notify()
+        return job
+
+    def drain(self, seconds: float = 0.0) -> None:
+        """Stops admitting; the waiting requests end now and the running ones when they
+        finish or after ``seconds`` (0: at the end of the current round), with
+        ``finish_reason`` 'abort'."""
+        with self._cv:
+            if self._drain_at is None:
+                self._drain_at = time.perf_counter() + seconds
+            self._cv.notify()
+
+    def join(self, timeout: float | None = None) -> bool:
+        """Waits for the thread to end (after `drain`); whether it did."""
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+        return not self._thread.is_alive()
+
+    def snapshot(self) -> dict:
+        """Slots, queue and round statistics (for ``GET /health``)."""
+        lanes = list(self._lanes.values())
+        live = sum(lane.live for lane in lanes)
+        rows = self.stats["row_rounds"]
+        return {
+            "max_batch": self.max_batch, "live": live, "slots_free": self.max_batch - live,
+            "waiting": len(self._waiting), "lanes": len(lanes),
+            "draining": self._drain_at is not None, "rounds": self.stats["rounds"],
+            "finished": self.stats["finished"],
+            "finish_reasons": dict(self.stats["finish_reasons"]),
+            "tau": round(self.stats["block_tokens"] / rows, 4) if rows else None,
+            "row_rounds": rows, "block_tokens": self.stats["block_tokens"],
+            "budgets": {str(k): v for k, v in sorted(self.stats["budgets"].items())},
+            "slot_counts": {str(k): v for k, v in sorted(self.stats["slot_counts"].items())},
+        }
+
+    def warmup(self, sampling: Sampling = Sampling(temperature=0.0)) -> int:
+        """Compiles every program a lane of ``sampling`` may run (each slot count's round,
+        each refill bucket, each move between slot counts) on scratch states, before
+        `start`; -> the programs run. Without it they compile when first met."""
+        if self._thread.is_alive():
+            raise RuntimeError("warm up before the scheduler starts")
+        count = 0
+        for slots in self.sizes:
+            engine, axes = self._engine(sampling, slots), self._slot_axes(sampling, slots)
+            st = self._empty(sampling, slots)
+            for k in batching.row_buckets(slots):
+                for t in self.widths:  # every prompt dropped (slot index >= slots)
+                    st = engine.refill(st, np.ones((k, t), np.int32), np.ones((k,), np.int32),
+                                       np.full((k,), slots, np.int32), self._next_key(),
+                                       axes=axes)
+                    count += 1
+            st = engine.run_rounds(st, slots + 1, 1)
+            st = st.replace(done_B=st.done_B | np.zeros((slots,), bool))
+            for other in self.sizes:
+                scratch = self._empty(sampling, other)
+                if other < slots:
+                    st = engine.put_slots(st, scratch, np.arange(other), axes=axes)
+                elif other > slots:
+                    engine.take_slots(scratch, np.arange(slots), axes=axes)
+                count += other != slots
+            jax.block_until_ready(st.done_B)
+            count += 1
+        return count
+
+    # ------------------------------------------------------------- the thread's work
+
+    def _loop(self) -> None:
+        while True:
+            with self._cv:
+                idle = not self._waiting and not any(l.live for l in self._lanes.values())
+                if idle and self._drain_at is not None:
+                    return
+                if idle:
+                    self._cv.wait(0.5)
+                    continue
+                cut = self._drain_at is not None and time.perf_counter() >= self._drain_at
+                waiting = list(self._waiting)
+                if self._drain_at is not None:
+                    self._waiting.clear()
+            try:
+                if self._drain_at is not None:
+                    for job in waiting:
+                        self._finish(job, ABORT)
+                    waiting = []
+                if cut:
+                    for lane in self._lanes.values():
+                        for slot, job in enumerate(lane.jobs):
+                            if job is not None:
+                                self._finish(job, ABORT)
+                                lane.jobs[slot] = None
+                    continue
+                self._admit(waiting)
+                for lane in list(self._lanes.values()):
+                    if lane.live:
+                        self._round(lane)
+                self._compact()
+            except Exception:  # nothing hangs: every job of a failed lane ends
+                log.exception("the scheduler failed a round")
+                for lane in list(self._lanes.values()):
+                    for job in lane.jobs:
+                        if job is not None:
+                            self._finish(job, ERROR)
+                self._lanes.clear()
+
+    def _next_key(self) -> jax.Array:
+        self._key, sub = jax.random.split(self._key)
+        return sub
+
+    def _engine(self, sampling: Sampling, slots: int) -> Engine:
+        if (sampling, slots) not in self._engines:
+            c = dataclasses.replace(self.configs[slots], sampling=sampling)
+            self._engines[sampling, slots] = Engine.create(
+                self.target, None if c.builder == "none" else self.drafter, c, slots)
+        return self._engines[sampling, slots]
+
+    def _empty(self, sampling: Sampling, slots: int):
+        """A fresh state of free slots: one compiled program per slot count (the eager
+        `tev_jax.engine.Engine.empty_slots` traces the prefill's shapes every call)."""
+        if (sampling, slots) not in self._empties:
+            self._empties[sampling, slots] = jax.jit(self._engine(sampling, slots).empty_slots)
+        return self._empties[sampling, slots](self._next_key())
+
+    def _slot_axes(self, sampling: Sampling, slots: int) -> tuple:
+        if (sampling, slots) not in self._axes:
+            self._axes[sampling, slots] = self._engine(sampling, slots).slot_axes()
+        return self._axes[sampling, slots]
+
+    def _resize(self, lane: _Lane, slots: int) -> None:
+        """Moves a lane onto the program of ``slots`` slots, its rows first."""
+        engine = self._engine(lane.sampling, slots)
+        axes = self._slot_axes(lane.sampling, slots)
+        if lane.st is None:
+            lane.st, lane.jobs = self._empty(lane.sampling, slots), [None] * slots
+        elif slots > len(lane.jobs):
+            big = self._empty(lane.sampling, slots)
+            lane.st = engine.put_slots(big, lane.st, np.arange(len(lane.jobs)), axes=axes)
+            lane.jobs = lane.jobs + [None] * (slots - len(lane.jobs))
+        elif slots < len(lane.jobs):
+            order = ([i for i, j in enumerate(lane.jobs) if j is not None]
+                     + [i for i, j in enumerate(lane.jobs) if j is None])[:slots]
+            lane.st = engine.take_slots(lane.st, order, axes=axes)
+            lane.jobs = [lane.jobs[i] for i in order]
+        lane.engine = engine
+
+    def _admit(self, waiting: list[Job]) -> None:
+        """Waiting requests into free slots, first come first served (a request whose
+        setting has no lane and no lane to spare waits without blocking the others)."""
+        live = sum(lane.live for lane in self._lanes.values())
+        new: dict[Sampling, list[Job]] = collections.defaultdict(list)
+        taken = []
+        for job in waiting:
+            if job.cancelled:
+                taken.append(job)
+                continue
+            if live >= self.max_batch:
+                break
+            s = job.request.sampling
+            if s not in self._lanes:
+                if len(self._lanes) >= self.max_lanes:
+                    continue
+                self._lanes[s] = _Lane(s)
+            new[s].append(job)
+            taken.append(job)
+            live += 1
+        with self._cv:
+            for job in taken:
+                self._waiting.remove(job)
+        for s, jobs in new.items():
+            lane = self._lanes[s]
+            need = lane.live + len(jobs)
+            slots = next(n for n in self.sizes if n >= need)
+            if slots > len(lane.jobs):
+                self._resize(lane, slots)
+            self._refill(lane, jobs)
+            self._hand_out(lane)
+
+    def _refill(self, lane: _Lane, jobs: list[Job]) -> None:
+        free = [i for i, j in enumerate(lane.jobs) if j is None]
+        slots_n = len(lane.jobs)
+        k = next(n for n in batching.row_buckets(slots_n) if n >= len(jobs))
+        t = next(w for w in self.widths if w >= max(len(j.request.prompt_ids) for j in jobs))
+        tokens_KT = np.zeros((k, t), np.int32)
+        lengths_K = np.ones((k,), np.int32)
+        slots_K = np.full((k,), slots_n, np.int32)  # padding rows are dropped
+        for row, (job, slot) in enumerate(zip(jobs, free)):
+            ids = job.request.prompt_ids
+            tokens_KT[row, : len(ids)] = ids
+            lengths_K[row], slots_K[row] = len(ids), slot
+            lane.jobs[slot] = job
+        lane.st = lane.engine.refill(lane.st, tokens_KT, lengths_K, slots_K, self._next_key(),
+                                     axes=self._slot_axes(lane.sampling, slots_n))
+
+    def _round(self, lane: _Lane) -> None:
+        slots = len(lane.jobs)
+        lane.st = lane.engine.run_rounds(lane.st, slots + 1, 1)
+        self.stats["rounds"] += 1
+        self.stats["budgets"][budget_of(lane.engine.config)] += 1
+        self.stats["slot_counts"][slots] += 1
+        self._hand_out(lane)
+
+    def _hand_out(self, lane: _Lane) -> None:
+        """Every row's new tokens to its request; ended requests free their slots."""
+        st = lane.st
+        out_BM, num_B, done_B, start_B, rounds_B, bad_t, bad_d = jax.device_get(
+            (st.out_BM, st.num_out_B, st.done_B, st.start_B, st.rounds_B, st.bad_target,
+             st.bad_draft))
+        if bad_t or bad_d:
+            raise ValueError(f"the {'target' if bad_t else 'drafter'} produced non-finite "
+                             "logits")
+        stop_rows = []
+        for slot, job in enumerate(lane.jobs):
+            if job is None:
+                continue
+            req = job.request
+            if job.cancelled:
+                reason = ABORT
+                job.emit(Event("", reason, len(req.prompt_ids), len(job.tokens)))
+            else:
+                job.tokens = out_BM[slot, : min(int(num_B[slot]), req.max_tokens)].tolist()
+                ended_by_token = bool(done_B[slot]) and job.tokens[-1] in self.stop_ids
+                at_length = len(job.tokens) >= req.max_tokens or bool(done_B[slot])
+                text, hit = next_text(job.tokens, self.decode, req.stop,
+                                      ended_by_token or at_length)
+                reason = (STOP if hit or ended_by_token else LENGTH if at_length else None)
+                if len(text) > job.sent or reason:
+                    job.emit(Event(text[job.sent:], reason, len(req.prompt_ids),
+                                   len(job.tokens), tuple(job.tokens[job.sent_tokens:])))
+                    job.sent, job.sent_tokens = max(job.sent, len(text)), len(job.tokens)
+            if reason is None:
+                continue
+            job.finish_reason = reason
+            self.stats["finish_reasons"][reason] += 1
+            rounds = int(rounds_B[slot])
+            self.stats["row_rounds"] += rounds
+            self.stats["block_tokens"] += int(start_B[slot]) - len(req.prompt_ids)
+            self.stats["finished"] += 1
+            lane.jobs[slot] = None
+            if not done_B[slot]:
+                stop_rows.append(slot)
+        if stop_rows:  # rows the host ended: the device stops decoding them
+            ended_B = np.zeros(done_B.shape, bool)  # one shape per slot count: one compile
+            ended_B[stop_rows] = True
+            lane.st = st.replace(done_B=st.done_B | ended_B)
+
+    def _finish(self, job: Job, reason: str) -> None:
+        job.finish_reason = reason
+        self.stats["finish_reasons"][reason] += 1
+        job.emit(Event("", reason, len(job.request.prompt_ids), len(job.tokens)))
+
+    def _compact(self) -> None:
+        """Lanes with no live row are dropped; others shrink onto the smallest program
+        that holds them, unless someone waits."""
+        if self._waiting:
+            return
+        for s, lane in list(self._lanes.items()):
+            if not lane.live:
+                del self._lanes[s]
+                continue
+            slots = next(n for n in self.sizes if n >= lane.live)
+            if slots < len(lane.jobs):
+                self._resize(lane, slots)
+
+
+__all__ = ["ABORT", "ERROR", "LENGTH", "STOP", "Draining", "Event", "Job", "QueueFull",
+           "Scheduler", "budget_of", "lane_configs", "next_text"]
