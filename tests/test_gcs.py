@@ -147,7 +147,7 @@ def test_a_preempted_run_resumes_from_the_bucket_bit_identically(
     monkeypatch.setattr(RolloutSet, "batch_at", batch_at)
     assert train_cli.main(_train(train_dirs, out, "--checkpoint-dir", bucket)) == 75
     assert f"preempted (SIGTERM) at update 2: checkpoint saved in {bucket}" in \
-        capsys.readouterr().out
+        capsys.readouterr().err
     assert _steps(gcs, "preempted") == {1: True, 2: True}
     monkeypatch.setattr(RolloutSet, "batch_at", read)
 
