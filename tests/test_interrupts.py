@@ -97,11 +97,25 @@ def _check_exit(name, code, err, sig, delay):
         f"{err[-1500:]}")
 
 
+def _before_the_command(code, err, sig) -> bool:
+    """Whether the signal came before the command line was parsed (during the imports):
+    then the exit is 128 + the signal with one line, ``PROG: interrupted (SIGINT)`` or
+    ``PROG: terminated (SIGTERM)``, and the caller checks that nothing was written."""
+    if code != 128 + sig:
+        return False
+    what = "interrupted" if sig == signal.SIGINT else "terminated"
+    assert re.fullmatch(rf"[^\n:]+: {what} \({signal.Signals(sig).name}\)\n", err), err[-2000:]
+    return True
+
+
 def _check_generate(cwd, code, err, sig):
     out = cwd / "out.jsonl"
     done = re.search(r"(\d+) of the 80 results are in", err)
     if code == 0:  # finished before the signal
         assert len(out.read_text().splitlines()) == 80
+        return
+    if _before_the_command(code, err, sig):
+        assert sorted(p.name for p in cwd.iterdir()) == ["stderr.txt"]
         return
     assert code == 75, err[-2000:]
     lines = out.read_text().splitlines() if out.exists() else []
@@ -119,6 +133,9 @@ def _check_run(cwd, code, err, sig):
     from train.checkpoint import steps_in
 
     if code == 0:
+        return
+    if _before_the_command(code, err, sig):
+        assert not (cwd / "run").exists()
         return
     assert code == 75, err[-2000:]
     steps = steps_in(cwd / "run" / "checkpoints")
@@ -140,6 +157,9 @@ def _check_run(cwd, code, err, sig):
 def _check_rollouts(cwd, code, err, sig):
     if code == 0:
         return
+    if _before_the_command(code, err, sig):
+        assert not (cwd / "ro").exists()
+        return
     assert code == 75, err[-2000:]
     shards = sorted((cwd / "ro").glob("shard-*-of-*.json"))
     if "before anything was written" in err:
@@ -157,6 +177,7 @@ def _check_rollouts(cwd, code, err, sig):
 def _check_compare(cwd, code, err, sig):
     if code != 0:
         assert code == 128 + sig, err[-2000:]
+        assert err.endswith(f" ({signal.Signals(sig).name})\n"), err[-2000:]
 
 
 COMMANDS = {
