@@ -28,7 +28,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from decode_fixtures import TableDrafter, greedy_reference, oracle_table, tiny_target
-from tev_jax import batching, cli, ddtree, decode, engine, extensions, platforms, tune
+from tev_jax import (batching, cli, ddtree, decode, engine, extensions, platforms, round_costs,
+                     tune)
 from tev_jax.budget import AutoBudget, model_fingerprint, resolve_budget
 from tev_jax.data import load_default_tokenizer
 from tev_jax.exit_law import exit_law
@@ -196,7 +197,7 @@ def test_prediction_equals_generate_at_t0(models, prompts, tuned):
 def test_best_budget_is_the_fastest_choice_ar_included():
     tau = {16: 2.0, 64: 3.0}
     cost = {1: {16: 1.0, 64: 1.2}, 8: {16: 3.0, 64: 8.0}}
-    best = tune.best_budgets(tau, cost, ar={1: 0.9, 8: 1.0})
+    best = round_costs.best_budgets(tau, cost, ar={1: 0.9, 8: 1.0})
     assert best[1]["budget"] == 64 and best[1]["speedup"] == pytest.approx(3.0 * 0.9 / 1.2)
     assert best[8] == {"budget": 0, "tau": 1.0, "tokens_per_second": 8.0, "speedup": 1.0}
 
@@ -313,12 +314,12 @@ def test_roofline_costs_for_a_tpu_slice():
     cfg = ModelConfig("qwen3", vocab_size=4096, hidden_size=256, intermediate_size=768,
                       num_layers=1, num_heads=16, num_kv_heads=8, head_dim=64, qk_norm=True,
                       tie_word_embeddings=True)
-    cost, ar = tune.roofline_costs(cfg, decode.DecodeConfig(max_new_tokens=8, prompt_len=16),
+    cost, ar = round_costs.roofline_costs(cfg, decode.DecodeConfig(max_new_tokens=8, prompt_len=16),
                                    [16], [2], topology="v5e:2x4")
     assert set(cost) == {2} and set(cost[2]) == {16} and set(ar) == {2}
     assert cost[2][16] > ar[2] > 0
     with pytest.raises(ValueError, match="not a TPU slice name"):
-        tune.roofline_costs(cfg, decode.DecodeConfig(prompt_len=16), [16], [2],
+        round_costs.roofline_costs(cfg, decode.DecodeConfig(prompt_len=16), [16], [2],
                             topology="nonsense")
 
 
@@ -332,14 +333,14 @@ def test_costs_on_gpus_are_calibrated_where_the_gpu_was_measured():
                       num_layers=1, num_heads=16, num_kv_heads=8, head_dim=64, qk_norm=True,
                       tie_word_embeddings=True)
     config = decode.DecodeConfig(max_new_tokens=8, prompt_len=16)
-    assert tune.cost_basis("h200x1") == "calibrated estimate"
-    assert tune.cost_basis("h100x1") == "roofline"
-    cost, ar = tune.roofline_costs(cfg, config, [16], [2], gpu="h200x1")
+    assert round_costs.cost_basis("h200x1") == "calibrated estimate"
+    assert round_costs.cost_basis("h100x1") == "roofline"
+    cost, ar = round_costs.roofline_costs(cfg, config, [16], [2], gpu="h200x1")
     assert cost[2][16] > ar[2] >= 5e-5
-    _, floor = tune.roofline_costs(cfg, config, [16], [2], gpu="h100x1")
+    _, floor = round_costs.roofline_costs(cfg, config, [16], [2], gpu="h100x1")
     assert 0 < floor[2] < 1e-5
     with pytest.raises(ValueError, match="one of a TPU slice"):
-        tune.roofline_costs(cfg, config, [16], [2], topology="v5e:2x4", gpu="h200x1")
+        round_costs.roofline_costs(cfg, config, [16], [2], topology="v5e:2x4", gpu="h200x1")
 
 
 # ----------------------------------------------------------------------------- cli

@@ -28,14 +28,10 @@ import numpy as np
 
 from tev_jax import decode, stop
 from tev_jax.decode import DecodeConfig, DecodeState
-from tev_jax.engine import Engine, engine_for
+from tev_jax.engine import Engine, as_key, engine_for
 from tev_jax.generation import Generation
 from tev_jax.prompts import Prompts
 from tev_jax.trace import RoundRecord, round_record, stack_records
-
-
-def _key(key) -> jax.Array:
-    return jax.random.key(key) if isinstance(key, int) else key
 
 
 def compiled_generate(target, drafter, prompt_ids, config: DecodeConfig, key=0, *,
@@ -49,7 +45,7 @@ def compiled_generate(target, drafter, prompt_ids, config: DecodeConfig, key=0, 
     round-robin.
     """
     engine, prompts = engine_for(target, drafter, prompt_ids, config, mesh=mesh)
-    key = _key(key)
+    key = as_key(key)
     t0 = time.perf_counter()
     jax.block_until_ready(engine.generate(prompts, key))
     compile_seconds = time.perf_counter() - t0
@@ -86,7 +82,7 @@ def streamed_generate(target, drafter, prompt_ids, config: DecodeConfig, key=0, 
     streamed pass (one host round trip per round included, the callbacks too).
     """
     engine, prompts = engine_for(target, drafter, prompt_ids, config, mesh=mesh)
-    key = _key(key)
+    key = as_key(key)
     t0 = time.perf_counter()
     jax.block_until_ready(engine.round(engine.prefill(prompts, key)))
     compile_seconds = time.perf_counter() - t0
@@ -119,14 +115,14 @@ def profile_generate(target, drafter, prompt_ids, config: DecodeConfig, key=0, *
     """
     engine, prompts = engine_for(target, drafter, prompt_ids, config, mesh=mesh)
     records = [] if trace else None
-    st, times, seconds = _profile(engine, prompts, _key(key), warmup, records)
+    st, times, seconds = _profile(engine, prompts, as_key(key), warmup, records)
     rounds = {k: np.asarray(v) for k, v in times.items()}
     return engine.finish(st, stage_seconds={k: float(v.sum()) for k, v in rounds.items()},
                          round_seconds=rounds, seconds=seconds,
                          trace=None if records is None else stack_records(records))
 
 
-_round_keys = jax.jit(decode.round_keys)
+_round_step_keys = jax.jit(decode.round_step_keys)
 _round_record = jax.jit(round_record)
 
 
@@ -156,13 +152,12 @@ def _profile(engine: Engine, prompts: Prompts, key, warmup: bool,
                 times["draft"].append(0.0)
         tree = timed("build", draft_logits, st.root_B)
         logits, feats, cache, experts = timed("verify", params, st.cache, tree, st.start_B)
-        key, sub = _round_keys(st.key)
-        verdict = timed("decide", sub, tree, logits)
+        verdict = timed("decide", _round_step_keys(st), tree, logits)
         if record and records is not None:
             records.append(_round_record(st.start_B, st.done_B, draft_logits, tree, logits,
                                              verdict))
         return timed("commit", st, ctx, draft_logits, tree, logits, feats, cache, verdict,
-                     key, experts)
+                     experts)
 
     prefill = lambda: jax.block_until_ready(engine.prefill(prompts, key))
     if warmup:

@@ -8,7 +8,7 @@ DDTree budgets 16 / 32 / 64 with TEV at T = 0, prompt buffer 1024, cache 2048: p
 the round program's memory, the roofline time of one round and of one AR step
 (max(FLOPs / peak, bytes / bandwidth) with FLOPs and bytes from the optimised HLO,
 `tev_jax.op_costs`: the GPU compiler gives no cost analysis), the break-even τ, the
-speed-up at DDTree's published τ and the budget `tev_jax.tune.best_budgets` picks (AR
+speed-up at DDTree's published τ and the budget `tev_jax.round_costs.best_budgets` picks (AR
 included). B 1, 8 and 64 are compiled; B 32 is interpolated linearly between 8 and 64
 (marked ≈, as in experiments/tpu). Training: one ExitTrain update per target on 8 GPUs
 (fsdp 8). Checks: the issue's 4-layer configuration (Qwen3-8B, B 8, budget 64, T = 1) at 4
@@ -37,7 +37,7 @@ import jax.numpy as jnp  # noqa: E402
 from tev_jax import gpu, plan  # noqa: E402
 from tev_jax.decode import DecodeConfig  # noqa: E402
 from tev_jax.sampling import Sampling  # noqa: E402
-from tev_jax.tune import best_budgets  # noqa: E402
+from tev_jax.round_costs import best_budgets  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 MESHES = {"tensor8": dict(tensor=8, fsdp=1), "data2_tensor4": dict(data=2, tensor=4, fsdp=1)}

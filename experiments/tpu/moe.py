@@ -33,7 +33,7 @@ from run import round_record  # noqa: E402
 from tev_jax import plan, topology  # noqa: E402
 from tev_jax.decode import DecodeConfig  # noqa: E402
 from tev_jax.engine import Engine  # noqa: E402
-from tev_jax.tune import best_budgets  # noqa: E402
+from tev_jax.round_costs import best_budgets  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 MODEL = "qwen3-coder-30b-a3b"
@@ -90,7 +90,7 @@ PROXY_TAU = {16: 8.61, 32: 9.27, 64: 9.75}
 
 
 def tuning(results: dict, layers: int = 48, chip: str = "v5p") -> str:
-    """The budget `tev_jax.tune.best_budgets` picks per batch size from the compiled
+    """The budget `tev_jax.round_costs.best_budgets` picks per batch size from the compiled
     rounds' rooflines and `PROXY_TAU`, with every budget's estimated speed-up over AR."""
     rows = [r for r in results.values() if r["layers"] == layers and r["chip"] == chip]
     ar = {r["batch"]: r["roofline_seconds"] for r in rows if r["budget"] is None}

@@ -16,7 +16,7 @@ linearly with B and N, the weights do not); a few extra compiles check both step
 Where B 64 does not compile, B 16 and 32 are compiled. A program whose full-depth peak
 exceeds the chip's HBM (or that the compiler refuses) is not a choice. Per
 B the budget that maximises B · τ(b) / t(b, B), AR included
-(`tev_jax.tune.best_budgets`).
+(`tev_jax.round_costs.best_budgets`).
 
     JAX_PLATFORMS=cpu python experiments/tpu/tune.py            # compiles what is missing
     python experiments/tpu/tune.py --report                     # the tables -> tune.md
@@ -40,7 +40,7 @@ sys.path.insert(0, str(HERE))
 
 from run import DDTREE_MATH500 as DDTREE_TAU, decode_program  # noqa: E402
 from tev_jax import topology  # noqa: E402
-from tev_jax.tune import best_budgets  # noqa: E402
+from tev_jax.round_costs import best_budgets  # noqa: E402
 
 MODEL = "qwen3-8b"
 SLICES = {"v5e": "v5e:2x4", "v6e": "v6e:2x4"}

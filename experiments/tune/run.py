@@ -10,7 +10,7 @@ what `generate` measures, and ``--budget auto`` against every fixed budget and A
 3. Measured τ(b): `tev_jax.engine.generate` at each budget on the same prompts (static
    batches of 16; at T = 1 ``--gen-seeds`` seeds), pooled as `DecodeStats.tau` pools
    (block tokens / rounds).
-4. Speed: `tev_jax.tune.round_costs` at B 1 and 8 gives the tuning (T = 0); then the fused
+4. Speed: `tev_jax.round_costs.round_costs` at B 1 and 8 gives the tuning (T = 0); then the fused
    generation of AR, of every fixed budget and of ``budget='auto'`` (resolved by
    `generate` from the tuning) is timed at B 1 (one prompt at a time) and B 8 (batches of
    8), all methods interleaved in a fresh random order every repeat; tokens/s = new

@@ -29,7 +29,7 @@ def tune_command(args) -> int:
     """``tev-jax tune --prompts FILE``: τ(b) from the exit law, round costs and the best
     budget per batch size (`tev_jax.tune.tune`); ``--json FILE`` is the tuning file of
     ``--budget auto --tuning FILE``."""
-    from tev_jax import batch_io, tune
+    from tev_jax import batch_io, round_costs, tune
     from tev_jax.models import load_drafter, load_target, load_tokenizer
     from tev_jax.serve import stop_token_ids
 
@@ -57,7 +57,7 @@ def tune_command(args) -> int:
     if args.topology and args.gpu:
         raise ValueError("give one of --topology (a TPU slice) or --gpu (GPUs), not both")
     costs = (f"the {args.topology} roofline" if args.topology else
-             f"the {tune.cost_basis(args.gpu)} of {args.gpu}" if args.gpu else
+             f"the {round_costs.cost_basis(args.gpu)} of {args.gpu}" if args.gpu else
              f"{args.repeats} timed rounds per budget and batch size")
     print(f"tuning {len(requests)} prompt(s): one decode round at budget "
           f"{max(args.budgets)} per position, then {costs} ...", file=sys.stderr, flush=True)
