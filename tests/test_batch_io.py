@@ -188,10 +188,14 @@ def test_shards_and_merge(tmp_path):
 # ------------------------------------------------------------------- command line
 
 
-def test_cli_batch_generate_shards_resume_and_refusal(tmp_path, capsys):
+PROMPTS = [[5, 17, 3], [9, 1, 2, 33, 60], [30], [8, 8, 2, 40, 41, 42, 1], [12, 50]]
+
+
+def _saved_job(tmp_path):
+    """A tiny target saved with a word-level tokenizer, and `PROMPTS` as a prompts file;
+    -> (target, tokenizer, prompts file)."""
     from tokenizers import Tokenizer, models, pre_tokenizers
 
-    from tev_jax import cli
     from tev_jax.models import save_target
 
     target = tiny_target(seed=8)
@@ -199,9 +203,16 @@ def test_cli_batch_generate_shards_resume_and_refusal(tmp_path, capsys):
     tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="w0"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     save_target(target, tmp_path / "target", tokenizer=tok)
-    prompts = [[5, 17, 3], [9, 1, 2, 33, 60], [30], [8, 8, 2, 40, 41, 42, 1], [12, 50]]
     f = _write(tmp_path / "p.jsonl", [json.dumps({"id": f"q{i}", "prompt_ids": p})
-                                      for i, p in enumerate(prompts)])
+                                      for i, p in enumerate(PROMPTS)])
+    return target, tok, f
+
+
+def test_cli_batch_generate_shards_resume_and_refusal(tmp_path, capsys):
+    from tev_jax import cli
+
+    target, tok, f = _saved_job(tmp_path)
+    prompts = PROMPTS
     out = tmp_path / "out.jsonl"
     common = ["generate", "--prompts", str(f), "--output", str(out), "--target",
               str(tmp_path / "target"), "--builder", "none", "--max-new-tokens", "6",
@@ -233,6 +244,45 @@ def test_cli_batch_generate_shards_resume_and_refusal(tmp_path, capsys):
     with pytest.raises(SystemExit):
         cli.main(["generate", "--target", str(tmp_path / "target"), "--builder", "none"])
     assert "give a PROMPT, or --prompts FILE" in capsys.readouterr().err
+
+
+def test_a_sampled_batch_job_does_not_depend_on_processes_batch_or_resume(tmp_path):
+    """At T = 1, prompt i of the file decodes with row key i of ``--seed``: two process
+    shards merged, one process with 3 slots, and a rerun that resumes after two results
+    give the same tokens as row i of one `tev_jax.generate` of all prompts. Negative
+    control: another seed changes most of them."""
+    from tev_jax import cli, engine
+    from tev_jax.decode import DecodeConfig
+    from tev_jax.sampling import Sampling
+
+    target, _, f = _saved_job(tmp_path)
+    common = ["generate", "--prompts", str(f), "--target", str(tmp_path / "target"),
+              "--builder", "none", "--max-new-tokens", "6", "--temperature", "1"]
+
+    def job(name, *flags, seed="3"):
+        out = tmp_path / name
+        assert cli.main(common + ["--output", str(out), "--seed", seed, *flags]) == 0
+        return out
+
+    def tokens(out):
+        return {r["id"]: r["token_ids"] for r in map(json.loads, out.read_text().splitlines())}
+
+    sharded = tmp_path / "sharded.jsonl"
+    for index in ("0", "1"):
+        job("sharded.jsonl", "--batch-size", "2", "--process-count", "2",
+            "--process-index", index)
+    assert cli.main(["merge-outputs", str(sharded)]) == 0
+    whole = engine.generate(target, None, PROMPTS, DecodeConfig(
+        max_new_tokens=6, builder="none", sampling=Sampling(temperature=1.0)), key=3)
+    want = {f"q{i}": row for i, row in enumerate(whole.rows())}
+    assert tokens(sharded) == want
+    one = job("one.jsonl", "--batch-size", "3")
+    assert tokens(one) == want
+    lines = one.read_text().splitlines()
+    one.write_text("\n".join(lines[:2]) + "\n")  # as if stopped after two results
+    assert tokens(job("one.jsonl", "--batch-size", "3")) == want
+    other = tokens(job("other.jsonl", "--batch-size", "3", seed="4"))
+    assert sum(other[k] != want[k] for k in want) >= 3
 
 
 def test_tev_jax_does_not_import_train():

@@ -89,6 +89,23 @@ def test_every_request_equals_its_prompt_alone_at_t0(target, drafter):
     assert [again[i].token_ids for i in range(len(more))] == [_until_stop(r) for r in reference]
 
 
+def test_t1_each_request_equals_its_row_of_one_generation(target, drafter):
+    """Row keys (`tev_jax.decode.step_keys`): at T = 1 the j-th request of a continuous
+    batch draws what row j of one plain generation of all prompts draws with the same
+    key, whatever the slot count (2 or 3 slots: other batch mates, slots and join
+    rounds). Negative control: another key changes most requests."""
+    config = decode.DecodeConfig(max_new_tokens=M, budget=6, stop_token_ids=STOP,
+                                 prompt_len=P, sampling=Sampling(temperature=1.0))
+    prompts = _prompts(2, 7)
+    whole = engine.generate(target, drafter, prompts, config, key=4)
+    want = [_until_stop(whole.rows()[j]) for j in range(len(prompts))]
+    for slots in (2, 3):
+        got = _run(target, drafter, prompts, config, batch_size=slots, key=4, widths=(16, P))
+        assert [got[j].token_ids for j in range(len(prompts))] == want, slots
+    other = _run(target, drafter, prompts, config, batch_size=2, key=5, widths=(16, P))
+    assert sum(other[j].token_ids != want[j] for j in range(len(prompts))) >= 4
+
+
 def test_t1_first_tokens_follow_the_target(target, drafter):
     """Chi-square of (t0, t1) of prompt A over 600 requests, at significance 1e-3.
 

@@ -171,8 +171,8 @@ CASES = {
     "tev_jax.vocab.first_above": Case(
         lambda u, x: vocab.first_above(jnp.cumsum(jnp.exp(x), -1), u * 3.0, jnp.exp(x)),
         (UNIFORMS_N, LOGITS_NV)),
-    "tev_jax.vocab.sample_token": Case(lambda k, x: vocab.sample_token(k, x, T1),
-                                       (KEYS, LOGITS_NV)),
+    "tev_jax.vocab.sample_token": Case(
+        lambda k, x: vocab.sample_token(jax.random.split(k, N), x, T1), (KEYS, LOGITS_NV)),
     "tev_jax.vocab.vocab_top_k": Case(lambda x: vocab.vocab_top_k(x, 3), (LOGITS_NV,)),
     "tev_jax.vocab.top_k": Case(lambda x: vocab.top_k(x, 3), (LOGITS_NV,)),
     "tev_jax.vocab.embed_rows": Case(lambda x: vocab.embed_rows(x, jnp.arange(3) * 2),

@@ -253,6 +253,31 @@ def test_32_concurrent_streams_lose_and_repeat_nothing(server, bundled):
     assert h["slot_counts"].get("4", 0) > 0 and h["budgets"].get("6", 0) > 0
 
 
+def test_a_seed_gives_the_same_completion_whatever_shares_the_batch(server, bundled):
+    """``seed`` at T = 1: a request sent alone, then 4 copies of it among 8 unseeded
+    sampled requests and 4 greedy ones (two lanes, every slot count, other join rounds),
+    all give one text; the same request with another seed gives another (the negative
+    control: 32 tokens at T = 1 of the bundled target)."""
+    client = server.client()
+    text = _prompts(bundled[2], 3)[2]
+
+    def sampled(seed=None, temperature=1.0):
+        kw = {} if seed is None else {"seed": seed}
+        r = client.completions.create(model=MODEL, prompt=text, max_tokens=32,
+                                      temperature=temperature, **kw)
+        return r.choices[0].text
+
+    alone = sampled(seed=1234)
+    with concurrent.futures.ThreadPoolExecutor(16) as pool:
+        runs = [pool.submit(sampled, 1234) for _ in range(4)]
+        others = ([pool.submit(sampled) for _ in range(8)]
+                  + [pool.submit(sampled, None, 0.0) for _ in range(4)])
+        assert [f.result(timeout=300) for f in runs] == [alone] * 4
+        assert len({f.result(timeout=300) for f in others[:8]}) > 1  # unseeded: not fixed
+    assert sampled(seed=1235) != alone
+    assert server.wait_idle()["slots_free"] == MAX_BATCH
+
+
 def _first_two_law(bundled, prompt_ids, temperature, top_k):
     """The exact law of (t0, t1), the first two tokens, under the sampling transform:
     ``joint[i, y] = p(c_i) p(y | c_i)`` over the top-k candidates c of t0."""
@@ -272,8 +297,8 @@ def test_t1_first_tokens_pass_chi_square_and_the_negative_control_fails(server, 
     """TEV through the server at T = 1 (top-k 4): the first two tokens of 640 requests
     (t1 is the first round's verified token) against their exact law, chi-square at
     alpha = 1e-4 (`tev_jax.testing.chi_square`); the same draws against the law at
-    T = 0.5 (the negative control) must be rejected. Server seed 0; the draws' keys also
-    depend on how requests share rounds."""
+    T = 0.5 (the negative control) must be rejected. Server seed 0: each request's row
+    key from a seed the server draws."""
     from tev_jax.testing import chi_square
 
     tok = bundled[2]

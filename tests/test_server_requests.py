@@ -81,11 +81,25 @@ def test_chat_applies_the_template():
     ("stop", {"prompt": "a", "stop": ["a", "b", "c", "d", "e"]}),
     ("stop", {"prompt": "a", "stop": [""]}),
     ("seed", {"prompt": "a", "seed": "x"}),
+    ("seed", {"prompt": "a", "seed": 2**64}),
     ("stream", {"prompt": "a", "stream": "yes"}),
     ("logprobs", {"prompt": "a", "logprobs": 3}),
 ])
 def test_bad_fields_are_named(param, body):
     refused(param, **body)
+
+
+def test_request_keys_use_all_64_bits_of_a_seed():
+    """A seed's row key (`tev_jax.server.scheduler.request_keys`) tells apart seeds that
+    agree in their low or high 32 bits, and takes a negative seed modulo 2**64."""
+    import jax
+
+    from tev_jax.server.scheduler import request_keys
+
+    seeds = [0, 1, 2**32, 2**32 + 1, 2**63, 2**64 - 1, -1]
+    data = jax.random.key_data(request_keys(seeds)).reshape(len(seeds), -1).tolist()
+    assert len({tuple(d) for d in data[:-1]}) == len(seeds) - 1
+    assert data[-1] == data[-2]
 
 
 def test_prompt_and_max_tokens_must_fit_the_context():

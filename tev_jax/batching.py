@@ -34,10 +34,14 @@ from tev_jax.prompts import check_prompt
 
 @dataclasses.dataclass(frozen=True)
 class Request:
-    """One prompt to complete: its id (any JSON value) and its token ids."""
+    """One prompt to complete: its id (any JSON value), its token ids and, optionally,
+    the index of its row key (`tev_jax.decode.row_keys`; default: its position in the
+    stream). A batch job gives each prompt its index in the file, so that a sampled
+    output does not depend on the processes, the slots or a resume."""
 
     id: Any
     prompt_ids: Sequence[int]
+    row: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,8 +108,8 @@ def slot_configs(config: decode.DecodeConfig, batch_size: int, *, mesh=None
     sizes = [s for s in row_buckets(batch_size) if s == batch_size or _divides(mesh, s)]
     budgets = {s: auto.pick(s) for s in sizes}
     widest = max(budgets.values())
-    max_len = config.max_cache_len or -(-(config.prompt_len + config.max_new_tokens + widest
-                                          + 1) // decode.LEN_ALIGN) * decode.LEN_ALIGN
+    max_len = config.max_cache_len or decode.aligned_len(
+        config.prompt_len + config.max_new_tokens + widest + 1)
     fixed = dataclasses.replace(config, max_cache_len=max_len, tuning=None)
     if widest == 0:
         ar = dataclasses.replace(fixed, builder="none", budget=64)
@@ -151,7 +155,10 @@ def generate_continuous(target, drafter, requests: Iterable[Request],
       requests: the prompts (any iterable; consumed lazily).
       config: a `decode.DecodeConfig` with ``prompt_len`` = the longest prompt allowed.
       batch_size: B, the number of row slots.
-      key: PRNG key or int seed.
+      key: PRNG key or int seed. The j-th request (from 0) decodes with the row key
+        ``decode.row_keys(key, [j])`` (or its ``row``'s), as row j of
+        ``tev_jax.generate(..., key)``: its tokens do not depend on the requests beside
+        it or on when it joined.
       widths: prompt width buckets (default `width_buckets(config.prompt_len)`).
       max_rounds: return to the host at least every this many rounds (default: only
         when a row finishes).
@@ -193,15 +200,15 @@ def generate_continuous(target, drafter, requests: Iterable[Request],
     stop_ids = set(config.stop_token_ids)
     vocab = target.config.vocab_size
     key = jax.random.key(key) if isinstance(key, int) else key
-    key, sub = jax.random.split(key)
-    st = engine.empty_slots(sub)
+    st = engine.empty_slots(key)
+    admitted = 0  # requests read so far (the default row key index of the next)
     in_slot: list[tuple[Any, int] | None] = [None] * batch_size  # (id, prompt length)
     pending = iter(requests)
     exhausted = False
     while True:
         stop.check()  # a safe point: the finished rows are handed back, none is in flight
         free = [i for i, r in enumerate(in_slot) if r is None]
-        batch = []
+        batch, rows_K = [], []
         while len(batch) < len(free) and not exhausted:
             request = next(pending, None)
             if request is None:
@@ -210,6 +217,8 @@ def generate_continuous(target, drafter, requests: Iterable[Request],
                 batch.append((request.id, check_prompt(request.prompt_ids, vocab,
                                                        config.prompt_len,
                                                        what=f"request {request.id!r}")))
+                rows_K.append(admitted if request.row is None else request.row)
+                admitted += 1
         if batch:
             k, t = _bucket(len(batch), rows), _bucket(max(len(p) for _, p in batch), widths)
             tokens_KT = np.zeros((k, t), np.int32)
@@ -219,8 +228,8 @@ def generate_continuous(target, drafter, requests: Iterable[Request],
                 tokens_KT[j, : len(prompt)] = prompt
                 lengths_K[j], slots_K[j] = len(prompt), slot
                 in_slot[slot] = (rid, len(prompt))
-            key, sub = jax.random.split(key)
-            st = engine.refill(st, tokens_KT, lengths_K, slots_K, sub, axes=axes)
+            key_K = decode.row_keys(key, rows_K + [0] * (k - len(batch)))
+            st = engine.refill(st, tokens_KT, lengths_K, slots_K, key_K, axes=axes)
         busy = sum(r is not None for r in in_slot)
         if busy == 0:
             return

@@ -58,6 +58,11 @@ LEN_ALIGN = 8  # prompt and cache lengths are rounded up to this, to share compi
 STAGES = ("draft", "build", "verify", "decide", "commit")
 
 
+def aligned_len(n: int) -> int:
+    """``n`` rounded up to a multiple of `LEN_ALIGN` (prompt and cache lengths)."""
+    return -(-n // LEN_ALIGN) * LEN_ALIGN
+
+
 @dataclasses.dataclass(frozen=True)
 class DecodeConfig:
     """How to decode (static and hashable: it decides shapes).
@@ -177,7 +182,7 @@ class DecodeState:
     """The loop state: fixed buffers plus lengths and masks.
 
     Attributes:
-      key: PRNG key for the next round.
+      key_B: PRNG key [B], each row's own for its whole generation (`step_keys`).
       round: int32 [] rounds run so far.
       cache: the target's `KVCache` ([layers, B, L, ...]).
       ctx: the drafter's context pytree (``()`` without a drafter).
@@ -200,7 +205,7 @@ class DecodeState:
       bad_draft: bool [] a draft logit was NaN or +inf.
     """
 
-    key: jax.Array
+    key_B: jax.Array
     round: jax.Array
     cache: kvc.KVCache
     ctx: Any
@@ -234,7 +239,7 @@ def state_axes(st: DecodeState, drafter) -> DecodeState:
     b = ("batch",)
     ctx_axes = getattr(drafter, "context_axes", None)
     return DecodeState(
-        key=(), round=(), cache=kvc.cache_axes(st.cache),
+        key_B=b, round=(), cache=kvc.cache_axes(st.cache),
         ctx=None if ctx_axes is None else ctx_axes(st.ctx),
         start_B=b, root_B=b, new_tokens_BP=("batch", None),
         new_feats_BPF=("batch", None, None), new_count_B=b, out_BM=("batch", None),
@@ -281,8 +286,10 @@ def merge_models(graphdef, params):
 # ------------------------------------------------------------------------ the stages
 
 
-def prefill(graphdef, params, tokens_BT, lengths_B, key, *, spec: DecodeSpec) -> DecodeState:
-    """Consumes the prompts, samples t0, gives the prompt's taps to the drafter."""
+def prefill(graphdef, params, tokens_BT, lengths_B, key_B, *, spec: DecodeSpec
+            ) -> DecodeState:
+    """Consumes the prompts, samples t0 (row b's with ``step_keys(key_B, 0)[b]``), gives
+    the prompt's taps to the drafter. ``key_B``: each row's key (`row_keys`)."""
     target, drafter = merge_models(graphdef, params)
     cfg = spec.config
     b, t = tokens_BT.shape
@@ -290,8 +297,7 @@ def prefill(graphdef, params, tokens_BT, lengths_B, key, *, spec: DecodeSpec) ->
     cache = target.init_cache(b, spec.max_len)
     logits_BV, feats_BTF, cache = target.prefill(cache, tokens_BT, lengths_B, taps=spec.taps,
                                                  chunk=cfg.prefill_chunk)
-    key, sub = round_keys(key)
-    t0_B = sample_token(sub, logits_BV, cfg.sampling)
+    t0_B = sample_token(step_keys(key_B, jnp.zeros((b,), jnp.int32)), logits_BV, cfg.sampling)
     if feats_BTF is None:
         feats_BTF = jnp.zeros((b, t, 0), jnp.float32)
     zeros_B = jnp.zeros((b,), jnp.int32)
@@ -301,7 +307,7 @@ def prefill(graphdef, params, tokens_BT, lengths_B, key, *, spec: DecodeSpec) ->
         ctx = drafter.extend_context(target, ctx, tokens_BT, feats_BTF, zeros_B, lengths_B)
     out_BM = jnp.full((b, m), PAD_TOKEN, jnp.int32).at[:, 0].set(t0_B)
     return DecodeState(
-        key=key,
+        key_B=key_B,
         round=jnp.zeros((), jnp.int32),
         cache=cache,
         ctx=ctx,
@@ -367,23 +373,24 @@ def verify_stage(graphdef, params, cache, tree: DraftTree, start_B, *, spec: Dec
                               taps=spec.taps, experts_touched=True)
 
 
-def decide_stage(key, tree: DraftTree, logits_BNV, *, spec: DecodeSpec) -> verify_lib.Verdict:
-    """The verifier on every row, with one key per row."""
+def decide_stage(key_B, tree: DraftTree, logits_BNV, *, spec: DecodeSpec
+                 ) -> verify_lib.Verdict:
+    """The verifier on every row, row b with the key ``key_B[b]`` (`step_keys`)."""
     cfg = spec.config
     h = spec.horizon
     b = logits_BNV.shape[0]
     if cfg.builder == "none":
-        bonus_B = sample_token(key, logits_BNV[:, 0], cfg.sampling)
+        bonus_B = sample_token(key_B, logits_BNV[:, 0], cfg.sampling)
         zeros_B = jnp.zeros((b,), jnp.int32)
         return verify_lib.Verdict(path=jnp.zeros((b, 1), jnp.int32), length=zeros_B + 1,
                                   bonus=bonus_B, exit_node=zeros_B)
-    keys = jax.random.split(key, b)
     fn = extensions.resolve_verifier(cfg.verifier)
-    return jax.vmap(lambda k, t, l: fn(k, t, l, cfg.sampling, horizon=h))(keys, tree, logits_BNV)
+    return jax.vmap(lambda k, t, l: fn(k, t, l, cfg.sampling, horizon=h))(key_B, tree,
+                                                                          logits_BNV)
 
 
 def commit_stage(st: DecodeState, ctx, draft_logits_BHV, tree: DraftTree, logits_BNV,
-                 feats_BNF, cache, verdict: verify_lib.Verdict, key, experts_L=None, *,
+                 feats_BNF, cache, verdict: verify_lib.Verdict, experts_L=None, *,
                  spec: DecodeSpec) -> DecodeState:
     """Moves the accepted path's KV, emits the block, updates every active row
     (``experts_L``: the verify stage's experts per layer, recorded for the round)."""
@@ -437,7 +444,7 @@ def commit_stage(st: DecodeState, ctx, draft_logits_BHV, tree: DraftTree, logits
         bad_draft = bad_draft | jnp.any(undefined_BH & active_B[:, None])
 
     return DecodeState(
-        key=key,
+        key_B=st.key_B,
         round=st.round + 1,
         cache=cache,
         ctx=ctx,
@@ -460,17 +467,27 @@ def commit_stage(st: DecodeState, ctx, draft_logits_BHV, tree: DraftTree, logits
     )
 
 
-def round_keys(key: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """The key schedule: ``key -> (next key, key used now)``.
+def row_keys(key: jax.Array, index_B) -> jax.Array:
+    """The key schedule, part one: row i of a generation of key ``key`` has the key
+    ``fold_in(key, i)``; -> the keys of the rows ``index_B`` (int [B]). A row's key is
+    its index, whatever the batch size or the rows beside it."""
+    return jax.vmap(lambda i: jax.random.fold_in(key, i))(jnp.asarray(index_B, jnp.int32))
 
-    The prefill splits the generation's key into the first round's key and the key of
-    every row's first token; each round splits its state's key into the next round's key
-    and the key of its decide stage (which splits it once more into one key per row).
-    Every path (the fused loop, `traced_round`, the profiler's stages) splits through
-    this function; `tev_jax.trace` states the whole schedule.
+
+def step_keys(key_B: jax.Array, step_B: jax.Array) -> jax.Array:
+    """The key schedule, part two: row b draws its first token with ``fold_in(key_b, 0)``
+    and its r-th round's verdict (r = 1, 2, ...) with ``fold_in(key_b, r)``. Each row's
+    random numbers depend on its own key and rounds only: the same prompt with the same
+    row key gives the same tokens in any batch, slot or join time (`tev_jax.batching`,
+    the server's per-request seed). Every path (the fused loop, `traced_round`, the
+    profiler's stages) draws through this function; `tev_jax.trace` states the schedule.
     """
-    next_key, now = jax.random.split(key)
-    return next_key, now
+    return jax.vmap(jax.random.fold_in)(key_B, step_B)
+
+
+def round_step_keys(st: DecodeState) -> jax.Array:
+    """The keys of a round's decide stage: `step_keys` at each row's next round."""
+    return step_keys(st.key_B, st.rounds_B + 1)
 
 
 def traced_round(graphdef, params, st: DecodeState, *, spec: DecodeSpec
@@ -485,10 +502,9 @@ def traced_round(graphdef, params, st: DecodeState, *, spec: DecodeSpec
         logits, feats, cache, experts = verify_stage(graphdef, params, st.cache, tree,
                                                       st.start_B, spec=spec)
     with jax.named_scope("decide"):
-        key, sub = round_keys(st.key)
-        verdict = decide_stage(sub, tree, logits, spec=spec)
+        verdict = decide_stage(round_step_keys(st), tree, logits, spec=spec)
     with jax.named_scope("commit"):
-        new = commit_stage(st, ctx, draft_logits, tree, logits, feats, cache, verdict, key,
+        new = commit_stage(st, ctx, draft_logits, tree, logits, feats, cache, verdict,
                            experts, spec=spec)
     return new, round_record(st.start_B, st.done_B, draft_logits, tree, logits, verdict)
 
@@ -512,14 +528,15 @@ def generation(graphdef, params, tokens_BT, lengths_B, key, *, spec: DecodeSpec
     Args:
       graphdef, params: ``nnx.split((target,))`` or ``nnx.split((target, drafter))``.
       tokens_BT: int32 [B, T] prompts, zero-padded; lengths_B: int32 [B] their lengths.
-      key: PRNG key of the whole generation.
+      key: PRNG key of the whole generation (row b's is ``row_keys(key, [b])``).
       spec: the `DecodeSpec`.
     Returns:
       The final `DecodeState` (``out_BM``, ``num_out_B`` and the per-round records).
     """
     drafter = merge_models(graphdef, params)[1]
     pin = lambda st: constrain_state(st, drafter, spec)
-    st = pin(prefill(graphdef, params, tokens_BT, lengths_B, key, spec=spec))
+    st = pin(prefill(graphdef, params, tokens_BT, lengths_B,
+                     row_keys(key, jnp.arange(tokens_BT.shape[0])), spec=spec))
     return jax.lax.while_loop(
         lambda s: running(s, spec.config.max_new_tokens),
         lambda s: pin(decode_round(graphdef, params, s, spec=spec)),
@@ -542,7 +559,8 @@ def state_shapes(graphdef, params, rows: int, *, spec: DecodeSpec) -> DecodeStat
     return jax.eval_shape(
         lambda p, t, n, k: prefill(graphdef, p, t, n, k, spec=spec), params,
         jax.ShapeDtypeStruct((rows, LEN_ALIGN), jnp.int32),
-        jax.ShapeDtypeStruct((rows,), jnp.int32), jax.eval_shape(jax.random.key, 0))
+        jax.ShapeDtypeStruct((rows,), jnp.int32),
+        jax.eval_shape(lambda: row_keys(jax.random.key(0), jnp.arange(rows))))
 
 
 def row_axes(graphdef, params, *, spec: DecodeSpec) -> tuple[int | None, ...]:
@@ -557,17 +575,18 @@ def row_axes(graphdef, params, *, spec: DecodeSpec) -> tuple[int | None, ...]:
 
 
 def empty_state(graphdef, params, key, *, spec: DecodeSpec) -> DecodeState:
-    """A state of ``spec.batch_size`` free slots (every row done, nothing in flight)."""
+    """A state of ``spec.batch_size`` free slots (every row done, nothing in flight;
+    the slots' keys ``row_keys(key, range(B))`` until a prompt fills them)."""
     def zeros(s):
         if jnp.issubdtype(s.dtype, jax.dtypes.prng_key):
-            return key
+            return row_keys(key, jnp.arange(spec.batch_size))
         return jnp.zeros(s.shape, s.dtype)
 
     st = jax.tree.map(zeros, state_shapes(graphdef, params, spec.batch_size, spec=spec))
     return st.replace(done_B=jnp.ones((spec.batch_size,), bool))
 
 
-def refill(graphdef, params, st: DecodeState, tokens_KT, lengths_K, slots_K, key, *,
+def refill(graphdef, params, st: DecodeState, tokens_KT, lengths_K, slots_K, key_K, *,
            spec: DecodeSpec, axes: tuple[int | None, ...]) -> DecodeState:
     """Prefills K prompts into the given slots of ``st``; other rows unchanged.
 
@@ -578,12 +597,13 @@ def refill(graphdef, params, st: DecodeState, tokens_KT, lengths_K, slots_K, key
       lengths_K: int32 [K] prompt lengths (>= 1).
       slots_K: int32 [K] the row of ``st`` each prompt goes to; ``>= B`` drops the
         prompt (padding rows of a bucketed K).
-      key: PRNG key of the prefill's first token.
+      key_K: PRNG key [K], each prompt's row key (`row_keys`: the j-th request of a
+        continuous batch has row j's key of a plain generation).
       spec: the `DecodeSpec`; axes: `row_axes`.
     Returns:
       The state with those rows freshly prefilled (t0 sampled, rounds 0).
     """
-    new = prefill(graphdef, params, tokens_KT, lengths_K, key, spec=spec)
+    new = prefill(graphdef, params, tokens_KT, lengths_K, key_K, spec=spec)
     return put_rows(graphdef, params, st, new, slots_K, spec=spec, axes=axes)
 
 
@@ -597,7 +617,7 @@ def put_rows(graphdef, params, st: DecodeState, rows: DecodeState, slots_K, *,
     big, treedef = jax.tree.flatten(st)
 
     def put(axis, old, fresh):
-        if axis is None:  # per-batch scalars: keep the loop's key and round, OR the flags
+        if axis is None:  # per-batch scalars: keep the loop's round, OR the flags
             return old | fresh if old.dtype == jnp.bool_ else old
         return old.at[(slice(None),) * axis + (slots_K,)].set(fresh, mode="drop")
 
@@ -634,8 +654,8 @@ def rounds_until(graphdef, params, st: DecodeState, until_done, max_rounds, *,
 
 
 __all__ = ["LEN_ALIGN", "PAD_TOKEN", "STAGES", "DecodeConfig", "DecodeSpec", "DecodeState",
-           "build_stage", "commit_stage", "constrain_state", "decide_stage", "decode_round",
-           "draft_stage", "empty_state", "generation", "merge_models", "prefill", "put_rows",
-           "refill",
-           "round_keys", "row_axes", "rounds_until", "running", "state_axes", "state_shapes",
+           "aligned_len", "build_stage", "commit_stage", "constrain_state", "decide_stage",
+           "decode_round", "draft_stage", "empty_state", "generation", "merge_models",
+           "prefill", "put_rows", "refill", "round_step_keys", "row_axes", "row_keys",
+           "rounds_until", "running", "state_axes", "state_shapes", "step_keys",
            "take_rows", "traced_round", "verify_stage"]

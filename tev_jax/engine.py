@@ -56,10 +56,6 @@ PROGRAMS = ("generate", "prefill", "round", "run_rounds", *decode.STAGES)
 rounds program of continuous batching and each stage of a round."""
 
 
-def _align(n: int) -> int:
-    return -(-n // decode.LEN_ALIGN) * decode.LEN_ALIGN
-
-
 def _place(tree, shardings):
     """``device_put`` of arrays, and shardings attached to abstract leaves."""
     def one(x, sharding):
@@ -135,7 +131,7 @@ def _spec_of(target, drafter, config: DecodeConfig, batch_size: int, prompt_len:
     if callable(config.verifier) and config.builder != "none":
         extensions.check_verifier(config.verifier, num_slots, horizon, vocab, config.sampling)
     need = prompt_len + config.max_new_tokens + num_slots
-    max_len = _align(need) if config.max_cache_len is None else config.max_cache_len
+    max_len = decode.aligned_len(need) if config.max_cache_len is None else config.max_cache_len
     if max_len < need:
         raise ValueError(
             f"the cache is too short: the prompt buffer ({prompt_len} tokens) + "
@@ -189,7 +185,8 @@ def _generate_jit(graphdef, params, tokens_BT, lengths_B, key, *, spec):
 @functools.partial(jax.jit, static_argnames=("graphdef", "spec"))
 def _prefill_jit(graphdef, params, tokens_BT, lengths_B, key, *, spec):
     drafter = decode.merge_models(graphdef, params)[1]
-    st = decode.prefill(graphdef, params, tokens_BT, lengths_B, key, spec=spec)
+    st = decode.prefill(graphdef, params, tokens_BT, lengths_B,
+                        decode.row_keys(key, jnp.arange(tokens_BT.shape[0])), spec=spec)
     return decode.constrain_state(st, drafter, spec)
 
 
@@ -215,9 +212,9 @@ def _run_jit(graphdef, params, st, *, spec):
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "spec", "axes"),
                    donate_argnames=("st",))
-def _refill_jit(graphdef, params, st, tokens_KT, lengths_K, slots_K, key, *, spec, axes):
-    return decode.refill(graphdef, params, st, tokens_KT, lengths_K, slots_K, key, spec=spec,
-                         axes=axes)
+def _refill_jit(graphdef, params, st, tokens_KT, lengths_K, slots_K, key_K, *, spec, axes):
+    return decode.refill(graphdef, params, st, tokens_KT, lengths_K, slots_K, key_K,
+                         spec=spec, axes=axes)
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "spec", "axes"),
@@ -386,7 +383,7 @@ class Engine:
             raise ValueError(f"the engine decodes {self.spec.batch_size} prompts at a time, "
                              f"got {len(prompts)}")
         width = (self.config.prompt_len if self.config.prompt_len is not None
-                 else min(_align(max(len(p) for p in prompts)), self.spec.max_len))
+                 else min(decode.aligned_len(max(len(p) for p in prompts)), self.spec.max_len))
         tokens_BT = np.zeros((len(prompts), width), np.int32)
         for i, p in enumerate(prompts):
             tokens_BT[i, : len(p)] = p
@@ -408,7 +405,8 @@ class Engine:
         return self._call(_generate_jit, prompts.tokens_BT, prompts.lengths_B, key)
 
     def prefill(self, prompts: Prompts, key: jax.Array) -> DecodeState:
-        """Consumes the prompts and samples each row's first token."""
+        """Consumes the prompts and samples each row's first token (row b's key is
+        ``decode.row_keys(key, [b])``)."""
         return self._call(_prefill_jit, prompts.tokens_BT, prompts.lengths_B, key)
 
     def round(self, st: DecodeState) -> DecodeState:
@@ -479,8 +477,9 @@ class Engine:
         Signatures (as the stage functions of `tev_jax.decode`, params first where
         the stage runs a model): ``draft(params, st) -> (logits_BHV, ctx)``,
         ``build(logits_BHV, root_B) -> tree``, ``verify(params, cache, tree, start_B)
-        -> (logits_BNV, feats, cache)``, ``decide(key, tree, logits_BNV) -> verdict``,
-        ``commit(st, ctx, logits_BHV, tree, logits_BNV, feats, cache, verdict, key)``.
+        -> (logits_BNV, feats, cache)``, ``decide(key_B, tree, logits_BNV) -> verdict``
+        (``key_B``: `tev_jax.decode.round_step_keys` of the state), ``commit(st, ctx,
+        logits_BHV, tree, logits_BNV, feats, cache, verdict)``.
         A stage is compiled once per setting of the config fields it reads.
         """
         if name not in _STAGE_FNS:
@@ -500,11 +499,11 @@ class Engine:
         with _mesh_scope(self.mesh):
             return decode.empty_state(self.graphdef, self.params, key, spec=self.spec)
 
-    def refill(self, st: DecodeState, tokens_KT, lengths_K, slots_K, key, *,
+    def refill(self, st: DecodeState, tokens_KT, lengths_K, slots_K, key_K, *,
                axes: tuple[int | None, ...]) -> DecodeState:
-        """Prefills K prompts into the given slots of ``st`` (donated); see
-        `tev_jax.decode.refill`. ``axes`` is `slot_axes`."""
-        return self._call(_refill_jit, st, tokens_KT, lengths_K, slots_K, key, axes=axes)
+        """Prefills K prompts into the given slots of ``st`` (donated), prompt k with the
+        row key ``key_K[k]``; see `tev_jax.decode.refill`. ``axes`` is `slot_axes`."""
+        return self._call(_refill_jit, st, tokens_KT, lengths_K, slots_K, key_K, axes=axes)
 
     def take_slots(self, st: DecodeState, rows, *, axes: tuple[int | None, ...]
                    ) -> DecodeState:
@@ -588,10 +587,10 @@ class Engine:
                 bound = jax.ShapeDtypeStruct((), jnp.int32)
                 return _run_rounds_jit.lower(self.graphdef, params, st, bound, bound,
                                              spec=self.spec)
-            args = self._stage_args(program, params, st, key)
+            args = self._stage_args(program, params, st)
             return self.stage(program).lower(*args)
 
-    def _stage_args(self, program: str, params, st: DecodeState, key) -> tuple:
+    def _stage_args(self, program: str, params, st: DecodeState) -> tuple:
         """Abstract arguments of one stage: what the stages before it give in a round."""
         shape = lambda stage, *args: jax.eval_shape(self.stage(stage), *args)
         if self.spec.has_drafter:
@@ -600,21 +599,22 @@ class Engine:
             draft_logits, ctx = None, st.ctx
         tree = shape("build", draft_logits, st.root_B)
         logits, feats, cache, experts = shape("verify", params, st.cache, tree, st.start_B)
-        verdict = shape("decide", key, tree, logits)
+        key_B = st.key_B
+        verdict = shape("decide", key_B, tree, logits)
         return {
             "draft": (params, st),
             "build": (draft_logits, st.root_B),
             "verify": (params, st.cache, tree, st.start_B),
-            "decide": (key, tree, logits),
-            "commit": (st, ctx, draft_logits, tree, logits, feats, cache, verdict, key,
-                       experts),
+            "decide": (key_B, tree, logits),
+            "commit": (st, ctx, draft_logits, tree, logits, feats, cache, verdict, experts),
         }[program]
 
 
 # ------------------------------------------------------------------- one-call forms
 
 
-def _key(key) -> jax.Array:
+def as_key(key) -> jax.Array:
+    """A PRNG key from a seed (an int), or the key itself."""
     return jax.random.key(key) if isinstance(key, int) else key
 
 
@@ -660,8 +660,8 @@ def generate(target, drafter: DrafterProtocol | None, prompt_ids: Sequence[Seque
     """
     engine, prompts = engine_for(target, drafter, prompt_ids, config, mesh=mesh)
     if trace:
-        return engine.trace(prompts, _key(key))
-    return engine.finish(engine.generate(prompts, _key(key)))
+        return engine.trace(prompts, as_key(key))
+    return engine.finish(engine.generate(prompts, as_key(key)))
 
 
 def generate_ar(target, prompt_ids: Sequence[Sequence[int]], config: DecodeConfig,
@@ -674,4 +674,4 @@ def generate_ar(target, prompt_ids: Sequence[Sequence[int]], config: DecodeConfi
                     mesh=mesh)
 
 
-__all__ = ["PROGRAMS", "Engine", "decode_spec", "engine_for", "generate", "generate_ar"]
+__all__ = ["PROGRAMS", "Engine", "as_key", "decode_spec", "engine_for", "generate", "generate_ar"]

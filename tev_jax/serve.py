@@ -194,7 +194,9 @@ def _run(job: FileJob, out: Path, mesh, progress: bool) -> dict:
     todo = [(i, r) for i, r in mine if batch_io.id_key(r.id) not in done]
     index = {batch_io.id_key(r.id): i for i, r in todo}
     fingerprint = batch_io.settings_fingerprint(settings)
-    key = jax.random.fold_in(jax.random.key(job.seed), job.process_index)
+    # prompt i of the file decodes with row key i: a sampled output does not depend on
+    # the process count, the batch or a resume
+    key = jax.random.key(job.seed)
     tokens = rounds = block_tokens = written = 0
     reasons = {"stop": 0, "length": 0}
     bar = None
@@ -204,7 +206,9 @@ def _run(job: FileJob, out: Path, mesh, progress: bool) -> dict:
     t0 = time.perf_counter()
     try:
         with f:
-            for r in batching.generate_continuous(target, drafter, [r for _, r in todo],
+            for r in batching.generate_continuous(target, drafter,
+                                                  [dataclasses.replace(r, row=i)
+                                                   for i, r in todo],
                                                   config, batch_size=batch,
                                                   key=key, max_rounds=job.sync_rounds,
                                                   mesh=mesh):

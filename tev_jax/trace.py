@@ -16,13 +16,14 @@ node), the committed length before the round and whether the row was still decod
     t.tree.tokens[r, b, t.verdict.path[r, b, :t.verdict.length[r, b]]]   # accepted path
     t.blocks(b)                            # the output block of every round of row b
 
-The key schedule (`tev_jax.decode.round_keys`, its one implementation): the generation key
-``k`` splits into ``(k_0, s)``; ``s`` samples every row's first token from the prefill's
-logits. Round r splits ``k_r`` into ``(k_{r+1}, d_r)``; decide splits ``d_r`` into one
-key per row (``jax.random.split(d_r, B)``, row b's verifier gets the b-th), or, without
-a drafter, samples every row's token with ``d_r`` itself. So a round can be replayed
-from its state's key alone, and the traced, fused and profiled paths give the same
-tokens for the same key.
+The key schedule (`tev_jax.decode.row_keys` and `tev_jax.decode.step_keys`, its one
+implementation): row b of a generation of key ``k`` has the key ``k_b = fold_in(k, b)``;
+its first token is drawn with ``fold_in(k_b, 0)`` and the verdict of its r-th round (r =
+1, 2, ...; without a drafter, its token) with ``fold_in(k_b, r)``. A row's random numbers
+depend on its own key and rounds only, so a round can be replayed from its state's keys
+alone, the traced, fused and profiled paths give the same tokens for the same key, and a
+row gives the same tokens in any batch (continuous batching's j-th request has row
+j's key).
 """
 
 from __future__ import annotations

@@ -386,8 +386,9 @@ def embed_rows(table_VD: jax.Array, ids: jax.Array) -> jax.Array:
                          axis_names=manual)(table_VD, ids)
 
 
-def sample_token(key: jax.Array, logits_BV: jax.Array, sampling: Sampling) -> jax.Array:
-    """One token per row from ``softmax(transform(logits))``; int32 [B]. Argmax at T = 0.
+def sample_token(keys_B: jax.Array, logits_BV: jax.Array, sampling: Sampling) -> jax.Array:
+    """One token per row from ``softmax(transform(logits))``, row b's from its own key
+    ``keys_B[b]``; int32 [B]. Argmax at T = 0.
 
     Uses the verifiers' samplers: their two-stage argmax, and one uniform per row with
     the blocked inverse-CDF search (cheaper on CPU than Gumbel-max, which draws V random
@@ -396,9 +397,9 @@ def sample_token(key: jax.Array, logits_BV: jax.Array, sampling: Sampling) -> ja
     if sampling.greedy:
         return argmax(logits_BV)
     scores = target_scores(logits_BV, sampling)
-    return inverse_cdf(uniform(key, (logits_BV.shape[0],)), scores)
+    return inverse_cdf(jax.vmap(lambda k: uniform(k, ()))(keys_B), scores)
 
 
 __all__ = ["BLOCK", "Scores", "argmax", "block_masses", "cpu_barrier", "embed_rows",
-           "first_above", "gather_blocks", "inverse_cdf", "log_normalizer", "sample_token", "target_scores", "top_k",
-           "uniform", "vocab_top_k"]
+           "first_above", "gather_blocks", "inverse_cdf", "log_normalizer", "sample_token",
+           "target_scores", "top_k", "uniform", "vocab_top_k"]

@@ -69,7 +69,9 @@ class GenerationRequest:
       stop: stop strings (the text is cut before the first one).
       stream: answer with server-sent events.
       include_usage: with ``stream``, a last event carrying ``usage``.
-      seed: the client's seed (see the server's README: not per row yet).
+      seed: the client's seed: the request's random numbers come from it alone, so the
+        same request with the same seed gets the same completion whatever else shares
+        the batch (None: the server draws one).
       echo: /v1/completions only: the answer's text starts with the prompt's.
       prompt_text: the prompt as text (for ``echo``).
       return_token_ids: the extra field ``return_token_ids``: each choice also carries
@@ -209,6 +211,8 @@ def parse_request(body: dict, limits: Limits, encode: Callable[[str], Sequence[i
     sampling = sampling_of(body)
     stop = _stops(body)
     seed = _field(body, "seed", _is_int, "an integer")
+    if seed is not None and not -2**63 <= seed < 2**64:
+        raise RequestError(f"'seed' must be a 64-bit integer, got {seed}", "seed")
     stream = _field(body, "stream", lambda v: isinstance(v, bool), "true or false", False)
     options = _field(body, "stream_options", lambda v: isinstance(v, dict), "an object", {})
     echo = (not chat) and _field(body, "echo", lambda v: isinstance(v, bool),

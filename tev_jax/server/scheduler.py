@@ -24,9 +24,11 @@ budget is the same for all. Programs are compiled lazily, the first time a (sett
 slot count, prompt-width bucket) is met, and then reused.
 
 Rows never interact: at T = 0 every request gets the greedy tokens of its prompt alone,
-whatever shares the batch; at T > 0 each is an exact sample (its random numbers depend
-on the batch, so a request's ``seed`` cannot be honoured per row yet: the state holds one
-key per lane).
+whatever shares the batch; at T > 0 each is an exact sample whose random numbers come
+from its own row key (`tev_jax.decode.step_keys`): `request_key` of the request's
+``seed``, or of a seed the scheduler draws. The same request with the same seed gets
+the same completion, whatever else shares the batch, whichever slot or lane size it
+lands in and whenever it arrives.
 """
 
 from __future__ import annotations
@@ -49,6 +51,21 @@ from tev_jax.sampling import Sampling
 from tev_jax.server.requests import GenerationRequest, held_back, stop_at
 
 log = logging.getLogger("tev_jax.server")
+
+
+@jax.jit
+def _seed_keys(seeds_K2: jax.Array) -> jax.Array:
+    base = jax.random.key(0)
+    return jax.vmap(lambda s: jax.random.fold_in(jax.random.fold_in(base, s[0]), s[1]))(
+        seeds_K2)
+
+
+def request_keys(seeds: Sequence[int]) -> jax.Array:
+    """The row keys of requests with these 64-bit seeds (negative ones taken modulo
+    2**64): ``fold_in(fold_in(key(0), high 32 bits), low 32 bits)``, all 64 bits used
+    whatever jax's integer width."""
+    seeds_K2 = np.asarray([[(s % 2**64) >> 32, s % 2**32] for s in seeds], np.uint32)
+    return _seed_keys(seeds_K2)
 
 STOP, LENGTH, ABORT, ERROR = "stop", "length", "abort", "error"
 """The finish reasons: a stop token or string, ``max_tokens`` (or the server's M), a
@@ -164,7 +181,7 @@ class Scheduler:
       max_batch: B, live rows over all lanes.
       max_queue: requests that may wait for a slot (more: `QueueFull`).
       max_lanes: sampling settings decoded at once.
-      seed: the key of every lane's random numbers.
+      seed: seeds the seeds the scheduler draws for requests without one.
       widths: prompt width buckets (default three of `tev_jax.batching.width_buckets`).
     """
 
@@ -181,7 +198,7 @@ class Scheduler:
         self.sizes = tuple(sorted(self.configs))
         self.widths = tuple(sorted(widths or batching.width_buckets(config.prompt_len, 3)))
         self.stop_ids = frozenset(config.stop_token_ids)
-        self._key = jax.random.key(seed)
+        self._seeds = np.random.default_rng(seed)
         self._engines: dict[tuple[Sampling, int], Engine] = {}
         self._axes: dict[tuple[Sampling, int], tuple] = {}
         self._empties: dict[tuple[Sampling, int], Callable] = {}
@@ -258,8 +275,8 @@ class Scheduler:
             for k in batching.row_buckets(slots):
                 for t in self.widths:  # every prompt dropped (slot index >= slots)
                     st = engine.refill(st, np.ones((k, t), np.int32), np.ones((k,), np.int32),
-                                       np.full((k,), slots, np.int32), self._next_key(),
-                                       axes=axes)
+                                       np.full((k,), slots, np.int32),
+                                       request_keys([0] * k), axes=axes)
                     count += 1
             st = engine.run_rounds(st, slots + 1, 1)
             st = st.replace(done_B=st.done_B | np.zeros((slots,), bool))
@@ -314,9 +331,10 @@ class Scheduler:
                             self._finish(job, ERROR)
                 self._lanes.clear()
 
-    def _next_key(self) -> jax.Array:
-        self._key, sub = jax.random.split(self._key)
-        return sub
+    def _seed_of(self, request: GenerationRequest) -> int:
+        if request.seed is not None:
+            return request.seed
+        return int(self._seeds.integers(0, 2**63))
 
     def _engine(self, sampling: Sampling, slots: int) -> Engine:
         if (sampling, slots) not in self._engines:
@@ -330,7 +348,7 @@ class Scheduler:
         `tev_jax.engine.Engine.empty_slots` traces the prefill's shapes every call)."""
         if (sampling, slots) not in self._empties:
             self._empties[sampling, slots] = jax.jit(self._engine(sampling, slots).empty_slots)
-        return self._empties[sampling, slots](self._next_key())
+        return self._empties[sampling, slots](jax.random.key(0))
 
     def _slot_axes(self, sampling: Sampling, slots: int) -> tuple:
         if (sampling, slots) not in self._axes:
@@ -394,12 +412,14 @@ class Scheduler:
         tokens_KT = np.zeros((k, t), np.int32)
         lengths_K = np.ones((k,), np.int32)
         slots_K = np.full((k,), slots_n, np.int32)  # padding rows are dropped
+        seeds = [self._seed_of(job.request) for job in jobs]
         for row, (job, slot) in enumerate(zip(jobs, free)):
             ids = job.request.prompt_ids
             tokens_KT[row, : len(ids)] = ids
             lengths_K[row], slots_K[row] = len(ids), slot
             lane.jobs[slot] = job
-        lane.st = lane.engine.refill(lane.st, tokens_KT, lengths_K, slots_K, self._next_key(),
+        lane.st = lane.engine.refill(lane.st, tokens_KT, lengths_K, slots_K,
+                                     request_keys(seeds + [0] * (k - len(jobs))),
                                      axes=self._slot_axes(lane.sampling, slots_n))
 
     def _round(self, lane: _Lane) -> None:
@@ -474,4 +494,4 @@ class Scheduler:
 
 
 __all__ = ["ABORT", "ERROR", "LENGTH", "STOP", "Draining", "Event", "Job", "QueueFull",
-           "Scheduler", "budget_of", "lane_configs", "next_text"]
+           "Scheduler", "budget_of", "lane_configs", "next_text", "request_keys"]
