@@ -253,11 +253,22 @@ def test_32_concurrent_streams_lose_and_repeat_nothing(server, bundled):
     assert h["slot_counts"].get("4", 0) > 0 and h["budgets"].get("6", 0) > 0
 
 
-def test_a_seed_gives_the_same_completion_whatever_shares_the_batch(server, bundled):
-    """``seed`` at T = 1: a request sent alone, then 4 copies of it among 8 unseeded
-    sampled requests and 4 greedy ones (two lanes, every slot count, other join rounds),
-    all give one text; the same request with another seed gives another (the negative
-    control: 32 tokens at T = 1 of the bundled target)."""
+@pytest.fixture(scope="module")
+def fixed_server():
+    s = Server("--budget", "6", "--max-batch", str(MAX_BATCH), "--max-tokens",
+               str(MAX_TOKENS), "--max-prompt-tokens", "64", "--seed", "0")
+    yield s
+    assert s.stop() == 0, s.output()
+
+
+def test_a_seed_gives_the_same_completion_whatever_shares_the_batch(fixed_server, bundled):
+    """``seed`` at T = 1 with a fixed budget: a request sent alone, then 4 copies of it
+    among 8 unseeded sampled requests and 4 greedy ones (two lanes, every slot count,
+    other join rounds), all give one text; the same request with another seed gives
+    another (the negative control: 32 tokens at T = 1 of the bundled target). (With
+    ``--budget auto`` the tree follows the live rows, and with it which exact sample a
+    key picks.)"""
+    server = fixed_server
     client = server.client()
     text = _prompts(bundled[2], 3)[2]
 

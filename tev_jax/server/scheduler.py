@@ -26,9 +26,10 @@ slot count, prompt-width bucket) is met, and then reused.
 Rows never interact: at T = 0 every request gets the greedy tokens of its prompt alone,
 whatever shares the batch; at T > 0 each is an exact sample whose random numbers come
 from its own row key (`tev_jax.decode.step_keys`): `request_key` of the request's
-``seed``, or of a seed the scheduler draws. The same request with the same seed gets
-the same completion, whatever else shares the batch, whichever slot or lane size it
-lands in and whenever it arrives.
+``seed``, or of a seed the scheduler draws. At a fixed budget the same request with the
+same seed gets the same completion, whatever else shares the batch, whichever slot or
+lane size it lands in and whenever it arrives (an automatic budget changes the tree
+with the live rows, and with it which exact sample the key picks).
 """
 
 from __future__ import annotations
