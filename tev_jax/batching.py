@@ -28,7 +28,7 @@ import numpy as np
 from tev_jax import decode, extensions, stop
 from tev_jax.budget import AutoBudget, check_tuned_for
 from tev_jax import sharding as shd
-from tev_jax.engine import Engine
+from tev_jax.engine import Engine, as_key
 from tev_jax.prompts import check_prompt
 
 
@@ -199,7 +199,7 @@ def generate_continuous(target, drafter, requests: Iterable[Request],
     rows = row_buckets(batch_size)
     stop_ids = set(config.stop_token_ids)
     vocab = target.config.vocab_size
-    key = jax.random.key(key) if isinstance(key, int) else key
+    key = as_key(key)
     st = engine.empty_slots(key)
     admitted = 0  # requests read so far (the default row key index of the next)
     in_slot: list[tuple[Any, int] | None] = [None] * batch_size  # (id, prompt length)

@@ -599,13 +599,12 @@ class Engine:
             draft_logits, ctx = None, st.ctx
         tree = shape("build", draft_logits, st.root_B)
         logits, feats, cache, experts = shape("verify", params, st.cache, tree, st.start_B)
-        key_B = st.key_B
-        verdict = shape("decide", key_B, tree, logits)
+        verdict = shape("decide", st.key_B, tree, logits)
         return {
             "draft": (params, st),
             "build": (draft_logits, st.root_B),
             "verify": (params, st.cache, tree, st.start_B),
-            "decide": (key_B, tree, logits),
+            "decide": (st.key_B, tree, logits),
             "commit": (st, ctx, draft_logits, tree, logits, feats, cache, verdict, experts),
         }[program]
 
