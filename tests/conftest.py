@@ -32,15 +32,16 @@ def _release_compiled_programs():
     gc.collect()
 
 
-SLOW_FIRST = ("test_interrupts.py", "test_decode.py", "test_decode_mesh.py", "test_gemma4.py",
-              "test_moe.py", "test_moe_train.py", "test_tpu_plan.py", "test_decode_stats.py",
-              "test_tune.py",
+SLOW_FIRST = ("test_interrupts.py", "test_train_interrupts.py", "test_decode.py",
+              "test_decode_mesh.py", "test_gemma4.py", "test_moe.py", "test_moe_train.py",
+              "test_tpu_plan.py", "test_decode_stats.py", "test_tune.py",
               "test_train_step.py", "test_functional_contract.py", "test_multihost.py",
               "test_gpu_measure.py", "test_decode_speed_script.py")
 """The files with the most test time (about 35–100 s each on the 2-core machine, measured
-2026-12-04 with --durations=0), longest first; test_interrupts.py first: in the slow tier
-(-m slow) its 80 interrupted commands take the longest (about 25 minutes on the loaded
-machine), so it starts at once on one worker while the other runs the rest."""
+2026-12-04 with --durations=0), longest first; the two interrupt files first: in the slow
+tier (-m slow) their 80 interrupted commands take the longest (``tev-jax``'s two about
+12 minutes, ``tev-train``'s two about 8 on the loaded machine), so each starts at once on
+a worker and the rest fills in behind the shorter."""
 
 
 def pytest_configure(config):

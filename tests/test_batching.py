@@ -89,6 +89,7 @@ def test_every_request_equals_its_prompt_alone_at_t0(target, drafter):
     assert [again[i].token_ids for i in range(len(more))] == [_until_stop(r) for r in reference]
 
 
+@pytest.mark.slow
 def test_t1_each_request_equals_its_row_of_one_generation(target, drafter):
     """Row keys (`tev_jax.decode.step_keys`): at T = 1 the j-th request of a continuous
     batch draws what row j of one plain generation of all prompts draws with the same

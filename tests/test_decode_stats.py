@@ -15,8 +15,8 @@ residual - must be rejected at the same level with 5 x 10^4, the smallest sample
 
 The same test runs on a mixture-of-experts target (Qwen3-MoE, 4 experts, top-2) with
 TEV (5 x 10^4 generations, one chunk) and the negative control (the same 5 x 10^4, at
-which the control is rejected for the dense target too): its exactness rests on the
-routing being the model's.
+which the control is rejected for the dense target too), in the slow tier: its
+exactness rests on the routing being the model's.
 
 The same runs check the exit law: over all (round, row) pairs the output-block length
 has conditional mean ``1 + coverage`` of that round's tree, so the standardised sum of
@@ -64,6 +64,13 @@ FAMILIES = {"qwen3": 0, "qwen3_moe": 4}          # -> experts
 CHUNKS = {("qwen3", "tev"): 2}
 CASES = [("qwen3", "tev"), ("qwen3", "predraw"), ("qwen3", "sequential"),
          ("qwen3_moe", "tev")]
+
+
+def _tiered(params):
+    """pytest params, the mixture-of-experts family's in the slow tier (its routing is
+    tested against transformers in the fast tier, tests/test_moe.py)."""
+    return [pytest.param(*p, marks=[pytest.mark.slow] if "qwen3_moe" in p else [])
+            for p in params]
 
 
 @functools.lru_cache(maxsize=None)
@@ -132,26 +139,26 @@ def runs(family, full=False):
     return out
 
 
-@pytest.mark.parametrize("family", list(FAMILIES))
+@pytest.mark.parametrize("family", _tiered([(f,) for f in FAMILIES]))
 def test_law_is_not_trivial(family):
     top = np.sort(ar_law(family).reshape(-1))[::-1]
     assert top[0] < 0.5 and (ar_law(family) > 1e-3).sum() > 20
 
 
-@pytest.mark.parametrize("family,verifier", CASES)
+@pytest.mark.parametrize("family,verifier", _tiered(CASES))
 def test_first_three_tokens_follow_the_target(family, verifier):
     counts, _, tau = runs(family)[verifier]
     assert tau > 1.3  # the trees matter: draft tokens were accepted
     assert _chi2_pvalue(counts, ar_law(family)) > ALPHA
 
 
-@pytest.mark.parametrize("family", list(FAMILIES))
+@pytest.mark.parametrize("family", _tiered([(f,) for f in FAMILIES]))
 def test_negative_control_is_rejected(family):
     counts, _, _ = runs(family)["control"]
     assert _chi2_pvalue(counts, ar_law(family)) < ALPHA
 
 
-@pytest.mark.parametrize("family,verifier", CASES)
+@pytest.mark.parametrize("family,verifier", _tiered(CASES))
 def test_block_length_matches_exit_law(family, verifier):
     _, z, _ = runs(family)[verifier]
     assert abs(z) < 4

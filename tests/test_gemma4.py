@@ -308,6 +308,7 @@ def test_speculative_tokens_equal_ar_greedy_past_the_window(decode_models):
     assert engine.generate_ar(target, PROMPTS, _decode_config()).rows() == want
 
 
+@pytest.mark.slow
 def test_first_three_tokens_follow_the_soft_capped_target():
     """T = 1 exactness with the soft-cap, as tests/test_decode_stats.py: V = 8, a
     sliding layer of window 2 and a global one, prompt of 3 (the window edge is

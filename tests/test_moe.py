@@ -470,6 +470,7 @@ def _v5e_ops(cfg, config, batch: int, program: str):
 
 @pytest.mark.skipif(importlib.util.find_spec("libtpu") is None,
                     reason="libtpu is not installed (pip install -e '.[tpu]')")
+@pytest.mark.slow
 def test_long_passes_read_the_stacked_experts_in_place_on_tpu(monkeypatch):
     """A bf16 prefill of 2 x 1024 tokens (a long pass: the grouped kernel) of a 4-layer
     mixture compiled for v5e:2x4 (data 2 x tensor 4: 4 of 16 experts per chip): one
@@ -495,6 +496,7 @@ def test_long_passes_read_the_stacked_experts_in_place_on_tpu(monkeypatch):
 
 @pytest.mark.skipif(importlib.util.find_spec("libtpu") is None,
                     reason="libtpu is not installed (pip install -e '.[tpu]')")
+@pytest.mark.slow
 def test_a_round_gathers_its_pairs_in_the_kernel_on_tpu(monkeypatch):
     """A budget-16 round at B 8 (136 tokens, 1 088 pairs) of a 2-layer bf16 mixture,
     compiled for v5e:2x4 (tensor 4): the kernel takes the tokens, and the program has no

@@ -71,6 +71,7 @@ def _close(a, b):
     np.testing.assert_allclose(a, b, rtol=2e-5, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_two_processes_match_one_and_resume_after_sigterm(tmp_path):
     data = tf.progressions()
     prompts = [t[:s] for t, (s, _) in zip(data.tokens, data.spans)]

@@ -119,6 +119,7 @@ def runs(tmp_path_factory):
     return whole, parts, full, stops
 
 
+@pytest.mark.slow
 def test_resumed_opd_run_equals_an_uninterrupted_one(runs):
     whole, parts, full, stops = runs
     assert [s.start_update for s in stops] == [0, 3, 4] and stops[-1].update == 6
@@ -145,6 +146,7 @@ def test_resume_inside_a_phase_needs_its_rollouts(tmp_path):
         _run(tmp_path, steps=4)
 
 
+@pytest.mark.slow
 def test_a_rollout_refresh_changes_the_supervision(runs, tmp_path):
     """Phase 1's rollouts are the drafter after update 2 decoding phase 1's prompts: the
     same prompts, key and plan with that drafter give them back bit for bit; with the

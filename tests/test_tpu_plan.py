@@ -166,6 +166,7 @@ def test_chip_table():
         assert chip.source.startswith("https://cloud.google.com/tpu/docs/")
 
 
+@pytest.mark.slow
 @needs_libtpu
 def test_plan_command_json_for_a_topology(tmp_path, capsys):
     """``tev-jax plan --topology v5e:2x4 --mesh-tensor 8 --ops 2 --json``: every decode
