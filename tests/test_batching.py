@@ -180,6 +180,7 @@ def test_buckets():
     assert batching.row_buckets(6) == (1, 2, 4, 6)
 
 
+@pytest.mark.slow
 def test_on_a_mesh_the_tokens_are_the_same(target):
     from tev_jax import sharding as shd
 

@@ -71,7 +71,7 @@ def test_ar_fused_equals_reference(target, reference):
     assert gen.stats.tau == 1.0
 
 
-@pytest.mark.parametrize("quality", ["random", "oracle"])
+@pytest.mark.parametrize("quality", [pytest.param("random", marks=pytest.mark.slow), "oracle"])
 def test_every_builder_and_verifier_is_greedy_exact(target, drafter, reference, quality):
     # ~25 rounds a run with the random drafter (its rounds are short): its first 32
     # tokens; the oracle's full blocks: the first 64 (the slow tier runs all M = 200)

@@ -75,8 +75,10 @@ def test_every_mesh_gives_single_device_tokens(models, mesh_name):
 @needs8
 @pytest.mark.parametrize("mesh_name,builder,verifier,temperature", [
     ("2x2x2", "ddtree", "predraw", 0.0), ("2x2x2", "ddtree", "sequential", 0.0),
-    ("2x2x2", "ddtree", "greedy", 0.0), ("2x2x2", "chain", "tev", 0.0),
-    ("2x2x2", "none", "tev", 0.0), ("tensor8", "ddtree", "predraw", 1.0),
+    ("2x2x2", "ddtree", "greedy", 0.0),
+    pytest.param("2x2x2", "chain", "tev", 0.0, marks=pytest.mark.slow),
+    pytest.param("2x2x2", "none", "tev", 0.0, marks=pytest.mark.slow),
+    ("tensor8", "ddtree", "predraw", 1.0),
 ])
 def test_builders_and_verifiers_under_mesh(models, mesh_name, builder, verifier, temperature):
     """Same tokens as one device for every builder and verifier (all five meshes run the

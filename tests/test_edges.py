@@ -433,6 +433,7 @@ def _train(root, out, *extra):
             "--no-progress", *extra]
 
 
+@pytest.mark.slow
 def test_training_edges(train_dirs, tmp_path, capsys, monkeypatch):
     """Issue 26, findings 4, 5, 6, 15 and 16 on one tiny run:
     15: a preempted run (SIGTERM, checkpoint saved) exits 75, not 0;

@@ -30,6 +30,7 @@ def test_fixed_tree_shape_errors_are_named():
         builder(parents=(-1, 0, 0), ranks=(0, 0, 0))(logits, jnp.int32(0))
 
 
+@pytest.mark.slow
 def test_custom_verifiers_one_lossless_one_not():
     reports = custom_verifier.main(budget=6, num_draws=20_000)
     exact, lossy = reports["exit_first"], reports["typical_acceptance"]

@@ -518,6 +518,7 @@ def test_exittrain_scoring_passes_see_the_window():
 
 @pytest.mark.skipif(importlib.util.find_spec("libtpu") is None,
                     reason="libtpu is not installed (pip install -e '.[tpu]')")
+@pytest.mark.slow
 def test_bf16_ar_step_compiles_for_tpu_with_windowed_sliding_layers():
     """The AR step of a 6-layer Gemma 4 (5 sliding + 1 global), bf16, cache 2048, window 8,
     compiled for v5e:2x4 (tensor 8): the sliding layers' attention reads its window (no

@@ -63,6 +63,7 @@ def test_repeated_heads_are_the_same_model(models):
         repeat_kv_heads(target, 0)
 
 
+@pytest.mark.slow
 @needs8
 def test_tensor_wider_than_the_heads_gives_single_device_tokens(models):
     """Tensor 8 over 4 key/value heads: the strict placement refuses the checkpoint's

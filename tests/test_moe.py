@@ -415,6 +415,7 @@ def test_training_flops_count_the_experts_a_token_uses():
     assert wide < dense_all       # not every expert counted
 
 
+@pytest.mark.slow
 def test_rounds_report_the_experts_they_touch(models):
     """`DecodeStats.experts_touched` [R, layers]: an AR step of one row runs exactly its
     k experts in every sparse layer and none in a dense one; a tree round of 8 rows runs

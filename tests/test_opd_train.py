@@ -213,6 +213,7 @@ def test_opd_run_on_a_mesh_equals_the_single_device_run(tmp_path):
     np.testing.assert_allclose([r["loss"] for r in la], [r["loss"] for r in lb], rtol=1e-4)
 
 
+@pytest.mark.slow
 def test_plan_of_the_opd_step_and_its_rollout_programs(tmp_path, capsys):
     """``tev-train plan --objective opd``: the OPD step's arguments are the token step's
     plus the rounds' four [B, A, H] arrays less the token batch's in_bounds [B, A];
@@ -240,6 +241,7 @@ def test_plan_of_the_opd_step_and_its_rollout_programs(tmp_path, capsys):
     assert "--objective must be one of" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_cli_opd_run_preempted_and_resumed_equals_an_uninterrupted_one(tmp_path, capsys,
                                                                       monkeypatch):
     """``tev-train run --objective opd --init-from DRAFTER``: SIGTERM during update 2

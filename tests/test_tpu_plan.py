@@ -69,6 +69,7 @@ def test_decode_programs_compile_for_a_tpu_slice(name, axes, programs):
         assert result.break_even_tau > 1
 
 
+@pytest.mark.slow
 @needs_libtpu
 def test_continuous_batching_rounds_compile_for_a_tpu_slice():
     from tev_jax.engine import Engine
@@ -210,6 +211,7 @@ def test_plan_command_json_for_a_topology(tmp_path, capsys):
     assert 0 < ar["totals"]["loop_flops"] < programs["round"]["ops"]["totals"]["loop_flops"] / 4
 
 
+@pytest.mark.slow
 @needs_libtpu
 def test_exittrain_step_compiles_for_a_tpu_slice():
     """One ExitTrain update of a bundled-size bf16 target and a 1-layer float32 drafter,

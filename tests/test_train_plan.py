@@ -31,6 +31,7 @@ def _embed_sharded_bytes(config) -> int:
     return total
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not shd.device_count_ok(8), reason="needs 8 (host) devices")
 def test_fsdp_sharded_target_shrinks_the_step_arguments(tmp_path, capsys):
     config_json = tmp_path / "config.json"

@@ -141,6 +141,7 @@ def test_vjp_route_equals_jax_grad_of_the_whole_objective():
                  grads, direct)
 
 
+@pytest.mark.slow
 def test_remat_keeps_and_compute_dtype_casts_the_gradients():
     """remat='full' recomputes each drafter layer in the backward pass: same loss and
     gradients. compute_dtype='bfloat16' runs the drafter in bfloat16 from float32 master

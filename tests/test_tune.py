@@ -276,6 +276,7 @@ def test_auto_picks_per_batch_size(models, prompts):
     assert six.stats.tau == 1.0 and six.rows() == three.rows() * 2  # AR at B = 6
 
 
+@pytest.mark.slow
 def test_continuous_batching_switches_budgets_on_smaller_slots(models):
     """Mixed table (AR at 2 slots, a tree at 1): rows stop at different rounds, the last
     one moves onto the 1-slot program, and every request keeps its greedy tokens."""
