@@ -94,10 +94,13 @@ def test_twenty_interrupts_per_command(name, tmp_path):
     assert -11 not in codes and 139 not in codes
 
 
-def _python(code: str, *, sigint=signal.SIG_DFL, timeout=120) -> subprocess.CompletedProcess:
-    """Runs ``code`` in a fresh interpreter started with SIGINT set to ``sigint`` (as from
-    a terminal by default, whatever this test run was started with)."""
-    return subprocess.run([sys.executable, "-c", code], env=env(), capture_output=True,
+def _python(code: str, *, sigint=signal.SIG_DFL, timeout=120,
+            environ=None) -> subprocess.CompletedProcess:
+    """Runs ``code`` in a fresh interpreter (environment ``environ``, else `env`) started
+    with SIGINT set to ``sigint`` (as from a terminal by default, whatever this test run
+    was started with)."""
+    return subprocess.run([sys.executable, "-c", code], env=environ or env(),
+                          capture_output=True,
                           text=True, timeout=timeout,
                           preexec_fn=lambda: signal.signal(signal.SIGINT, sigint))
 
@@ -150,6 +153,21 @@ def test_a_signal_is_taken_at_the_next_check_only():
             "print('ok')\n")
     run = _python(code)
     assert run.stdout.strip() == "ok", run.stderr[-1500:]
+
+
+def test_the_output_is_out_before_the_handlers_are_given_back():
+    """What a command printed inside `stop.handled_signals` (its summary: how a script
+    tells that it finished) is flushed before the handlers are given back, so a signal
+    that ends the process just after (the interpreter exiting) cannot lose it (stdout to a
+    pipe is block-buffered: without the flush the line is lost)."""
+    code = ("import os, signal\n"
+            "from tev_jax import stop\n"
+            "with stop.handled_signals('test'):\n"
+            "    print('done')\n"
+            "os.kill(os.getpid(), signal.SIGTERM)  # Python's handler again: the end\n")
+    buffered = {k: v for k, v in env().items() if k != "PYTHONUNBUFFERED"}
+    run = _python(code, environ=buffered)
+    assert (run.returncode, run.stdout) == (-signal.SIGTERM, "done\n"), run.stderr[-1500:]
 
 
 @pytest.mark.parametrize("first, second", [("SIGINT", "SIGINT"), ("SIGTERM", "SIGINT")])

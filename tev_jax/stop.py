@@ -56,10 +56,14 @@ def check() -> None:
         raise KeyboardInterrupt()
 
 
-def _exit_at_once(signum: int, prog: str) -> None:
+def _flush() -> None:
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(Exception):
             stream.flush()
+
+
+def _exit_at_once(signum: int, prog: str) -> None:
+    _flush()
     with contextlib.suppress(Exception):
         os.write(2, f"{prog}: {signal.Signals(signum).name} again: stopped at once\n".encode())
     os._exit(EXIT_SIGNAL + signum)
@@ -118,6 +122,9 @@ def handled_signals(prog: str, signals=STOP_SIGNALS):
     try:
         yield
     finally:
+        # what the command printed (its summary: a script's proof that it finished) is
+        # out before Python's handlers are back and a signal can end the process
+        _flush()
         _watching.clear()
         for s in list(_previous):
             release(s)
