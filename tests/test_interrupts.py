@@ -226,6 +226,11 @@ def test_a_signal_during_start_up_ends_with_one_line(prog, sig, delay, tmp_path)
     printed a 25-line traceback)."""
     code, out = interrupt([sys.executable, *START_UP[prog]], tmp_path, delay, sig,
                            done="usage:")
+    if check_exit(prog, code, out, sig, delay, "usage:") == 0:
+        # it had printed its help and was exiting (a faster start-up: Python 3.12 with
+        # the newest jax): Python's handler is back, and the help is whole
+        assert "usage:" in out and "Traceback" not in out, out[-1500:]
+        return
     name = "python -m train" if prog == "tev-train" else prog
     what = {signal.SIGINT: "interrupted (SIGINT)", signal.SIGTERM: "terminated (SIGTERM)"}
     assert (code, out.strip()) == (128 + sig, f"{name}: {what[sig]}")
