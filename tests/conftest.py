@@ -40,7 +40,7 @@ SLOW_FIRST = ("test_interrupts.py", "test_train_interrupts.py", "test_decode.py"
 """The files with the most test time (about 35–100 s each on the 2-core machine, measured
 2026-12-04 with --durations=0), longest first; the two interrupt files first: in the slow
 tier (-m slow) their 80 interrupted commands take the longest (``tev-jax``'s two about
-12 minutes, ``tev-train``'s two about 8 on the loaded machine), so each starts at once on
+20 minutes, ``tev-train``'s two about 9, measured 2026-12-05), so each starts at once on
 a worker and the rest fills in behind the shorter."""
 
 

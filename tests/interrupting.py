@@ -27,7 +27,7 @@ LOST_AFTER = 2.0
 
 
 def interrupt(argv, cwd, delay, sig, done: str, *,
-               sigint=signal.SIG_DFL) -> tuple[int, str]:
+              sigint=signal.SIG_DFL) -> tuple[int, str]:
     """Runs ``argv`` with SIGINT set to ``sigint`` at its start, sends ``sig`` after
     ``delay`` seconds (unless it ended; with SIGINT ignored, SIGINT first), -> (exit code,
     stdout and stderr); a process killed by a signal has a negative code. A command that
