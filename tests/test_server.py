@@ -13,6 +13,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -287,6 +288,72 @@ def test_a_seed_gives_the_same_completion_whatever_shares_the_batch(fixed_server
         assert len({f.result(timeout=300) for f in others[:8]}) > 1  # unseeded: not fixed
     assert sampled(seed=1235) != alone
     assert server.wait_idle()["slots_free"] == MAX_BATCH
+
+
+@pytest.fixture(scope="module")
+def lanes_server():
+    s = Server("--budget", "6", "--max-batch", str(MAX_BATCH), "--max-lanes", "2",
+               "--max-tokens", "16", "--max-prompt-tokens", "64", "--seed", "0")
+    yield s
+    assert s.stop() == 0, s.output()
+
+
+class Watchdog:
+    """Polls ``GET /health`` in a thread and remembers the longest stretch in which
+    requests waited while the server was idle (no live row, none being admitted)."""
+
+    def __init__(self, server: Server, every_s: float = 0.25):
+        self.server, self.every_s = server, every_s
+        self.longest_idle_s, self._since = 0.0, None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._poll, daemon=True)
+
+    def _poll(self):
+        while not self._stop.wait(self.every_s):
+            h = self.server.health()
+            now = time.monotonic()
+            if h["waiting"] and not h["live"] and not h.get("admitting", 0):
+                self._since = self._since or now
+                self.longest_idle_s = max(self.longest_idle_s, now - self._since)
+            else:
+                self._since = None
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join(10)
+
+
+def test_more_settings_than_lanes_all_complete_as_alone(lanes_server, bundled):
+    """Issue 60: six sampling settings through two lanes (``--max-lanes 2``), sent
+    concurrently twice and then in waves of two: every request completes and equals the
+    same request sent alone (seed i, fixed budget, one row per lane: the 1-slot
+    program), ``/health`` returns to ``waiting: 0``, and a watchdog polling ``/health``
+    never sees requests waiting on an idle server for 5 s (before the fix four of
+    eight such requests waited forever once the lanes had been used)."""
+    server = lanes_server
+    client = server.client()
+    text = _prompts(bundled[2], 2)[1]
+    settings = [dict(temperature=round(0.3 + 0.1 * i, 1), top_p=(1.0, 0.9)[i % 2], seed=i)
+                for i in range(6)]
+
+    def complete(kw):
+        r = client.completions.create(model=MODEL, prompt=text, max_tokens=12, **kw)
+        return r.choices[0].text, r.usage.completion_tokens
+
+    with Watchdog(server) as watchdog:
+        alone = [complete(kw) for kw in settings]
+        with concurrent.futures.ThreadPoolExecutor(12) as pool:
+            for _ in range(2):  # all at once, twice over
+                assert list(pool.map(complete, settings, timeout=300)) == alone
+            for i in range(0, 6, 2):  # waves of two new settings
+                assert list(pool.map(complete, settings[i:i + 2], timeout=300)) == alone[i:i + 2]
+        h = server.wait_idle()
+    assert h["waiting"] == 0 and h["live"] == 0 and h["stalls"] == 0, h
+    assert watchdog.longest_idle_s < 5, watchdog.longest_idle_s
 
 
 def _first_two_law(bundled, prompt_ids, temperature, top_k):

@@ -13,6 +13,9 @@ is a static field of the `tev_jax.decode.DecodeConfig`: every program is compile
 one), so requests are grouped by their setting: each setting in use has a *lane*, its
 own decode state and programs, and the lanes take turns, a round each. At most
 ``max_batch`` rows are live over all lanes, and at most ``max_lanes`` settings at once.
+A lane whose rows have all ended is retired at the end of the round (its programs stay
+compiled), and requests are admitted in arrival order: one whose setting finds no lane
+waits, with everyone behind it, until a lane's current rows end.
 
 A lane decodes on the smallest slot program that holds its live rows (the slot counts
 of `tev_jax.batching.row_buckets`: 1, 2, 4, ..., B); it moves its rows onto a larger
@@ -205,12 +208,13 @@ class Scheduler:
         self._empties: dict[tuple[Sampling, int], Callable] = {}
         self._lanes: dict[Sampling, _Lane] = {}
         self._waiting: collections.deque[Job] = collections.deque()
+        self._admitting = 0  # requests taken from the queue whose refill is running
         self._cv = threading.Condition()
         self._drain_at: float | None = None
         self._thread = threading.Thread(target=self._loop, name="tev-jax-scheduler",
                                         daemon=True)
         self.stats = {"rounds": 0, "row_rounds": 0, "block_tokens": 0, "finished": 0,
-                      "finish_reasons": collections.Counter(),
+                      "finish_reasons": collections.Counter(), "stalls": 0,
                       "budgets": collections.Counter(), "slot_counts": collections.Counter()}
 
     # ----------------------------------------------------------------- other threads
@@ -248,14 +252,15 @@ class Scheduler:
 
     def snapshot(self) -> dict:
         """Slots, queue and round statistics (for ``GET /health``)."""
-        lanes = list(self._lanes.values())
+        lanes = list(self._lanes.copy().values())  # the scheduler thread may change it
         live = sum(lane.live for lane in lanes)
         rows = self.stats["row_rounds"]
         return {
             "max_batch": self.max_batch, "live": live, "slots_free": self.max_batch - live,
-            "waiting": len(self._waiting), "lanes": len(lanes),
+            "waiting": len(self._waiting), "admitting": self._admitting,
+            "lanes": len(lanes),
             "draining": self._drain_at is not None, "rounds": self.stats["rounds"],
-            "finished": self.stats["finished"],
+            "finished": self.stats["finished"], "stalls": self.stats["stalls"],
             "finish_reasons": dict(self.stats["finish_reasons"]),
             "tau": round(self.stats["block_tokens"] / rows, 4) if rows else None,
             "row_rounds": rows, "block_tokens": self.stats["block_tokens"],
@@ -320,6 +325,8 @@ class Scheduler:
                                 lane.jobs[slot] = None
                     continue
                 self._admit(waiting)
+                if self._waiting and not any(lane.live for lane in self._lanes.values()):
+                    self._unstall()
                 for lane in list(self._lanes.values()):
                     if lane.live:
                         self._round(lane)
@@ -373,9 +380,24 @@ class Scheduler:
             lane.jobs = [lane.jobs[i] for i in order]
         lane.engine = engine
 
+    def _unstall(self) -> None:
+        """The watchdog: requests wait and no row is live, so nothing would ever free a
+        lane or a slot for them. It cannot happen while `_compact` retires empty lanes;
+        if it does, it is logged, every lane is retired and the waiting are admitted."""
+        self.stats["stalls"] += 1
+        log.warning("%d request(s) waiting with no live rows (lanes %d): retiring the "
+                    "lanes and admitting", len(self._waiting), len(self._lanes))
+        self._lanes.clear()
+        with self._cv:
+            waiting = list(self._waiting)
+        self._admit(waiting)
+
     def _admit(self, waiting: list[Job]) -> None:
-        """Waiting requests into free slots, first come first served (a request whose
-        setting has no lane and no lane to spare waits without blocking the others)."""
+        """Waiting requests into free slots, in arrival order. A request whose setting has
+        no lane while ``max_lanes`` lanes have live rows waits, and so does everyone
+        behind it: requests that came later never join a lane ahead of it and keep it
+        busy, so it waits at most until some lane's current rows end (`_compact` then
+        retires that lane)."""
         live = sum(lane.live for lane in self._lanes.values())
         new: dict[Sampling, list[Job]] = collections.defaultdict(list)
         taken = []
@@ -388,7 +410,7 @@ class Scheduler:
             s = job.request.sampling
             if s not in self._lanes:
                 if len(self._lanes) >= self.max_lanes:
-                    continue
+                    break
                 self._lanes[s] = _Lane(s)
             new[s].append(job)
             taken.append(job)
@@ -396,14 +418,18 @@ class Scheduler:
         with self._cv:
             for job in taken:
                 self._waiting.remove(job)
-        for s, jobs in new.items():
-            lane = self._lanes[s]
-            need = lane.live + len(jobs)
-            slots = next(n for n in self.sizes if n >= need)
-            if slots > len(lane.jobs):
-                self._resize(lane, slots)
-            self._refill(lane, jobs)
-            self._hand_out(lane)
+        self._admitting = sum(map(len, new.values()))
+        try:
+            for s, jobs in new.items():
+                lane = self._lanes[s]
+                need = lane.live + len(jobs)
+                slots = next(n for n in self.sizes if n >= need)
+                if slots > len(lane.jobs):
+                    self._resize(lane, slots)
+                self._refill(lane, jobs)
+                self._hand_out(lane)
+        finally:
+            self._admitting = 0
 
     def _refill(self, lane: _Lane, jobs: list[Job]) -> None:
         free = [i for i, j in enumerate(lane.jobs) if j is None]
@@ -481,14 +507,15 @@ class Scheduler:
         job.emit(Event("", reason, len(job.request.prompt_ids), len(job.tokens)))
 
     def _compact(self) -> None:
-        """Lanes with no live row are dropped; others shrink onto the smallest program
-        that holds them, unless someone waits."""
-        if self._waiting:
-            return
+        """Lanes with no live row are retired (their compiled programs stay cached), so a
+        waiting request of another setting takes the lane in the next round; the others
+        shrink onto the smallest program that holds them, unless someone waits."""
         for s, lane in list(self._lanes.items()):
             if not lane.live:
                 del self._lanes[s]
-                continue
+        if self._waiting:
+            return
+        for lane in self._lanes.values():
             slots = next(n for n in self.sizes if n >= lane.live)
             if slots < len(lane.jobs):
                 self._resize(lane, slots)

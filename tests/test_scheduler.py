@@ -1,0 +1,102 @@
+"""The server's `Scheduler` in process, with the bundled models and no HTTP: lanes (one
+per sampling setting) are given back once their rows end, and requests are admitted in
+arrival order (issue 60: a setting beyond ``max_lanes`` used to wait forever)."""
+
+import threading
+
+import pytest
+
+from tev_jax.data.tokenizer import STOP_IDS
+from tev_jax.decode import DecodeConfig
+from tev_jax.sampling import Sampling
+from tev_jax.server.requests import GenerationRequest
+from tev_jax.server.scheduler import Scheduler
+
+MAX_TOKENS = 6
+
+
+@pytest.fixture(scope="module")
+def bundled():
+    from tev_jax.models.bundled import load_bundled
+
+    return load_bundled()
+
+
+class Recorder:
+    """Collects each job's events with the order in which they arrived."""
+
+    def __init__(self, n: int):
+        self.events = {i: [] for i in range(n)}
+        self.order: list[int] = []
+        self._n, self._done = n, threading.Event()
+        self._lock = threading.Lock()
+
+    def emit(self, i: int):
+        def emit(event):
+            with self._lock:
+                self.events[i].append(event)
+                self.order.append(i)
+                if sum(bool(e) and e[-1].finish_reason is not None
+                       for e in self.events.values()) == self._n:
+                    self._done.set()
+        return emit
+
+    def wait(self, seconds: float) -> bool:
+        return self._done.wait(seconds)
+
+    def tokens(self, i: int) -> tuple[int, ...]:
+        return tuple(t for e in self.events[i] for t in e.token_ids)
+
+
+def _scheduler(bundled, **kw) -> Scheduler:
+    target, drafter, tok = bundled
+    config = DecodeConfig(max_new_tokens=MAX_TOKENS, prompt_len=16, budget=4,
+                          stop_token_ids=STOP_IDS)
+    return Scheduler(target, drafter, config, tok.decode, widths=[16], **kw)
+
+
+def _request(tok, temperature: float, seed: int) -> GenerationRequest:
+    return GenerationRequest(chat=False, prompt_ids=tuple(tok.encode("Once upon a time").ids),
+                             max_tokens=MAX_TOKENS, sampling=Sampling(temperature=temperature),
+                             seed=seed)
+
+
+def _run(scheduler: Scheduler, requests, seconds: float = 240.0) -> Recorder:
+    """Submits the requests in order (before the thread starts, so the first admission
+    sees them all), starts the scheduler and waits for every request to end."""
+    rec = Recorder(len(requests))
+    for i, r in enumerate(requests):
+        scheduler.submit(r, rec.emit(i))
+    scheduler.start()
+    assert rec.wait(seconds), f"requests never ended: {scheduler.snapshot()}"
+    return rec
+
+
+def test_settings_beyond_max_lanes_are_admitted_in_arrival_order(bundled):
+    """One lane, three requests: A (T 0.5), B (T 0.9), C (T 0.5). Every request ends
+    (before the fix B waited forever once A's lane had emptied), B is admitted before C
+    though C could have joined A's lane (C came later), the queue ends empty with no
+    watchdog stall, and each completion equals the same request alone (seeded, fixed
+    budget, all on the 1-slot program); then a second wave, a new setting and a known
+    one, is admitted too."""
+    tok = bundled[2]
+    requests = [_request(tok, 0.5, 1), _request(tok, 0.9, 2), _request(tok, 0.5, 3)]
+    s = _scheduler(bundled, max_batch=2, max_lanes=1)
+    rec = _run(s, requests)
+    assert [rec.events[i][-1].finish_reason for i in range(3)] == ["length"] * 3
+    assert rec.order.index(1) < rec.order.index(2), rec.order  # B's first event before C's
+    snap = s.snapshot()
+    assert (snap["waiting"], snap["live"], snap["lanes"], snap["stalls"]) == (0, 0, 0, 0)
+    for i, r in enumerate(requests):  # one at a time through the same scheduler
+        alone = Recorder(1)
+        s.submit(r, alone.emit(0))
+        assert alone.wait(120), s.snapshot()
+        assert alone.tokens(0) == rec.tokens(i), i
+    wave = Recorder(2)  # a second wave while it runs: a setting never seen, and B's
+    s.submit(_request(tok, 0.7, 4), wave.emit(0))
+    s.submit(requests[1], wave.emit(1))
+    assert wave.wait(120), s.snapshot()
+    assert wave.tokens(1) == rec.tokens(1)
+    s.drain()
+    assert s.join(30)
+    assert s.snapshot()["stalls"] == 0
