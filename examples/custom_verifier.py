@@ -21,7 +21,7 @@ from the repository root).
 
 from __future__ import annotations
 
-from tev_jax.platforms import quiet_start
+from tev_jax.runtime.platforms import quiet_start
 
 if __name__ == "__main__":
     quiet_start()  # before jax is imported: the CPU where no accelerator is attached, quietly
@@ -34,7 +34,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from tev_jax import ddtree, testing  # noqa: E402
+from tev_jax import ddtree, testing
 from tev_jax.exit_law import exit_law  # noqa: E402
 from tev_jax.models import load_bundled  # noqa: E402
 from tev_jax.models.drafter import draft_step, init_drafter_cache  # noqa: E402

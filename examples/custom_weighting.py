@@ -18,7 +18,7 @@ from the repository root).
 
 from __future__ import annotations
 
-from tev_jax.platforms import quiet_start
+from tev_jax.runtime.platforms import quiet_start
 
 if __name__ == "__main__":
     quiet_start()  # before jax is imported: the CPU where no accelerator is attached, quietly

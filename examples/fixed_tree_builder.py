@@ -21,7 +21,7 @@ from the repository root).
 
 from __future__ import annotations
 
-from tev_jax.platforms import quiet_start
+from tev_jax.runtime.platforms import quiet_start
 
 if __name__ == "__main__":
     quiet_start()  # before jax is imported: the CPU where no accelerator is attached, quietly
@@ -32,7 +32,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from tev_jax import decode, engine  # noqa: E402
+from tev_jax import decode, engine
 from tev_jax.models import load_bundled  # noqa: E402
 from tev_jax.tree import DraftTree  # noqa: E402
 

@@ -1,4 +1,4 @@
-"""Batch generation files and command line (tev_jax.batch_io, `tev-jax generate --prompts`).
+"""Batch generation files and command line (tev_jax.batch.outputs, `tev-jax generate --prompts`).
 
 Prompts files (JSONL kinds, plain text, every bad-input message), chat templates,
 prompt-buffer checks, resumable output with its settings sidecar, process shards and
@@ -14,9 +14,10 @@ import subprocess
 import sys
 
 import pytest
-
 from decode_fixtures import greedy_reference, tiny_target
-from tev_jax import batch_io
+
+from tev_jax import text_io
+from tev_jax.batch import outputs
 from tev_jax.data import tokenizer as tok_lib
 
 V = 64
@@ -35,12 +36,12 @@ def test_read_prompts_kinds_and_text(tmp_path):
         '{"id": "a", "prompt": "hello"}', "",
         '{"id": 2, "messages": [{"role": "user", "content": "hi"}]}',
         '{"id": "c", "prompt_ids": [1, 2, 3]}'])
-    records = batch_io.read_prompts(f)
+    records = text_io.read_prompts(f)
     assert [(r.id, r.line, r.kind) for r in records] == [
         ("a", 1, "prompt"), (2, 3, "messages"), ("c", 4, "prompt_ids")]
     assert records[2].value == [1, 2, 3]
     text = _write(tmp_path / "p.txt", ["first prompt", "second prompt", ""])
-    assert [(r.id, r.value) for r in batch_io.read_prompts(text)] == [
+    assert [(r.id, r.value) for r in text_io.read_prompts(text)] == [
         (1, "first prompt"), (2, "second prompt")]
 
 
@@ -59,18 +60,18 @@ def test_read_prompts_kinds_and_text(tmp_path):
 def test_read_prompts_bad_lines(tmp_path, line, message):
     f = _write(tmp_path / "p.jsonl", ['{"id": "ok", "prompt": "x"}', line])
     with pytest.raises(ValueError, match=message):
-        batch_io.read_prompts(f)
+        text_io.read_prompts(f)
 
 
 def test_read_prompts_bad_files(tmp_path):
     with pytest.raises(ValueError, match="no such prompts file"):
-        batch_io.read_prompts(tmp_path / "missing.jsonl")
+        text_io.read_prompts(tmp_path / "missing.jsonl")
     with pytest.raises(ValueError, match="a directory; give a prompts file"):
-        batch_io.read_prompts(tmp_path)
+        text_io.read_prompts(tmp_path)
     with pytest.raises(ValueError, match="p.txt:2: empty prompt"):
-        batch_io.read_prompts(_write(tmp_path / "p.txt", ["a", " ", "b"]))
+        text_io.read_prompts(_write(tmp_path / "p.txt", ["a", " ", "b"]))
     with pytest.raises(ValueError, match="no prompts"):
-        batch_io.read_prompts(_write(tmp_path / "e.jsonl", [""]))
+        text_io.read_prompts(_write(tmp_path / "e.jsonl", [""]))
 
 
 def test_chat_templates_and_encoding(tmp_path):
@@ -79,21 +80,21 @@ def test_chat_templates_and_encoding(tmp_path):
     tokenizer = tok_lib.load_default_tokenizer()
     config = json.loads((bundled_paths().target / "tokenizer_config.json").read_text())
     user = [{"role": "user", "content": "What is 2 + 3?"}]
-    assert batch_io.chat_formatter(config)(user) == tok_lib.format_chat("What is 2 + 3?")
-    assert batch_io.chat_formatter(None)(user) == tok_lib.format_chat("What is 2 + 3?")
+    assert text_io.chat_formatter(config)(user) == tok_lib.format_chat("What is 2 + 3?")
+    assert text_io.chat_formatter(None)(user) == tok_lib.format_chat("What is 2 + 3?")
     with pytest.raises(ValueError, match="must be one user turn"):
-        batch_io.chat_formatter(None)(user + [{"role": "assistant", "content": "5"}])
+        text_io.chat_formatter(None)(user + [{"role": "assistant", "content": "5"}])
     with pytest.raises(ValueError, match="chat template: only user and assistant"):
-        batch_io.chat_formatter(config)([{"role": "system", "content": "x"}])
+        text_io.chat_formatter(config)([{"role": "system", "content": "x"}])
 
     # A template that writes BOS itself: no second BOS from the tokenizer.
     with_bos = {"chat_template": "{{ bos_token }}{{ messages[0]['content'] }}",
                 "bos_token": tok_lib.BOS}
-    records = batch_io.read_prompts(_write(tmp_path / "p.jsonl", [
+    records = text_io.read_prompts(_write(tmp_path / "p.jsonl", [
         '{"id": "m", "messages": [{"role": "user", "content": "hi there"}]}',
         '{"id": "t", "prompt": "hi there"}', '{"id": "i", "prompt_ids": [7, 8, 9, 10]}']))
-    enc = lambda **kw: batch_io.encode_records(
-        records, tokenizer, batch_io.chat_formatter(with_bos), vocab_size=4096, **kw)
+    enc = lambda **kw: text_io.encode_records(
+        records, tokenizer, text_io.chat_formatter(with_bos), vocab_size=4096, **kw)
     m, t, i = enc(prompt_len=None, truncate=False)
     assert m.prompt_ids == t.prompt_ids == tokenizer.encode("hi there").ids
     assert m.prompt_ids[0] == tok_lib.BOS_ID and m.prompt_ids[1] != tok_lib.BOS_ID
@@ -104,7 +105,7 @@ def test_chat_templates_and_encoding(tmp_path):
     assert enc(prompt_len=3, truncate=True)[2].prompt_ids == [8, 9, 10]
     with pytest.raises(ValueError, match=r"prompts:3: id 'i': token id 10 is outside the "
                                          r"vocabulary \[0, 10\)"):
-        batch_io.encode_records(records[2:], tokenizer, None, vocab_size=10,
+        text_io.encode_records(records[2:], tokenizer, None, vocab_size=10,
                                 prompt_len=None, truncate=False)
 
 
@@ -114,75 +115,75 @@ def test_chat_templates_and_encoding(tmp_path):
 def test_output_resume_and_settings(tmp_path):
     out = tmp_path / "out.jsonl"
     settings = {"builder": "ddtree", "seed": 0, "run": {"batch_size": 8}}
-    done, f = batch_io.open_output(out, settings)
+    done, f = outputs.open_output(out, settings)
     assert done == set()
     with f:
-        batch_io.write_line(f, {"id": "a", "text": "x"})
-        batch_io.write_line(f, {"id": 2, "text": "y"})
+        outputs.write_line(f, {"id": "a", "text": "x"})
+        outputs.write_line(f, {"id": 2, "text": "y"})
         f.write('{"id": "c", "te')  # an interrupted write
     rerun = dict(settings, run={"batch_size": 32})  # run entries may change
-    done, f = batch_io.open_output(out, rerun)
+    done, f = outputs.open_output(out, rerun)
     f.close()
     assert done == {'"a"', "2"}
     assert out.read_text().endswith('"y"}\n')  # the partial line is cut, its id reruns
-    side = json.loads(batch_io.settings_path(out).read_text())
-    fingerprint = batch_io.settings_fingerprint(settings)
+    side = json.loads(outputs.settings_path(out).read_text())
+    fingerprint = outputs.settings_fingerprint(settings)
     assert side == dict(settings, run={"batch_size": 32, "fingerprint": fingerprint})
 
     with pytest.raises(ValueError, match=r"other settings \(seed differ.*--force"):
-        batch_io.open_output(out, dict(settings, seed=1))
-    done, f = batch_io.open_output(out, dict(settings, seed=1), force=True)
+        outputs.open_output(out, dict(settings, seed=1))
+    done, f = outputs.open_output(out, dict(settings, seed=1), force=True)
     f.close()
     assert done == {'"a"', "2"}
-    assert json.loads(batch_io.settings_path(out).read_text())["seed"] == 1
+    assert json.loads(outputs.settings_path(out).read_text())["seed"] == 1
     # issue 26, finding 13: the rows made before keep their settings on disk
     kept = tmp_path / f"out.settings.{fingerprint}.json"
     assert json.loads(kept.read_text())["seed"] == 0
 
     stray = _write(tmp_path / "other.jsonl", ['{"id": 1}'])
     with pytest.raises(ValueError, match="has no settings file"):
-        batch_io.open_output(stray, settings)
-    batch_io.settings_path(stray).write_text(json.dumps(settings))
+        outputs.open_output(stray, settings)
+    outputs.settings_path(stray).write_text(json.dumps(settings))
     _write(stray, ["not json"])
     with pytest.raises(ValueError, match="other.jsonl:1: not a JSON line"):
-        batch_io.open_output(stray, settings)
+        outputs.open_output(stray, settings)
 
 
 def test_shards_and_merge(tmp_path):
     out = tmp_path / "out.jsonl"
-    assert batch_io.shard_path(out, 0, 1) == out
-    assert batch_io.shard_path(out, 1, 3).name == "out.1-of-3.jsonl"
+    assert outputs.shard_path(out, 0, 1) == out
+    assert outputs.shard_path(out, 1, 3).name == "out.1-of-3.jsonl"
     with pytest.raises(ValueError, match="process index 3 is outside"):
-        batch_io.shard_path(out, 3, 3)
+        outputs.shard_path(out, 3, 3)
     items = list(range(10))
-    shards = [batch_io.shard_of(items, i, 3) for i in range(3)]
+    shards = [outputs.shard_of(items, i, 3) for i in range(3)]
     assert sorted(sum(shards, [])) == items and shards[1] == [1, 4, 7]
 
     with pytest.raises(ValueError, match="no shards"):
-        batch_io.merge_outputs(out)
+        outputs.merge_outputs(out)
     settings = {"seed": 0}
     for i in range(3):
-        _, f = batch_io.open_output(batch_io.shard_path(out, i, 3),
+        _, f = outputs.open_output(outputs.shard_path(out, i, 3),
                                     dict(settings, run={"process_index": i}))
         with f:
             for rid in shards[i]:
-                batch_io.write_line(f, {"id": rid})
-    assert batch_io.merge_outputs(out) == 10
+                outputs.write_line(f, {"id": rid})
+    assert outputs.merge_outputs(out) == 10
     assert sorted(json.loads(line)["id"] for line in out.read_text().splitlines()) == items
-    assert json.loads(batch_io.settings_path(out).read_text())["seed"] == 0
+    assert json.loads(outputs.settings_path(out).read_text())["seed"] == 0
     with pytest.raises(ValueError, match="exists; remove it or use --force"):
-        batch_io.merge_outputs(out)
+        outputs.merge_outputs(out)
 
-    with batch_io.shard_path(out, 2, 3).open("a") as f:
+    with outputs.shard_path(out, 2, 3).open("a") as f:
         f.write('{"id": 0}\n')
     with pytest.raises(ValueError, match="id 0 is in shards 0 and 2"):
-        batch_io.merge_outputs(out, force=True)
-    batch_io.settings_path(batch_io.shard_path(out, 2, 3)).write_text('{"seed": 1}')
+        outputs.merge_outputs(out, force=True)
+    outputs.settings_path(outputs.shard_path(out, 2, 3)).write_text('{"seed": 1}')
     with pytest.raises(ValueError, match="different settings"):
-        batch_io.merge_outputs(out, force=True)
-    batch_io.shard_path(out, 1, 3).unlink()
+        outputs.merge_outputs(out, force=True)
+    outputs.shard_path(out, 1, 3).unlink()
     with pytest.raises(ValueError, match=r"shards \[1\] of 3 are missing"):
-        batch_io.merge_outputs(out, force=True)
+        outputs.merge_outputs(out, force=True)
 
 
 # ------------------------------------------------------------------- command line
@@ -286,7 +287,7 @@ def test_a_sampled_batch_job_does_not_depend_on_processes_batch_or_resume(tmp_pa
 
 
 def test_tev_jax_does_not_import_train():
-    code = ("import sys, tev_jax, tev_jax.cli, tev_jax.batching, tev_jax.batch_io, "
+    code = ("import sys, tev_jax, tev_jax.cli, tev_jax.batch.continuous, tev_jax.batch.outputs, "
             "tev_jax.decode; bad = [m for m in sys.modules if m == 'train' or "
             "m.startswith('train.')]; print(bad); sys.exit(1 if bad else 0)")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
@@ -299,10 +300,10 @@ def test_an_output_folder_that_is_a_file_names_the_flag_it_came_from(tmp_path):
     afile.write_text("")
     with pytest.raises(ValueError, match=rf"{afile}: cannot write there \({afile} is a file, "
                        r"not a folder\); choose another --out-dir"):
-        with batch_io.lock_output(afile / "run", flag="--out-dir", what=str(afile)):
+        with outputs.lock_output(afile / "run", flag="--out-dir", what=str(afile)):
             pass
     with pytest.raises(ValueError, match=r"choose another --output$"):
-        with batch_io.lock_output(afile / "out.jsonl"):
+        with outputs.lock_output(afile / "out.jsonl"):
             pass
 
 

@@ -1,4 +1,4 @@
-"""Continuous batching (tev_jax.batching): exact per request, a few compilations.
+"""Continuous batching (tev_jax.batch.continuous): exact per request, a few compilations.
 
 T = 0: more prompts than slots, of mixed lengths, with a stop token so rows finish at
 different rounds and slots are refilled one or two at a time. Every request's tokens
@@ -14,10 +14,11 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from decode_fixtures import greedy_reference, jit_score, tiny_target
 from scipy import stats
 
-from decode_fixtures import greedy_reference, jit_score, tiny_target
-from tev_jax import batching, decode, engine
+from tev_jax import decode, engine, slots
+from tev_jax.batch import continuous
 from tev_jax.models.drafter_io import init_drafter
 from tev_jax.sampling import Sampling
 
@@ -49,8 +50,8 @@ def _until_stop(tokens):
 
 
 def _run(target, drafter, prompts, config, batch_size, key=0, widths=None):
-    requests = [batching.Request(i, p) for i, p in enumerate(prompts)]
-    results = list(batching.generate_continuous(target, drafter, requests, config,
+    requests = [slots.Request(i, p) for i, p in enumerate(prompts)]
+    results = list(continuous.generate_continuous(target, drafter, requests, config,
                                                 batch_size=batch_size, key=key,
                                                 widths=widths))
     assert sorted(r.id for r in results) == list(range(len(prompts)))
@@ -100,9 +101,9 @@ def test_t1_each_request_equals_its_row_of_one_generation(target, drafter):
     prompts = _prompts(2, 7)
     whole = engine.generate(target, drafter, prompts, config, key=4)
     want = [_until_stop(whole.rows()[j]) for j in range(len(prompts))]
-    for slots in (2, 3):
-        got = _run(target, drafter, prompts, config, batch_size=slots, key=4, widths=(16, P))
-        assert [got[j].token_ids for j in range(len(prompts))] == want, slots
+    for n_slots in (2, 3):
+        got = _run(target, drafter, prompts, config, batch_size=n_slots, key=4, widths=(16, P))
+        assert [got[j].token_ids for j in range(len(prompts))] == want, n_slots
     other = _run(target, drafter, prompts, config, batch_size=2, key=5, widths=(16, P))
     assert sum(other[j].token_ids != want[j] for j in range(len(prompts))) >= 4
 
@@ -156,28 +157,28 @@ def _chi2_pvalue(counts, probs):
 def test_bad_requests_and_settings_raise(target, drafter):
     config = decode.DecodeConfig(max_new_tokens=4, budget=6, prompt_len=8)
     run = lambda reqs, cfg=config, b=2: list(
-        batching.generate_continuous(target, drafter, reqs, cfg, batch_size=b))
+        continuous.generate_continuous(target, drafter, reqs, cfg, batch_size=b))
     with pytest.raises(ValueError, match="'long': the prompt has 9 tokens, more than the "
                                          r"prompt buffer \(8\)"):
-        run([batching.Request("long", [1] * 9)])
+        run([slots.Request("long", [1] * 9)])
     with pytest.raises(ValueError, match="request 7: token id 64 is outside"):
-        run([batching.Request(7, [1, 64])])
+        run([slots.Request(7, [1, 64])])
     with pytest.raises(ValueError, match="request 'e': the prompt is empty"):
-        run([batching.Request("e", [])])
+        run([slots.Request("e", [])])
     with pytest.raises(ValueError, match="batch_size must be a positive int"):
-        run([batching.Request(0, [1])], b=0)
+        run([slots.Request(0, [1])], b=0)
     with pytest.raises(ValueError, match="prompt_len set"):
-        run([batching.Request(0, [1])], cfg=decode.DecodeConfig(max_new_tokens=4))
+        run([slots.Request(0, [1])], cfg=decode.DecodeConfig(max_new_tokens=4))
 
 
 def test_buckets():
-    assert batching.width_buckets(256, count=3) == (64, 128, 256)
-    assert batching.width_buckets(576) == (40, 72, 144, 288, 576)
-    assert batching.width_buckets(20) == (8, 16, 20)
-    assert batching.width_buckets(8, count=4) == (8,)
-    assert batching.row_buckets(1) == (1,)
-    assert batching.row_buckets(8) == (1, 2, 4, 8)
-    assert batching.row_buckets(6) == (1, 2, 4, 6)
+    assert slots.width_buckets(256, count=3) == (64, 128, 256)
+    assert slots.width_buckets(576) == (40, 72, 144, 288, 576)
+    assert slots.width_buckets(20) == (8, 16, 20)
+    assert slots.width_buckets(8, count=4) == (8,)
+    assert slots.row_buckets(1) == (1,)
+    assert slots.row_buckets(8) == (1, 2, 4, 8)
+    assert slots.row_buckets(6) == (1, 2, 4, 6)
 
 
 @pytest.mark.slow
@@ -191,11 +192,11 @@ def test_on_a_mesh_the_tokens_are_the_same(target):
                                  prompt_len=16)
     prompts = _prompts(2, 7)
     prompts = [p[:16] for p in prompts]
-    requests = [batching.Request(i, p) for i, p in enumerate(prompts)]
-    got = {r.id: r.token_ids for r in batching.generate_continuous(
+    requests = [slots.Request(i, p) for i, p in enumerate(prompts)]
+    got = {r.id: r.token_ids for r in continuous.generate_continuous(
         target, None, requests, config, batch_size=4, mesh=mesh)}
     reference = greedy_reference(target, prompts, 12)
     assert [got[i] for i in range(len(prompts))] == [_until_stop(r) for r in reference]
     with pytest.raises(ValueError, match="do not divide"):
-        list(batching.generate_continuous(target, None, requests, config, batch_size=3,
+        list(continuous.generate_continuous(target, None, requests, config, batch_size=3,
                                           mesh=mesh))

@@ -20,10 +20,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from decode_fixtures import MixDrafter, greedy_reference, tiny_target
 from flax import nnx
 
-from decode_fixtures import MixDrafter, greedy_reference, tiny_target
-from tev_jax import decode, engine, extensions, profile
+from tev_jax import decode, engine, extensions
+from tev_jax.costs import timing
 from tev_jax.models.drafter_io import init_drafter
 from tev_jax.sampling import Sampling
 from tev_jax.testing.drafters import OracleDrafter
@@ -90,7 +91,7 @@ def _check_greedy_exact(target, drafter, reference, quality, m):
     drafter.use_oracle[...] = jnp.asarray(quality == "oracle")
     for builder in ("chain", "ddtree"):
         for verifier in extensions.VERIFIERS:
-            gen = profile.profile_generate(
+            gen = timing.profile_generate(
                 target, drafter, PROMPTS,
                 _config(builder=builder, verifier=verifier, track_exit_law=True,
                         max_new_tokens=m), key=3, warmup=False)
@@ -138,7 +139,7 @@ def test_stop_tokens_end_rows_independently(target, drafter, reference):
     # A stop token that row 0 emits early; the other rows must be unaffected up to theirs.
     stop = reference[0][10]
     config = _config(builder="ddtree", stop_token_ids=(stop,))
-    gen = profile.profile_generate(target, drafter, PROMPTS, config, warmup=False, trace=True)
+    gen = timing.profile_generate(target, drafter, PROMPTS, config, warmup=False, trace=True)
     traced = engine.generate(target, drafter, PROMPTS, config, trace=True)
     np.testing.assert_array_equal(traced.tokens, gen.tokens)
     for t in (gen.trace, traced.trace):
@@ -157,7 +158,7 @@ def test_stop_tokens_end_rows_independently(target, drafter, reference):
 
 def test_profile_reports_stage_times(target, drafter):
     drafter.use_oracle[...] = jnp.asarray(True)
-    gen = profile.profile_generate(target, drafter, PROMPTS, _config(builder="chain"))
+    gen = timing.profile_generate(target, drafter, PROMPTS, _config(builder="chain"))
     t = gen.stats.stage_seconds
     assert set(t) == {"prefill", "draft", "build", "verify", "decide", "commit"}
     assert all(v > 0 for v in t.values())
@@ -169,7 +170,7 @@ def test_fused_path_equals_profiled_path_at_t1(target, drafter):
     drafter.use_oracle[...] = jnp.asarray(True)
     config = _config(builder="ddtree", verifier="tev", sampling=Sampling(1.0), max_new_tokens=40)
     a = engine.generate(target, drafter, PROMPTS, config, key=7)
-    b = profile.profile_generate(target, drafter, PROMPTS, config, key=7, warmup=False,
+    b = timing.profile_generate(target, drafter, PROMPTS, config, key=7, warmup=False,
                                  trace=True)
     np.testing.assert_array_equal(a.tokens, b.tokens)
     np.testing.assert_array_equal(a.stats.block_lengths, b.stats.block_lengths)
@@ -246,7 +247,7 @@ def test_non_finite_draft_logits_raise(target, drafter):
     norm = broken.dflash.drafter.norm.weight
     norm[...] = norm[...].at[0].set(jnp.nan)
     with pytest.raises(ValueError, match="drafter produced non-finite logits"):
-        profile.profile_generate(target, broken, PROMPTS, _config(builder="chain", verifier="tev",
+        timing.profile_generate(target, broken, PROMPTS, _config(builder="chain", verifier="tev",
                                                                  track_exit_law=True), warmup=False)
 
 

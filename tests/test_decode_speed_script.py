@@ -1,6 +1,6 @@
 """experiments/decode_speed runs end to end on the engine's public API (a tiny version).
 
-The study times the fused program and the un-fused per-stage path of `tev_jax.profile`
+The study times the fused program and the un-fused per-stage path of `tev_jax.costs.timing`
 on random models; here with one budget, T = 0 and 8 new tokens. Both paths must decode
 the same number of tokens in the same number of rounds for every configuration (they
 run the same stages with the same key), AR must have τ = 1, the oracle drafter's

@@ -32,11 +32,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from decode_fixtures import TableDrafter, jit_score, oracle_table, tiny_target
 from scipy import stats
 
-from decode_fixtures import TableDrafter, jit_score, oracle_table, tiny_target
-from tev_jax import decode, profile
+from tev_jax import decode
 from tev_jax import verify as verify_lib
+from tev_jax.costs import timing
 from tev_jax.sampling import Sampling, log_probs
 
 V = 8
@@ -97,7 +98,7 @@ def _generate(target, drafter, verifier, seed):
                                  verifier=verifier, sampling=SAMPLING, max_cache_len=16,
                                  track_exit_law=True)
     # The un-fused path shares every stage's compilation across verifiers but decide.
-    return profile.profile_generate(target, drafter, [PROMPT] * CHUNK, config,
+    return timing.profile_generate(target, drafter, [PROMPT] * CHUNK, config,
                                    key=seed, warmup=False)
 
 

@@ -18,14 +18,16 @@ import signal
 import sys
 
 import pytest
-
-from train_fixtures import train_dirs  # noqa: F401  (a fixture)
 from decode_fixtures import greedy_reference
-from tev_jax import batch_io, batching, cli, exits, profile
+from train_fixtures import train_dirs  # noqa: F401  (a fixture)
+
+from tev_jax import cli, text_io
+from tev_jax.batch import continuous, outputs
+from tev_jax.costs import timing
 from tev_jax.data import prompts as prompt_sets
-from tev_jax.models import ModelConfig, init_target, save_target
-from tev_jax.models import bundled
+from tev_jax.models import ModelConfig, bundled, init_target, save_target
 from tev_jax.models.checkpoint_io import weights_fingerprint
+from tev_jax.runtime import exit_codes
 from train import __main__ as train_cli
 from train.checkpoint import TrainCheckpointer
 from train.loop import check_data_target
@@ -92,25 +94,25 @@ def test_merge_refuses_incomplete_shards_and_writes_input_order(tmp_path):
     prompts file's order, whatever order the rows finished in."""
     out = tmp_path / "out.jsonl"
     ids = [f"q{i}" for i in range(7)]
-    shards = [batch_io.shard_path(out, i, 2) for i in range(2)]
+    shards = [outputs.shard_path(out, i, 2) for i in range(2)]
     for i, shard in enumerate(shards):
-        mine = batch_io.shard_of(list(enumerate(ids)), i, 2)
-        with batch_io.lock_output(shard):
-            _, f = batch_io.open_output(shard, {"seed": 0, "run": {"process_index": i}},
+        mine = outputs.shard_of(list(enumerate(ids)), i, 2)
+        with outputs.lock_output(shard):
+            _, f = outputs.open_output(shard, {"seed": 0, "run": {"process_index": i}},
                                         expected=len(mine))
             with f:
                 for index, rid in reversed(mine):  # finished last-first
-                    batch_io.write_line(f, {"id": rid, "index": index})
+                    outputs.write_line(f, {"id": rid, "index": index})
     full = shards[1].read_text()
     shards[1].write_text(full.splitlines(keepends=True)[0])
     with pytest.raises(ValueError, match=r"out.1-of-2.jsonl is incomplete: 1 of its 3 "
                                          r"results \(2 missing\); rerun process 1 of 2"):
-        batch_io.merge_outputs(out)
+        outputs.merge_outputs(out)
     assert not out.exists()
     shards[1].write_text(full)
-    assert batch_io.merge_outputs(out) == 7
+    assert outputs.merge_outputs(out) == 7
     assert [json.loads(x)["id"] for x in out.read_text().splitlines()] == ids
-    assert json.loads(batch_io.settings_path(out).read_text())["run"]["expected"] == 7
+    assert json.loads(outputs.settings_path(out).read_text())["run"]["expected"] == 7
 
 
 def test_one_writer_per_output_and_duplicates_named(tmp_path, target_dir, capsys):
@@ -118,14 +120,14 @@ def test_one_writer_per_output_and_duplicates_named(tmp_path, target_dir, capsys
     naming the holder, before anything is written; a file two writers filled names its
     duplicate ids."""
     out = tmp_path / "out.jsonl"
-    with batch_io.lock_output(out):
+    with outputs.lock_output(out):
         line = _refused(_batch(target_dir, tmp_path), capsys)
         assert f"is being written by another process (pid {os.getpid()} on " in line
-        assert not out.exists() and not batch_io.settings_path(out).exists()
-    assert not batch_io.lock_path(out).exists()
+        assert not out.exists() and not outputs.settings_path(out).exists()
+    assert not outputs.lock_path(out).exists()
     out.write_text('{"id": "a"}\n{"id": "b"}\n{"id": "a"}\n')
     with pytest.raises(ValueError, match=r"out.jsonl:3: id 'a' is also on line 1"):
-        batch_io.read_done_ids(out)
+        outputs.read_done_ids(out)
 
 
 def test_unwritable_outputs_and_missing_prompts_are_one_line(tmp_path, target_dir, capsys):
@@ -147,14 +149,14 @@ def test_prompts_files_name_bad_bytes_and_read_the_bundled_sets(tmp_path):
     bad = tmp_path / "p.txt"
     bad.write_bytes(b"hello\nna\xefve\n")
     with pytest.raises(ValueError, match=r"p.txt:2: not UTF-8 text \(byte 0xef at column 3\)"):
-        batch_io.read_prompts(bad)
+        text_io.read_prompts(bad)
     for source in ("bundled:gsm", prompt_sets.prompts_dir() / "gsm.jsonl"):
-        records = batch_io.read_prompts(source)
+        records = text_io.read_prompts(source)
         assert len(records) == prompt_sets.PROMPT_COUNTS["gsm"]
         assert records[0].kind == "messages" and records[0].id == "gsm_eval_0000"
-    assert batch_io.read_prompts("bundled:humaneval")[0].kind == "prompt"
+    assert text_io.read_prompts("bundled:humaneval")[0].kind == "prompt"
     with pytest.raises(ValueError, match="no such bundled prompt set"):
-        batch_io.read_prompts("bundled:gsm8k")
+        text_io.read_prompts("bundled:gsm8k")
 
 
 def test_generate_edges_of_a_single_prompt(tmp_path, target_dir, capsys):
@@ -229,7 +231,7 @@ def test_force_with_other_settings_on_a_complete_output_is_refused(tmp_path, tar
     settings (a file that then lies about its rows): refused, the file unchanged. With a
     prompt left to decode, --force goes on (the control)."""
     assert cli.main(_batch(target_dir, tmp_path)) == 0
-    side = batch_io.settings_path(tmp_path / "out.jsonl")
+    side = outputs.settings_path(tmp_path / "out.jsonl")
     before = side.read_text()
     line = _refused(_batch(target_dir, tmp_path, "--force", "--seed", "7"), capsys)
     assert "--force with other settings (seed) would decode nothing" in line
@@ -248,7 +250,7 @@ def test_interrupts_end_with_one_line_and_a_documented_code(tmp_path, target_dir
     """Issue 26, finding 15: Ctrl-C or SIGTERM in batch mode ends with one line saying
     what is on disk and exit code 75 (resumable); the rerun finishes the file in input
     order; a single generation interrupted exits 130."""
-    real = batching.generate_continuous
+    real = continuous.generate_continuous
     stop = {"signal": None}
 
     def one_then_stop(*args, **kw):
@@ -258,7 +260,7 @@ def test_interrupts_end_with_one_line_and_a_documented_code(tmp_path, target_dir
                 raise KeyboardInterrupt
             os.kill(os.getpid(), signal.SIGTERM)
 
-    monkeypatch.setattr(batching, "generate_continuous", one_then_stop)
+    monkeypatch.setattr(continuous, "generate_continuous", one_then_stop)
 
     def unhandled(*_):  # a command that left SIGTERM alone fails here, not pytest
         raise AssertionError("SIGTERM reached the test's handler")
@@ -272,14 +274,14 @@ def test_interrupts_end_with_one_line_and_a_documented_code(tmp_path, target_dir
                 code = cli.main(_batch(target_dir, tmp_path))
             except KeyboardInterrupt:
                 pytest.fail("the interrupt escaped tev-jax generate")
-            assert code == exits.EXIT_RESUMABLE == 75
+            assert code == exit_codes.EXIT_RESUMABLE == 75
             err = capsys.readouterr().err.strip().splitlines()
             assert err[-1].startswith(f"tev-jax generate: {what}; ")
             assert "results are in" in err[-1] and "Traceback" not in "".join(err)
         assert signal.getsignal(signal.SIGTERM) is unhandled
     finally:
         signal.signal(signal.SIGTERM, previous)
-    monkeypatch.setattr(batching, "generate_continuous", real)
+    monkeypatch.setattr(continuous, "generate_continuous", real)
     assert cli.main(_batch(target_dir, tmp_path)) == 0
     rows = [json.loads(x) for x in (tmp_path / "out.jsonl").read_text().splitlines()]
     assert [r["index"] for r in rows] == list(range(5))
@@ -288,7 +290,7 @@ def test_interrupts_end_with_one_line_and_a_documented_code(tmp_path, target_dir
     def interrupted(*args, **kw):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(profile, "timed_generate", interrupted)
+    monkeypatch.setattr(timing, "timed_generate", interrupted)
     capsys.readouterr()
     try:
         code = cli.main(["generate", PROMPT, "--target", str(target_dir), *AR])

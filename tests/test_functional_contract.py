@@ -20,18 +20,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tev_jax import (
-    ddtree,
-    exit_law,
-    exit_train,
-    exit_weights,
-    extensions,
-    sampling,
-    tree,
-    tree_scoring,
-    verify,
-    vocab,
-)
+from tev_jax import (ddtree, exit_law, exit_train, exit_weights, extensions, sampling, tree,
+                     tree_scoring, verify, vocab)
 from tev_jax.models import lm_head
 from tev_jax.models.lm_head import Head
 from tev_jax.sampling import Sampling

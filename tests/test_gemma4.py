@@ -278,6 +278,7 @@ def gemma_target(config, seed=0, embed_std=1.0):
 @pytest.fixture(scope="module")
 def decode_models():
     from test_decode_mesh import DCFG
+
     from tev_jax import sharding as shd
     from tev_jax.models.drafter import Drafter
     from tev_jax.models.layers import jitted_initializer
@@ -299,6 +300,7 @@ def test_speculative_tokens_equal_ar_greedy_past_the_window(decode_models):
     """T = 0: prompts of 1..7 tokens + 10 new ones cross the window of 8."""
     from decode_fixtures import greedy_reference
     from test_decode_mesh import PROMPTS
+
     from tev_jax import engine
 
     target, drafter = decode_models
@@ -319,6 +321,7 @@ def test_first_three_tokens_follow_the_soft_capped_target():
     50 000) is rejected at the same level."""
     import test_decode_stats as st
     from decode_fixtures import TableDrafter, jit_score, oracle_table
+
     from tev_jax.sampling import log_probs
 
     config = gemma_config(vocab_size=st.V, hidden_size=16, intermediate_size=32,
@@ -372,7 +375,7 @@ def test_plan_floor_counts_each_sliding_layer_window():
     """`plan.round_floor` of an AR step (N = 1) with a cache of L = 1024: a sliding
     layer's key/value bytes count W + N of the L slots, a global layer's all of them;
     with ``attention_window='full'`` every layer counts L."""
-    from tev_jax import plan
+    from tev_jax.costs import plan
     from tev_jax.decode import DecodeConfig
     from tev_jax.engine import Engine
 
@@ -525,7 +528,7 @@ def test_bf16_ar_step_compiles_for_tpu_with_windowed_sliding_layers():
     attention or cache op reads a whole sliding cache array), the global layer's cache is
     read by the TPU cache kernel, and the step's HBM bytes are within 1.25x of its floor
     (which counts each sliding layer's window), which HBM and on-chip memory cover."""
-    from tev_jax import op_costs, plan, topology
+    from tev_jax.costs import chips, op_costs, plan
     from tev_jax.decode import DecodeConfig
     from tev_jax.engine import Engine
 
@@ -533,7 +536,7 @@ def test_bf16_ar_step_compiles_for_tpu_with_windowed_sliding_layers():
                        global_attention=AttentionSpec(128, 1, None, True, 1e6, 0.25))
     config = DecodeConfig(builder="none", prompt_len=1024, max_cache_len=2048,
                           max_new_tokens=256)
-    mesh, _ = topology.slice_mesh("v5e:2x4", tensor=8)
+    mesh, _ = chips.slice_mesh("v5e:2x4", tensor=8)
     engine = Engine.create(plan.abstract_target(cfg, jnp.bfloat16), None, config, 8,
                            mesh=mesh)
     ops = plan.loop_ops(engine)

@@ -2,7 +2,7 @@
 to end in its smoke mode on CPU (a tiny model, tiny shapes, the Pallas kernels
 interpreted): every part fills its JSON, the bundled pair's AR and DDTree + TEV tokens
 are equal at T = 0, the block-size sweep keeps the fastest of its variants, and the
-calibration table it writes loads as `tev_jax.gpu_time` reads the committed ones.
+calibration table it writes loads as `tev_jax.costs.gpu_time` reads the committed ones.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tev_jax import gpu_time
+from tev_jax.costs import gpu_time
 
 ROOT = Path(__file__).resolve().parents[1]
 

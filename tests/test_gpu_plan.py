@@ -19,29 +19,31 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tev_jax import cli, decode, gpu, hardware, plan, platforms, topology, vocab
+from tev_jax import cli, decode, vocab
+from tev_jax.costs import chips, plan
 from tev_jax.engine import Engine
+from tev_jax.runtime import platforms
 
 needs_plugin = pytest.mark.skipif(
-    not gpu.plugin_installed(),
+    not chips.plugin_installed(),
     reason="the CUDA plugin is not installed (pip install -e '.[gpu]')")
 
 
 def test_gpu_names_counts_and_target_descriptions():
-    spec, n = gpu.parse_gpu_name("h100x8")
+    spec, n = chips.parse_gpu_name("h100x8")
     assert (spec.name, n) == ("h100", 8)
-    assert gpu.parse_gpu_name("H200")[1] == 1 and gpu.parse_gpu_name("b200x16")[1] == 16
+    assert chips.parse_gpu_name("H200")[1] == 1 and chips.parse_gpu_name("b200x16")[1] == 16
     text = spec.target_config()
     assert "core_count: 132" in text and "major: 9" in text
     assert f"memory_bandwidth: {int(spec.chip.hbm_bandwidth)}" in text
-    assert "major: 10" in gpu.GPUS["b200"].target_config()
+    assert "major: 10" in chips.GPUS["b200"].target_config()
     # the CUDA runtime named is the plugin's (cuda12: 12.9; cuda13: 13.0)
     assert "runtime_version { major: 12 minor: 9 }" in text
     assert "runtime_version { major: 13 minor: 0 }" in spec.target_config(13)
     # the published figures the rooflines use, and a real GPU's device kind finds them
-    assert gpu.GPUS["h200"].chip.hbm_bandwidth > gpu.GPUS["h100"].chip.hbm_bandwidth
-    assert hardware.chip_of("NVIDIA H100 80GB HBM3") is gpu.GPUS["h100"].chip
-    assert all(g.chip.source.startswith("https://") for g in gpu.GPUS.values())
+    assert chips.GPUS["h200"].chip.hbm_bandwidth > chips.GPUS["h100"].chip.hbm_bandwidth
+    assert chips.chip_of("NVIDIA H100 80GB HBM3") is chips.GPUS["h100"].chip
+    assert all(g.chip.source.startswith("https://") for g in chips.GPUS.values())
 
 
 @pytest.mark.parametrize("name,message", [
@@ -49,34 +51,17 @@ def test_gpu_names_counts_and_target_descriptions():
     ("h100x12", "whole number of 8-GPU hosts"), ("h100x0", "neither 1-8")])
 def test_bad_gpu_names_are_named(name, message):
     with pytest.raises(ValueError, match=message):
-        gpu.parse_gpu_name(name)
+        chips.parse_gpu_name(name)
 
 
 def test_missing_plugin_and_platforms_are_clear_errors(monkeypatch):
     monkeypatch.setattr(platforms, "cuda_plugins", lambda: {})
     with pytest.raises(ValueError, match=r"needs one of jax's CUDA plugins.*\.\[gpu\]"):
-        gpu.gpu_devices("h100x8")
+        chips.gpu_devices("h100x8")
     with pytest.raises(ValueError, match="one of a TPU slice .* not both"):
-        hardware.plan_mesh("v5e:2x4", "h100x8")
+        chips.plan_mesh("v5e:2x4", "h100x8")
     with pytest.raises(ValueError, match="not neither"):
-        hardware.plan_mesh()
-
-
-def test_topology_does_not_import_the_gpu_modules():
-    """Issue 44, item 9: `tev_jax.gpu` builds on `tev_jax.topology`, so topology imports
-    neither it nor `tev_jax.hardware` (which imports both), not even inside a function;
-    `hardware` knows both chips."""
-    import ast
-    import inspect
-
-    tree = ast.parse(inspect.getsource(topology))
-    names = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
-    names |= {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
-    names |= {f"{n.module}.{a.name}" for n in ast.walk(tree)
-              if isinstance(n, ast.ImportFrom) and n.module for a in n.names}
-    assert not {m for m in names if m.startswith(("tev_jax.gpu", "tev_jax.hardware"))}
-    assert hardware.chip_of("NVIDIA H200") is gpu.GPUS["h200"].chip
-    assert hardware.chip_of("TPU v5 lite") is topology.CHIPS["v5e"]
+        chips.plan_mesh()
 
 
 def test_the_blocked_top_k_equals_lax_top_k_with_ties():
@@ -98,12 +83,12 @@ def test_the_blocked_top_k_equals_lax_top_k_with_ties():
 def test_gpu_servers_and_a_mesh_that_does_not_fit():
     """8 and 16 abstract GPUs (16: two hosts) with the GPU's figures; a mesh larger than
     the server is refused, naming both."""
-    eight, sixteen = gpu.gpu_devices("h100x8"), gpu.gpu_devices("h100x16")
+    eight, sixteen = chips.gpu_devices("h100x8"), chips.gpu_devices("h100x16")
     assert (len(eight.devices), eight.hosts, eight.chip.name) == (8, 1, "h100")
     assert (len(sixteen.devices), sixteen.hosts) == (16, 2)
-    assert eight.devices[0].device_kind == gpu.GPUS["h100"].chip.device_kind
+    assert eight.devices[0].device_kind == chips.GPUS["h100"].chip.device_kind
     with pytest.raises(ValueError, match=r"needs 16 devices.*does not fit the GPUs h100x8"):
-        gpu.gpu_mesh("h100x8", tensor=16)
+        chips.gpu_mesh("h100x8", tensor=16)
 
 
 @needs_plugin
@@ -112,7 +97,7 @@ def test_a_long_top_k_compiles_without_a_long_sort():
     longer than TOP_K_WIDTH in the GPU program (the compiler warns it has no deviceless
     scratch size for CUB's sort of such rows and falls back to a slower sort). Negative
     control: ``lax.top_k`` itself sorts the whole row."""
-    dev = gpu.gpu_devices("h100x8").devices[0]
+    dev = chips.gpu_devices("h100x8").devices[0]
     x = jax.ShapeDtypeStruct((120, 18_992), jnp.float32,
                              sharding=jax.sharding.SingleDeviceSharding(dev))
 
@@ -184,7 +169,7 @@ def test_per_layer_weights_feed_xlas_gemms_without_a_copy():
     XLA's own on each layer's weights where they lie (no stacked GEMM kernel, no layer
     slice copied out of a stack), the layers a loop of their own (no while over them);
     the stacked layout, its control, runs our stacked kernel in a scan."""
-    mesh, _ = gpu.gpu_mesh("h100x1")
+    mesh, _ = chips.gpu_mesh("h100x1")
     config = decode.DecodeConfig(builder="none", prompt_len=256, max_new_tokens=64)
     target, _ = plan.abstract_models(plan.preset("qwen3-8b", num_layers=2), config,
                                      dtype=jnp.bfloat16)
@@ -209,7 +194,7 @@ def test_the_experts_are_read_in_place_on_gpu():
     touch at uniform routing, the cache); slicing the experts out first read 2.23 x."""
     from tev_jax.decode import DecodeConfig
 
-    mesh, devices = gpu.gpu_mesh("h200x1")
+    mesh, devices = chips.gpu_mesh("h200x1")
     config = DecodeConfig(max_new_tokens=256, builder="none", prompt_len=1024,
                           max_cache_len=2048)
     result = plan.plan_decode_programs(plan.preset("qwen3-coder-30b-a3b", num_layers=2),

@@ -1,5 +1,5 @@
 """Interrupts by cooperation (issue 51, after issue 47): the command lines record SIGINT
-and SIGTERM from their first line on (`tev_jax.stop`) and stop at their next safe point
+and SIGTERM from their first line on (`tev_jax.runtime.signals`) and stop at their next safe point
 with their exit code (75 for a job whose work is on disk, 130 / 143 for one with nothing
 to resume) and one line; a second signal exits at once; ``import tev_jax`` changes no
 signal handler; a SIGINT the process was started ignoring stays ignored.
@@ -24,7 +24,6 @@ import subprocess
 import sys
 
 import pytest
-
 from interrupting import before_the_command, check_exit, env, interrupt, interrupts
 
 
@@ -115,7 +114,7 @@ def test_importing_tev_jax_changes_no_signal_handler():
             "             if s not in (signal.SIGKILL, signal.SIGSTOP)}, fd,\n"
             "            sys.unraisablehook)\n"
             "before = state()\n"
-            "import tev_jax, tev_jax.cli, tev_jax.stop, train.__main__\n"
+            "import tev_jax, tev_jax.cli, tev_jax.runtime.signals, train.__main__\n"
             "tev_jax.Engine, tev_jax.tev  # jax and the models, imported through tev_jax\n"
             "assert 'jax' in sys.modules\n"
             "after = state()\n"
@@ -128,41 +127,41 @@ def test_importing_tev_jax_changes_no_signal_handler():
 
 
 def test_a_signal_is_taken_at_the_next_check_only():
-    """Inside `stop.handled_signals` a signal is recorded and raised by the next
-    `stop.check` (SIGTERM as ``Terminated``), never in between; the handlers are given
+    """Inside `signals.handled_signals` a signal is recorded and raised by the next
+    `signals.check` (SIGTERM as ``Terminated``), never in between; the handlers are given
     back afterwards."""
     code = ("import os, signal, time\n"
-            "from tev_jax import exits, stop\n"
-            "before = {s: signal.getsignal(s) for s in stop.STOP_SIGNALS}\n"
+            "from tev_jax.runtime import exit_codes, signals\n"
+            "before = {s: signal.getsignal(s) for s in signals.STOP_SIGNALS}\n"
             "for sig, kind in ((signal.SIGINT, KeyboardInterrupt),\n"
-            "                  (signal.SIGTERM, exits.Terminated)):\n"
-            "    with stop.handled_signals('test'):\n"
-            "        stop.check()\n"
+            "                  (signal.SIGTERM, exit_codes.Terminated)):\n"
+            "    with signals.handled_signals('test'):\n"
+            "        signals.check()\n"
             "        os.kill(os.getpid(), sig)\n"
             "        time.sleep(0.3)  # the handler runs here and raises nothing\n"
-            "        assert stop.requested() == sig\n"
+            "        assert signals.requested() == sig\n"
             "        try:\n"
-            "            stop.check()\n"
+            "            signals.check()\n"
             "        except kind as e:\n"
             "            assert type(e) is kind\n"
             "        else:\n"
             "            raise AssertionError('check raised nothing')\n"
-            "    assert stop.requested() is None\n"
-            "    stop.check()  # outside: nothing recorded, nothing raised\n"
-            "assert {s: signal.getsignal(s) for s in stop.STOP_SIGNALS} == before\n"
+            "    assert signals.requested() is None\n"
+            "    signals.check()  # outside: nothing recorded, nothing raised\n"
+            "assert {s: signal.getsignal(s) for s in signals.STOP_SIGNALS} == before\n"
             "print('ok')\n")
     run = _python(code)
     assert run.stdout.strip() == "ok", run.stderr[-1500:]
 
 
 def test_the_output_is_out_before_the_handlers_are_given_back():
-    """What a command printed inside `stop.handled_signals` (its summary: how a script
+    """What a command printed inside `signals.handled_signals` (its summary: how a script
     tells that it finished) is flushed before the handlers are given back, so a signal
     that ends the process just after (the interpreter exiting) cannot lose it (stdout to a
     pipe is block-buffered: without the flush the line is lost)."""
     code = ("import os, signal\n"
-            "from tev_jax import stop\n"
-            "with stop.handled_signals('test'):\n"
+            "from tev_jax.runtime import signals\n"
+            "with signals.handled_signals('test'):\n"
             "    print('done')\n"
             "os.kill(os.getpid(), signal.SIGTERM)  # Python's handler again: the end\n")
     buffered = {k: v for k, v in env().items() if k != "PYTHONUNBUFFERED"}
@@ -177,12 +176,12 @@ def test_a_second_ctrl_c_exits_at_once_while_the_main_thread_is_busy(first, seco
     life) and never reaches a check. (A repeated SIGTERM does not: the batch job's test in
     test_edges sends one per result and still gets its clean stop.)"""
     code = ("import os, signal, threading, time\n"
-            "from tev_jax import stop\n"
+            "from tev_jax.runtime import signals\n"
             "def send():\n"
             f"    for sig in (signal.{first}, signal.{second}):\n"
             "        time.sleep(0.5)\n"
             "        os.kill(os.getpid(), sig)\n"
-            "with stop.handled_signals('test'):\n"
+            "with signals.handled_signals('test'):\n"
             "    threading.Thread(target=send, daemon=True).start()\n"
             "    os.read(os.pipe()[0], 1)  # blocks: nothing is ever written\n"
             "print('not reached')\n")
@@ -194,17 +193,17 @@ def test_a_second_ctrl_c_exits_at_once_while_the_main_thread_is_busy(first, seco
 
 def test_an_ignored_sigint_stays_ignored():
     """A process started with SIGINT ignored (``nohup``, a background job, some CI
-    runners) keeps ignoring it inside `stop.handled_signals`; SIGTERM is still taken."""
+    runners) keeps ignoring it inside `signals.handled_signals`; SIGTERM is still taken."""
     code = ("import os, signal, time\n"
-            "from tev_jax import stop\n"
-            "with stop.handled_signals('test'):\n"
+            "from tev_jax.runtime import signals\n"
+            "with signals.handled_signals('test'):\n"
             "    assert signal.getsignal(signal.SIGINT) == signal.SIG_IGN\n"
             "    os.kill(os.getpid(), signal.SIGINT)\n"
             "    time.sleep(0.2)\n"
-            "    assert stop.requested() is None\n"
+            "    assert signals.requested() is None\n"
             "    os.kill(os.getpid(), signal.SIGTERM)\n"
             "    time.sleep(0.2)\n"
-            "    assert stop.requested() == signal.SIGTERM\n"
+            "    assert signals.requested() == signal.SIGTERM\n"
             "print('ok')\n")
     run = _python(code, sigint=signal.SIG_IGN)
     assert run.stdout.strip() == "ok", run.stderr[-1500:]

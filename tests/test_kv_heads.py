@@ -11,10 +11,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-
 from test_decode_mesh import DCFG, PROMPTS, needs8
-from tev_jax import decode, engine, plan
+
+from tev_jax import decode, engine
 from tev_jax import sharding as shd
+from tev_jax.costs import plan
 from tev_jax.models import ModelConfig, init_target
 from tev_jax.models.drafter import Drafter
 from tev_jax.models.kv_heads import copies_for, for_mesh, repeat_kv_heads

@@ -1,5 +1,5 @@
-"""Kernel launches counted in optimised GPU HLO (`tev_jax.launches`), and the calibrated
-GPU time (`tev_jax.gpu_time`).
+"""Kernel launches counted in optimised GPU HLO (`tev_jax.costs.launches`), and the calibrated
+GPU time (`tev_jax.costs.gpu_time`).
 
 A hand-written module of GPU style with a known number of kernels: fusions, a cuBLAS
 GEMM and a Pallas Triton call in the entry, a loop of known trip count (no condition
@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from tev_jax import gpu, gpu_time, launches, op_costs
+from tev_jax.costs import chips, gpu_time, launches, op_costs
 
 HLO = """HloModule hand_written, entry_computation_layout={(f32[8,64]{1,0})->f32[8,64]{1,0}}
 
@@ -217,20 +217,20 @@ def test_the_fit_recovers_rates_that_explain_the_measurements():
 def test_the_committed_h200_table_loads_and_other_gpus_have_none():
     cal = gpu_time.load("h200")
     assert cal is not None and cal.gpu == "h200" and set(cal.rates) == set(gpu_time.CLASSES)
-    chip = gpu.GPUS["h200"].chip
+    chip = chips.GPUS["h200"].chip
     assert all(r.bytes_per_second <= chip.hbm_bandwidth and r.flops_per_second <= chip.peak_flops
                for r in cal.rates.values())
     assert 0 < cal.launch_seconds < 1e-4 and gpu_time.load("a100") is None
 
 
 needs_plugin = pytest.mark.skipif(
-    not gpu.plugin_installed(),
+    not chips.plugin_installed(),
     reason="the CUDA plugin is not installed (pip install -e '.[gpu]')")
 
 
 @needs_plugin
 def test_a_compiled_loop_launches_its_gemm_once_per_trip():
-    dev = gpu.gpu_devices("h200x1").devices[0]
+    dev = chips.gpu_devices("h200x1").devices[0]
     sharding = jax.sharding.SingleDeviceSharding(dev)
     w = jax.ShapeDtypeStruct((256, 256), jnp.bfloat16, sharding=sharding)
     x = jax.ShapeDtypeStruct((8, 256), jnp.bfloat16, sharding=sharding)

@@ -108,7 +108,7 @@ def test_the_check_catches_private_reads():
         "from tev_jax import engine",
         "from tev_jax.models import target as tgt",
         "import tev_jax",
-        "from tev_jax.plan import _bytes",
+        "from tev_jax.costs.plan import _bytes",
         "import numpy as np",
         "x = dec._merge",
         "y = engine._generate_jit._cache_size()",
@@ -121,7 +121,7 @@ def test_the_check_catches_private_reads():
     ])
     assert sorted(private_reads(source)) == [
         "10: tev_jax.decode._setup",
-        "5: from tev_jax.plan import _bytes",
+        "5: from tev_jax.costs.plan import _bytes",
         "7: tev_jax.decode._merge",
         "8: tev_jax.engine._generate_jit",
         "9: tev_jax.models.target.Target._stack",

@@ -14,23 +14,22 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from decode_fixtures import greedy_reference
 from flax import nnx
 from jax.sharding import PartitionSpec as P
-
-from decode_fixtures import greedy_reference
 from test_decode_mesh import DCFG, MESHES, PROMPTS, needs8
-from tev_jax import decode, engine, op_costs, plan, topology
+
+from tev_jax import decode, engine
 from tev_jax import sharding as shd
-from tev_jax.models import ModelConfig, init_target, load_target, save_target
+from tev_jax.costs import chips, op_costs, plan
+from tev_jax.kernels import expert_kernel
+from tev_jax.kernels.expert_kernel import (expert_sum, grouped_expert_mlp, ragged_expert_mlp,
+                                           reference_expert_mlp, resident_expert_sum,
+                                           tile_rows, visits)
+from tev_jax.models import ModelConfig, init_target, load_target, moe, save_target
 from tev_jax.models.config import MoeSpec
 from tev_jax.models.drafter import Drafter
 from tev_jax.models.layers import jitted_initializer
-from tev_jax.kernels import expert_kernel
-from tev_jax.kernels.expert_kernel import (
-    expert_sum, grouped_expert_mlp, ragged_expert_mlp, reference_expert_mlp,
-    resident_expert_sum, tile_rows, visits,
-)
-from tev_jax.models import moe
 from tev_jax.models.moe import expected_steps, expected_touched, expert_mlp, route
 from tev_jax.sampling import Sampling
 
@@ -400,7 +399,7 @@ def test_every_mesh_gives_single_device_tokens(models, single_device, mesh_name,
 def test_training_flops_count_the_experts_a_token_uses():
     """`train.plan.step_model_flops` of a mixture: k experts per token. With E = 8 it is
     E = 2 = k's count plus only the wider router (2 D (E - k) per token and layer)."""
-    from tev_jax.plan import abstract_drafter
+    from tev_jax.costs.plan import abstract_drafter
     from train.plan import step_model_flops
 
     cfg = _moe_config()
@@ -437,7 +436,7 @@ def test_plan_floor_counts_the_experts_a_round_touches():
     """`plan.round_floor` (in every decode plan): an AR step of B rows reads the experts B
     tokens touch, a round those of B x N; its weights exclude the experts, and a dense
     target's floor has none."""
-    from tev_jax import plan
+    from tev_jax.costs import plan
 
     cfg = _moe_config()
     config = decode.DecodeConfig(budget=8, verifier="tev", prompt_len=16, max_new_tokens=8)
@@ -462,7 +461,7 @@ def test_plan_floor_counts_the_experts_a_round_touches():
 def _v5e_ops(cfg, config, batch: int, program: str):
     """The per-op table of an engine program of the bf16 pair, compiled for v5e:2x4
     (data 2 x tensor 4)."""
-    mesh, _ = topology.slice_mesh("v5e:2x4", data=2, tensor=4)
+    mesh, _ = chips.slice_mesh("v5e:2x4", data=2, tensor=4)
     target, drafter = plan.abstract_models(cfg, config, dtype=jnp.bfloat16)
     compiled = engine.Engine.create(target, drafter, config, batch, mesh=mesh).lower(
         program).compile()
@@ -533,7 +532,7 @@ def test_the_grouped_kernel_lowers_under_fsdp_alone_on_tpu():
     fsdp 8 and calls the kernel inside a shard_map (a manual computation)."""
     cfg = _moe_config()
     config = decode.DecodeConfig(max_new_tokens=8, budget=4, prompt_len=64)
-    mesh, _ = topology.slice_mesh("v5e:2x4", fsdp=8)
+    mesh, _ = chips.slice_mesh("v5e:2x4", fsdp=8)
     target, drafter = plan.abstract_models(cfg, config, dtype=jnp.bfloat16)
     text = engine.Engine.create(target, drafter, config, 8, mesh=mesh).lower(
         "prefill").as_text()

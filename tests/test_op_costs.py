@@ -1,4 +1,4 @@
-"""The per-op table of compiled programs (`tev_jax.op_costs`, ``tev-jax plan --ops``).
+"""The per-op table of compiled programs (`tev_jax.costs.op_costs`, ``tev-jax plan --ops``).
 
 Programs whose costs are known by hand (a matrix product in a loop of known trip count,
 an in-place update in a loop of unknown trip count) are compiled on CPU and their
@@ -16,9 +16,10 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from tev_jax import op_costs
-from tev_jax.op_costs import array_bytes, totals
-from tev_jax.op_costs import op_costs as costs_of
+from tev_jax.costs import op_costs
+from tev_jax.costs.op_costs import array_bytes, totals
+from tev_jax.costs.op_costs import op_costs as costs_of
+from tev_jax.kernels import scopes
 
 
 def _line_of(fn, text: str) -> int:
@@ -127,8 +128,8 @@ def test_not_hlo_is_refused():
 def test_the_round_floor_is_one_shard_of_the_weights_and_caches():
     import experiment_scripts
 
-    from tev_jax import plan
     from tev_jax import sharding as shd
+    from tev_jax.costs import plan
     from tev_jax.decode import DecodeConfig
     from tev_jax.engine import Engine
     from tev_jax.models import ModelConfig
@@ -161,7 +162,7 @@ def nnx_state(model):
 def _bounded(x_N, hi):
     def outer(c):
         x, i = c
-        with jax.named_scope(op_costs.bound_scope(6)):
+        with jax.named_scope(scopes.bound_scope(6)):
             x = jax.lax.fori_loop(0, hi, lambda j, x: jnp.sin(x) * 2.0, x)
         return x, i + 1
     return jax.lax.while_loop(lambda c: c[1] < hi, outer, (x_N, 0))
@@ -200,7 +201,7 @@ def test_the_ar_step_flops_match_a_hand_count_at_a_full_cache():
     within 2 % of 2 x matmul parameters x B plus the attention over the whole cache (the
     key-block loop counted at its bound). Negative control: with the bound's scope
     removed the loop counts once and the sum falls more than 5 % short."""
-    from tev_jax import plan
+    from tev_jax.costs import plan
     from tev_jax.decode import DecodeConfig
     from tev_jax.engine import Engine
     from tev_jax.models import ModelConfig

@@ -14,10 +14,11 @@ import jax.numpy as jnp
 import pytest
 from flax import nnx
 
-from tev_jax import cli, decode, plan, sharding
+from tev_jax import cli, decode, sharding
+from tev_jax.costs import plan
+from tev_jax.costs.plan import GiB
 from tev_jax.models import ModelConfig, init_target
 from tev_jax.models.drafter_io import init_drafter
-from tev_jax.plan import GiB
 from tev_jax.sampling import Sampling
 
 # Attention-heavy on purpose: a dense [T, T + L] score tensor would dominate its memory.

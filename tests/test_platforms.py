@@ -1,4 +1,4 @@
-"""Which backends and plugins jax has here (`tev_jax.platforms`).
+"""Which backends and plugins jax has here (`tev_jax.runtime.platforms`).
 
 The CUDA plugin decides whether model code traces its GPU kernels and whether
 ``plan --gpu`` can compile: a cuda13 install (jax >= 0.11 GPU images) must be seen as
@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-from tev_jax import platforms
+from tev_jax.runtime import platforms
 
 
 @pytest.fixture

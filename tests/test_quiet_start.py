@@ -1,4 +1,4 @@
-"""Quiet on a CPU (`tev_jax.platforms.quiet_start`): with the ``tpu`` extra (libtpu) or the
+"""Quiet on a CPU (`tev_jax.runtime.platforms.quiet_start`): with the ``tpu`` extra (libtpu) or the
 ``gpu`` extra (jax's CUDA plugin) installed on a machine without TPUs or GPUs, the
 README's snippets and the examples print none of their start-up lines.
 
@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from tev_jax import platforms
+from tev_jax.runtime import platforms
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 DRIVER_LINE = ("I0000 00:00:1796460962.070192    9221 cudart_stub.cc:31] Could not find cuda "

@@ -11,9 +11,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tev_jax import platforms
 from tev_jax import sharding as shd
 from tev_jax.kernels import stacked_matmul as sm
+from tev_jax.runtime import platforms
 
 
 def _normal(rng, *shape):

@@ -24,8 +24,9 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from tev_jax import cli, hardware, op_costs, plan, topology
+from tev_jax import cli
 from tev_jax import sharding as shd
+from tev_jax.costs import chips, op_costs, plan
 from tev_jax.decode import STAGES, DecodeConfig
 from tev_jax.models import ModelConfig
 
@@ -55,7 +56,7 @@ def _bound(n_devices: int) -> int:
     # x tensor 4 there: the rounds, in test_continuous_batching_rounds_compile_for_a_tpu_slice
     ("v5e:4x4", dict(data=2, tensor=8, fsdp=1), ("generation",))])
 def test_decode_programs_compile_for_a_tpu_slice(name, axes, programs):
-    mesh, tpu = topology.slice_mesh(name, **axes)
+    mesh, tpu = chips.slice_mesh(name, **axes)
     result = plan.plan_decode_programs(CFG, CONFIG, B, dtype=jnp.bfloat16, mesh=mesh,
                                        programs=programs, chip=tpu.chip,
                                        devices_per_chip=tpu.devices_per_chip)
@@ -74,7 +75,7 @@ def test_decode_programs_compile_for_a_tpu_slice(name, axes, programs):
 def test_continuous_batching_rounds_compile_for_a_tpu_slice():
     from tev_jax.engine import Engine
 
-    tpu = topology.slice_devices("v5e:2x4")
+    tpu = chips.slice_devices("v5e:2x4")
     mesh = shd.make_mesh(data=2, tensor=4, fsdp=1, devices=tpu.devices)
     target, drafter = plan.abstract_models(CFG, CONFIG, dtype=jnp.bfloat16)
     engine = Engine.create(target, drafter, CONFIG, B, mesh=mesh)
@@ -115,10 +116,10 @@ def test_continuous_batching_rounds_compile_for_a_tpu_slice():
 @needs_libtpu
 def test_slice_errors_name_the_problem(capsys):
     with pytest.raises(ValueError, match="not a TPU slice name"):
-        topology.slice_devices("v5e")
+        chips.slice_devices("v5e")
     with pytest.raises(ValueError, match="unknown TPU topology 'v5e:3x3'"):
-        topology.slice_devices("v5e:3x3")
-    tpu = topology.slice_devices("v5e:4x4")
+        chips.slice_devices("v5e:3x3")
+    tpu = chips.slice_devices("v5e:4x4")
     assert (len(tpu.devices), tpu.hosts, tpu.chip.name) == (16, 4, "v5e")
     with pytest.raises(SystemExit) as exit_:
         cli.main(["plan", "--model", "qwen3-0.6b", "--layers", "1", "--topology", "v5e:2x4",
@@ -139,11 +140,11 @@ def test_missing_libtpu_is_a_clear_error(monkeypatch):
     monkeypatch.setattr(importlib.util, "find_spec",
                         lambda n, *a: None if n == "libtpu" else real(n, *a))
     with pytest.raises(ValueError, match=r"needs libtpu: pip install -e \"\.\[tpu\]\""):
-        topology.slice_devices("v5e:2x4")
+        chips.slice_devices("v5e:2x4")
 
 
 def test_roofline_break_even_and_estimate():
-    chip = topology.CHIPS["v5e"]
+    chip = chips.CHIPS["v5e"]
     mem = dict(argument_bytes=0, output_bytes=0, temp_bytes=0, alias_bytes=0, code_bytes=0)
     ar = plan.ProgramReport(**mem, flops=1e9, bytes_accessed=819e6)        # 1 ms of bytes
     rnd = plan.ProgramReport(**mem, flops=197e12 * 4e-3, bytes_accessed=1e9)  # 4 ms of FLOPs
@@ -160,9 +161,9 @@ def test_roofline_break_even_and_estimate():
 
 
 def test_chip_table():
-    assert hardware.chip_of("TPU v5 lite") is topology.CHIPS["v5e"]
-    assert hardware.chip_of("cpu") is None
-    for chip in topology.CHIPS.values():
+    assert chips.chip_of("TPU v5 lite") is chips.CHIPS["v5e"]
+    assert chips.chip_of("cpu") is None
+    for chip in chips.CHIPS.values():
         assert chip.peak_flops > 1e14 and chip.hbm_bandwidth > 5e11 and chip.hbm_bytes > 1e10
         assert chip.source.startswith("https://cloud.google.com/tpu/docs/")
 
@@ -244,7 +245,7 @@ def test_the_ar_loop_does_not_copy_the_kv_cache_on_a_tpu_slice():
     cfg = plan.preset("qwen3-8b", num_layers=4)
     config = DecodeConfig(builder="none", prompt_len=1024, max_cache_len=2048,
                           max_new_tokens=256)
-    mesh = topology.slice_mesh("v5e:2x4", tensor=8)[0]
+    mesh = chips.slice_mesh("v5e:2x4", tensor=8)[0]
     target, _ = plan.abstract_models(cfg, config, dtype=jnp.bfloat16)
     engine = Engine.create(target, None, config, 8, mesh=mesh)
     ops = plan.loop_ops(engine)

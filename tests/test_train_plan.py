@@ -9,11 +9,11 @@ import math
 
 import numpy as np
 import pytest
+import train_fixtures as tf
 from flax import nnx
 
-import train_fixtures as tf
 from tev_jax import sharding as shd
-from tev_jax.plan import abstract_target
+from tev_jax.costs.plan import abstract_target
 from train.__main__ import main
 from train.plan import plan_step, target_config_from
 

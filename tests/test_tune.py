@@ -1,4 +1,4 @@
-"""The budget from the exit law (tev_jax.tune) and budget='auto'.
+"""The budget from the exit law (tev_jax.costs.tune) and budget='auto'.
 
 - DDTree trees are nested: the budget-b tree is the first b + 1 slots of the budget-N
   tree (property test on random draft logits, ties excluded), so one exit law at budget
@@ -24,17 +24,19 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from decode_fixtures import TableDrafter, greedy_reference, oracle_table, tiny_target
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from decode_fixtures import TableDrafter, greedy_reference, oracle_table, tiny_target
-from tev_jax import (batching, cli, ddtree, decode, engine, extensions, platforms, round_costs,
-                     tune)
+from tev_jax import cli, ddtree, decode, engine, extensions, slots
+from tev_jax.batch import continuous
 from tev_jax.budget import AutoBudget, model_fingerprint, resolve_budget
+from tev_jax.costs import round_costs, tune
 from tev_jax.data import load_default_tokenizer
 from tev_jax.exit_law import exit_law
 from tev_jax.models import ModelConfig, init_target, save_target
 from tev_jax.models.drafter_io import init_drafter, save_drafter
+from tev_jax.runtime import platforms
 from tev_jax.sampling import Sampling
 from tev_jax.testing import draw_verdicts
 from tev_jax.verify import predraw, tev
@@ -291,13 +293,13 @@ def test_continuous_batching_switches_budgets_on_smaller_slots(models):
     auto = AutoBudget(((1, N_MAX), (2, 0)))
     config = decode.DecodeConfig(max_new_tokens=M, budget=auto, prompt_len=16,
                                  stop_token_ids=stop)
-    plan = batching.slot_configs(config, 2)
+    plan = slots.slot_configs(config, 2)
     assert plan[1].budget == N_MAX and plan[1].builder == "ddtree"
     assert plan[2].builder is extensions.root_only_builder  # AR that keeps the context
     assert plan[1].max_cache_len == plan[2].max_cache_len
     before = engine._take_jit._cache_size()
-    got = {r.id: r for r in batching.generate_continuous(
-        target, drafter, [batching.Request(i, p) for i, p in enumerate(prompts)], config,
+    got = {r.id: r for r in continuous.generate_continuous(
+        target, drafter, [slots.Request(i, p) for i, p in enumerate(prompts)], config,
         batch_size=2)}
     assert engine._take_jit._cache_size() > before  # the tail moved to fewer slots
     for i in range(len(prompts)):

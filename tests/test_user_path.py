@@ -16,7 +16,9 @@ import sys
 
 import pytest
 
-from tev_jax import batch_io, cli, plan
+from tev_jax import cli, text_io
+from tev_jax.batch import outputs
+from tev_jax.costs import plan
 from tev_jax.models import ModelConfig, init_target, save_target
 from tev_jax.models.drafter_io import init_drafter, save_drafter
 from train import __main__ as train_cli
@@ -121,7 +123,7 @@ def test_single_prompt_flags_are_refused_with_a_prompts_file(dirs, tmp_path, cap
 def test_no_libtpu_noise_without_tpus(tmp_path):
     """Item 3: with the tpu extra installed, a command on a machine without TPU chips
     prints nothing from libtpu (jax is kept to the CPU; JAX_PLATFORMS is not set)."""
-    from tev_jax.platforms import nvidia_gpu_visible, tpu_chips_present
+    from tev_jax.runtime.platforms import nvidia_gpu_visible, tpu_chips_present
 
     if tpu_chips_present() or nvidia_gpu_visible():
         pytest.skip("a machine with accelerators")
@@ -147,7 +149,7 @@ def test_undecodable_prompt_bytes_are_one_line(capsys):
                                                       "object of settings, got list")])
 def test_a_damaged_settings_file_is_named(dirs, tmp_path, capsys, damage, named):
     """Item 9: a damaged OUT.settings.json is refused naming the file (and line)."""
-    batch_io.settings_path(tmp_path / "out.jsonl").write_text(damage)
+    outputs.settings_path(tmp_path / "out.jsonl").write_text(damage)
     assert named in _refused(_batch(dirs, tmp_path), capsys)
     assert not (tmp_path / "out.jsonl").exists()
 
@@ -176,9 +178,9 @@ def test_tune_refuses_before_tuning(tmp_path, capsys, monkeypatch):
 
 def test_compare_checks_the_context_first(capsys, monkeypatch):
     """Item 12: `compare hi --max-new-tokens 5000` is refused as generate refuses it."""
-    from tev_jax import profile
+    from tev_jax.costs import timing
 
-    monkeypatch.setattr(profile, "compare_methods", lambda *a, **k: pytest.fail("ran"))
+    monkeypatch.setattr(timing, "compare_methods", lambda *a, **k: pytest.fail("ran"))
     line = _refused(["compare", "hi", "--max-new-tokens", "5000"], capsys)
     assert "PROMPT 1: the prompt" in line and "exceed the target's context length" in line
 
@@ -237,12 +239,12 @@ def test_chat_roles_and_oversized_batches_name_the_culprit(dirs, tmp_path, capsy
     from tev_jax.models.bundled import bundled_paths
 
     config = json.loads((bundled_paths().target / "tokenizer_config.json").read_text())
-    chat = batch_io.chat_formatter(config)
+    chat = text_io.chat_formatter(config)
     f = tmp_path / "m.jsonl"
     f.write_text(json.dumps({"id": "s", "messages": [{"role": "system", "content": "x"}]})
                  + "\n")
     with pytest.raises(ValueError, match=r"m.jsonl:1: id 's': chat template: only user"):
-        batch_io.encode_records(batch_io.read_prompts(f), _tokenizer(), chat, vocab_size=V,
+        text_io.encode_records(text_io.read_prompts(f), _tokenizer(), chat, vocab_size=V,
                                 prompt_len=None, truncate=False, where=str(f))
     capsys.readouterr()
     summary = tmp_path / "summary.json"
@@ -256,7 +258,7 @@ def test_long_commands_say_what_they_do_first(tmp_path, capsys, monkeypatch):
     """Item 16: plan, tev-train plan, tune and compare print what they are doing before
     the long work (here replaced by a stand-in that stops them)."""
     import train.plan
-    from tev_jax import profile, tune
+    from tev_jax.costs import timing, tune
 
     def stop(*args, **kw):
         raise ValueError("stopped")
@@ -278,7 +280,7 @@ def test_long_commands_say_what_they_do_first(tmp_path, capsys, monkeypatch):
         on_method(0, methods[0][0])
         raise ValueError("stopped")
 
-    monkeypatch.setattr(profile, "compare_methods", first_method)
+    monkeypatch.setattr(timing, "compare_methods", first_method)
     with pytest.raises(SystemExit):
         cli.main(["compare", "hi", "--max-new-tokens", "4"])
     assert "[1/3] AR (target alone): compiling 1 prompt(s)" in capsys.readouterr().err
@@ -318,11 +320,11 @@ def test_prompt_file_nits(tmp_path):
     f.write_text('{"id": 1.5, "prompt": "x"}\n')
     with pytest.raises(ValueError, match=r"p.jsonl:1: id 1.5 must be a non-empty string or "
                                          r"an integer, got float"):
-        batch_io.read_prompts(f)
+        text_io.read_prompts(f)
     f = tmp_path / "p.json"
     f.write_text('[{"id": 1, "prompt": "x"}]\n')
     with pytest.raises(ValueError, match=r"p.json: a JSON array; a prompts file is JSONL"):
-        batch_io.read_prompts(f)
+        text_io.read_prompts(f)
 
 
 # ---------------------------------------------------------------------- tev-train

@@ -8,9 +8,10 @@ models of `train_fixtures`; both command lines are called in-process.
 from __future__ import annotations
 
 import pytest
-
 from train_fixtures import train_dirs  # noqa: F401  (a fixture)
-from tev_jax import batch_io
+
+from tev_jax import text_io
+from tev_jax.batch import outputs
 from tev_jax.models.bundled import bundled_paths
 from train import __main__ as train_cli
 from train.checkpoint import steps_in
@@ -81,7 +82,7 @@ def test_two_runs_on_one_out_dir_are_refused(train_dirs, tmp_path, capsys):
     """Item 4: a second run on an --out-dir that a run holds is refused, naming the
     holder; nothing of the first run's is touched."""
     out = tmp_path / "run"
-    with batch_io.lock_output(out / "run", command="tev-train run (the first)"):
+    with outputs.lock_output(out / "run", command="tev-train run (the first)"):
         assert train_cli.main(_train(train_dirs, out)) == 2
         err = capsys.readouterr().err.strip()
     assert "\n" not in err and f"{out} is being written by another process (pid" in err
@@ -125,7 +126,7 @@ def test_prompt_file_messages(tmp_path, capsys):
     output is refused (with --force too) before anything is read or written."""
     p = tmp_path / "p.jsonl"
     p.write_bytes(b'\xef\xbb\xbf{"id": "a", "prompt": "hi"}\n')
-    assert [r.id for r in batch_io.read_prompts(p)] == ["a"]
+    assert [r.id for r in text_io.read_prompts(p)] == ["a"]
     text = p.read_bytes()
     err = _refused(["generate", "--prompts", str(p), "--output", str(p), "--force"], capsys)
     assert "\n" not in err and "--prompts and --output are the same file" in err
@@ -206,7 +207,7 @@ def test_quiet_tpu_runtime_fills_only_unset_variables(monkeypatch):
     """Item 12: without TPU chips, libtpu's environment is filled so that it starts
     without its errors; a variable the user set is kept, and a TPU machine is left
     alone."""
-    from tev_jax import platforms
+    from tev_jax.runtime import platforms
 
     for name in platforms.QUIET_TPU_ENV:
         monkeypatch.delenv(name, raising=False)
@@ -237,7 +238,7 @@ def test_examples_run_from_any_folder(tmp_path):
 def test_window_rates_ignore_bursts():
     """Item 11: rows finishing together do not read as thousands of prompts/s; the rate
     is over the window's real span."""
-    from tev_jax.rates import WindowRate
+    from tev_jax.batch.rates import WindowRate
 
     now = [0.0]
     rate = WindowRate(window=10.0, min_span=2.0, clock=lambda: now[0])
@@ -259,9 +260,8 @@ def test_exit_tree_figure_has_whole_depths_and_a_clear_root(tmp_path):
     import matplotlib
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     import experiment_scripts
+    import matplotlib.pyplot as plt
 
     figures = experiment_scripts.load("figures")
     tree = dict(tokens=[1, 2, 3, 4], parents=[-1, 0, 0, 1], depths=[0, 1, 1, 2],

@@ -9,7 +9,7 @@ drafter, DecodeConfig(...), batch_size)`), or its one-call form `generate`.
 
 The names below are imported on first use, so ``import tev_jax`` neither imports jax
 nor changes anything in the process (no signal handler, no environment variable): the
-command lines start quickly and handle their signals themselves (`tev_jax.stop`).
+command lines start quickly and handle their signals themselves (`tev_jax.runtime.signals`).
 """
 
 import importlib

@@ -1,6 +1,6 @@
 """The automatic tree budget: a DDTree budget per batch size, read from a tuning file.
 
-`tev_jax.tune` measures τ(b) and round costs and writes the tuning file (``tev-jax tune
+`tev_jax.costs.tune` measures τ(b) and round costs and writes the tuning file (``tev-jax tune
 --json FILE``); `AutoBudget` is its table in the hashable form a `DecodeConfig` can hold
 (``DecodeConfig(budget='auto', tuning=FILE)``), and `resolve_budget` turns
 it into a fixed budget (or plain AR) for the batch at hand, after checking that the models
@@ -38,7 +38,7 @@ def read_tuning(path) -> dict:
 
 @dataclasses.dataclass(frozen=True)
 class AutoBudget:
-    """The DDTree budget per batch size, from a tuning (`tev_jax.tune`).
+    """The DDTree budget per batch size, from a tuning (`tev_jax.costs.tune`).
 
     ``DecodeConfig(budget=AutoBudget(...))`` (or ``budget='auto', tuning=FILE``) decodes
     each batch with the budget its tuning found best for that batch size, or with plain

@@ -1,4 +1,4 @@
-"""DDTree's best-first draft tree, built with static shapes (DESIGN.md §5).
+"""DDTree's best-first draft tree, built with static shapes (docs/design.md §5).
 
 The drafter gives one row of logits per block position, ``draft_logits[d - 1]`` for
 depth d = 1..H, and ``q_d = log_softmax(draft_logits[d - 1])``. A candidate node is a
@@ -141,7 +141,7 @@ def topk_logq(draft_logits_HV: jax.Array, k: int, lead_names=()
     logits = _canonical(draft_logits_HV)
     # On XLA:CPU the top-k result sits behind an optimization barrier; without it XLA
     # may rewrite top_k over the vocabulary into a full sort when its outputs are
-    # sliced or computed on (100x slower; DESIGN.md §5).
+    # sliced or computed on (100x slower; docs/design.md §5).
     top_HK, tokens_HK = vocab.vocab_top_k(logits, k, lead_names)
     lse_H = jax.nn.logsumexp(logits, axis=-1)
     return tokens_HK, top_HK - lse_H[..., None]

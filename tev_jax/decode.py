@@ -1,4 +1,4 @@
-"""The speculative decoding loop (DESIGN.md §7): its state, its stages, its programs.
+"""The speculative decoding loop (docs/design.md §7): its state, its stages, its programs.
 
 One round for every row b of a batch, with static shapes::
 
@@ -43,9 +43,9 @@ from flax import nnx, struct
 from jax.sharding import NamedSharding
 
 from tev_jax import extensions
-from tev_jax.budget import AutoBudget
 from tev_jax import sharding as shd
 from tev_jax import verify as verify_lib
+from tev_jax.budget import AutoBudget
 from tev_jax.exit_law import exit_law
 from tev_jax.models import kv_cache as kvc
 from tev_jax.sampling import Sampling
@@ -76,7 +76,7 @@ class DecodeConfig:
         `tev_jax.extensions.TreeBuilder`; N is read from its output shape).
       budget: DDTree node budget (non-root nodes); ignored by the other builders. An
         `AutoBudget` (or ``'auto'`` with ``tuning``) picks it per batch size from a
-        tuning (`tev_jax.tune`); `tev_jax.budget.resolve_budget` turns it into an int
+        tuning (`tev_jax.costs.tune`); `tev_jax.budget.resolve_budget` turns it into an int
         (or into plain AR, where the tuning says so) before an engine is built.
       verifier: 'tev', 'predraw', 'sequential', 'greedy' (T = 0 only), or a callable
         ``(key, tree, target_logits_NV, sampling, *, horizon) -> Verdict`` (for
@@ -478,7 +478,7 @@ def step_keys(key_B: jax.Array, step_B: jax.Array) -> jax.Array:
     """The key schedule, part two: row b draws its first token with ``fold_in(key_b, 0)``
     and its r-th round's verdict (r = 1, 2, ...) with ``fold_in(key_b, r)``. Each row's
     random numbers depend on its own key and rounds only: the same prompt with the same
-    row key gives the same tokens in any batch, slot or join time (`tev_jax.batching`,
+    row key gives the same tokens in any batch, slot or join time (`tev_jax.batch.continuous`,
     the server's per-request seed). Every path (the fused loop, `traced_round`, the
     profiler's stages) draws through this function; `tev_jax.trace` states the schedule.
     """
@@ -547,7 +547,7 @@ def generation(graphdef, params, tokens_BT, lengths_B, key, *, spec: DecodeSpec
 # ------------------------------------------------------------------ continuous batching
 #
 # Two programs over one decode state of B row slots (the host loop that uses them is
-# `tev_jax.batching`): `refill` prefills K new prompts into a small state with `prefill`
+# `tev_jax.batch.continuous`): `refill` prefills K new prompts into a small state with `prefill`
 # and scatters its rows into the big state at given slots; `rounds_until` runs
 # `decode_round` until some more rows have finished. ``state.round`` keeps counting
 # across requests, so the per-round records (``block_len_RB``) are not per-request

@@ -20,10 +20,10 @@ here, at their call site::
 The programs are compiled once per spec and shape and shared by every engine with the
 same spec (two engines with equal configs reuse one compilation). The engine is frozen;
 `with_models` swaps in other weights of the same architecture without recompiling.
-`generate` and `generate_ar` are the one-call forms; `tev_jax.batching` drives the slot
-programs (`empty_slots`, `refill`, `run_rounds`, `take_slots`), `tev_jax.profile` times
-the fused program and the stage programs (`stage`), and `tev_jax.plan` compiles the
-`lower` of each. An automatic budget (`tev_jax.budget.AutoBudget`, from `tev_jax.tune`)
+`generate` and `generate_ar` are the one-call forms; `tev_jax.batch.continuous` drives the slot
+programs (`empty_slots`, `refill`, `run_rounds`, `take_slots`), `tev_jax.costs.timing` times
+the fused program and the stage programs (`stage`), and `tev_jax.costs.plan` compiles the
+`lower` of each. An automatic budget (`tev_jax.budget.AutoBudget`, from `tev_jax.costs.tune`)
 is resolved to a fixed one before an engine is built (`tev_jax.budget.resolve_budget`).
 """
 
@@ -161,7 +161,7 @@ def decode_spec(target, drafter, config: DecodeConfig, batch_size: int, *,
                 prompt_len: int | None = None, mesh=None) -> DecodeSpec:
     """The `DecodeSpec` that `Engine.create` would fix for these arguments, with the
     same checks, from shapes alone: nothing is split, placed, traced in proportion to
-    the budget, or compiled (the pre-flight check of `tev_jax.plan` sizes buffers
+    the budget, or compiled (the pre-flight check of `tev_jax.costs.plan` sizes buffers
     from it in milliseconds, for any budget, batch or length).
 
     Raises:
@@ -472,7 +472,7 @@ class Engine:
 
     def stage(self, name: str) -> Callable:
         """The jitted program of one stage (`tev_jax.decode.STAGES`), for the un-fused
-        path of `tev_jax.profile`; its models are bound (call it without graphdef).
+        path of `tev_jax.costs.timing`; its models are bound (call it without graphdef).
 
         Signatures (as the stage functions of `tev_jax.decode`, params first where
         the stage runs a model): ``draft(params, st) -> (logits_BHV, ctx)``,

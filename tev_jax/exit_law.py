@@ -1,4 +1,4 @@
-"""The canonical exit law of a draft tree (paper §3, DESIGN.md §3).
+"""The canonical exit law of a draft tree (paper §3, docs/design.md §3).
 
 Target flow enters the tree at the root and follows a drafted child whenever the
 target's next token is that child's token; the node where it leaves is its exit node.

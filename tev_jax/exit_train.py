@@ -1,4 +1,4 @@
-"""ExitTrain: exit-guided draft-tree training objectives (paper §5, App. C.2; DESIGN.md §8).
+"""ExitTrain: exit-guided draft-tree training objectives (paper §5, App. C.2; docs/design.md §8).
 
 The whole objective lives here, over plain arrays and a frozen `ExitTrainConfig`; the
 training step (``train.step``) only wires it to the drafter's forward and the optimiser.

@@ -54,7 +54,7 @@ class TreeBuilder(Protocol):
           root_token: int32 [], the root (the pending token, slot 0).
 
         Returns:
-          A `DraftTree` with fields [N] satisfying DESIGN.md §2 (slot 0 the root, valid
+          A `DraftTree` with fields [N] satisfying docs/design.md §2 (slot 0 the root, valid
           slots a prefix, parents first, depth at most H, distinct sibling tokens).
           N must not depend on values: it is read from the output shape.
 

@@ -23,14 +23,14 @@ class DecodeStats:
       expected_lengths: float [R, B] the exit law's ``1 + coverage`` of the same trees
         (``track_exit_law``), else None.
       stage_seconds: per-stage wall seconds up to ``block_until_ready``, summed over
-        rounds (`tev_jax.profile.profile_generate` only; keys 'prefill', 'draft',
+        rounds (`tev_jax.costs.timing.profile_generate` only; keys 'prefill', 'draft',
         'build', 'verify', 'decide', 'commit'; each includes the stage call's
         dispatch), else None.
       round_seconds: the per-round stage times behind ``stage_seconds`` (stage ->
         float [R]; the prefill has one entry), for robust statistics such as medians
-        on a loaded machine (`tev_jax.profile.profile_generate` only), else None.
-      seconds: wall time of the timed call (`tev_jax.profile`), else None.
-      compile_seconds: wall time of the first (compiling) call (`tev_jax.profile`),
+        on a loaded machine (`tev_jax.costs.timing.profile_generate` only), else None.
+      seconds: wall time of the timed call (`tev_jax.costs.timing`), else None.
+      compile_seconds: wall time of the first (compiling) call (`tev_jax.costs.timing`),
         else None.
       experts_touched: int [R, layers] for a target with a mixture of experts: how many
         distinct experts each layer ran in each round's tree pass (over all rows; 0 for

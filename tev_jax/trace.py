@@ -1,6 +1,6 @@
 """The round trace: what every decode round did, row by row, for research.
 
-A round (DESIGN.md §7) drafts a block, builds a tree, verifies it with the target, decides
+A round (docs/design.md §7) drafts a block, builds a tree, verifies it with the target, decides
 and commits. Its `RoundRecord` keeps, per row: the tree, the drafter's and the target's
 log-probabilities of every node's token (the target's under the node's tree ancestors,
 at T = 1: what on-policy drafter training, `tev_jax.draft_opd`, supervises with), the

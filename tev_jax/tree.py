@@ -1,4 +1,4 @@
-"""Draft trees as static-shape arrays (DESIGN.md §2).
+"""Draft trees as static-shape arrays (docs/design.md §2).
 
 A tree over N slots is four [N] arrays. Slot 0 is the root (the last committed token
 the target has not consumed yet); real nodes form the prefix ``0..n-1`` in topological
@@ -87,7 +87,7 @@ def make_tree(
 
 
 def validate(tree: DraftTree, horizon: int | None = None) -> None:
-    """Checks the invariants of DESIGN.md §2 on the host.
+    """Checks the invariants of docs/design.md §2 on the host.
 
     Args:
       tree: a single (unbatched) tree.

@@ -1,4 +1,4 @@
-"""Exact tree verifiers (paper §4, App. A.4, B.1; DESIGN.md §4).
+"""Exact tree verifiers (paper §4, App. A.4, B.1; docs/design.md §4).
 
 Every verifier returns a ``Verdict``: the accepted path from the root, the output
 block length and the bonus token. All of them are exact: the probability of stopping

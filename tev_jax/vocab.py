@@ -5,7 +5,7 @@ log-weights (`Scores`), the one fused pass that gives per-block masses
 (`block_masses`), its uses (`log_normalizer`, `inverse_cdf`, `sample_token`), the
 two-stage `argmax`, the exact top-k of a vocabulary sharded over a mesh (`vocab_top_k`)
 and the XLA:CPU scheduling barrier they share (`cpu_barrier`). The blocks of 128
-entries keep XLA:CPU's reductions fast (DESIGN.md §5, experiments/verifier_latency).
+entries keep XLA:CPU's reductions fast (docs/design.md §5, experiments/verifier_latency).
 """
 
 from __future__ import annotations
@@ -240,7 +240,7 @@ def cpu_barrier(x, *, vocab_sharded: bool = False):
     """``lax.optimization_barrier(x)`` on the CPU backend, else ``x``.
 
     The kernels use it to stop XLA:CPU from fusing a reduction into a slower form
-    (DESIGN.md §5, experiments/verifier_latency). It is skipped on other backends,
+    (docs/design.md §5, experiments/verifier_latency). It is skipped on other backends,
     where it only constrains scheduling, and whenever the operand's vocabulary axis is
     sharded (``vocab_sharded``, or a tensor axis on the active mesh), where XLA's SPMD
     partitioner aborts on it.

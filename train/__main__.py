@@ -14,7 +14,7 @@ Every `TrainConfig` field is a ``--flag`` (underscores become dashes); ``--recip
 paper`` starts from a named preset (`train.config.RECIPES`, the authors' ExitTrain
 settings), ``--config`` reads a JSON file over it and flags override both.
 
-Exit codes (as ``tev-jax``'s, `tev_jax.exits`): 0 done (or stopped where asked, with
+Exit codes (as ``tev-jax``'s, `tev_jax.runtime.exit_codes`): 0 done (or stopped where asked, with
 ``--until-update`` / ``--max-minutes``); 2 bad input or a refused run (one line on
 stderr, nothing written); 75 ``run`` stopped by SIGTERM or SIGINT after an update
 (checkpoint saved) or ``rollouts`` between shards: run the same command again to resume;
@@ -104,7 +104,7 @@ NEW_DRAFTER_FIELDS = ("drafter_layers", "block_size", "mask_token_id", "target_l
 
 
 def config_from_args(ns: argparse.Namespace) -> TrainConfig:
-    from tev_jax.batch_io import read_text
+    from tev_jax.text_io import read_text
     from train.config import RECIPES, TrainConfig
 
     base = dict(RECIPES[ns.recipe]) if ns.recipe else {}
@@ -164,28 +164,28 @@ def _ints_flag(text: str, flag: str) -> tuple[int, ...]:
 
 def _read_prompts(ns, tokenizer, target) -> list[list[int]]:
     """Token ids of --prompts-file and --prompt-set, read by the prompt reader of
-    ``tev-jax generate --prompts`` (`tev_jax.batch_io`): JSONL of prompt / messages /
+    ``tev-jax generate --prompts`` (`tev_jax.batch.outputs`): JSONL of prompt / messages /
     prompt_ids records (ids optional here) or plain text, bundled sets included; cut to
     their last --max-prompt-len tokens, and checked against the vocabulary and the
     target's context length."""
-    from tev_jax import batch_io
+    from tev_jax import text_io
 
     sources = ([ns.prompts_file] if ns.prompts_file else []) + [
-        batch_io.BUNDLED_PREFIX + name for name in ns.prompt_set or ()]
+        text_io.BUNDLED_PREFIX + name for name in ns.prompt_set or ()]
     if not sources:
         raise ValueError("no prompts: give --prompts-file and/or --prompt-set")
     folder = Path(ns.tokenizer or ns.target)
     folder = folder if folder.is_dir() else folder.parent
     config_file = folder / "tokenizer_config.json"
-    chat = batch_io.chat_formatter(
-        json.loads(batch_io.read_text(config_file)) if config_file.is_file() else None)
+    chat = text_io.chat_formatter(
+        json.loads(text_io.read_text(config_file)) if config_file.is_file() else None)
     requests = []
     for source in sources:
-        records = batch_io.read_prompts(source, line_ids=True)
-        if batch_io.bundled_set(source) is not None:
+        records = text_io.read_prompts(source, line_ids=True)
+        if text_io.bundled_set(source) is not None:
             print(f"warning: {source} is an evaluation set; training on its rollouts leaks "
                   "it into the drafter", file=sys.stderr)
-        requests += batch_io.encode_records(
+        requests += text_io.encode_records(
             records, tokenizer, chat, vocab_size=target.config.vocab_size,
             prompt_len=ns.max_prompt_len, truncate=True, where=source,
             max_positions=target.config.max_position_embeddings,
@@ -252,7 +252,7 @@ def _rollouts(ns) -> None:
         manifest = make_rollouts(target, prompts, ns.out, rc, info=info, progress=progress,
                                  process_index=index, process_count=count, replace=ns.force)
     except KeyboardInterrupt as e:
-        from tev_jax.exits import Interrupted
+        from tev_jax.runtime.exit_codes import Interrupted
 
         done = len(list(Path(ns.out).glob("shard-*-of-*.json")))
         raise Interrupted(f"{done} complete shard(s) of --shard-size {ns.shard_size} are in "
@@ -268,8 +268,9 @@ def _rollouts(ns) -> None:
 
 
 def _run(ns) -> int:
-    from tev_jax.batch_io import lock_output
-    from tev_jax.exits import EXIT_RESUMABLE, Interrupted, Terminated, interrupt_exit
+    from tev_jax.batch.outputs import lock_output
+    from tev_jax.runtime.exit_codes import (EXIT_RESUMABLE, Interrupted, Terminated,
+                                            interrupt_exit)
     from train.checkpoint import steps_in
     from train.loop import train
 
@@ -299,7 +300,7 @@ def _run(ns) -> int:
     ran = result.update - result.start_update
     lines = []
     if result.drafter_path:
-        from tev_jax.cli.flags import is_bundled_target
+        from tev_jax.models.bundled import is_bundled_target
 
         target = "" if is_bundled_target(cfg.target_path) else f"--target {cfg.target_path} "
         lines.append(f"drafter written to {result.drafter_path} (DFlash layout: tev-jax "
@@ -376,11 +377,11 @@ def _plan_mesh_shape(ns) -> tuple[int, int, int]:
         raise ValueError("plan for one of a TPU slice (--topology) or GPUs (--gpu), not both")
     if ns.topology or ns.gpu:
         if ns.topology:
-            from tev_jax.topology import slice_devices
+            from tev_jax.costs.chips import slice_devices
 
             devices, what = len(slice_devices(ns.topology).devices), f"--topology {ns.topology}"
         else:
-            from tev_jax.gpu import gpu_devices
+            from tev_jax.costs.chips import gpu_devices
 
             devices, what = len(gpu_devices(ns.gpu).devices), f"--gpu {ns.gpu}"
     else:
@@ -522,7 +523,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     pl = sub.add_parser("plan", help="per-device memory of a training step (no weights)")
     pl.add_argument("--target", required=True,
-                    help="a preset (tev_jax.plan.PRESETS) or an HF config.json / directory")
+                    help="a preset (tev_jax.costs.plan.PRESETS) or an HF config.json / directory")
     pl.add_argument("--target-layers", type=int, help="cut the target to this many layers")
     pl.add_argument("--drafter-layers", type=int, default=1,
                     help="the drafter's layers (default %(default)s)")
@@ -581,33 +582,34 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     """The ``tev-train`` command; the exit codes are in the module docstring. SIGINT and
-    SIGTERM are recorded from the first line on (`tev_jax.stop`) and taken at safe points:
+    SIGTERM are recorded from the first line on (`tev_jax.runtime.signals`) and taken at safe points:
     between updates (``run`` saves a checkpoint), shards (``rollouts``) or at the end."""
-    from tev_jax import stop
+    from tev_jax.runtime import signals
 
-    with stop.handled_signals("tev-train"):
+    with signals.handled_signals("tev-train"):
         return _main(argv)
 
 
 def _main(argv) -> int:
-    from tev_jax import stop
-    from tev_jax.exits import (EXIT_RESUMABLE, EXIT_USAGE, Interrupted, flag_names,
-                               interrupt_exit, name_flags, parse_args)
+    from tev_jax.runtime import signals
+    from tev_jax.runtime.exit_codes import (EXIT_RESUMABLE, EXIT_USAGE, Interrupted,
+                                            flag_names, interrupt_exit, name_flags,
+                                            parse_args)
 
     prog, command = prog_name(), None
     try:
-        from tev_jax.platforms import quiet_start
+        from tev_jax.runtime.platforms import quiet_start
 
         quiet_start()  # before jax is imported: no libtpu / CUDA plugin lines on a CPU
         parser = build_parser()
-        stop.check()
+        signals.check()
         ns = parse_args(parser, parser.get_default("subcommands"), argv)
         command = ns.command
         if getattr(ns, "distributed", False) in (True, "true"):
             # jax's preemption sync takes SIGTERM in every process; Ctrl-C is Python's
-            stop.release(signal.SIGTERM)
-            stop.release(signal.SIGINT)
-        stop.check()
+            signals.release(signal.SIGTERM)
+            signals.release(signal.SIGINT)
+        signals.check()
         from train.checkpoint import CheckpointError
 
         try:
@@ -615,7 +617,7 @@ def _main(argv) -> int:
         except CheckpointError as e:
             raise ValueError(str(e)) from None
         if code == 0:
-            stop.check()  # a signal the command's last stretch did not take
+            signals.check()  # a signal the command's last stretch did not take
         return code
     except KeyboardInterrupt as e:
         name = f"{prog} {command}" if command else prog

@@ -49,7 +49,7 @@ OBJECTIVES = ("token", "exittrain", "opd")
 
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
-    """Drafter training with the DFlash token objective and ExitTrain (DESIGN.md §8).
+    """Drafter training with the DFlash token objective and ExitTrain (docs/design.md §8).
 
     Models:
       target_path: Hugging Face directory of the frozen target.

@@ -1,13 +1,13 @@
-"""Memory plan of a drafter training step on abstract models (DESIGN.md §12).
+"""Memory plan of a drafter training step on abstract models (docs/design.md §12).
 
 `plan_step` builds the target and a DFlash drafter without weights
-(`tev_jax.plan.abstract_target`, `tev_jax.plan.abstract_drafter`), lowers one optimiser
+(`tev_jax.costs.plan.abstract_target`, `tev_jax.costs.plan.abstract_drafter`), lowers one optimiser
 update with `train.step.lower` on a mesh and compiles it: the compiler's
-`tev_jax.plan.ProgramReport` gives the per-device bytes of the step's arguments
+`tev_jax.costs.plan.ProgramReport` gives the per-device bytes of the step's arguments
 (target, drafter, optimiser state, batch) and of its temporaries (activations,
 scratch), its FLOPs and bytes accessed. With ``topology`` (a TPU slice name such as
-'v5p:2x2x2', `tev_jax.topology`) the mesh lies over that slice's chips and the real TPU
-compiler plans it from this machine, with ``gpu`` ('h100x8', `tev_jax.gpu`) over NVIDIA
+'v5p:2x2x2', `tev_jax.costs.chips`) the mesh lies over that slice's chips and the real TPU
+compiler plans it from this machine, with ``gpu`` ('h100x8', `tev_jax.costs.chips`) over NVIDIA
 GPUs and the real GPU compiler; then the step's roofline time and an MFU estimate
 (`step_model_flops` over chips x peak x roofline time) come with it. This is what
 ``python -m train plan`` prints.
@@ -26,23 +26,14 @@ from pathlib import Path
 import jax
 
 from tev_jax import sharding as shd
+from tev_jax.costs.chips import Chip, local_chip, plan_mesh
+from tev_jax.costs.plan import (PRESETS, GiB, NotEnoughMemory, ProgramReport,
+                                abstract_drafter, abstract_target, available_bytes,
+                                compile_report, model_config)
+from tev_jax.draft_opd import OpdConfig
 from tev_jax.exit_train import ExitTrainConfig
 from tev_jax.models.drafter import default_target_layer_ids
-from tev_jax.plan import (
-    PRESETS,
-    GiB,
-    NotEnoughMemory,
-    ProgramReport,
-    abstract_drafter,
-    abstract_target,
-    available_bytes,
-    compile_report,
-    model_config,
-)
 from tev_jax.sampling import Sampling
-from tev_jax.hardware import local_chip, plan_mesh
-from tev_jax.topology import Chip
-from tev_jax.draft_opd import OpdConfig
 from train.config import OBJECTIVES
 from train.opd_step import OpdStepConfig, lower_opd
 from train.optimizer import OptimConfig
@@ -54,7 +45,7 @@ class StepPlan:
     """Per-device bytes of one compiled training step.
 
     Attributes:
-      report: the compiled step's `tev_jax.plan.ProgramReport`; the donated train state
+      report: the compiled step's `tev_jax.costs.plan.ProgramReport`; the donated train state
         is both argument and output (``alias_bytes``).
       info: the configuration, for printing.
       chip, devices_per_chip: the TPU chip of the plan and its devices per chip (None:
@@ -118,7 +109,7 @@ class StepPlan:
 
 
 def target_config_from(name_or_path: str, num_layers: int | None = None):
-    """`tev_jax.plan.model_config` of ``--target``: a preset name (`tev_jax.plan.PRESETS`)
+    """`tev_jax.costs.plan.model_config` of ``--target``: a preset name (`tev_jax.costs.plan.PRESETS`)
     or an HF config.json (file or directory), optionally cut to ``num_layers`` layers."""
     if name_or_path not in PRESETS and not Path(name_or_path).exists():
         raise ValueError(f"{name_or_path!r} is neither a preset ({sorted(PRESETS)}) nor a "
@@ -189,9 +180,9 @@ def plan_step(target_config, *, drafter_layers: int = 1, num_taps: int = 5,
       target_dtype, param_dtype, compute_dtype, target_sharding, remat,
         score_capacities: as in `train.config.TrainConfig` (`train.step.StepConfig`,
         `tev_jax.exit_train.ExitTrainConfig`).
-      topology: a TPU slice name ('v5p:2x2x2', `tev_jax.topology.slice_devices`): the
+      topology: a TPU slice name ('v5p:2x2x2', `tev_jax.costs.chips.slice_devices`): the
         mesh lies over its chips (needs the tpu extra); None: the local devices.
-      gpu: instead, NVIDIA GPUs by name ('h100x8', `tev_jax.gpu.gpu_devices`; needs
+      gpu: instead, NVIDIA GPUs by name ('h100x8', `tev_jax.costs.chips.gpu_devices`; needs
         the gpu extra).
     Returns:
       The `StepPlan`; its report's ``compile_seconds`` is the XLA compile time.
@@ -254,7 +245,7 @@ def plan_rollouts(target_config, *, drafter_layers: int = 1, block_size: int = 1
                   gpu: str | None = None):
     """The rollout programs of a Draft-OPD run (`train.opd_rollouts`), compiled on
     abstract models: the prefill of one chunk and one traced round's decode round, per
-    device (`tev_jax.plan.plan_decode_programs`; a rollout phase is one prefill per
+    device (`tev_jax.costs.plan.plan_decode_programs`; a rollout phase is one prefill per
     batch and up to ``max_new_tokens`` rounds).
 
     Args:
@@ -263,10 +254,10 @@ def plan_rollouts(target_config, *, drafter_layers: int = 1, block_size: int = 1
       builder, budget, verifier, temperature: the rollouts' decode settings.
       mesh_shape, topology, gpu, target_dtype: as `plan_step`.
     Returns:
-      The `tev_jax.plan.DecodePlan` of 'prefill' and 'round'.
+      The `tev_jax.costs.plan.DecodePlan` of 'prefill' and 'round'.
     """
+    from tev_jax.costs.plan import plan_decode_programs
     from tev_jax.decode import DecodeConfig
-    from tev_jax.plan import plan_decode_programs
 
     data, fsdp, tensor = mesh_shape
     if topology is not None or gpu is not None:
@@ -316,7 +307,7 @@ def check_step_floor(cfg, *, seq_len: int, taps: int, width: int, itemsize: int,
 def check_step_fits(lowered, cfg, mesh=None) -> ProgramReport:
     """Compiles one update (``lowered``: the step the loop runs, so jax keeps the compile)
     and refuses it when its arguments, outputs and temporaries exceed the free memory of
-    a device (`tev_jax.plan.available_bytes`).
+    a device (`tev_jax.costs.plan.available_bytes`).
 
     Raises:
       NotEnoughMemory: one line with every part and the flags to lower.

@@ -8,8 +8,8 @@ Two mechanisms, chosen by how the job runs:
   ``jax.experimental.multihost_utils.reached_preemption_sync_point(step)`` (through
   orbax's ``CheckpointManager.reached_preemption``) becomes True at the same update
   everywhere (the fastest process's next update), so every process saves the same
-  step. ``tev-train`` leaves SIGTERM to jax there (`tev_jax.stop.release`).
-- **one process without it**: the signal is recorded (`tev_jax.stop`: ``tev-train``
+  step. ``tev-train`` leaves SIGTERM to jax there (`tev_jax.runtime.signals.release`).
+- **one process without it**: the signal is recorded (`tev_jax.runtime.signals`: ``tev-train``
   records SIGINT and SIGTERM; a library caller gets SIGTERM recorded while the loop
   runs) and the loop reads it after each update.
 
@@ -24,7 +24,7 @@ import signal
 
 import jax
 
-from tev_jax import stop
+from tev_jax.runtime import signals
 
 
 class PreemptionWatch:
@@ -40,8 +40,8 @@ class PreemptionWatch:
         self._handled = contextlib.ExitStack()
 
     def __enter__(self):
-        if not self._distributed and not stop.handling(signal.SIGTERM):
-            self._handled.enter_context(stop.handled_signals("train", (signal.SIGTERM,)))
+        if not self._distributed and not signals.handling(signal.SIGTERM):
+            self._handled.enter_context(signals.handled_signals("train", (signal.SIGTERM,)))
         return self
 
     def __exit__(self, *exc):
@@ -51,12 +51,12 @@ class PreemptionWatch:
         """Call once after every update (all processes): True means save and stop."""
         if self._distributed:
             return self._checkpointer.reached_preemption(update)
-        return stop.requested() is not None
+        return signals.requested() is not None
 
     @property
     def signal(self) -> int:
         """The signal that stopped the loop (SIGTERM under jax.distributed)."""
-        return stop.requested() or signal.SIGTERM
+        return signals.requested() or signal.SIGTERM
 
 
 __all__ = ["PreemptionWatch"]

@@ -1,4 +1,4 @@
-"""Target rollouts: the training sequences of the drafter (DESIGN.md §8).
+"""Target rollouts: the training sequences of the drafter (docs/design.md §8).
 
 `make_rollouts` generates a response to every prompt with the target's autoregressive
 decode path (`tev_jax.engine.generate_ar`) and stores ``[prompt ; response]`` token ids
@@ -38,7 +38,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from tev_jax import stop
+from tev_jax.runtime import signals
 from tev_jax.sampling import Sampling
 from train.anchors import labels_in_response, sample_anchors, step_rng
 
@@ -100,7 +100,7 @@ def generate_responses(target, prompts: Sequence[Sequence[int]], config: Rollout
     key = jax.random.key(config.seed) if key is None else key
     out = []
     for i in range(0, len(prompts), config.batch_size):
-        stop.check()  # between batches (a shard's batches so far are dropped)
+        signals.check()  # between batches (a shard's batches so far are dropped)
         chunk = [list(p) for p in prompts[i:i + config.batch_size]]
         gen = generate_ar(target, chunk, dc, jax.random.fold_in(key, i // config.batch_size))
         out.extend(np.asarray(r, np.int32) for r in gen.rows())
@@ -313,7 +313,7 @@ def make_rollouts(target, prompts: Sequence[Sequence[int]], out_dir: str | os.Pa
     root = jax.random.key(config.seed)
     try:
         for i in range(process_index, n, process_count):
-            stop.check()  # between shards: the written ones are complete
+            signals.check()  # between shards: the written ones are complete
             record = _shard_record(out_dir, i, n)
             if record is not None and record.get("key") == run_key:
                 continue

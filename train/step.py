@@ -1,6 +1,6 @@
 """One drafter training step: DFlash token objective + ExitTrain, one jitted sharded call.
 
-Per micro-batch (B sequences, A anchors each, DESIGN.md §8)::
+Per micro-batch (B sequences, A anchors each, docs/design.md §8)::
 
     target pass   frozen target over the sequences       -> context features, sequence K/V
     drafter       all A blocks of a row in one forward   -> draft hidden [B, A, H, D]  (vjp)
@@ -269,7 +269,7 @@ def lower(target, drafter, step_config: StepConfig, optim_config: OptimConfig, m
           batch_shape: tuple[int, int, int]):
     """The jax ``Lowered`` of one optimiser update (micro-batch) on ``mesh``.
 
-    Works on abstract models (`tev_jax.plan.abstract_target`, ``nnx.eval_shape``):
+    Works on abstract models (`tev_jax.costs.plan.abstract_target`, ``nnx.eval_shape``):
     nothing is allocated, so ``lower(...).compile().memory_analysis()`` gives the
     per-device argument and temporary bytes of a step for models that would not fit
     this machine. The step is the one `step_program` jits (same shardings, state

@@ -8,10 +8,10 @@ four bundled evaluation sets (mixed lengths: 24 to 576 tokens):
 (a) one prompt at a time: `engine.generate` per prompt (batch 1);
 (b) static batches: `engine.generate` on consecutive chunks of B prompts, each chunk
     running until its longest row is done;
-(c) continuous batching: `batching.generate_continuous` with B slots.
+(c) continuous batching: `continuous.generate_continuous` with B slots.
 
 Every method pads a prompt (or a chunk's prompts) to the same width buckets
-(`batching.width_buckets` of the longest prompt) and uses one cache length, so the
+(`slots.width_buckets` of the longest prompt) and uses one cache length, so the
 comparison is of the batching alone.
 
 Every program is compiled before the clock starts (a first call per shape; for (c) every
@@ -40,10 +40,11 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from tev_jax import batching, decode, engine
-from tev_jax.engine import Engine
+from tev_jax import decode, engine, slots
+from tev_jax.batch import continuous
 from tev_jax.data.prompts import PROMPT_SETS, prompt_set
 from tev_jax.data.tokenizer import STOP_IDS
+from tev_jax.engine import Engine
 from tev_jax.models import load_bundled
 
 HERE = Path(__file__).resolve().parent
@@ -74,7 +75,7 @@ class Clock:
 def static_batches(target, drafter, prompts, config, b):
     """`engine.generate` on chunks of ``b`` prompts, each padded to its width bucket."""
     chunks = [prompts[i: i + b] for i in range(0, len(prompts), b)]
-    widths = batching.width_buckets(config.prompt_len)
+    widths = slots.width_buckets(config.prompt_len)
     configs = [dataclasses.replace(
         config, prompt_len=next(w for w in widths if w >= max(map(len, c)))) for c in chunks]
     for size, cfg in {(len(c), cfg) for c, cfg in zip(chunks, configs)}:  # compile
@@ -97,19 +98,19 @@ def warm_up_continuous(target, drafter, config, b, widths):
     eng = Engine.create(target, drafter, config, b)
     axes = eng.slot_axes()
     st = eng.empty_slots(jax.random.key(0))
-    for k in batching.row_buckets(b):
+    for k in slots.row_buckets(b):
         for t in widths:
             st = eng.refill(st, np.ones((k, t), np.int32), np.ones((k,), np.int32),
                             np.arange(k, dtype=np.int32), jax.random.key(1), axes=axes)
     jax.block_until_ready(eng.run_rounds(st, b, 1))
 
 
-def continuous(target, drafter, prompts, config, b):
-    widths = batching.width_buckets(config.prompt_len)
+def continuous_batches(target, drafter, prompts, config, b):
+    widths = slots.width_buckets(config.prompt_len)
     warm_up_continuous(target, drafter, config, b, widths)
-    requests = [batching.Request(i, p) for i, p in enumerate(prompts)]
+    requests = [slots.Request(i, p) for i, p in enumerate(prompts)]
     clock = Clock()
-    results = {r.id: r for r in batching.generate_continuous(
+    results = {r.id: r for r in continuous.generate_continuous(
         target, drafter, requests, config, batch_size=b, widths=widths)}
     seconds = clock.read()
     ran = [r for r in results.values() if r.rounds]
@@ -151,7 +152,7 @@ def main(argv=None) -> int:
         d = drafter if name == "spec" else None
         runs = []
         for b in sizes:
-            runs += [("static", b, static_batches, (b,)), ("continuous", b, continuous, (b,))]
+            runs += [("static", b, static_batches, (b,)), ("continuous", b, continuous_batches, (b,))]
         if args.single_prompts:
             runs.append(("one at a time", 1, static_batches, (1,)))
         for how, b, fn, extra in runs:

@@ -4,7 +4,7 @@ Compiles, with libtpu on this CPU machine, each program at a few depths of a rea
 (bf16, every other setting fixed) and prints the compile time (wall and this process's
 CPU seconds) and the ratio of the full depth to the shallowest:
 
-- decode: the fused generation (`tev_jax.plan.plan_decode`: prefill + the rounds loop)
+- decode: the fused generation (`tev_jax.costs.plan.plan_decode`: prefill + the rounds loop)
   of Qwen3-8B with a 1-layer DFlash drafter, DDTree-64 + TEV, B 8, prompt 1024, cache
   2048, on ``v5e:2x4`` (tensor 8);
 - train: one ExitTrain update (`train.plan.plan_step`) of a 1-layer drafter on a
@@ -35,7 +35,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax.numpy as jnp  # noqa: E402
 
-from tev_jax import plan, topology  # noqa: E402
+from tev_jax.costs import chips, plan
 from tev_jax.decode import DecodeConfig  # noqa: E402
 from tev_jax.models.layers import scan_unroll  # noqa: E402
 
@@ -57,7 +57,7 @@ def timed(compile_fn) -> dict:
 
 
 def decode(depth: int, topology_name: str) -> dict:
-    mesh, _ = topology.slice_mesh(topology_name, tensor=8)
+    mesh, _ = chips.slice_mesh(topology_name, tensor=8)
     cfg = plan.preset("qwen3-8b", num_layers=depth)
     config = DecodeConfig(budget=64, verifier="tev", prompt_len=1024, max_cache_len=2048,
                           max_new_tokens=256)

@@ -2,14 +2,14 @@
 
 Everything runs in one process on the same models, batch 1, float32:
 
-1. **Fused** (`tev_jax.profile.compiled_generate`: the whole generation is one jitted
+1. **Fused** (`tev_jax.costs.timing.compiled_generate`: the whole generation is one jitted
    ``lax.while_loop``; every configuration is compiled first, then all are timed
    round-robin ``--repeats`` times, so that load drift on a shared machine hits them
    alike; medians): tokens/s and τ of plain autoregressive decoding (AR), the DFlash chain
    (verified by TEV) and DDTree trees of each budget verified by predraw and by TEV, at
    T = 0 and T = 1, with the DFlash drafter. Speed-ups are against the AR run of the same
    temperature.
-2. **Un-fused** (`tev_jax.profile.profile_generate`: every stage jitted separately and
+2. **Un-fused** (`tev_jax.costs.timing.profile_generate`: every stage jitted separately and
    timed with ``block_until_ready``, after a warm-up pass; one run per configuration;
    each stage call includes a dispatch overhead, measured and recorded): per-stage seconds (prefill,
    draft, build, verify, decide, commit) and τ, for the DFlash drafter and for the oracle
@@ -47,7 +47,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from tev_jax import decode, engine, profile
+from tev_jax import decode, engine
+from tev_jax.costs import timing
 from tev_jax.models import ModelConfig, init_drafter, init_target, load_drafter, load_target
 from tev_jax.sampling import Sampling
 from tev_jax.testing.drafters import OracleDrafter
@@ -210,7 +211,7 @@ def main():
     for temp in args.temperatures:
         for name, cfg in configs(budgets, temp, max_new):
             t0 = time.perf_counter()
-            fused[temp, name] = profile.compiled_generate(
+            fused[temp, name] = timing.compiled_generate(
                 target, None if cfg.builder == "none" else drafter, [prompt], cfg, key=0)
             print(f"compiled T={temp} {name} in {time.perf_counter() - t0:.1f} s", flush=True)
     times = {k: [] for k in fused}
@@ -241,7 +242,7 @@ def main():
             for name, cfg in configs(budgets, temp, max_new):
                 if name == "AR" and dname == "oracle":
                     continue
-                gen = profile.profile_generate(target, None if cfg.builder == "none" else d,
+                gen = timing.profile_generate(target, None if cfg.builder == "none" else d,
                                               [prompt], cfg, key=0)
                 med = {k: float(np.median(v)) for k, v in gen.stats.round_seconds.items()}
                 per_round = sum(v for k, v in med.items() if k != "prefill")

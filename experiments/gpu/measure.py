@@ -7,14 +7,14 @@ One command, under either CUDA plugin (cuda12 or cuda13), one GPU:
     python experiments/gpu/measure.py --smoke --out /tmp/m     # CPU, tiny shapes (tests)
 
 It writes ``measure.json`` and the GPU's calibration table ``gpus/<gpu>.json`` (the
-format of `tev_jax.gpu_time`; copy it to ``tev_jax/data/gpus/`` to commit it) into
+format of `tev_jax.costs.gpu_time`; copy it to ``tev_jax/data/gpus/`` to commit it) into
 ``--out``, and prints a table of:
 
 1. **programs**: the AR step and DDTree + TEV rounds at budgets 16 / 32 / 64, B 1 / 8 /
    32, of a preset with random bf16 weights at full depth (Qwen3-8B, 1-layer drafter,
    prompt 1024 / cache 2048, T = 0): each compiled once ahead of time (its
-   `tev_jax.plan.ProgramReport`: HBM bytes, launches, roofline, calibrated estimate;
-   `tev_jax.plan.round_floor`: its floor of bytes) and timed as dispatched rounds
+   `tev_jax.costs.plan.ProgramReport`: HBM bytes, launches, roofline, calibrated estimate;
+   `tev_jax.costs.plan.round_floor`: its floor of bytes) and timed as dispatched rounds
    (median), with the achieved HBM bandwidth (bytes / time) and the floor's time (floor
    bytes / the data sheet's bandwidth);
 2. **kernels alone**, each as R calls in one jitted loop (no dispatch between calls):
@@ -24,7 +24,7 @@ format of `tev_jax.gpu_time`; copy it to ``tev_jax/data/gpus/`` to commit it) in
 3. **the bundled pair's fused generate** (float32, highest matmul precision): tokens/s
    of AR and of DDTree-32 + TEV, and whether their T = 0 tokens are equal;
 4. **the calibration**: the kernels' rates as a first guess, fitted to the programs'
-   times (`tev_jax.gpu_time.fit`), and how far each estimate lands from its time;
+   times (`tev_jax.costs.gpu_time.fit`), and how far each estimate lands from its time;
 5. **block sizes**: a few variants of each Pallas kernel's `GpuBlocks` timed alone, the
    fastest written to ``blocks/<gpu>.json`` (for the ``GPU_BLOCKS`` tables of
    `tev_jax.kernels.stacked_matmul` and `tev_jax.kernels.cache_attention`).
@@ -48,8 +48,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from tev_jax import gpu, gpu_time, launches, op_costs, platforms
-from tev_jax import plan as planning
+from tev_jax.costs import chips, gpu_time, launches, op_costs, plan
+from tev_jax.runtime import platforms
 
 PROMPT_LEN, CACHE_LEN = 1024, 2048
 SMOKE = dict(prompt_len=16, cache_len=64, batches=(1, 2), budgets=(4,), repeats=3, loop=3,
@@ -77,7 +77,7 @@ def random_models(cfg, dtype):
     from tev_jax.models.layers import jitted_initializer
 
     target = init_target(cfg, key=0, dtype=dtype)
-    graphdef, init = jitted_initializer(Drafter, planning.drafter_config(cfg), dtype, None,
+    graphdef, init = jitted_initializer(Drafter, plan.drafter_config(cfg), dtype, None,
                                         shd.DEFAULT_RULES)
     return target, nnx.merge(graphdef, init(jax.random.key(1)))
 
@@ -114,8 +114,8 @@ def measure_programs(cfg, drafter_cfg_models, s, gpu_name, chip) -> list[dict]:
             t0 = time.perf_counter()
             compiled = engine.lower("round").compile()
             compile_s = time.perf_counter() - t0
-            report = planning.ProgramReport.of(compiled, compile_s, gpu=gpu_name)
-            floor = planning.sum_floor(planning.round_floor(engine))
+            report = plan.ProgramReport.of(compiled, compile_s, gpu=gpu_name)
+            floor = plan.sum_floor(plan.round_floor(engine))
             prompts = engine.prompts([rng.integers(0, engine.vocab_size,
                                                    s["prompt_len"] - 8).tolist()
                                       for _ in range(batch)])
@@ -357,7 +357,7 @@ def table(result: dict) -> str:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default="qwen3-8b", choices=sorted(planning.PRESETS))
+    ap.add_argument("--model", default="qwen3-8b", choices=sorted(plan.PRESETS))
     ap.add_argument("--kernels", choices=("on", "off"), default="on",
                     help="off: trace no Pallas kernel (the XLA fallbacks)")
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny shapes (tests)")
@@ -372,7 +372,7 @@ def main(argv=None) -> int:
                          "--smoke runs the tiny version on CPU")
     if args.kernels == "off":
         platforms.gpu_kernels_traced = lambda: False   # every caller asks the module
-    chip = next((g for g in gpu.GPUS.values() if g.chip.device_kind == device.device_kind),
+    chip = next((g for g in chips.GPUS.values() if g.chip.device_kind == device.device_kind),
                 None)
     gpu_name = chip.name if chip is not None else ("h200" if args.smoke else None)
     out = Path(args.out)
@@ -394,7 +394,7 @@ def main(argv=None) -> int:
             (out / "blocks" / f"{gpu_name}.json").write_text(
                 json.dumps(result["blocks"]["best"], indent=1) + "\n")
     if "programs" not in skip:
-        cfg = smoke_config() if args.smoke else planning.preset(args.model)
+        cfg = smoke_config() if args.smoke else plan.preset(args.model)
         print(f"programs of {args.model if not args.smoke else 'a tiny model'}:", flush=True)
         models = random_models(cfg, jnp.float32 if args.smoke else jnp.bfloat16)
         result["programs"] = measure_programs(cfg, models, s, gpu_name,
@@ -404,7 +404,7 @@ def main(argv=None) -> int:
         result["generate"] = measure_generate(s)
     if result["kernels"] and result["programs"] and gpu_name is not None:
         guess = first_guess(result["kernels"], gpu_name)
-        spec = gpu.GPUS[gpu_name].chip
+        spec = chips.GPUS[gpu_name].chip
         programs = [(r["_ops"], r["_launches"], r["seconds"], True) for r in result["programs"]]
         _, first_worst = gpu_time.fit(guess, programs, peak_flops=spec.peak_flops,
                                       hbm_bandwidth=spec.hbm_bandwidth, rounds=0)

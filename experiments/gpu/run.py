@@ -1,5 +1,5 @@
 """GPU plans of real model sizes, compiled on this CPU machine with the CUDA plugin (ahead of
-time, no GPU: `tev_jax.gpu`).
+time, no GPU: `tev_jax.costs.chips`).
 
 Decoding: Qwen3-8B and Qwen3-4B at full depth (the layers are one scan, so a 36-layer
 program compiles about as fast as a 4-layer one), bfloat16, 1-layer DFlash drafter
@@ -7,8 +7,8 @@ program compiles about as fast as a 4-layer one), bfloat16, 1-layer DFlash draft
 DDTree budgets 16 / 32 / 64 with TEV at T = 0, prompt buffer 1024, cache 2048: per GPU
 the round program's memory, the roofline time of one round and of one AR step
 (max(FLOPs / peak, bytes / bandwidth) with FLOPs and bytes from the optimised HLO,
-`tev_jax.op_costs`: the GPU compiler gives no cost analysis), the break-even τ, the
-speed-up at DDTree's published τ and the budget `tev_jax.round_costs.best_budgets` picks (AR
+`tev_jax.costs.op_costs`: the GPU compiler gives no cost analysis), the break-even τ, the
+speed-up at DDTree's published τ and the budget `tev_jax.costs.round_costs.best_budgets` picks (AR
 included). B 1, 8 and 64 are compiled; B 32 is interpolated linearly between 8 and 64
 (marked ≈, as in experiments/tpu). Training: one ExitTrain update per target on 8 GPUs
 (fsdp 8). Checks: the issue's 4-layer configuration (Qwen3-8B, B 8, budget 64, T = 1) at 4
@@ -34,10 +34,10 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")  # the CUDA plugin compiles all th
 
 import jax.numpy as jnp  # noqa: E402
 
-from tev_jax import gpu, plan  # noqa: E402
+from tev_jax.costs import chips, plan
+from tev_jax.costs.round_costs import best_budgets
 from tev_jax.decode import DecodeConfig  # noqa: E402
 from tev_jax.sampling import Sampling  # noqa: E402
-from tev_jax.round_costs import best_budgets  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 MESHES = {"tensor8": dict(tensor=8, fsdp=1), "data2_tensor4": dict(data=2, tensor=4, fsdp=1)}
@@ -68,7 +68,7 @@ def compile_round(model: str, gpu_name: str, mesh_name: str, batch: int, budget:
                   max_new: int = MAX_NEW, program: str = "round") -> dict:
     """The round (or, with ``budget`` None, the AR step; or ``program``, e.g. the whole
     'generation') on 8 GPUs; -> its report as a dict (per GPU), peak bytes included."""
-    mesh, _ = gpu.gpu_mesh(f"{gpu_name}x8", **MESHES[mesh_name])
+    mesh, _ = chips.gpu_mesh(f"{gpu_name}x8", **MESHES[mesh_name])
     cfg = plan.preset(model, num_layers=layers)
     result = plan.plan_decode_programs(cfg, decode_config(budget, temperature, max_new), batch,
                                        dtype=jnp.bfloat16, mesh=mesh, programs=(program,))
@@ -106,7 +106,7 @@ MEASURED_H200 = {(1, None): 7.12, (1, 32): 10.38, (8, None): 7.36, (8, 32): 21.9
 
 def calibrated_items() -> list:
     """Qwen3-8B on one H200 at full depth, B 1 / 8 / 32 (all compiled), AR and the
-    budgets: each program's calibrated estimate (`tev_jax.gpu_time`, the committed H200
+    budgets: each program's calibrated estimate (`tev_jax.costs.gpu_time`, the committed H200
     table), roofline and launches."""
     items = []
     for batch in (1, 8, 32):
@@ -114,7 +114,7 @@ def calibrated_items() -> list:
             key = f"calibrated/qwen3-8b/h200x1/B{batch}/" + (f"b{budget}" if budget else "ar")
 
             def thunk(batch=batch, budget=budget):
-                mesh, devices = gpu.gpu_mesh("h200x1")
+                mesh, devices = chips.gpu_mesh("h200x1")
                 result = plan.plan_decode_programs(
                     plan.preset("qwen3-8b"), decode_config(budget), batch, dtype=jnp.bfloat16,
                     mesh=mesh, programs=("round",), chip=devices.chip)
@@ -176,7 +176,7 @@ def check_items() -> list:
 
 
 def train_items() -> list:
-    from tev_jax.plan import abstract_drafter
+    from tev_jax.costs.plan import abstract_drafter
     from train.plan import plan_step, step_model_flops
 
     items = []
@@ -201,7 +201,7 @@ def train_items() -> list:
 
 
 def seconds(entry: dict, gpu_name: str) -> float:
-    chip = gpu.GPUS[gpu_name].chip
+    chip = chips.GPUS[gpu_name].chip
     return max(entry["flops"] / chip.peak_flops, entry["bytes_accessed"] / chip.hbm_bandwidth)
 
 
@@ -239,7 +239,7 @@ def decode_table(results: dict, tpu_run) -> str:
                 cells.append("–")
                 continue
             t = seconds(e, g)
-            over = e["peak_bytes"] > gpu.GPUS[g].chip.hbm_bytes
+            over = e["peak_bytes"] > chips.GPUS[g].chip.hbm_bytes
             cells.append(f"{e.get('mark', '')}{t * 1e3:.2f} ({t / t_ar:.2f})"
                          + (" > HBM" if over else ""))
             if not over:
@@ -276,7 +276,7 @@ def train_table(results: dict) -> str:
     for key, e in sorted(results.items()):
         if not key.startswith("train/"):
             continue
-        t, chip = seconds(e, e["gpu"]), gpu.GPUS[e["gpu"]].chip
+        t, chip = seconds(e, e["gpu"]), chips.GPUS[e["gpu"]].chip
         rows.append(f"| {e['model']} | 8 x {e['gpu']} (fsdp 8) | {e['peak_bytes'] / 2**30:.2f} | "
                     f"{e['flops'] / 1e12:.2f} | {e['bytes_accessed'] / 1e9:.1f} | "
                     f"{t * 1e3:.0f} | {e['model_flops'] / (8 * chip.peak_flops * t):.1%} | "
@@ -298,7 +298,7 @@ def main(argv=None) -> int:
     ap.add_argument("--checks", action="store_true",
                     help="also the issue's 4-layer configuration and its full depth")
     ap.add_argument("--calibrated", action="store_true",
-                    help="also Qwen3-8B on one H200: the calibrated estimates (tev_jax.gpu_time)")
+                    help="also Qwen3-8B on one H200: the calibrated estimates (tev_jax.costs.gpu_time)")
     ap.add_argument("--only", default=None, help="only keys containing this text")
     ap.add_argument("--gpus", default=",".join(GPUS),
                     help="GPUs of the decode grid (default %(default)s; b200 and a100 too)")

@@ -6,8 +6,8 @@ tensor-parallel over every local GPU, prompt buffer 1024 (random prompts of 1000
 tokens), cache 2048, T = 0: the prefill, then ``--repeats`` rounds timed one by one
 (`Engine.round`, each waited for) after one untimed warm-up; the median. A round's work
 does not depend on the weights or on what it accepts (static shapes). The roofline is
-`tev_jax.plan.ProgramReport.roofline_seconds` of the same engine's compiled round on the
-local GPU's figures (`tev_jax.gpu.GPUS`, found by ``device_kind``).
+`tev_jax.costs.plan.ProgramReport.roofline_seconds` of the same engine's compiled round on the
+local GPU's figures (`tev_jax.costs.chips.GPUS`, found by ``device_kind``).
 
     pip install -e . "jax[cuda12]==0.10.2"
     python experiments/gpu/time_gpu.py --batch 1,8,32 --out experiments/gpu/timings.json
@@ -26,14 +26,14 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from tev_jax import plan
 from tev_jax import sharding as shd
+from tev_jax.costs import plan
+from tev_jax.costs.chips import chip_of
 from tev_jax.decode import DecodeConfig
 from tev_jax.engine import Engine
 from tev_jax.models import init_target
 from tev_jax.models.drafter import Drafter
 from tev_jax.models.layers import jitted_initializer
-from tev_jax.hardware import chip_of
 
 PROMPT_LEN, CACHE_LEN, PROMPT_TOKENS = 1024, 2048, 1000
 

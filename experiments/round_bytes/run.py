@@ -5,7 +5,7 @@ the fused generation run it) of an AR step and of a DDTree + TEV round for a rea
 size at full depth, bf16, with libtpu on this CPU machine, and reads per chip:
 
 - the compiler's totals of the call (``cost_analysis``: a loop body counted once);
-- per round, from the per-op table (`tev_jax.op_costs`): bytes in every memory space
+- per round, from the per-op table (`tev_jax.costs.op_costs`): bytes in every memory space
   (the compiler's way) and in HBM only, FLOPs;
 - the floors: the bytes a round must read (the parameters it uses, i.e. all but an
   untied embedding table, and both KV caches, per chip from their shardings) and the
@@ -33,8 +33,8 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-from tev_jax import op_costs, plan, topology  # noqa: E402
-from tev_jax import sharding as shd  # noqa: E402
+from tev_jax import sharding as shd
+from tev_jax.costs import chips, op_costs, plan
 from tev_jax.decode import STAGES, DecodeConfig  # noqa: E402
 from tev_jax.engine import Engine  # noqa: E402
 from tev_jax.models.kv_cache import CACHE_AXES  # noqa: E402
@@ -118,7 +118,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
 
     cfg = plan.preset(args.model, num_layers=args.layers)
-    mesh, tpu = topology.slice_mesh(args.topology, tensor=len(topology.slice_devices(
+    mesh, tpu = chips.slice_mesh(args.topology, tensor=len(chips.slice_devices(
         args.topology).devices))
     base = DecodeConfig(budget=args.budget, verifier="tev", prompt_len=1024,
                         max_cache_len=args.cache_len, max_new_tokens=256)

@@ -36,8 +36,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from tev_jax.costs.plan import preset
 from tev_jax.models.target import Target
-from tev_jax.plan import preset
 
 GIB = 2.0 ** 30
 

@@ -6,7 +6,7 @@
     Qwen3-4B / Qwen3-8B shapes with 2 target layers, for batch 1 / 8 / 32, float32 and
     bfloat16, on one device and on the meshes tensor 8, data 2 x tensor 4, data 8,
     fsdp 8 and data 2 x fsdp 2 x tensor 2. XLA's per-device figures
-    (`tev_jax.plan.plan_decode`) plus the full-depth extrapolation: arguments and
+    (`tev_jax.costs.plan.plan_decode`) plus the full-depth extrapolation: arguments and
     outputs grow by one layer's parameter and KV-cache shard per device and layer (from
     the shardings of the logical rules); temporary memory by a measured multiple of one
     layer's KV-cache shard (Qwen3-4B, float32, batch 8, one device, 2 vs 4 layers).
@@ -38,7 +38,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from tev_jax import decode, plan, profile, sharding
+from tev_jax import decode, sharding
+from tev_jax.costs import plan, timing
 from tev_jax.models.kv_cache import cache_shardings
 from tev_jax.sampling import Sampling
 
@@ -127,7 +128,7 @@ def speed_rows(meshes, new_tokens: int, repeats: int) -> list[dict]:
     for mesh_name in meshes:
         row = dict(mesh=mesh_name)
         try:
-            gen = profile.timed_generate(target, drafter, prompts, config, repeats=repeats,
+            gen = timing.timed_generate(target, drafter, prompts, config, repeats=repeats,
                                         mesh=_mesh(mesh_name))
         except Exception as e:  # informational: record and go on
             row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"

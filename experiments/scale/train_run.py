@@ -25,7 +25,7 @@ import json
 import sys
 from pathlib import Path
 
-from tev_jax.plan import GiB
+from tev_jax.costs.plan import GiB
 from train.plan import plan_step, target_config_from
 
 MESHES = {"fsdp8": (1, 8, 1), "fsdp4_tensor2": (1, 4, 2), "data2_fsdp4": (2, 4, 1)}

@@ -1,11 +1,11 @@
 """`plan`-style estimates of ``tev-jax serve`` for Qwen3-8B at concurrency 1 .. 32, from
 deviceless compiles (no chip used): the AR step and a DDTree round of the server's slot
-program at each live-row count, compiled by `tev_jax.plan.plan_decode_programs` for a
+program at each live-row count, compiled by `tev_jax.costs.plan.plan_decode_programs` for a
 TPU v5e-8 (tensor 8, libtpu) and one H200 (the gpu extra's compiler), bfloat16, prompt
 1024, cache 2048, T = 0.
 
 Per concurrency c (= live rows, the slot program of c rows): round and AR-step time
-(`DecodePlan.seconds`: calibrated where `tev_jax.gpu_time` has a measured table, else the
+(`DecodePlan.seconds`: calibrated where `tev_jax.costs.gpu_time` has a measured table, else the
 roofline floor), output tokens/s = c τ / t_round at DDTree's published Qwen3-8B τ for the
 budget (`experiments/tpu/run.py`'s ``ddtree_tau``, MATH-500 curve), AR c / t_AR, and the
 ratio. Host time (scheduling, HTTP, one dispatch per round) is not in them.
@@ -40,11 +40,11 @@ def _ddtree_tau(budget: int) -> float:
 def plan_one(machine: str, batch: int, budget: int) -> dict:
     import jax.numpy as jnp
 
-    from tev_jax import hardware, plan
+    from tev_jax.costs import chips, plan
     from tev_jax.decode import DecodeConfig
 
     topology, gpu, tensor = MACHINES[machine]
-    mesh, where = hardware.plan_mesh(topology, gpu, 1, 1, tensor)
+    mesh, where = chips.plan_mesh(topology, gpu, 1, 1, tensor)
     cfg = plan.model_config("qwen3-8b")
     config = DecodeConfig(max_new_tokens=256, budget=budget, prompt_len=1024,
                           max_cache_len=2048)

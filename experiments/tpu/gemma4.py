@@ -3,7 +3,7 @@
 Per program (the fused rounds loop of an AR step, and of a DDTree + TEV round at budget
 b, 1-layer DFlash drafter, bf16, cache of ``ctx`` slots, prompt buffer ``ctx - 384``),
 per chip: memory, compile time, the HBM bytes and FLOPs of one round from the per-op
-table (`tev_jax.op_costs`) and the round's floor of bytes (`tev_jax.plan.round_floor`):
+table (`tev_jax.costs.op_costs`) and the round's floor of bytes (`tev_jax.costs.plan.round_floor`):
 the weights, both key/value caches, but a sliding layer only its last ``W + N`` slots.
 Contexts 2k and 16k show the window: a global layer's bytes grow with the context, a
 sliding layer's stop at W.
@@ -27,7 +27,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax.numpy as jnp  # noqa: E402
 
-from tev_jax import plan, topology  # noqa: E402
+from tev_jax.costs import chips, plan
 from tev_jax.decode import DecodeConfig  # noqa: E402
 from tev_jax.engine import Engine  # noqa: E402
 
@@ -47,7 +47,7 @@ def measure(layers: int, chip_name: str, batch: int, budget: int | None, ctx: in
     import dataclasses
 
     slice_name, axes = SLICES[chip_name]
-    mesh, tpu = topology.slice_mesh(slice_name, **axes)
+    mesh, tpu = chips.slice_mesh(slice_name, **axes)
     cfg = dataclasses.replace(plan.preset(MODEL, num_layers=layers), attention_window=window)
     config = DecodeConfig(builder="none" if budget is None else "ddtree",
                           budget=budget or 16, verifier="tev", prompt_len=ctx - 384,

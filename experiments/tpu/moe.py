@@ -3,9 +3,9 @@
 Per program (the fused rounds loop of an AR step, and of a DDTree + TEV round at budget
 b, 1-layer DFlash drafter, bf16, prompt buffer 1024, cache 2048), per chip: memory, the
 compile time, the HBM bytes and FLOPs of one round from the per-op table
-(`tev_jax.op_costs`; the touched-experts loop charged at `moe.expected_touched` trips,
+(`tev_jax.costs.op_costs`; the touched-experts loop charged at `moe.expected_touched` trips,
 the attention's key blocks at their count), and the round's floor of bytes
-(`tev_jax.plan.round_floor`): the weights it reads (every parameter but the experts and
+(`tev_jax.costs.plan.round_floor`): the weights it reads (every parameter but the experts and
 the untied embedding table), the experts the round's tokens touch under uniform routing
 (`tev_jax.models.moe.expected_touched`: B tokens for an AR step, B x N for a round) and
 both key/value caches, whole (the attention reads every block), per chip.
@@ -28,12 +28,13 @@ from pathlib import Path
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax.numpy as jnp  # noqa: E402
-
 from run import round_record  # noqa: E402
-from tev_jax import plan, topology  # noqa: E402
+
+from tev_jax.costs import chips as topology
+from tev_jax.costs import plan
+from tev_jax.costs.round_costs import best_budgets
 from tev_jax.decode import DecodeConfig  # noqa: E402
 from tev_jax.engine import Engine  # noqa: E402
-from tev_jax.round_costs import best_budgets  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 MODEL = "qwen3-coder-30b-a3b"
@@ -90,7 +91,7 @@ PROXY_TAU = {16: 8.61, 32: 9.27, 64: 9.75}
 
 
 def tuning(results: dict, layers: int = 48, chip: str = "v5p") -> str:
-    """The budget `tev_jax.round_costs.best_budgets` picks per batch size from the compiled
+    """The budget `tev_jax.costs.round_costs.best_budgets` picks per batch size from the compiled
     rounds' rooflines and `PROXY_TAU`, with every budget's estimated speed-up over AR."""
     rows = [r for r in results.values() if r["layers"] == layers and r["chip"] == chip]
     ar = {r["batch"]: r["roofline_seconds"] for r in rows if r["budget"] is None}

@@ -4,7 +4,7 @@ Decoding: Qwen3-4B, Qwen3-8B and Llama-3-8B, bfloat16, 1-layer DFlash drafter (b
 on v5e-8 and v6e-8 slices (tensor 8; data 2 x tensor 4), batch B, DDTree budget b with
 TEV, prompt buffer 1024, cache 2048: per chip the round program's memory, the roofline
 time of one speculative round and of one AR step (max(FLOPs / peak, bytes / bandwidth),
-`tev_jax.topology.CHIPS`), the break-even τ (round / AR step) and the estimated speed-up
+`tev_jax.costs.chips.CHIPS`), the break-even τ (round / AR step) and the estimated speed-up
 at the τ DDTree reports. Training: one ExitTrain update for 4B / 8B targets with 1- and
 5-layer drafters on v5p-8 (fsdp 8), v5e-16 (fsdp 16, 4 hosts) and v5p-64 (fsdp 64, 16
 hosts): per-chip memory, step roofline time, MFU estimate, compile time.
@@ -12,8 +12,8 @@ hosts): per-chip memory, step roofline time, MFU estimate, compile time.
 Every program is compiled at full depth (the layers are one scan, so a 36-layer program
 compiles about as fast as a 1-layer one). A decode program is the fused rounds loop
 (`Engine.lower("run_rounds")`); per chip its memory, and one round's HBM bytes and FLOPs
-from the per-op table (`tev_jax.op_costs`) against its floor of bytes
-(`tev_jax.plan.round_floor`: the weights and both caches it must read). Every budget is
+from the per-op table (`tev_jax.costs.op_costs`) against its floor of bytes
+(`tev_jax.costs.plan.round_floor`: the weights and both caches it must read). Every budget is
 compiled for Qwen3-8B on tensor 8; elsewhere budgets 16 / 64 / 256, with 32 and 128
 interpolated in the tree slots (and, where B 32 is not compiled, B 32 between B 8 and
 64); `interpolation_checks` measures both on the full grids. Results are cached in the
@@ -39,7 +39,8 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax.numpy as jnp  # noqa: E402
 
-from tev_jax import op_costs, plan, topology  # noqa: E402
+from tev_jax.costs import chips as topology
+from tev_jax.costs import op_costs, plan
 from tev_jax.decode import DecodeConfig  # noqa: E402
 from tev_jax.engine import Engine  # noqa: E402
 
@@ -154,7 +155,7 @@ def train_step(model: str, drafter_layers: int, slice_name: str, chips: int) -> 
 
 
 def train_items() -> list[tuple[str, callable]]:
-    from tev_jax.plan import abstract_drafter
+    from tev_jax.costs.plan import abstract_drafter
     from train.plan import step_model_flops
 
     items = []

@@ -4,7 +4,7 @@
 curve the DDTree authors publish: the node-budget figure of their project page,
 `math500-budget-tradeoff.pdf`, read from its vector paths; its b = 512 point, 10.73, is
 the MATH-500 / Qwen3-8B / T = 0 entry of their Table 1). Round costs t(b, B): the TPU
-compiler's roofline (max(FLOPs / peak, bytes / bandwidth), `tev_jax.topology.CHIPS`) of
+compiler's roofline (max(FLOPs / peak, bytes / bandwidth), `tev_jax.costs.chips.CHIPS`) of
 one speculative round (1-layer DFlash drafter, block 16, DDTree, TEV) and of one AR step,
 bfloat16, prompt buffer 1024, 256 new tokens, the cache each program gets (P + M + N),
 tensor-parallel over the 8 chips, compiled at full depth as in `run.py` (one round's HBM
@@ -16,7 +16,7 @@ linearly with B and N, the weights do not); a few extra compiles check both step
 Where B 64 does not compile, B 16 and 32 are compiled. A program whose full-depth peak
 exceeds the chip's HBM (or that the compiler refuses) is not a choice. Per
 B the budget that maximises B · τ(b) / t(b, B), AR included
-(`tev_jax.round_costs.best_budgets`).
+(`tev_jax.costs.round_costs.best_budgets`).
 
     JAX_PLATFORMS=cpu python experiments/tpu/tune.py            # compiles what is missing
     python experiments/tpu/tune.py --report                     # the tables -> tune.md
@@ -38,9 +38,11 @@ os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from run import DDTREE_MATH500 as DDTREE_TAU, decode_program  # noqa: E402
-from tev_jax import topology  # noqa: E402
-from tev_jax.round_costs import best_budgets  # noqa: E402
+from run import DDTREE_MATH500 as DDTREE_TAU  # noqa: E402
+from run import decode_program  # noqa: E402
+
+from tev_jax.costs import chips as topology  # noqa: E402
+from tev_jax.costs.round_costs import best_budgets  # noqa: E402
 
 MODEL = "qwen3-8b"
 SLICES = {"v5e": "v5e:2x4", "v6e": "v6e:2x4"}

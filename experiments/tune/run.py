@@ -3,14 +3,14 @@ what `generate` measures, and ``--budget auto`` against every fixed budget and A
 
 1. Prompts: the four bundled evaluation sets (never used to train the drafters), an
    evenly spaced selection per set, at most 128 tokens (BOS + the last 127).
-2. Predicted τ(b) (`tev_jax.tune`): each prompt continued by the target itself at T
+2. Predicted τ(b) (`tev_jax.costs.tune`): each prompt continued by the target itself at T
    (greedy at T = 0; at T = 1 ``--cont-seeds`` independent samples, pooled), one round at
    budget 128 at every position a round can start from, τ(b) for b <= 128 from the exit
    law, weighted as decoding visits the positions; also the harmonic mean over contexts.
 3. Measured τ(b): `tev_jax.engine.generate` at each budget on the same prompts (static
    batches of 16; at T = 1 ``--gen-seeds`` seeds), pooled as `DecodeStats.tau` pools
    (block tokens / rounds).
-4. Speed: `tev_jax.round_costs.round_costs` at B 1 and 8 gives the tuning (T = 0); then the fused
+4. Speed: `tev_jax.costs.round_costs.round_costs` at B 1 and 8 gives the tuning (T = 0); then the fused
    generation of AR, of every fixed budget and of ``budget='auto'`` (resolved by
    `generate` from the tuning) is timed at B 1 (one prompt at a time) and B 8 (batches of
    8), all methods interleaved in a fresh random order every repeat; tokens/s = new
@@ -37,12 +37,14 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
 import paper_common as pc  # noqa: E402
-from tev_jax import engine, profile, tune  # noqa: E402
+
+from tev_jax import engine  # noqa: E402
 from tev_jax.budget import resolve_budget  # noqa: E402
+from tev_jax.costs import timing, tune  # noqa: E402
 from tev_jax.decode import DecodeConfig  # noqa: E402
 from tev_jax.models import load_bundled  # noqa: E402
 from tev_jax.sampling import Sampling  # noqa: E402
-from tev_jax.serve import stop_token_ids  # noqa: E402
+from tev_jax.text_io import stop_token_ids  # noqa: E402
 
 BUDGETS = (16, 32, 64, 128)
 GEN_BATCH = 16
@@ -97,7 +99,7 @@ def speed(target, drafter, prompts, config, tuning_path, batch_sizes, repeats, s
         calls = {}
         for name, cfg in methods.items():
             for j, g in enumerate(groups):
-                calls[name, j] = profile.compiled_generate(target, drafter, g, cfg, key=seed)
+                calls[name, j] = timing.compiled_generate(target, drafter, g, cfg, key=seed)
         resolved = resolve_budget(methods["auto"], bs, target, drafter)
         seconds = {k: [] for k in calls}
         tokens = {}

@@ -1,12 +1,12 @@
 """The ``tev-jax`` command line: one small module per subcommand.
 
 Each subcommand parses its arguments into library objects and calls the library; the
-work lives in ``tev_jax`` (`tev_jax.engine`, `tev_jax.profile`, `tev_jax.serve`,
-`tev_jax.plan`, `tev_jax.server`). The flags several subcommands share are declared and
+work lives in ``tev_jax`` (`tev_jax.engine`, `tev_jax.costs.timing`, `tev_jax.batch.job`,
+`tev_jax.costs.plan`, `tev_jax.server`). The flags several subcommands share are declared and
 read in `tev_jax.cli.flags`. Add a subcommand by writing a module whose ``add_parser(subparsers)``
 registers its arguments and sets ``func``, and listing it in `subcommands`.
 
-`main` handles SIGINT and SIGTERM before it imports anything heavy (`tev_jax.stop`): a
+`main` handles SIGINT and SIGTERM before it imports anything heavy (`tev_jax.runtime.signals`): a
 signal is recorded, and the command stops at its next safe point with one line.
 """
 
@@ -15,9 +15,9 @@ from __future__ import annotations
 import argparse
 import sys
 
-from tev_jax import stop
-from tev_jax.exits import (EXIT_RESUMABLE, EXIT_USAGE, Interrupted, flag_names, interrupt_exit,
-                           name_flags, parse_args)
+from tev_jax.runtime import signals
+from tev_jax.runtime.exit_codes import (EXIT_RESUMABLE, EXIT_USAGE, Interrupted, flag_names,
+                                        interrupt_exit, name_flags, parse_args)
 
 DESCRIPTION = ("Tree speculative decoding with exact verifiers: generate text, compare "
                "methods, plan memory, tune the tree budget, show the exit law.")
@@ -35,7 +35,7 @@ def main(argv: list[str] | None = None) -> int:
     """The ``tev-jax`` command. Exit codes: 0 done; 2 bad input or a refused run (one
     line on stderr); 75 a batch job interrupted (SIGINT / SIGTERM) with its results so far
     on disk: rerun to resume; 130 / 143 any other command interrupted / terminated."""
-    with stop.handled_signals("tev-jax"):
+    with signals.handled_signals("tev-jax"):
         return _main(argv)
 
 
@@ -46,19 +46,19 @@ def _main(argv: list[str] | None) -> int:
     parser = argparse.ArgumentParser(prog="tev-jax", description=DESCRIPTION)
     parser.add_argument("--version", action="version", version=f"tev-jax {__version__}")
     try:
-        from tev_jax.platforms import quiet_start
+        from tev_jax.runtime.platforms import quiet_start
 
         quiet_start()  # before jax is imported: no libtpu / CUDA plugin lines on a CPU
         sub = parser.add_subparsers(dest="command", required=True)
         for add in subcommands():
             add(sub)
-        stop.check()
+        signals.check()
         args = parse_args(parser, sub, argv)
         command = f"tev-jax {args.command}"
-        stop.check()
+        signals.check()
         code = args.func(args)
         if not code:
-            stop.check()  # a signal the command's last stretch did not take
+            signals.check()  # a signal the command's last stretch did not take
         return code
     except KeyboardInterrupt as e:
         what, code = interrupt_exit(e.__cause__ if isinstance(e, Interrupted) else e)

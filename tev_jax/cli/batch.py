@@ -60,8 +60,8 @@ def _process_shard(args) -> tuple[int, int]:
 
 def batch_generate_command(args) -> int:
     """``tev-jax generate --prompts FILE --output OUT.jsonl``: continuous batching
-    (`tev_jax.serve.generate_file`)."""
-    from tev_jax import serve
+    (`tev_jax.batch.job.generate_file`)."""
+    from tev_jax.batch import job
 
     if args.prompt is not None:
         raise ValueError("give either a PROMPT or --prompts FILE, not both")
@@ -77,13 +77,13 @@ def batch_generate_command(args) -> int:
     flags.check_writable(args.summary_json, "--summary-json")
     index, count = _process_shard(args)
     target_dir, drafter_dir, where = flags.checkpoint_dirs(args)
-    job = serve.FileJob(
+    file_job = job.FileJob(
         prompts=args.prompts, output=args.output, target=target_dir, drafter=drafter_dir,
         config=flags.decode_config(args, prompt_len=args.prompt_len),
         batch_size=args.batch_size, truncate=args.truncate == "left", force=args.force,
         seed=args.seed, dtype=args.dtype, process_index=index, process_count=count,
         sync_rounds=args.sync_rounds, method=where)
-    summary = serve.generate_file(job, mesh=flags.mesh_from(args))
+    summary = job.generate_file(file_job, mesh=flags.mesh_from(args))
     if args.summary_json:
         try:
             Path(args.summary_json).write_text(json.dumps(summary, indent=1) + "\n")

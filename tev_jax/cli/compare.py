@@ -26,14 +26,14 @@ def compare_command(args) -> int:
     Each method runs every prompt once to compile (one compilation per method: the
     prompts share a fixed prompt buffer); then ``--repeats`` timed passes run every
     method in turn (the median pass counts, and the range of the per-pass ratios to AR
-    is printed beside the median's); `tev_jax.profile.compare_methods` does the timing.
+    is printed beside the median's); `tev_jax.costs.timing.compare_methods` does the timing.
     """
-    from tev_jax import profile
+    from tev_jax.costs import timing
     from tev_jax.data.tokenizer import format_chat
     from tev_jax.models import load_drafter, load_target, load_tokenizer
     from tev_jax.models.bundled import bundled_paths
     from tev_jax.prompts import check_context
-    from tev_jax.serve import stop_token_ids
+    from tev_jax.text_io import stop_token_ids
 
     flags.at_least_one(args, "--repeats", "--budget", "--max-new-tokens")
     if any(not t for t in args.prompts):
@@ -61,7 +61,7 @@ def compare_command(args) -> int:
               + (f", then timing {args.repeats} passes of every method ..."
                  if i == len(methods) - 1 else " ..."), file=sys.stderr, flush=True)
 
-    rows = profile.compare_methods(target, methods, prompts, key=args.seed,
+    rows = timing.compare_methods(target, methods, prompts, key=args.seed,
                                    repeats=args.repeats, on_method=started)
     ar_speed, ar = rows[0].tokens_per_second, rows[0]
     print(f"bundled target, {len(prompts)} prompt(s), T={sampling.temperature:g}, "

@@ -12,6 +12,7 @@ import os
 
 from tev_jax import extensions
 from tev_jax.decode import DecodeConfig
+from tev_jax.models.bundled import BUNDLED, is_bundled_target
 from tev_jax.sampling import Sampling
 
 
@@ -56,7 +57,6 @@ def check_writable(path: str | None, flag: str) -> None:
     """Before any work: a ValueError naming ``flag`` unless ``path`` can be written
     (its folder exists and is writable, and it is not a folder or a read-only file).
     Nothing is created."""
-    import os
     from pathlib import Path
 
     if path is None or path == "-":
@@ -72,20 +72,7 @@ def check_writable(path: str | None, flag: str) -> None:
         raise ValueError(f"{flag} {path}: cannot write it ({why})")
 
 
-BUNDLED = "bundled"
 BUNDLED_PREFIX = "bundled:"
-
-
-def is_bundled_target(target: str | None) -> bool:
-    """Whether ``--target`` names the bundled target: unset, ``bundled``, or its folder."""
-    if target is None or target == BUNDLED:
-        return True
-    from tev_jax.models.bundled import bundle_root
-
-    try:
-        return os.path.samefile(target, os.path.join(bundle_root(), "target"))
-    except OSError:
-        return False
 
 
 def checkpoint_dirs(args) -> tuple[str, str | None, str]:

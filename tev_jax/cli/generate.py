@@ -8,9 +8,9 @@ import sys
 
 import jax.numpy as jnp
 
-from tev_jax import stop
 from tev_jax.budget import AutoBudget, resolve_budget
 from tev_jax.cli import batch, flags
+from tev_jax.runtime import signals
 
 
 def generate_command(args) -> int:
@@ -18,11 +18,11 @@ def generate_command(args) -> int:
 
     The completion goes to stdout; the summary (models, method, tokens, τ, tokens/s,
     compile time, and with ``--compare-ar`` the AR speed and the speed-up) to stderr.
-    First the pre-flight check (`tev_jax.plan.check_decode_fits`): a program that would
+    First the pre-flight check (`tev_jax.costs.plan.check_decode_fits`): a program that would
     not fit the device's free memory is refused with one line naming the setting to
     lower, exit code 2. A "compiling ..." line comes first (on stderr); on a terminal the
-    text is streamed round by round (`tev_jax.profile.streamed_generate`; the pre-flight check
-    is then the shapes-only `tev_jax.plan.check_decode_floor`); piped, or with
+    text is streamed round by round (`tev_jax.costs.timing.streamed_generate`; the pre-flight check
+    is then the shapes-only `tev_jax.costs.plan.check_decode_floor`); piped, or with
     ``--no-stream``, ``--compare-ar`` or ``--repeats``, it is printed at the end of the
     timed fused program.
     """
@@ -45,11 +45,11 @@ def generate_command(args) -> int:
         raise ValueError("the PROMPT is empty: give some text to continue")
     flags.check_text(args.prompt)
     flags.at_least_one(args, "--repeats")
-    from tev_jax import plan, profile
+    from tev_jax.costs import plan, timing
     from tev_jax.data.tokenizer import format_chat
     from tev_jax.models import load_drafter, load_target, load_tokenizer
     from tev_jax.prompts import check_context
-    from tev_jax.serve import stop_token_ids
+    from tev_jax.text_io import stop_token_ids
 
     config = flags.decode_config(args)
     target_dir, drafter_dir, where = flags.checkpoint_dirs(args)
@@ -71,26 +71,26 @@ def generate_command(args) -> int:
     stream = (sys.stdout.isatty() and not args.no_stream and not args.compare_ar
               and args.repeats == 1)
     plan.check_decode_floor(target, drafter, config, 1, mesh=mesh)  # from shapes, at once
-    stop.check()  # the models are loaded; the compile comes next
+    signals.check()  # the models are loaded; the compile comes next
     print("compiling the decode program (once per setting) ...", file=sys.stderr, flush=True)
     # with --chat the turns are shown, the template's role markers as "user:" / "assistant:"
     head, shown_prompt = ((f"user: {args.prompt}\nassistant: ", []) if args.chat
                           else ("", prompt))
     if stream:
         shown = _Shown(tokenizer, shown_prompt, head)
-        gen = profile.streamed_generate(target, drafter, [prompt], config, args.seed,
+        gen = timing.streamed_generate(target, drafter, [prompt], config, args.seed,
                                         mesh=mesh, on_round=lambda rows: shown(rows[0]))
         shown(gen.rows()[0], final=True)
         compile_s = gen.stats.compile_seconds
-        timing = "streamed: one host round trip per round"
+        how = "streamed: one host round trip per round"
     else:
         planned = plan.check_decode_fits(target, drafter, config, 1, mesh=mesh)
-        timed = functools.partial(profile.timed_generate, prompt_ids=[prompt], key=args.seed,
+        timed = functools.partial(timing.timed_generate, prompt_ids=[prompt], key=args.seed,
                                   repeats=args.repeats, mesh=mesh)
         gen = timed(target, drafter, config=config)
         compile_s = gen.stats.compile_seconds + planned.compile_seconds
         print(head + text_of(tokenizer, shown_prompt + gen.rows()[0]), flush=True)
-        timing = "fused program" + (f", median of {args.repeats}" if args.repeats > 1 else "")
+        how = "fused program" + (f", median of {args.repeats}" if args.repeats > 1 else "")
     n = int(gen.lengths[0])
     lines = [f"[{where}; {flags.method_label(config, auto)}; T={config.sampling.temperature:g}]"]
     if gen.stats.rounds == 0:
@@ -102,12 +102,12 @@ def generate_command(args) -> int:
     speed = n / gen.stats.seconds
     lines.append(f"{n} new tokens in {gen.stats.rounds} rounds: tau = {gen.stats.tau:.2f} "
                  f"tokens/round, {per_second(speed)} tokens/s ({gen.stats.seconds:.3f} s, "
-                 f"{timing}; compile {compile_s:.1f} s, not counted)")
+                 f"{how}; compile {compile_s:.1f} s, not counted)")
     if args.compare_ar:
         if args.builder == "none":
             lines.append("--compare-ar: this run is already autoregressive")
         else:
-            stop.check()
+            signals.check()
             ar = timed(target, None, config=dataclasses.replace(config, builder="none"))
             ar_speed = int(ar.lengths[0]) / ar.stats.seconds
             lines.append(f"AR {per_second(ar_speed)} tokens/s -> speed-up "

@@ -7,9 +7,9 @@ import sys
 
 def merge_outputs_command(args) -> int:
     """``tev-jax merge-outputs OUT.jsonl``: join the per-process shards of OUT."""
-    from tev_jax import batch_io
+    from tev_jax.batch import outputs
 
-    n = batch_io.merge_outputs(args.output, force=args.force)
+    n = outputs.merge_outputs(args.output, force=args.force)
     print(f"{n} results -> {args.output}", file=sys.stderr)
     return 0
 

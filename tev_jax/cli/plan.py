@@ -9,20 +9,20 @@ from pathlib import Path
 import jax.numpy as jnp
 
 from tev_jax.cli import flags
-from tev_jax.plan import DECODE_PROGRAMS as PROGRAMS_TO_PLAN
-from tev_jax.plan import PRESETS
+from tev_jax.costs.plan import DECODE_PROGRAMS as PROGRAMS_TO_PLAN
+from tev_jax.costs.plan import PRESETS
 
 
 def _mesh_for_plan(args):
     """(mesh or None, chip, devices per chip, where) of the plan flags: over a TPU slice's
     chips with ``--topology``, GPUs with ``--gpu``, else over the local devices."""
-    from tev_jax import hardware
+    from tev_jax.costs import chips
 
     if args.topology is None and args.gpu is None:
         mesh = flags.mesh_from(args)
-        return mesh, hardware.local_chip(), 1, "local devices"
+        return mesh, chips.local_chip(), 1, "local devices"
     try:
-        mesh, tpu = hardware.plan_mesh(args.topology, args.gpu, args.mesh_data,
+        mesh, tpu = chips.plan_mesh(args.topology, args.gpu, args.mesh_data,
                                        args.mesh_fsdp, args.mesh_tensor)
     except AssertionError:  # jax's device-mesh layout of a partial slice
         n = args.mesh_data * args.mesh_fsdp * args.mesh_tensor
@@ -37,7 +37,8 @@ def _mesh_for_plan(args):
 def plan_command(args) -> int:
     """``tev-jax plan``: per-device memory and cost of the decode programs, without weights
     (local devices, or a TPU slice with ``--topology``)."""
-    from tev_jax import engine, plan
+    from tev_jax import engine
+    from tev_jax.costs import plan
 
     if (args.model is None) == (args.config is None):
         raise ValueError("give exactly one of --model PRESET or --config path/config.json")

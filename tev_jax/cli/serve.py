@@ -6,7 +6,7 @@ import sys
 
 from tev_jax.cli import flags
 from tev_jax.decode import DecodeConfig
-from tev_jax.exits import EXIT_USAGE
+from tev_jax.runtime.exit_codes import EXIT_USAGE
 
 SERVE_EXTRA = 'the server needs the serve extra: pip install -e ".[serve]"'
 

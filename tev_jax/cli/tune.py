@@ -27,11 +27,12 @@ def _ints(text: str) -> tuple[int, ...]:
 
 def tune_command(args) -> int:
     """``tev-jax tune --prompts FILE``: τ(b) from the exit law, round costs and the best
-    budget per batch size (`tev_jax.tune.tune`); ``--json FILE`` is the tuning file of
+    budget per batch size (`tev_jax.costs.tune.tune`); ``--json FILE`` is the tuning file of
     ``--budget auto --tuning FILE``."""
-    from tev_jax import batch_io, round_costs, tune
+    from tev_jax import text_io
+    from tev_jax.costs import round_costs, tune
     from tev_jax.models import load_drafter, load_target, load_tokenizer
-    from tev_jax.serve import stop_token_ids
+    from tev_jax.text_io import stop_token_ids
 
     flags.at_least_one(args, "--repeats", "--max-new-tokens")
     flags.check_writable(args.json, "--json")
@@ -45,10 +46,10 @@ def tune_command(args) -> int:
     tokenizer = load_tokenizer(target_dir)
     drafter = load_drafter(drafter_dir, target, dtype=dtype)
     config_file = Path(target_dir) / "tokenizer_config.json"
-    chat = batch_io.chat_formatter(
+    chat = text_io.chat_formatter(
         json.loads(config_file.read_text()) if config_file.is_file() else None)
-    requests = batch_io.encode_records(
-        batch_io.read_prompts(args.prompts), tokenizer, chat,
+    requests = text_io.encode_records(
+        text_io.read_prompts(args.prompts), tokenizer, chat,
         vocab_size=target.config.vocab_size, prompt_len=args.prompt_len,
         truncate=args.truncate == "left", where=args.prompts)
     config = flags.decode_config(args, prompt_len=args.prompt_len,

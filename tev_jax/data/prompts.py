@@ -73,7 +73,7 @@ def prompt_set(name: str) -> list[str]:
 
 def prompt_file_records(name: str) -> list[dict]:
     """One set in the prompts-file format of ``tev-jax generate --prompts`` and
-    ``tev-train rollouts --prompts-file`` (`tev_jax.batch_io.read_prompts`): its id
+    ``tev-train rollouts --prompts-file`` (`tev_jax.text_io.read_prompts`): its id
     and, for the chat sets, a one-turn ``messages`` (rendered with the target's chat
     template, which for the bundled target is `format_chat`), else the ``prompt`` text.
     """

@@ -1,4 +1,5 @@
-"""Pallas kernels, one module per operation (STYLE.md 14), apart from the models.
+"""Pallas kernels, one module per operation, apart from the models (docs/design.md,
+"Code style").
 
 Each module holds the operation's TPU and GPU kernels (where there are), the plain-jnp
 reference the tests compare them against, its cost estimate, and, where a kernel

@@ -1,5 +1,5 @@
 """A few queries against one layer of the stacked KV cache: the cache part of the AR
-step's and the tree verify pass's attention (DESIGN.md §12, §14), as one Pallas kernel
+step's and the tree verify pass's attention (docs/design.md §12, §14), as one Pallas kernel
 per platform, beside its pure-jnp reference, its cost and its GPU block sizes.
 
 The one entry is `cache_attention_state` (``platform`` 'tpu', 'cuda' or 'reference'),
@@ -41,8 +41,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import triton as pltriton
 
-from tev_jax import op_costs
-from tev_jax.kernels import gpu_table
+from tev_jax.kernels import gpu_table, scopes
 
 PLATFORMS = ("tpu", "cuda", "reference")
 TPU_KEY_BLOCK = 512
@@ -370,7 +369,7 @@ def gpu_state(q_BKQd: jax.Array, k_LBSKd: jax.Array, v_LBSKd: jax.Array, layer,
     layer_1 = jnp.reshape(layer, (1,)).astype(jnp.int32)
     end = end_B.astype(jnp.int32)
     floor = cost(b, kh, qg, s, hd, itemsize)
-    cost_scope = op_costs.kernel_scope(
+    cost_scope = scopes.kernel_scope(
         flops=floor["flops"],
         bytes_accessed=kv_bytes + q.size * q.dtype.itemsize + splits * split_bytes)
     with jax.named_scope(cost_scope):

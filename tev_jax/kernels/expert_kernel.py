@@ -1,4 +1,4 @@
-"""Grouped SwiGLU experts over rows sorted by expert (DESIGN.md §14): the TPU kernel that
+"""Grouped SwiGLU experts over rows sorted by expert (docs/design.md §14): the TPU kernel that
 reads the experts of one stacked layer in place, the XLA version for other platforms,
 the pure-jnp reference and the cost estimate. The one entry is `expert_sum`.
 
@@ -140,7 +140,7 @@ def grouped_expert_mlp(xs_PD: jax.Array, sizes_E: jax.Array, gate_SEDF: jax.Arra
       weights_P: [P] row weights w (default 1), applied in the kernel's last step.
       total_experts: experts over all devices (sizes the tiles; default E).
       expected_experts: experts a pass touches on average, for the cost estimate XLA and
-        `tev_jax.op_costs` read (default E).
+        `tev_jax.costs.op_costs` read (default E).
       interpret: run in Pallas' interpreter (any backend; tests).
     Returns:
       [P, D] in xs's dtype; rows past ``sum(sizes)`` are undefined (tiles no group

@@ -1,4 +1,4 @@
-"""``x · w[g]`` for one entry of a stacked weight, read in place (DESIGN.md §14): the
+"""``x · w[g]`` for one entry of a stacked weight, read in place (docs/design.md §14): the
 GPU kernel, the other platforms' product, the pure-jnp reference, the cost and the GPU
 block sizes.
 
@@ -28,9 +28,9 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 from jax.sharding import PartitionSpec
 
-from tev_jax import op_costs, platforms
-from tev_jax.kernels import gpu_table
 from tev_jax import sharding as shd
+from tev_jax.kernels import gpu_table, scopes
+from tev_jax.runtime import platforms
 
 
 @dataclasses.dataclass(frozen=True)
@@ -123,7 +123,7 @@ def stacked_matmul(x_MK: jax.Array, w_GKN: jax.Array, g, *, interpret: bool = Fa
                                    per_split=per_split)
     # one split stores the product in w's dtype, several their float32 partial sums
     out = w_GKN.dtype if splits == 1 else jnp.float32
-    scope = op_costs.kernel_scope(**cost(m, k, n, w_GKN.dtype.itemsize,
+    scope = scopes.kernel_scope(**cost(m, k, n, w_GKN.dtype.itemsize,
                                          x_MK.dtype.itemsize, splits,
                                          jnp.dtype(out).itemsize))
     with jax.named_scope(scope):

@@ -1,4 +1,4 @@
-"""The attention function (DESIGN.md §12): GQA, blocked over keys, online softmax.
+"""The attention function (docs/design.md §12): GQA, blocked over keys, online softmax.
 
 Every attention in the library goes through `attention`: queries against one or more
 key/value *segments* with one joint softmax across them (the target attends to
@@ -38,15 +38,14 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 from flax import struct
-
 from jax.sharding import PartitionSpec
 
-from tev_jax import platforms
 from tev_jax import sharding as shd
 from tev_jax.kernels import cache_attention
 from tev_jax.kernels.cache_attention import merge_states
+from tev_jax.kernels.scopes import bound_scope
 from tev_jax.models.kv_cache import CACHE_AXES
-from tev_jax.op_costs import bound_scope
+from tev_jax.runtime import platforms
 
 KEY_BLOCK = 512
 QUERY_BLOCK = 512

@@ -30,6 +30,7 @@ from typing import Any, NamedTuple
 
 import jax.numpy as jnp
 
+BUNDLED = "bundled"  # the name that picks the bundled models on the command line
 MANIFEST_FILE = "manifest.json"
 MANIFEST_FORMAT = 2
 TARGET_DIR, DRAFTERS_DIR = "target", "drafters"
@@ -219,6 +220,12 @@ def load_bundled(*, drafter: str = DEFAULT_DRAFTER, dtype=jnp.float32,
             load_tokenizer(paths.target))
 
 
-__all__ = ["BundledPaths", "DEFAULT_DRAFTER", "DRAFTERS", "EXPORT_COMMAND",
-           "MAX_BUNDLE_BYTES", "bundle_root", "bundled_paths", "check_drafter_name",
-           "file_sha256", "load_bundled", "verify_bundle", "write_manifest"]
+def is_bundled_target(target: str | None) -> bool:
+    """Whether a target flag (``--target``) names the bundled target: unset,
+    ``bundled``, or its folder."""
+    if target is None or target == BUNDLED:
+        return True
+    try:
+        return os.path.samefile(target, os.path.join(bundle_root(), "target"))
+    except OSError:
+        return False

@@ -1,4 +1,4 @@
-"""The target's architecture as a frozen, hashable dataclass (DESIGN.md §6, §14).
+"""The target's architecture as a frozen, hashable dataclass (docs/design.md §6, §14).
 
 `ModelConfig` is static: it decides shapes, so it is passed to jitted code as a static
 argument. It is built from a Hugging Face ``config.json`` dict with `ModelConfig.from_hf`

@@ -1,4 +1,4 @@
-"""The DFlash block-diffusion drafter (DESIGN.md §6).
+"""The DFlash block-diffusion drafter (docs/design.md §6).
 
 A drafter is a few Qwen3 decoder layers without an embedding or an LM head of its own:
 it borrows both from the target. One forward proposes a whole block::

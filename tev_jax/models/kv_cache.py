@@ -1,4 +1,4 @@
-"""The target's static key/value cache and the pure `commit` gather (DESIGN.md §7).
+"""The target's static key/value cache and the pure `commit` gather (docs/design.md §7).
 
 The cache holds, for every layer, roped keys and values at fixed slots::
 
@@ -23,8 +23,8 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from tev_jax import platforms
 from tev_jax.models.config import LayerSpec, ModelConfig
+from tev_jax.runtime import platforms
 
 CACHE_AXES = ("layers", "batch", "cache_len", "act_kv_heads", "head_dim")
 
@@ -139,10 +139,10 @@ def _each_layer(x_LBS: jax.Array, update, whole, at_once: bool | None) -> jax.Ar
     One layer at a time: on TPU one scatter over all layers made the compiler lay the
     cache out with the layers interleaved and copy the whole cache into the attention's
     per-layer layout twice per round (Qwen3-8B, v5e:2x4: 0.6 GB of a 2.6 GB AR step,
-    `tev_jax.op_costs`); on XLA:CPU the loop is as fast as one op over all layers
+    `tev_jax.costs.op_costs`); on XLA:CPU the loop is as fast as one op over all layers
     (`experiments/round_bytes/cpu_speed.py`). On GPU the loop launched 3-4 kernels per
     layer (Qwen3-8B, a round's commit: 288 of its 306 launches), the whole update 2-3 in
-    all, with the same bytes and the cache updated in place (`tev_jax.launches`).
+    all, with the same bytes and the cache updated in place (`tev_jax.costs.launches`).
     """
     loop = lambda x: jax.lax.fori_loop(0, x.shape[0], lambda i, x: update(x, i), x)
     if at_once is not None:

@@ -9,7 +9,7 @@ of an unrolled loop as much as a scan's dynamic one, and our stacked GEMM
 (`stacked_dot`, which reads the stack in place) reaches about 2.1 TB/s on an H200
 where XLA's own GEMMs on separate arrays reach 3.5 TB/s (a Qwen3-8B-shaped AR step:
 4.4 ms with one array per layer, 7.1 ms for tev-jax's scanned step;
-``tev_jax/data/gpus/h200-2026-12-04``).
+``experiments/gpu/h200-2026-12-04``).
 
 `per_layer` rewrites a model state so that every stacked layer parameter is a
 `PerLayer`: a tuple of one array per layer, each its own buffer (a pytree, so it is

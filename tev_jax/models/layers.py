@@ -49,9 +49,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from tev_jax.kernels.stacked_matmul import stacked_dot
 from tev_jax.models import registry
 from tev_jax.models.config import AttentionSpec, LayerSpec, ModelConfig
-from tev_jax.kernels.stacked_matmul import stacked_dot
 from tev_jax.models.layer_layout import is_per_layer
 from tev_jax.sharding import constrain, variable_axes
 
@@ -506,7 +506,7 @@ def linear_kernels(path, v) -> bool:
 
 LAYER_SCOPE = "layer_stack"
 """The name scope of `scan_layers`' ops (in a compiled program's op names, whichever the
-layout: `tev_jax.program_report` counts the launches under it as the layer stack's)."""
+layout: `tev_jax.costs.program_report` counts the launches under it as the layer stack's)."""
 
 
 def scan_layers(layers: nnx.Module, body, carry, *, depth: int | None = None, remat=None,

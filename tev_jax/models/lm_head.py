@@ -1,5 +1,5 @@
 """The frozen LM head over vocabulary blocks: reductions of ``hidden @ W`` rows that never
-hold a whole [rows, V] logits array (DESIGN.md §12).
+hold a whole [rows, V] logits array (docs/design.md §12).
 
 Training reads the target's head on many rows at once: the drafter's B·A·H draft rows
 (token cross-entropy, exit loss, the tree builder's top-K) and the scoring pass's B·A·N

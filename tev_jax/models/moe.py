@@ -1,4 +1,4 @@
-"""A dropless mixture of SwiGLU experts: the MLP of Qwen3-MoE layers (DESIGN.md §14).
+"""A dropless mixture of SwiGLU experts: the MLP of Qwen3-MoE layers (docs/design.md §14).
 
 Routing follows transformers' ``Qwen3MoeSparseMoeBlock``: router logits in the model
 dtype, a float32 softmax over the E experts, the top k (ties to the lower index, as
@@ -50,13 +50,13 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec
 
-from tev_jax import platforms
 from tev_jax import sharding as shd
-from tev_jax.models.config import MoeSpec
 from tev_jax.kernels.expert_kernel import expert_sum
-from tev_jax.models.layers import Linear, expert_usage_sink, make_param, stack_index
+from tev_jax.kernels.scopes import bound_scope
 from tev_jax.kernels.stacked_matmul import stacked_matmul
-from tev_jax.op_costs import bound_scope
+from tev_jax.models.config import MoeSpec
+from tev_jax.models.layers import Linear, expert_usage_sink, make_param, stack_index
+from tev_jax.runtime import platforms
 
 METHODS = ("auto", "grouped", "ragged", "touched", "dense")
 EXPERT_AXES = ("experts", "embed", "moe_mlp")
@@ -207,7 +207,7 @@ def _touched_experts(x_MD, key_MK, w_MK, gate_EDF, up_EDF, down_EFD, stack=None,
     tokens gathered, the expert's weights read in place (one dynamic slice of the
     stack), the outputs added back. An expert with more than C pairs takes several
     steps. Reads each touched expert's weights about once and no other's; the plan's
-    op table charges the loop its expected steps (`tev_jax.op_costs.bound_scope`)."""
+    op table charges the loop its expected steps (`tev_jax.kernels.scopes.bound_scope`)."""
     m, k = key_MK.shape
     e = gate_EDF.shape[-3]
     total = total or e

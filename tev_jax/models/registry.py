@@ -1,4 +1,4 @@
-"""Target families as a registry (DESIGN.md §14; STYLE.md 13).
+"""Target families as a registry (docs/design.md §14 and "Code style").
 
 A family is a set of ``model_type`` values with one way to read and write their
 ``config.json``, to build their decoder layers and to name their checkpoint tensors.

@@ -1,5 +1,5 @@
 """The target model: one NNX decoder for the Qwen3, Llama-3 and Qwen3-MoE families
-(DESIGN.md §6, §14): each layer what `ModelConfig.layer_specs` says (its MLP dense or a
+(docs/design.md §6, §14): each layer what `ModelConfig.layer_specs` says (its MLP dense or a
 mixture of experts, `tev_jax.models.moe`).
 
 All cached modes go through one general forward, `Target.extend`: T new tokens per row

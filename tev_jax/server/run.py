@@ -64,11 +64,11 @@ def build(options: ServeOptions) -> Served:
     """Loads the models and builds the scheduler (not started) and the request limits."""
     import jax.numpy as jnp
 
-    from tev_jax import batch_io
+    from tev_jax import text_io
     from tev_jax.budget import AutoBudget, check_tuned_for
     from tev_jax.data.tokenizer import BOS
     from tev_jax.models import load_drafter, load_target, load_tokenizer
-    from tev_jax.serve import stop_token_ids
+    from tev_jax.text_io import stop_token_ids
 
     dtype = jnp.dtype(options.dtype)
     target = load_target(options.target, dtype=dtype)
@@ -81,7 +81,7 @@ def build(options: ServeOptions) -> Served:
     if isinstance(config.budget, AutoBudget) and config.builder == "ddtree":
         check_tuned_for(config.budget, target, drafter)
     config_file = Path(options.target) / "tokenizer_config.json"
-    chat = batch_io.chat_formatter(
+    chat = text_io.chat_formatter(
         json.loads(config_file.read_text()) if config_file.is_file() else None)
     has_bos = tokenizer.token_to_id(BOS) is not None
 

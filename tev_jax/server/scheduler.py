@@ -17,12 +17,13 @@ A lane whose rows have all ended is retired at the end of the round (its program
 compiled), and requests are admitted in arrival order: one whose setting finds no lane
 waits, with everyone behind it, until a lane's current rows end.
 
-A lane decodes on the smallest slot program that holds its live rows (the slot counts
-of `tev_jax.batching.row_buckets`: 1, 2, 4, ..., B); it moves its rows onto a larger
+A lane is a `tev_jax.slots.Slots`, the slot driver the batch job uses too. It decodes
+on the smallest slot program that holds its live rows (the slot counts
+of `tev_jax.slots.row_buckets`: 1, 2, 4, ..., B); it moves its rows onto a larger
 program when requests arrive (`tev_jax.engine.Engine.put_slots`) and onto a smaller
 one once they end and nobody waits (`tev_jax.engine.Engine.take_slots`). With an
 automatic budget each slot count decodes with the budget its tuning picks
-(`tev_jax.batching.slot_configs`), so the tree budget follows the live batch; a fixed
+(`tev_jax.slots.slot_configs`), so the tree budget follows the live batch; a fixed
 budget is the same for all. Programs are compiled lazily, the first time a (setting,
 slot count, prompt-width bucket) is met, and then reused.
 
@@ -47,12 +48,12 @@ from collections.abc import Callable, Sequence
 import jax
 import numpy as np
 
-from tev_jax import batching, extensions
+from tev_jax import extensions
 from tev_jax.budget import AutoBudget
 from tev_jax.decode import DecodeConfig
-from tev_jax.engine import Engine
 from tev_jax.sampling import Sampling
 from tev_jax.server.requests import GenerationRequest, held_back, stop_at
+from tev_jax.slots import SlotPrograms, Slots, row_buckets, slot_configs, width_buckets
 
 log = logging.getLogger("tev_jax.server")
 
@@ -125,16 +126,20 @@ class Job:
 
 @dataclasses.dataclass
 class _Lane:
-    """One sampling setting's decode state and the job in each of its slots."""
+    """One sampling setting's row slots (`tev_jax.slots.Slots`: the decode state and the
+    job in each slot), None until its first request."""
 
     sampling: Sampling
-    engine: Engine | None = None
-    st: object = None
-    jobs: list = dataclasses.field(default_factory=list)
+    slots: Slots | None = None
 
     @property
     def live(self) -> int:
-        return sum(j is not None for j in self.jobs)
+        return 0 if self.slots is None else self.slots.live
+
+    def jobs(self) -> list[tuple[int, Job]]:
+        """(slot, job) of every live row."""
+        return [] if self.slots is None else [
+            (i, j) for i, j in enumerate(self.slots.holders) if j is not None]
 
 
 def budget_of(config: DecodeConfig) -> int:
@@ -146,12 +151,12 @@ def budget_of(config: DecodeConfig) -> int:
 
 
 def lane_configs(config: DecodeConfig, max_batch: int) -> dict[int, DecodeConfig]:
-    """The config of each slot count a lane may run (`tev_jax.batching.row_buckets`),
+    """The config of each slot count a lane may run (`tev_jax.slots.row_buckets`),
     all with one cache length: an automatic budget's per slot count
-    (`tev_jax.batching.slot_configs`), else ``config`` for every count."""
-    sizes = batching.row_buckets(max_batch)
+    (`tev_jax.slots.slot_configs`), else ``config`` for every count."""
+    sizes = row_buckets(max_batch)
     if isinstance(config.budget, AutoBudget) and config.builder == "ddtree":
-        return batching.slot_configs(config, max_batch)
+        return slot_configs(config, max_batch)
     if isinstance(config.budget, AutoBudget):
         config = dataclasses.replace(config, budget=64, tuning=None)
     return {s: config for s in sizes}
@@ -186,7 +191,7 @@ class Scheduler:
       max_queue: requests that may wait for a slot (more: `QueueFull`).
       max_lanes: sampling settings decoded at once.
       seed: seeds the seeds the scheduler draws for requests without one.
-      widths: prompt width buckets (default three of `tev_jax.batching.width_buckets`).
+      widths: prompt width buckets (default three of `tev_jax.slots.width_buckets`).
     """
 
     def __init__(self, target, drafter, config: DecodeConfig, decode: Callable[[list[int]], str],
@@ -200,12 +205,10 @@ class Scheduler:
         self.max_batch, self.max_queue, self.max_lanes = max_batch, max_queue, max_lanes
         self.configs = lane_configs(config, max_batch)
         self.sizes = tuple(sorted(self.configs))
-        self.widths = tuple(sorted(widths or batching.width_buckets(config.prompt_len, 3)))
+        self.widths = tuple(sorted(widths or width_buckets(config.prompt_len, 3)))
         self.stop_ids = frozenset(config.stop_token_ids)
         self._seeds = np.random.default_rng(seed)
-        self._engines: dict[tuple[Sampling, int], Engine] = {}
-        self._axes: dict[tuple[Sampling, int], tuple] = {}
-        self._empties: dict[tuple[Sampling, int], Callable] = {}
+        self._programs: dict[Sampling, SlotPrograms] = {}  # kept after a lane retires
         self._lanes: dict[Sampling, _Lane] = {}
         self._waiting: collections.deque[Job] = collections.deque()
         self._admitting = 0  # requests taken from the queue whose refill is running
@@ -275,10 +278,11 @@ class Scheduler:
         if self._thread.is_alive():
             raise RuntimeError("warm up before the scheduler starts")
         count = 0
+        programs = self._programs_of(sampling)
         for slots in self.sizes:
-            engine, axes = self._engine(sampling, slots), self._slot_axes(sampling, slots)
-            st = self._empty(sampling, slots)
-            for k in batching.row_buckets(slots):
+            engine, axes = programs.engine(slots), programs.axes(slots)
+            st = programs.empty(slots, jax.random.key(0))
+            for k in row_buckets(slots):
                 for t in self.widths:  # every prompt dropped (slot index >= slots)
                     st = engine.refill(st, np.ones((k, t), np.int32), np.ones((k,), np.int32),
                                        np.full((k,), slots, np.int32),
@@ -287,7 +291,7 @@ class Scheduler:
             st = engine.run_rounds(st, slots + 1, 1)
             st = st.replace(done_B=st.done_B | np.zeros((slots,), bool))
             for other in self.sizes:
-                scratch = self._empty(sampling, other)
+                scratch = programs.empty(other, jax.random.key(0))
                 if other < slots:
                     st = engine.put_slots(st, scratch, np.arange(other), axes=axes)
                 elif other > slots:
@@ -319,10 +323,9 @@ class Scheduler:
                     waiting = []
                 if cut:
                     for lane in self._lanes.values():
-                        for slot, job in enumerate(lane.jobs):
-                            if job is not None:
-                                self._finish(job, ABORT)
-                                lane.jobs[slot] = None
+                        for _, job in lane.jobs():
+                            self._finish(job, ABORT)
+                    self._lanes.clear()
                     continue
                 self._admit(waiting)
                 if self._waiting and not any(lane.live for lane in self._lanes.values()):
@@ -334,9 +337,8 @@ class Scheduler:
             except Exception:  # nothing hangs: every job of a failed lane ends
                 log.exception("the scheduler failed a round")
                 for lane in list(self._lanes.values()):
-                    for job in lane.jobs:
-                        if job is not None:
-                            self._finish(job, ERROR)
+                    for _, job in lane.jobs():
+                        self._finish(job, ERROR)
                 self._lanes.clear()
 
     def _seed_of(self, request: GenerationRequest) -> int:
@@ -344,41 +346,14 @@ class Scheduler:
             return request.seed
         return int(self._seeds.integers(0, 2**63))
 
-    def _engine(self, sampling: Sampling, slots: int) -> Engine:
-        if (sampling, slots) not in self._engines:
-            c = dataclasses.replace(self.configs[slots], sampling=sampling)
-            self._engines[sampling, slots] = Engine.create(
-                self.target, None if c.builder == "none" else self.drafter, c, slots)
-        return self._engines[sampling, slots]
-
-    def _empty(self, sampling: Sampling, slots: int):
-        """A fresh state of free slots: one compiled program per slot count (the eager
-        `tev_jax.engine.Engine.empty_slots` traces the prefill's shapes every call)."""
-        if (sampling, slots) not in self._empties:
-            self._empties[sampling, slots] = jax.jit(self._engine(sampling, slots).empty_slots)
-        return self._empties[sampling, slots](jax.random.key(0))
-
-    def _slot_axes(self, sampling: Sampling, slots: int) -> tuple:
-        if (sampling, slots) not in self._axes:
-            self._axes[sampling, slots] = self._engine(sampling, slots).slot_axes()
-        return self._axes[sampling, slots]
-
-    def _resize(self, lane: _Lane, slots: int) -> None:
-        """Moves a lane onto the program of ``slots`` slots, its rows first."""
-        engine = self._engine(lane.sampling, slots)
-        axes = self._slot_axes(lane.sampling, slots)
-        if lane.st is None:
-            lane.st, lane.jobs = self._empty(lane.sampling, slots), [None] * slots
-        elif slots > len(lane.jobs):
-            big = self._empty(lane.sampling, slots)
-            lane.st = engine.put_slots(big, lane.st, np.arange(len(lane.jobs)), axes=axes)
-            lane.jobs = lane.jobs + [None] * (slots - len(lane.jobs))
-        elif slots < len(lane.jobs):
-            order = ([i for i, j in enumerate(lane.jobs) if j is not None]
-                     + [i for i, j in enumerate(lane.jobs) if j is None])[:slots]
-            lane.st = engine.take_slots(lane.st, order, axes=axes)
-            lane.jobs = [lane.jobs[i] for i in order]
-        lane.engine = engine
+    def _programs_of(self, sampling: Sampling) -> SlotPrograms:
+        """The slot programs of one setting (compiled when first met, kept after its
+        lane retires)."""
+        if sampling not in self._programs:
+            self._programs[sampling] = SlotPrograms(
+                self.target, self.drafter,
+                {n: dataclasses.replace(c, sampling=sampling) for n, c in self.configs.items()})
+        return self._programs[sampling]
 
     def _unstall(self) -> None:
         """The watchdog: requests wait and no row is live, so nothing would ever free a
@@ -422,62 +397,46 @@ class Scheduler:
         try:
             for s, jobs in new.items():
                 lane = self._lanes[s]
-                need = lane.live + len(jobs)
-                slots = next(n for n in self.sizes if n >= need)
-                if slots > len(lane.jobs):
-                    self._resize(lane, slots)
+                programs = self._programs_of(s)
+                slots = programs.smallest(lane.live + len(jobs))
+                if lane.slots is None:
+                    lane.slots = Slots(programs, slots, jax.random.key(0))
+                elif slots > lane.slots.size:
+                    lane.slots.resize(slots)
                 self._refill(lane, jobs)
                 self._hand_out(lane)
         finally:
             self._admitting = 0
 
     def _refill(self, lane: _Lane, jobs: list[Job]) -> None:
-        free = [i for i, j in enumerate(lane.jobs) if j is None]
-        slots_n = len(lane.jobs)
-        k = next(n for n in batching.row_buckets(slots_n) if n >= len(jobs))
-        t = next(w for w in self.widths if w >= max(len(j.request.prompt_ids) for j in jobs))
-        tokens_KT = np.zeros((k, t), np.int32)
-        lengths_K = np.ones((k,), np.int32)
-        slots_K = np.full((k,), slots_n, np.int32)  # padding rows are dropped
         seeds = [self._seed_of(job.request) for job in jobs]
-        for row, (job, slot) in enumerate(zip(jobs, free)):
-            ids = job.request.prompt_ids
-            tokens_KT[row, : len(ids)] = ids
-            lengths_K[row], slots_K[row] = len(ids), slot
-            lane.jobs[slot] = job
-        lane.st = lane.engine.refill(lane.st, tokens_KT, lengths_K, slots_K,
-                                     request_keys(seeds + [0] * (k - len(jobs))),
-                                     axes=self._slot_axes(lane.sampling, slots_n))
+        k = lane.slots.refill_rows(len(jobs))
+        lane.slots.refill([(job, job.request.prompt_ids) for job in jobs],
+                          request_keys(seeds + [0] * (k - len(jobs))), self.widths)
 
     def _round(self, lane: _Lane) -> None:
-        slots = len(lane.jobs)
-        lane.st = lane.engine.run_rounds(lane.st, slots + 1, 1)
+        slots = lane.slots.size
+        lane.slots.run(slots + 1, 1)
         self.stats["rounds"] += 1
-        self.stats["budgets"][budget_of(lane.engine.config)] += 1
+        self.stats["budgets"][budget_of(lane.slots.engine.config)] += 1
         self.stats["slot_counts"][slots] += 1
         self._hand_out(lane)
 
     def _hand_out(self, lane: _Lane) -> None:
         """Every row's new tokens to its request; ended requests free their slots."""
-        st = lane.st
-        out_BM, num_B, done_B, start_B, rounds_B, bad_t, bad_d = jax.device_get(
-            (st.out_BM, st.num_out_B, st.done_B, st.start_B, st.rounds_B, st.bad_target,
-             st.bad_draft))
-        if bad_t or bad_d:
-            raise ValueError(f"the {'target' if bad_t else 'drafter'} produced non-finite "
-                             "logits")
+        rows = lane.slots.read()
         stop_rows = []
-        for slot, job in enumerate(lane.jobs):
-            if job is None:
-                continue
+        for slot, job in lane.jobs():
             req = job.request
+            done = bool(rows.done_B[slot])
             if job.cancelled:
                 reason = ABORT
                 job.emit(Event("", reason, len(req.prompt_ids), len(job.tokens)))
             else:
-                job.tokens = out_BM[slot, : min(int(num_B[slot]), req.max_tokens)].tolist()
-                ended_by_token = bool(done_B[slot]) and job.tokens[-1] in self.stop_ids
-                at_length = len(job.tokens) >= req.max_tokens or bool(done_B[slot])
+                job.tokens = rows.out_BM[slot, : min(int(rows.num_B[slot]), req.max_tokens)
+                                         ].tolist()
+                ended_by_token = done and job.tokens[-1] in self.stop_ids
+                at_length = len(job.tokens) >= req.max_tokens or done
                 text, hit = next_text(job.tokens, self.decode, req.stop,
                                       ended_by_token or at_length)
                 reason = (STOP if hit or ended_by_token else LENGTH if at_length else None)
@@ -489,17 +448,15 @@ class Scheduler:
                 continue
             job.finish_reason = reason
             self.stats["finish_reasons"][reason] += 1
-            rounds = int(rounds_B[slot])
-            self.stats["row_rounds"] += rounds
-            self.stats["block_tokens"] += int(start_B[slot]) - len(req.prompt_ids)
+            self.stats["row_rounds"] += int(rows.rounds_B[slot])
+            self.stats["block_tokens"] += int(rows.start_B[slot]) - len(req.prompt_ids)
             self.stats["finished"] += 1
-            lane.jobs[slot] = None
-            if not done_B[slot]:
+            if done:
+                lane.slots.release(slot)
+            else:
                 stop_rows.append(slot)
         if stop_rows:  # rows the host ended: the device stops decoding them
-            ended_B = np.zeros(done_B.shape, bool)  # one shape per slot count: one compile
-            ended_B[stop_rows] = True
-            lane.st = st.replace(done_B=st.done_B | ended_B)
+            lane.slots.end(stop_rows)
 
     def _finish(self, job: Job, reason: str) -> None:
         job.finish_reason = reason
@@ -516,9 +473,9 @@ class Scheduler:
         if self._waiting:
             return
         for lane in self._lanes.values():
-            slots = next(n for n in self.sizes if n >= lane.live)
-            if slots < len(lane.jobs):
-                self._resize(lane, slots)
+            slots = lane.slots.programs.smallest(lane.live)
+            if slots < lane.slots.size:
+                lane.slots.resize(slots)
 
 
 __all__ = ["ABORT", "ERROR", "LENGTH", "STOP", "Draining", "Event", "Job", "QueueFull",

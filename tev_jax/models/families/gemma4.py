@@ -1,4 +1,4 @@
-"""Gemma 4 (``gemma4_unified``, its text part ``gemma4_unified_text``) as data (DESIGN.md §14).
+"""Gemma 4 (``gemma4_unified``, its text part ``gemma4_unified_text``) as data (docs/design.md §14).
 
 Where Gemma 4 differs from Qwen3 is in `ModelConfig` fields and per-layer
 `AttentionSpec`s, read from ``config.json`` here (`config_from_hf`, `config_to_hf`):

@@ -1,4 +1,4 @@
-"""The Qwen3-style families: Qwen3, Llama-3 and Qwen3-MoE (DESIGN.md §6, §14).
+"""The Qwen3-style families: Qwen3, Llama-3 and Qwen3-MoE (docs/design.md §6, §14).
 
 One pre-norm decoder block (`tev_jax.models.layers.DecoderLayer`: GQA attention with
 RoPE, a gated MLP) serves all three; they differ in data:

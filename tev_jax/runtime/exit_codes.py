@@ -2,7 +2,7 @@
 
 Shared by ``tev-jax`` (`tev_jax.cli`) and ``tev-train`` (``train/__main__.py``): a bad
 input or a refused run ends with one line on stderr and `EXIT_USAGE`; a signal, taken at
-a safe point (`tev_jax.stop`), ends a run that stopped with its work on disk with
+a safe point (`tev_jax.runtime.signals`), ends a run that stopped with its work on disk with
 `EXIT_RESUMABLE` and any other with 128 + the signal; a library error that names a
 Python setting is rewritten to name the flag the user typed (`flag_names`, `name_flags`).
 """
@@ -21,7 +21,7 @@ EXIT_SIGNAL = 128       # + the signal number: interrupted with nothing to resum
 
 
 class Terminated(KeyboardInterrupt):
-    """SIGTERM, raised like Ctrl-C's KeyboardInterrupt at a safe point (`tev_jax.stop`)."""
+    """SIGTERM, raised like Ctrl-C's KeyboardInterrupt at a safe point (`tev_jax.runtime.signals`)."""
 
 
 class Interrupted(KeyboardInterrupt):

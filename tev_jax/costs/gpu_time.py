@@ -5,8 +5,8 @@ floor: on one H200 (2026-12-04) tev-jax's programs ran 1.6-4x above it, because 
 kernel streams at the data sheet's bandwidth and because a program of ~2000 kernels pays
 for every launch. A `Calibration` holds what one GPU was measured to reach per class of
 op (`op_class`), as achieved bytes/s and FLOP/s, and the cost of one kernel launch;
-`estimate` weighs a compiled program's ops (`tev_jax.op_costs`) and launches
-(`tev_jax.launches`) with it:
+`estimate` weighs a compiled program's ops (`tev_jax.costs.op_costs`) and launches
+(`tev_jax.costs.launches`) with it:
 
     time = sum over ops of max(bytes / class bytes/s, FLOPs / class FLOP/s, launches x
            launch cost) + the launches no op accounts for (loop conditions) x launch cost
@@ -27,7 +27,7 @@ import dataclasses
 import json
 from pathlib import Path
 
-TABLES = Path(__file__).resolve().parent / "data" / "gpus"
+TABLES = Path(__file__).resolve().parents[1] / "data" / "gpus"
 """Where the committed calibration tables live (``<gpu>.json``)."""
 
 CLASSES = ("stacked_matmul", "cache_attention", "gemm", "memory")
@@ -57,7 +57,7 @@ class Calibration:
     """One GPU's measured rates.
 
     Attributes:
-      gpu: the GPU's name in `tev_jax.gpu.GPUS` ('h200').
+      gpu: the GPU's name in `tev_jax.costs.chips.GPUS` ('h200').
       rates: `CLASSES` -> `Rate`.
       launch_seconds: the GPU time of one kernel that moves almost nothing, back to back
         with others (a fused loop's round of tiny kernels over its launches).
@@ -114,8 +114,8 @@ def load(gpu: str, tables: Path = TABLES) -> Calibration | None:
 
 
 def op_class(source: str, kind: str) -> str:
-    """The class (`CLASSES`) of an op from its source line (`tev_jax.op_costs.Op.source`)
-    and its launch kind (`tev_jax.launches.Launch.kind`)."""
+    """The class (`CLASSES`) of an op from its source line (`tev_jax.costs.op_costs.Op.source`)
+    and its launch kind (`tev_jax.costs.launches.Launch.kind`)."""
     if kind == "pallas" and "stacked_matmul" in source:
         return "stacked_matmul"
     if kind == "pallas" and "cache_attention" in source:
@@ -129,8 +129,8 @@ def estimate(ops, launch_items, calibration: Calibration) -> dict:
     """The calibrated time of one call of a compiled program (see the module docstring).
 
     Args:
-      ops: its `tev_jax.op_costs.op_costs`.
-      launch_items: its `tev_jax.launches.launches` (the same HLO).
+      ops: its `tev_jax.costs.op_costs.op_costs`.
+      launch_items: its `tev_jax.costs.launches.launches` (the same HLO).
       calibration: the GPU's `Calibration`.
     Returns:
       {'seconds': the estimate; 'classes': {class: seconds}, 'launch_bound': seconds

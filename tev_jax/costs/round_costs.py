@@ -1,6 +1,6 @@
-"""Round costs for the tree budget (DESIGN.md §13): seconds of one decode round per
+"""Round costs for the tree budget (docs/design.md §13): seconds of one decode round per
 (batch size, budget) and of one AR step per batch size, and the budget that gives the
-most tokens per second (`tev_jax.tune` pairs them with τ(b) from the exit law).
+most tokens per second (`tev_jax.costs.tune` pairs them with τ(b) from the exit law).
 
 Two ways to a cost: `round_costs` times the engine's one-round programs on the local
 devices; `roofline_costs` reads a TPU slice's or a GPU's compiler (no chips needed),
@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from tev_jax import stop
+from tev_jax.runtime import signals
 from tev_jax.decode import DecodeConfig, aligned_len
 from tev_jax.engine import Engine, as_key
 from tev_jax.prompts import check_prompts
@@ -78,7 +78,7 @@ def round_costs(target, drafter, prompt_ids: Sequence[Sequence[int]], config: De
     for bs in batch_sizes:
         rows = [prompts[i % len(prompts)] for i in range(bs)]
         for b in (0, *budgets):
-            stop.check()
+            signals.check()
             cfg = (dataclasses.replace(base, builder="none", budget=64) if b == 0
                    else dataclasses.replace(base, builder="ddtree", budget=b))
             engine = Engine.create(target, None if b == 0 else drafter, cfg, bs, mesh=mesh)
@@ -87,7 +87,7 @@ def round_costs(target, drafter, prompt_ids: Sequence[Sequence[int]], config: De
     calls = {(k, "round"): engines[k].round for k in engines}
     calls |= {(k, "noop"): functools.partial(_noop, engines[k].params) for k in engines}
     for i, ((k, _), call) in enumerate(calls.items()):
-        stop.check()
+        signals.check()
         jax.block_until_ready(call(_copy(states[k])))
         if progress:
             progress("programs", i + 1, len(calls))
@@ -119,9 +119,9 @@ def roofline_costs(target_cfg, config: DecodeConfig, budgets: Sequence[int],
                    ) -> tuple[dict[int, dict[int, float]], dict[int, float]]:
     """Seconds of one round per (batch size, budget) and of one AR step per batch size on
     a TPU slice (``topology``) or NVIDIA GPUs (``gpu``, e.g. 'h200x1'), from their
-    compiler (`tev_jax.plan.plan_decode_programs` over `tev_jax.topology.slice_devices`
-    or `tev_jax.gpu.gpu_devices`; no weights, no chips needed): the roofline, or on a GPU
-    with a measured table the calibrated estimate (`tev_jax.gpu_time`; `cost_basis`
+    compiler (`tev_jax.costs.plan.plan_decode_programs` over `tev_jax.costs.chips.slice_devices`
+    or `tev_jax.costs.chips.gpu_devices`; no weights, no chips needed): the roofline, or on a GPU
+    with a measured table the calibrated estimate (`tev_jax.costs.gpu_time`; `cost_basis`
     says which).
 
     Args:
@@ -136,20 +136,20 @@ def roofline_costs(target_cfg, config: DecodeConfig, budgets: Sequence[int],
       ValueError: no libtpu, an unknown slice, a mesh that does not fit, a chip without
         published figures.
     """
-    from tev_jax import plan
+    from tev_jax.costs import plan
     from tev_jax import sharding as shd
-    from tev_jax import topology as topo
+    from tev_jax.costs import chips
 
     if config.prompt_len is None:
         raise ValueError("roofline costs need DecodeConfig.prompt_len")
     if (topology is None) == (gpu is None):
         raise ValueError("roofline costs need one of a TPU slice (topology) or GPUs (gpu)")
     if gpu is not None:
-        from tev_jax.gpu import gpu_devices
+        from tev_jax.costs.chips import gpu_devices
 
         tpu = gpu_devices(gpu)
     else:
-        tpu = topo.slice_devices(topology)
+        tpu = chips.slice_devices(topology)
     if tpu.chip is None:
         raise ValueError(f"no published figures for the chips of {topology or gpu!r}: "
                          "no roofline")
@@ -174,9 +174,9 @@ def roofline_costs(target_cfg, config: DecodeConfig, budgets: Sequence[int],
 
 def cost_basis(gpu: str | None) -> str:
     """What `roofline_costs` gives: 'calibrated estimate' on a GPU with a measured table
-    (`tev_jax.gpu_time.load`), else 'roofline' (a floor)."""
-    from tev_jax import gpu_time
-    from tev_jax.gpu import parse_gpu_name
+    (`tev_jax.costs.gpu_time.load`), else 'roofline' (a floor)."""
+    from tev_jax.costs import gpu_time
+    from tev_jax.costs.chips import parse_gpu_name
 
     calibrated = gpu is not None and gpu_time.load(parse_gpu_name(gpu)[0].name) is not None
     return "calibrated estimate" if calibrated else "roofline"

@@ -1,4 +1,4 @@
-"""The tree budget from the exit law (DESIGN.md §13): ``tev-jax tune`` and ``budget='auto'``.
+"""The tree budget from the exit law (docs/design.md §13): ``tev-jax tune`` and ``budget='auto'``.
 
 DDTree trees are nested: the budget-b tree is the first b non-root slots of the
 budget-N tree (the builder fills slots in one global order that does not depend on the
@@ -22,9 +22,9 @@ b slots at depth d). Three steps make the tuning:
    prompts as `tev_jax.generation.DecodeStats.tau` pools over rows; its standard error
    treats prompts as clusters. (The harmonic mean of ``tau_k`` is the same idea with
    every position visited ``1 / tau_k`` of the time; it is reported too.)
-3. **Round costs** t(b, B) (`tev_jax.round_costs`: one-round programs timed on the
+3. **Round costs** t(b, B) (`tev_jax.costs.round_costs`: one-round programs timed on the
    local devices, or a TPU slice's or GPU's compiler) and the **best budget per batch
-   size** (`tev_jax.round_costs.best_budgets`): the b that
+   size** (`tev_jax.costs.round_costs.best_budgets`): the b that
    maximises ``B * tau(b) / t(b, B)``, or 0 (plain AR, ``B / t_AR(B)``) when nothing
    beats AR.
 
@@ -50,15 +50,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from tev_jax import stop
+from tev_jax.runtime import signals
 from tev_jax.budget import AutoBudget, model_fingerprint, read_tuning
 from tev_jax.decode import DecodeConfig, aligned_len
 from tev_jax.drafters import DFlashDrafter, as_drafter
 from tev_jax.engine import Engine, as_key
 from tev_jax.exit_law import exit_law
 from tev_jax.prompts import check_prompts
-from tev_jax.round_costs import (Progress, best_budgets, cost_basis, roofline_costs,
-                                 round_costs)
+from tev_jax.costs.round_costs import (Progress, best_budgets, cost_basis, roofline_costs,
+    round_costs)
 from tev_jax.sampling import Sampling
 
 TUNING_KEYS = ("tau", "tau_se", "cost_seconds", "ar_seconds", "best")
@@ -111,7 +111,7 @@ def continuations(target, prompt_ids: Sequence[Sequence[int]], *, max_new_tokens
     key = as_key(key)
     out: list[list[int]] = []
     for i, (chunk, real) in enumerate(_chunks(prompts, rows)):
-        stop.check()
+        signals.check()
         st = engine.generate(engine.prompts(chunk), jax.random.fold_in(key, i))
         out += engine.finish(st).rows()[:real]
         if progress:
@@ -205,7 +205,7 @@ def tree_reach(target, drafter, prompt_ids: Sequence[Sequence[int]],
     pairs = list(zip(before, roots))
     with _mesh_scope(mesh):
         for chunk, real in _chunks(pairs, rows):
-            stop.check()
+            signals.check()
             st = engine.prefill(engine.prompts([b for b, _ in chunk]), key)
             st = st.replace(root_B=jnp.asarray([r for _, r in chunk], jnp.int32))
             draft_BHV, _ = draft(engine.params, st)

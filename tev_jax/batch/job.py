@@ -2,9 +2,9 @@
 
 `generate_file` reads and checks every prompt before loading anything heavy, skips the
 ids already in the output (a rerun resumes it), decodes the rest with continuous
-batching (`tev_jax.batching`) and appends one JSON line per finished prompt
-(`tev_jax.batch_io`). Several processes split one file: process i of n takes prompts
-i, i + n, ... and writes ``OUT.<i>-of-<n>.jsonl`` (`tev_jax.batch_io.merge_outputs`
+batching (`tev_jax.batch.continuous`) and appends one JSON line per finished prompt
+(`tev_jax.batch.outputs`). Several processes split one file: process i of n takes prompts
+i, i + n, ... and writes ``OUT.<i>-of-<n>.jsonl`` (`tev_jax.batch.outputs.merge_outputs`
 joins them).
 """
 
@@ -19,23 +19,14 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
-from tev_jax import batch_io, batching
+from tev_jax import slots, text_io
+from tev_jax.batch import continuous, outputs
+from tev_jax.batch.rates import WindowRate
 from tev_jax.budget import AutoBudget, check_tuned_for
 from tev_jax.decode import DecodeConfig
-from tev_jax.exits import Interrupted
-from tev_jax.rates import WindowRate
+from tev_jax.runtime.exit_codes import Interrupted
 from tev_jax.sharding import MESH_AXES
-
-
-def stop_token_ids(target, tokenizer) -> tuple[int, ...]:
-    """The target's ``config.json`` eos ids, else the project tokenizer's ``<|end|>`` /
-    ``<|eos|>`` if it has them."""
-    from tev_jax.data.tokenizer import END, EOS
-
-    if target.config.eos_token_ids:
-        return tuple(target.config.eos_token_ids)
-    ids = (tokenizer.token_to_id(t) for t in (END, EOS))
-    return tuple(i for i in ids if i is not None)
+from tev_jax.text_io import stop_token_ids
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,7 +34,7 @@ class FileJob:
     """One batch-generation job.
 
     Attributes:
-      prompts: the prompts file (`tev_jax.batch_io.read_prompts`).
+      prompts: the prompts file (`tev_jax.text_io.read_prompts`).
       output: OUT.jsonl; settings in ``OUT.settings.json``.
       target: the target checkpoint directory.
       drafter: the drafter checkpoint directory (None for AR).
@@ -91,7 +82,7 @@ class FileJob:
             "stop_token_ids": list(config.stop_token_ids), "seed": self.seed,
             "truncate_to": config.prompt_len if self.truncate else None,
             "dtype": self.dtype,
-            batch_io.RUN_KEY: {
+            outputs.RUN_KEY: {
                 "prompts": self.prompts, "batch_size": self.batch_size, "mesh": mesh_shape,
                 "prompt_len": config.prompt_len, "process_index": self.process_index,
                 "process_count": self.process_count, "tev_jax": __version__},
@@ -99,7 +90,7 @@ class FileJob:
 
 
 # tqdm's own rate is per update: several rows finishing in one call read thousands of
-# prompts/s. The bar shows rates over a time window instead (`tev_jax.rates`).
+# prompts/s. The bar shows rates over a time window instead (`tev_jax.batch.rates`).
 BAR_FORMAT = "{l_bar}{bar}| {n_fmt}/{total_fmt} [{elapsed}{postfix}]"
 
 
@@ -115,17 +106,17 @@ def _bar_rates(window: WindowRate, left: int, block_tokens: float, rounds: int) 
 def generate_file(job: FileJob, *, mesh=None, progress: bool = True) -> dict:
     """Runs ``job``; -> its summary (also printed to stderr).
 
-    The output is locked for the whole run (`tev_jax.batch_io.lock_output`), and nothing
+    The output is locked for the whole run (`tev_jax.batch.outputs.lock_output`), and nothing
     is written before every check has passed: the prompts (file and line named), the
     checkpoints, the output's settings, the batch on the mesh and the pre-flight memory
-    check from shapes (`tev_jax.plan.check_decode_floor`). A finished output is put in
+    check from shapes (`tev_jax.costs.plan.check_decode_floor`). A finished output is put in
     input order.
 
     Raises:
       ValueError: a bad setting, prompts file, prompt, checkpoint, an output written
         with other settings (without ``force``) or by another process right now, or
         an output that cannot be written.
-      tev_jax.plan.NotEnoughMemory: the decode state would not fit the device.
+      tev_jax.costs.plan.NotEnoughMemory: the decode state would not fit the device.
       Interrupted: SIGINT (or SIGTERM turned into it by the caller); the results so
         far are on disk and a rerun resumes.
     """
@@ -135,11 +126,11 @@ def generate_file(job: FileJob, *, mesh=None, progress: bool = True) -> dict:
         raise ValueError(f"--sync-rounds must be >= 1, got {job.sync_rounds}")
     if job.truncate and job.config.prompt_len is None:
         raise ValueError("--truncate left needs --prompt-len")
-    out = batch_io.shard_path(job.output, job.process_index, job.process_count)
+    out = outputs.shard_path(job.output, job.process_index, job.process_count)
     if Path(job.prompts).resolve() in (out.resolve(), Path(job.output).resolve()):
         raise ValueError(f"--prompts and --output are the same file ({job.prompts}): the "
                          "results would overwrite the prompts; write another --output")
-    with batch_io.lock_output(out):
+    with outputs.lock_output(out):
         try:
             return _run(job, out, mesh, progress)
         except Interrupted:
@@ -152,18 +143,19 @@ def generate_file(job: FileJob, *, mesh=None, progress: bool = True) -> dict:
 def _run(job: FileJob, out: Path, mesh, progress: bool) -> dict:
     from tqdm import tqdm
 
-    from tev_jax import engine, plan
+    from tev_jax import engine
+    from tev_jax.costs import plan
     from tev_jax.models import load_drafter, load_target, load_tokenizer
 
-    records = batch_io.read_prompts(job.prompts)
+    records = text_io.read_prompts(job.prompts)
     tokenizer = load_tokenizer(job.target)
     config_file = Path(job.target) / "tokenizer_config.json"
-    chat = batch_io.chat_formatter(
-        json.loads(batch_io.read_text(config_file)) if config_file.is_file() else None)
+    chat = text_io.chat_formatter(
+        json.loads(text_io.read_text(config_file)) if config_file.is_file() else None)
     dtype = jnp.dtype(job.dtype)
     target = load_target(job.target, dtype=dtype, mesh=mesh)
     # Every process encodes the whole file, so all agree on the default prompt buffer.
-    requests = batch_io.encode_records(
+    requests = text_io.encode_records(
         records, tokenizer, chat, vocab_size=target.config.vocab_size,
         prompt_len=job.config.prompt_len, truncate=job.truncate, where=str(job.prompts),
         max_positions=target.config.max_position_embeddings,
@@ -175,10 +167,10 @@ def _run(job: FileJob, out: Path, mesh, progress: bool) -> dict:
     if not config.stop_token_ids:
         config = dataclasses.replace(config, stop_token_ids=stop_token_ids(target, tokenizer))
     settings = job.settings(config, mesh)
-    mine = batch_io.shard_of(list(enumerate(requests)), job.process_index,
+    mine = outputs.shard_of(list(enumerate(requests)), job.process_index,
                              job.process_count)
-    batch_io.check_output_settings(out, settings, force=job.force,
-                                   ids={batch_io.id_key(r.id) for _, r in mine})
+    outputs.check_output_settings(out, settings, force=job.force,
+                                   ids={text_io.id_key(r.id) for _, r in mine})
     drafter = (None if job.drafter is None
                else load_drafter(job.drafter, target, dtype=dtype, mesh=mesh))
     # An automatic budget is checked as the widest program it runs (all slot counts
@@ -186,14 +178,14 @@ def _run(job: FileJob, out: Path, mesh, progress: bool) -> dict:
     if isinstance(config.budget, AutoBudget) and config.builder == "ddtree":
         check_tuned_for(config.budget, target, drafter)
     # more slots than prompts would only cost memory: decode with as many as there are
-    batch = batching.fit_batch(job.batch_size, len(mine), mesh)
-    widest = batching.slot_configs(config, batch, mesh=mesh)[batch]
+    batch = slots.fit_batch(job.batch_size, len(mine), mesh)
+    widest = slots.slot_configs(config, batch, mesh=mesh)[batch]
     engine.decode_spec(target, drafter, widest, batch, mesh=mesh)
     plan.check_decode_floor(target, drafter, widest, batch, mesh=mesh)
-    done, f = batch_io.open_output(out, settings, force=job.force, expected=len(mine))
-    todo = [(i, r) for i, r in mine if batch_io.id_key(r.id) not in done]
-    index = {batch_io.id_key(r.id): i for i, r in todo}
-    fingerprint = batch_io.settings_fingerprint(settings)
+    done, f = outputs.open_output(out, settings, force=job.force, expected=len(mine))
+    todo = [(i, r) for i, r in mine if text_io.id_key(r.id) not in done]
+    index = {text_io.id_key(r.id): i for i, r in todo}
+    fingerprint = outputs.settings_fingerprint(settings)
     # prompt i of the file decodes with row key i: a sampled output does not depend on
     # the process count, the batch or a resume
     key = jax.random.key(job.seed)
@@ -206,14 +198,14 @@ def _run(job: FileJob, out: Path, mesh, progress: bool) -> dict:
     t0 = time.perf_counter()
     try:
         with f:
-            for r in batching.generate_continuous(target, drafter,
+            for r in continuous.generate_continuous(target, drafter,
                                                   [dataclasses.replace(r, row=i)
                                                    for i, r in todo],
                                                   config, batch_size=batch,
                                                   key=key, max_rounds=job.sync_rounds,
                                                   mesh=mesh):
-                batch_io.write_line(f, {
-                    "id": r.id, "index": index[batch_io.id_key(r.id)],
+                outputs.write_line(f, {
+                    "id": r.id, "index": index[text_io.id_key(r.id)],
                     "text": tokenizer.decode(r.token_ids), "token_ids": r.token_ids,
                     "rounds": r.rounds, "tau": None if r.rounds == 0 else round(r.tau, 4),
                     "stop_reason": r.stop_reason, "prompt_tokens": r.prompt_tokens,
@@ -241,7 +233,7 @@ def _run(job: FileJob, out: Path, mesh, progress: bool) -> dict:
             bar.close()
     seconds = time.perf_counter() - t0
     if len(done) + written == len(mine):
-        batch_io.sort_output(out)
+        outputs.sort_output(out)
     summary = {"output": str(out), "prompts": len(todo), "skipped": len(done),
                "new_tokens": tokens, "seconds": round(seconds, 3),
                "prompts_per_s": round(len(todo) / seconds, 3),
@@ -258,4 +250,4 @@ def _run(job: FileJob, out: Path, mesh, progress: bool) -> dict:
     return summary
 
 
-__all__ = ["FileJob", "Interrupted", "generate_file", "stop_token_ids"]
+__all__ = ["FileJob", "Interrupted", "generate_file"]

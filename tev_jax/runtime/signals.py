@@ -4,7 +4,7 @@ The command lines (``tev-jax``, ``tev-train``) run inside `handled_signals`, whi
 SIGINT and SIGTERM only record themselves. The library's loops call `check` between
 units of work (decode chunks of a batch job, training updates, rollout shards,
 ``compare`` passes, ``tune``'s trees); there a recorded signal is raised as
-``KeyboardInterrupt`` (SIGTERM as `tev_jax.exits.Terminated`), and the loop saves what
+``KeyboardInterrupt`` (SIGTERM as `tev_jax.runtime.exit_codes.Terminated`), and the loop saves what
 it holds and stops. Nothing is raised inside jax's compiles, imports or callbacks, so
 nothing is half-done when the process exits.
 
@@ -28,7 +28,7 @@ import signal
 import sys
 import threading
 
-from tev_jax.exits import EXIT_SIGNAL, Terminated
+from tev_jax.runtime.exit_codes import EXIT_SIGNAL, Terminated
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 _received: list[int] = []   # signals recorded by the handler, in order

@@ -12,7 +12,7 @@ layouts the compiler hoisted out of the loop). A loop whose trip count is known 
 compiler's ``known_trip_count``, or a counted loop ``i = 0; i < N; i += 1`` such as the
 scan over the layers) multiplies the ops of its body, which ``cost_analysis`` does not
 do (it counts a loop body once). A loop whose trip count depends on the data but has a
-bound, which its code names with the `bound_scope` ``jax.named_scope`` (the
+bound, which its code names with the `tev_jax.kernels.scopes.bound_scope` ``jax.named_scope`` (the
 attention's loop over the key blocks a query may see: at most the cache's blocks),
 is counted at that bound and its ops marked ``bounded``: a step at a full cache.
 
@@ -43,6 +43,8 @@ import math
 import re
 from collections import defaultdict
 from pathlib import Path
+
+from tev_jax.kernels import scopes
 
 DTYPE_BYTES = {"pred": 1, "s4": 0.5, "u4": 0.5, "s8": 1, "u8": 1, "s16": 2, "u16": 2,
                "f16": 2, "bf16": 2, "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8,
@@ -106,9 +108,9 @@ class Op:
       count: executions per call (or per round when ``in_loop``): the product of the
         known trip counts of the loops around it.
       in_loop: inside a loop of unknown trip count (a decode round), counted per iteration.
-      inner: inside a second loop of unknown trip count and no `bound_scope` within
+      inner: inside a second loop of unknown trip count and no `tev_jax.kernels.scopes.bound_scope` within
         that one: counted once per round although it may run several times.
-      bounded: inside a loop counted at its bound (`bound_scope`, e.g. the attention's
+      bounded: inside a loop counted at its bound (`tev_jax.kernels.scopes.bound_scope`, e.g. the attention's
         loop over key blocks): ``count`` is the most it runs (a full cache).
       scope: the ``jax.named_scope`` / transform path (``op_name`` metadata).
       source: ``file:line (function)`` of the innermost user frame, or ''.
@@ -280,25 +282,6 @@ def parse_module(text: str) -> Module:
         f = dict(re.findall(r"(\w+)=(\d+)", v))
         frames[k] = locs.get(int(f["file_location_id"]), ("?", 0, "?"))
     return Module(computations, entry, frames)
-
-
-def bound_scope(n: int) -> str:
-    """The ``jax.named_scope`` name that tells the op table a loop of data-dependent trip
-    count (a ``fori_loop`` with traced bounds) runs at most ``n`` times; wrap the loop in
-    it: ``with jax.named_scope(bound_scope(n)): jax.lax.fori_loop(lo, hi, ...)``."""
-    return f"trips_upto_{int(n)}"
-
-
-def kernel_scope(flops: int, bytes_accessed: int) -> str:
-    """The ``jax.named_scope`` name that gives the op table a kernel's own count where its
-    custom call carries none (a Pallas Triton call drops ``pl.CostEstimate``): wrap the
-    ``pallas_call`` in it. Its operands may be whole stacks of which it reads a few
-    blocks."""
-    return f"kernel_cost_{int(flops)}_{int(bytes_accessed)}"
-
-
-_KERNEL_SCOPE = re.compile(r'op_name="[^"]*\bkernel_cost_(\d+)_(\d+)/')
-BOUND = re.compile(r'op_name="[^"]*\btrips_upto_(\d+)/while"')
 
 
 def trip_count(module: Module, loop: Instr, defs: dict[str, Instr]) -> int | None:
@@ -534,7 +517,7 @@ def op_costs(text: str) -> list[Op]:
         for instr in body:
             if instr.opcode == "while":
                 n = trip_count(module, instr, defs)
-                bound = BOUND.search(instr.attrs) if n is None else None
+                bound = scopes.BOUND.search(instr.attrs) if n is None else None
                 if n is not None:
                     inner = (count * n, loops, bounded)
                 elif bound is not None:
@@ -556,7 +539,7 @@ def op_costs(text: str) -> list[Op]:
                                                           instr.attrs))):
                 continue
             estimate = (_KERNEL_ESTIMATE.search(instr.attrs)
-                        or _KERNEL_SCOPE.search(instr.attrs))
+                        or scopes.KERNEL_COST.search(instr.attrs))
             if instr.opcode == "fusion":
                 nbytes = [_fusion_bytes(module, instr, shapes, hbm) for hbm in (False, True)]
                 flops = _fused_flops(module, instr)
@@ -651,6 +634,6 @@ def format_table(ops, top: int, stages=()) -> str:
     return "\n".join(lines)
 
 
-__all__ = ["BOUND", "FREE", "Instr", "Module", "Op", "array_bytes", "bound_scope", "by_stage",
+__all__ = ["FREE", "Instr", "Module", "Op", "array_bytes", "by_stage",
            "called", "format_table", "op_costs", "parse_instr", "parse_module", "table_dict",
            "totals", "trip_count", "tuple_elements"]

@@ -1,4 +1,4 @@
-"""Memory planning on abstract models (DESIGN.md §12).
+"""Memory planning on abstract models (docs/design.md §12).
 
 Real model shapes live here as `ModelConfig` presets, so that a decode or training
 program can be lowered and compiled for a Qwen3-4B or Llama-3-8B target on a machine
@@ -26,14 +26,14 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from tev_jax import launches, op_costs
+from tev_jax.costs import launches, op_costs
 from tev_jax.decode import STAGES
 from tev_jax.drafters import as_drafter
 from tev_jax.engine import Engine, decode_spec
-from tev_jax.gpu import GPUS
-from tev_jax.program_report import GiB, ProgramReport, compile_report
-from tev_jax.hardware import chip_of
-from tev_jax.topology import Chip
+from tev_jax.costs.chips import GPUS
+from tev_jax.costs.program_report import GiB, ProgramReport, compile_report
+from tev_jax.costs.chips import chip_of
+from tev_jax.costs.chips import Chip
 from tev_jax.models.checkpoint_io import read_config
 from tev_jax.models.config import AttentionSpec, ModelConfig, RopeScaling
 from tev_jax.models.drafter import Drafter, DrafterConfig, default_target_layer_ids
@@ -82,7 +82,7 @@ PRESETS["gemma-4-12b"] = ModelConfig(
     norm_style="float32", sandwich_norms=True, v_norm=True, attention_scale=1.0,
     hidden_act="gelu_tanh", embed_scale=3840 ** 0.5, final_logit_softcap=30.0)
 
-# A DFlash drafter's layers are Qwen3's whatever the target family (DESIGN.md §6).
+# A DFlash drafter's layers are Qwen3's whatever the target family (docs/design.md §6).
 QWEN3_LAYERS = dict(layer_types=(), sliding_window=None, global_attention=None,
                     attention_window="native", norm_style="cast", sandwich_norms=False,
                     v_norm=False, attention_scale=None, hidden_act="silu", embed_scale=None,
@@ -188,7 +188,7 @@ def plan_decode(target_cfg: ModelConfig, config, batch_size: int, *, dtype=jnp.f
       drafter_layers, block_size: the DFlash drafter (see `drafter_config`); no drafter
         with ``builder='none'``.
       mesh: a mesh from `tev_jax.sharding.make_mesh` (over a TPU slice's devices for a
-        TPU plan, `tev_jax.topology.slice_devices`), or None for one device.
+        TPU plan, `tev_jax.costs.chips.slice_devices`), or None for one device.
     """
     target, drafter = abstract_models(target_cfg, config, dtype=dtype,
                                       drafter_layers=drafter_layers, block_size=block_size)
@@ -210,7 +210,7 @@ class DecodePlan:
       batch_size: B.
       chip: the chip the rooflines use (None: no roofline).
       devices_per_chip: devices sharing one chip's figures.
-      ops: 'ar_step' / 'round' -> the `tev_jax.op_costs.Op` s of that loop
+      ops: 'ar_step' / 'round' -> the `tev_jax.costs.op_costs.Op` s of that loop
         (`loop_ops`); empty unless asked for.
       top: how many ops the tables show.
       floors: 'ar_step' / 'round' -> `round_floor` of the planned ones.
@@ -234,7 +234,7 @@ class DecodePlan:
     @property
     def seconds_are(self) -> str:
         """What `seconds` are: 'calibrated' (an estimate from a GPU's measured table,
-        `tev_jax.gpu_time`), 'floor' (the roofline: no program runs faster) or ''."""
+        `tev_jax.costs.gpu_time`), 'floor' (the roofline: no program runs faster) or ''."""
         kinds = {r.seconds(self.chip, self.devices_per_chip)[1] for r in self.programs.values()}
         return "calibrated" if kinds == {"calibrated"} else "floor" if "floor" in kinds else ""
 
@@ -303,7 +303,7 @@ class DecodePlan:
             lines.append(f"estimate: calibrated on {e['gpu']} (tev_jax/data/gpus/{e['gpu']}.json: "
                          f"{e['source']}), one call in a "
                          f"fused loop; a dispatch from the host adds "
-                         f"{e['call_seconds'] * 1e3:.2f} ms (tev_jax.gpu_time)")
+                         f"{e['call_seconds'] * 1e3:.2f} ms (tev_jax.costs.gpu_time)")
         for name, r in self.programs.items():
             if r.launches is not None and name in ("ar_step", "round"):
                 lines.append(f"{name} launches: {launches.format_summary(r.launches)}")
@@ -341,9 +341,9 @@ def plan_decode_programs(target_cfg: ModelConfig, config, batch_size: int, *,
       target_cfg, config, batch_size, dtype, drafter_layers, block_size, mesh: as in
         `plan_decode`.
       programs: which of `DECODE_PROGRAMS` to compile.
-      chip, devices_per_chip: for the rooflines (`tev_jax.topology`); a GPU's chip
-        (`tev_jax.gpu.GPUS`) also has each program's kernel launches counted and, where
-        that GPU has a measured table (`tev_jax.gpu_time`), its calibrated estimate.
+      chip, devices_per_chip: for the rooflines (`tev_jax.costs.chips`); a GPU's chip
+        (`tev_jax.costs.chips.GPUS`) also has each program's kernel launches counted and, where
+        that GPU has a measured table (`tev_jax.costs.gpu_time`), its calibrated estimate.
       ops: with N > 0, also the per-op tables (`loop_ops`) of the AR step and the round,
         N ops each, the round's split by stage.
     Raises:
@@ -511,7 +511,7 @@ def available_bytes(devices=None) -> tuple[int, str]:
 
     Accelerators report ``memory_stats()['bytes_limit'] - ['bytes_in_use']`` (the least
     over ``devices``); a TPU without statistics has its chip's HBM capacity
-    (`tev_jax.topology.CHIPS`). The CPU backend reports nothing: there the host's available
+    (`tev_jax.costs.chips.CHIPS`). The CPU backend reports nothing: there the host's available
     memory (``MemAvailable`` of /proc/meminfo, else ``os.sysconf`` free pages) is
     shared by the simulated devices, so each gets an equal part.
     """

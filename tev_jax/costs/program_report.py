@@ -1,10 +1,10 @@
 """What a compiled program needs and does on one device: `ProgramReport`.
 
 Memory from the compiler (``memory_analysis``), FLOPs and bytes from its cost analysis
-or, where it gives none (GPU), from the optimised HLO (`tev_jax.op_costs`), the roofline
+or, where it gives none (GPU), from the optimised HLO (`tev_jax.costs.op_costs`), the roofline
 time on a chip's published figures, and on GPUs the kernel launches of one call
-(`tev_jax.launches`) and, where the GPU was measured, a calibrated time estimate
-(`tev_jax.gpu_time`). `tev_jax.plan` compiles the decode programs and reports them
+(`tev_jax.costs.launches`) and, where the GPU was measured, a calibrated time estimate
+(`tev_jax.costs.gpu_time`). `tev_jax.costs.plan` compiles the decode programs and reports them
 with it; ``train.plan`` the training step.
 """
 
@@ -15,17 +15,17 @@ import time
 
 import jax
 
-from tev_jax import gpu_time, launches, op_costs
+from tev_jax.costs import gpu_time, launches, op_costs
 from tev_jax.decode import STAGES
 from tev_jax.models.layers import LAYER_SCOPE
-from tev_jax.topology import Chip
+from tev_jax.costs.chips import Chip
 
 GiB = 2**30
 
 LAYER_SCOPES = (LAYER_SCOPE, "draft/while/body", "verify/while/body")
 """Where a decode program's layer stack runs: `scan_layers`' scope (a scan, or a loop of
 per-layer programs on GPU), and the outermost loop of the draft and verify stages (a
-model's own scan over its layers); `tev_jax.launches.summary` counts the launches inside
+model's own scan over its layers); `tev_jax.costs.launches.summary` counts the launches inside
 them apart from the rest of the round."""
 
 
@@ -43,15 +43,15 @@ class ProgramReport:
       flops: floating-point operations of one call: ``cost_analysis``, which counts
         every loop body once, scaled by the trip counts of counted loops (the layer
         scan) and the bounds of bounded ones (the attention's key blocks, at a full
-        cache) as the per-op table finds them (`tev_jax.op_costs.loop_factors`); where
+        cache) as the per-op table finds them (`tev_jax.costs.op_costs.loop_factors`); where
         the compiler gives no cost analysis (GPU) the per-op table's own sum. A loop of
         unknown trip count (the decode rounds) stays counted once.
       bytes_accessed: bytes read and written by one call, likewise (on GPU the per-op
         table's HBM bytes).
-      launches: on a GPU, the kernel launches of one call (`tev_jax.launches.summary`:
+      launches: on a GPU, the kernel launches of one call (`tev_jax.costs.launches.summary`:
         total, inside the layer stack and outside it by stage, by kind); None elsewhere.
-      estimate: on a GPU with a measured table (`tev_jax.gpu_time.load`), the
-        calibrated time of one call (`tev_jax.gpu_time.estimate`, with the table's
+      estimate: on a GPU with a measured table (`tev_jax.costs.gpu_time.load`), the
+        calibrated time of one call (`tev_jax.costs.gpu_time.estimate`, with the table's
         ``gpu``, ``source`` and ``call_seconds``); None elsewhere.
     """
 
@@ -71,7 +71,7 @@ class ProgramReport:
            gpu: str | None = None) -> "ProgramReport":
         """The report of ``compiled.memory_analysis()`` and ``cost_analysis()`` (its
         loop bodies scaled by their trip counts, see the attributes); with ``gpu`` (a
-        name of `tev_jax.gpu.GPUS`, the GPU it was compiled for) its launches and, where
+        name of `tev_jax.costs.chips.GPUS`, the GPU it was compiled for) its launches and, where
         that GPU has a calibration table, the calibrated estimate."""
         m = compiled.memory_analysis()
         if m is None:

@@ -26,7 +26,8 @@ from collections.abc import Callable, Sequence
 import jax
 import numpy as np
 
-from tev_jax import decode, stop
+from tev_jax import decode
+from tev_jax.runtime import signals
 from tev_jax.decode import DecodeConfig, DecodeState
 from tev_jax.engine import Engine, as_key, engine_for
 from tev_jax.generation import Generation
@@ -226,7 +227,7 @@ def compare_methods(target, methods: Sequence[tuple[str, object, DecodeConfig]],
     gens: list[list[Generation]] = [[] for _ in methods]
     for r in range(passes):
         for k in range(len(methods)):
-            stop.check()  # between passes
+            signals.check()  # between passes
             m = (k + r) % len(methods)
             gens[m] = [run() for run in runs[m]]
             seconds[m][r] = sum(g.stats.seconds for g in gens[m])

@@ -15,16 +15,16 @@ the CUDA plugin (``compiled.as_text()``), read the way XLA's GPU runtime runs it
 - every op left unfused is one: a copy, a sort, a scatter, a collective's start;
 - a ``while`` runs its body once per trip. A loop whose trip count the compiler knows
   (``known_trip_count``, e.g. a scan over layers) runs it that many times with no
-  condition on the device; a counted ``i < N`` loop (`tev_jax.op_costs.trip_count`)
+  condition on the device; a counted ``i < N`` loop (`tev_jax.costs.op_costs.trip_count`)
   evaluates its condition each trip; a loop of unknown trip count (the fused decode
   loop) is counted once, as one round, its condition included (marked ``in_loop``);
-  a loop named with `tev_jax.op_costs.bound_scope` is counted at its bound;
+  a loop named with `tev_jax.kernels.scopes.bound_scope` is counted at its bound;
 - a ``conditional`` runs its largest branch (and copies its predicate to the host);
 - free ops (parameters, tuples, bitcasts, constants, the ``-done`` halves of async
   pairs) launch nothing.
 
 This is a count of kernels, not of their cost: a launch of a 2 GB GEMM and of a
-one-element add count the same. `tev_jax.gpu_time` weighs them.
+one-element add count the same. `tev_jax.costs.gpu_time` weighs them.
 """
 
 from __future__ import annotations
@@ -33,7 +33,8 @@ import dataclasses
 import re
 from collections import Counter, defaultdict
 
-from tev_jax import op_costs
+from tev_jax.costs import op_costs
+from tev_jax.kernels import scopes
 
 _TARGET = re.compile(r'custom_call_target="([^"]+)"')
 _SCOPE = re.compile(r'op_name="([^"]*)"')
@@ -122,7 +123,7 @@ def launches(text: str) -> list[Launch]:
             if instr.opcode == "while":
                 cond = op_costs.called(instr.attrs, "condition")
                 n = op_costs.trip_count(module, instr, defs)
-                bound = op_costs.BOUND.search(instr.attrs) if n is None else None
+                bound = scopes.BOUND.search(instr.attrs) if n is None else None
                 known = re.search(r'"known_trip_count"', instr.attrs) is not None
                 if n is not None:
                     inner = (count * n, loops)
