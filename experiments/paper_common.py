@@ -85,7 +85,7 @@ DRAFTER_LABELS = {
 BUNDLED_AS = {"dflash": "dflash", "ft_exit": "exittrain"}
 """The study drafters the package ships (`tev_jax.models.bundled`), study name -> bundled
 name: DFlash, and its ExitTrain fine-tune (`experiments/exit_recipe`'s choice)."""
-MAKE_MODELS = "python -m train.demo_models"
+MAKE_MODELS = "python -m train.demo.build"
 """Trains the studies' target and all five drafters into ``runs/`` (`DEFAULT_TARGET`)."""
 FIELD_LABELS = {"tau": "τ", "sr": "SR", "tau_exit_law": "1+C", "tau_se": "±"}
 _ALIGN = 8  # the engine's length alignment

@@ -28,16 +28,16 @@ from tev_jax.models import Target, bundled, load_target, save_target, score
 from tev_jax.models.checkpoint_io import read_headers
 from tev_jax.models.drafter import Drafter
 from tev_jax.models.drafter_io import drafter_config_for, load_drafter, save_drafter
-from train.demo_models import DemoPlan
-from train.export_bundled import PROBE_TEXT, export_bundle
-from train.train_target import TargetTrainConfig
+from train.demo.build import DemoPlan
+from train.demo.export_bundled import PROBE_TEXT, export_bundle
+from train.demo.train_target import TargetTrainConfig
 
 PROMPT = "def fibonacci(n):"
 
 
 def _random_demo_models():
-    """Random models shaped like the shipped ones (`train.train_target`,
-    `train.demo_models`), so the real bundle's test reuses the CLI test's compilation:
+    """Random models shaped like the shipped ones (`train.demo.train_target`,
+    `train.demo.build`), so the real bundle's test reuses the CLI test's compilation:
     (target, ExitTrain drafter, DFlash drafter); the two drafters differ."""
     cfg = TargetTrainConfig().model_config(tok_lib.load_default_tokenizer().get_vocab_size())
     rng = np.random.default_rng(0)
@@ -124,7 +124,7 @@ def test_export_round_trip(sources, bundle):
     card = (paths.target / "README.md").read_text()
     assert "1.234" in card and "Apache" in card and "tev_jax/data/README.md" in card
     cards = {k: (paths.drafters[k] / "README.md").read_text() for k in bundled.DRAFTERS}
-    assert "train.export_bundled" in card and "loss `reach`" in cards["exittrain"]
+    assert "train.demo.export_bundled" in card and "loss `reach`" in cards["exittrain"]
     assert "(ExitTrain)" in cards["exittrain"] and "bundled:exittrain" in cards["exittrain"]
     assert "token objective" in cards["dflash"] and "loss `token`" in cards["dflash"]
 
@@ -219,7 +219,7 @@ def test_missing_bundle_names_the_export_command(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(bundled, "bundle_root", lambda: tmp_path / "nothing")
     with pytest.raises(SystemExit):
         cli.main(["generate", PROMPT])
-    assert "python -m train.export_bundled --target" in capsys.readouterr().err
+    assert "python -m train.demo.export_bundled --target" in capsys.readouterr().err
 
 
 def test_cli_generate_explicit_paths_and_bundled_defaults(bundle, monkeypatch, capsys,

@@ -1,4 +1,4 @@
-"""The training corpus (train.corpus, train.token_corpus, train.prepare_corpus): documents
+"""The training corpus (train.demo.corpus, train.demo.token_corpus, train.demo.prepare_corpus): documents
 and splits, token arrays on disk, training windows, the exported prompt files."""
 
 import json
@@ -9,9 +9,9 @@ import pytest
 
 from tev_jax.data import prompts, tokenizer
 from tev_jax.data.tokenizer import format_chat
-from train import corpus, prepare_corpus, token_corpus
-from train.corpus import CorpusConfig
-from train.token_corpus import WindowConfig, train_batch, validation_windows
+from train.demo import corpus, prepare_corpus, token_corpus
+from train.demo.corpus import CorpusConfig
+from train.demo.token_corpus import WindowConfig, train_batch, validation_windows
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SHARED_DATA = REPO_ROOT / "data"  # the source data, in the repository (issue 47, item 6)

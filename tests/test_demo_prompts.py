@@ -1,10 +1,10 @@
-"""Training prompts of the demo drafter (train/demo_prompts.py)."""
+"""Training prompts of the demo drafter (train/demo/prompts.py)."""
 
 import pytest
 from test_corpus import _fake_config, fake_data_dir  # noqa: F401  (fixture)
 
 from tev_jax.data.tokenizer import ASSISTANT, format_chat, format_chat_turn
-from train import corpus, demo_prompts
+from train.demo import corpus, prompts as demo_prompts
 
 
 def test_chat_prompt_is_the_user_turn_up_to_the_assistant_marker():

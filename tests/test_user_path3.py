@@ -169,14 +169,14 @@ def test_the_bundled_target_named_by_its_folder_takes_the_bundled_drafter():
 
 
 def test_demo_models_help_and_errors(tmp_path, capsys):
-    """Items 6 and 10: python -m train.demo_models --help names itself and documents
+    """Items 6 and 10: python -m train.demo.build --help names itself and documents
     --runs; a missing data folder is one line, exit 2."""
-    from train import demo_models
+    from train.demo import build as demo_models
 
     with pytest.raises(SystemExit):
         demo_models.main(["--help"])
     out = capsys.readouterr().out
-    assert out.startswith("usage: python -m train.demo_models") and "the folder every" in out
+    assert out.startswith("usage: python -m train.demo.build") and "the folder every" in out
     code = demo_models.main(["--runs", str(tmp_path / "runs"), "--only", "corpus",
                              "--data-dir", str(tmp_path / "nowhere")])
     err = capsys.readouterr().err.strip()
@@ -185,7 +185,7 @@ def test_demo_models_help_and_errors(tmp_path, capsys):
 
 def test_the_source_data_is_in_the_repository():
     """Item 6: the bundle's source data is in data/ of a clone, with its licences."""
-    from train import corpus, prepare_corpus
+    from train.demo import corpus, prepare_corpus
 
     assert prepare_corpus.DEFAULT_DATA_DIR == corpus.resolve_data_dir(
         prepare_corpus.DEFAULT_DATA_DIR)

@@ -1,7 +1,7 @@
 """The optimiser of every training run here: AdamW, warmup + cosine, global-norm clipping.
 
 One builder for the drafter's step (`train.step`) and the demo target's pre-training
-(`train.train_target`); an `OptimConfig` (frozen, hashable) says everything about it,
+(`train.demo.train_target`); an `OptimConfig` (frozen, hashable) says everything about it,
 including the micro-batches per update (``grad_accum``, ``optax.MultiSteps``).
 """
 

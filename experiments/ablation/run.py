@@ -8,7 +8,7 @@ and on average at T = 0 and T = 1; each set's prompts decode as one batch (τ on
 timing). Each record also holds ``tau_exit_law``: the mean over rounds of the verified
 tree's exit-law expectation 1 + coverage (the same quantity as τ, with less variance).
 
-    python experiments/ablation/run.py             # runs/ (python -m train.demo_models), else the bundled models -> results.json + README
+    python experiments/ablation/run.py             # runs/ (python -m train.demo.build), else the bundled models -> results.json + README
     python experiments/ablation/run.py --quick     # 2 prompts per set, 32 tokens
 """
 

@@ -5,7 +5,7 @@ budget 64 and not retrained) at each tree budget: τ and speed-up over AR, batch
 in one process, per evaluation set and averaged over the sets, at T = 0 and T = 1
 (definitions in experiments/paper_common.py). Figure: experiments/figures/run.py.
 
-    python experiments/budget/run.py             # runs/ (python -m train.demo_models), else the bundled models -> results.json + README
+    python experiments/budget/run.py             # runs/ (python -m train.demo.build), else the bundled models -> results.json + README
     python experiments/budget/run.py --quick
 """
 

@@ -22,7 +22,7 @@ Everything runs in one process on the same models, batch 1, float32:
    un-fused AR run computed the same way.
 
 Models. By default a random target shaped like the demo target of
-``train/train_target.py`` (D = 256, 6 layers, 4 / 2 heads of 64, MLP 768, V = 4096) but
+``train/demo/train_target.py`` (D = 256, 6 layers, 4 / 2 heads of 64, MLP 768, V = 4096) but
 with an untied LM head scaled by ``--head-scale`` (a random head gives near-uniform
 next-token distributions, under which nothing is ever accepted at T = 1), and a random
 1-layer DFlash drafter with block size 16; the prompt is random token ids. With

@@ -14,7 +14,7 @@ round-robin in one loop and each figure is a median over rounds, so ratios and
 per-layer slopes come from the same machine load.
 
 Setups:
-- ``demo``: the demo target of ``train/train_target.py`` (D=256, 6 layers, 4/2 heads,
+- ``demo``: the demo target of ``train/demo/train_target.py`` (D=256, 6 layers, 4/2 heads,
   head_dim 64, MLP 768, V=4096, tied) with 1- and 2-layer drafters tapping layers 1, 3.
 - ``qwen3-4b``: Qwen3-4B's layer shape (D=2560, 32/8 heads, head_dim 128, MLP 9728,
   V=151 936, tied) at reduced depth: targets of 1 and 2 layers, drafters of 1 and 2

@@ -2,7 +2,7 @@
 
 Every variant fine-tunes the shipped DFlash drafter (``runs/drafters/dflash``) on the
 same rollouts, in the same data order and with the same number of updates as the demo
-fine-tunes (`train.demo_models`), changing only what its row says; then the coverage
+fine-tunes (`train.demo.build`), changing only what its row says; then the coverage
 study (``experiments/coverage``) measures each one's exact expected block length 1 + C
 on the evaluation sets against ``dflash``. A finished variant is not retrained.
 
@@ -22,7 +22,7 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
 sys.path.insert(0, str(REPO))
 
-from train import demo_models  # noqa: E402
+from train.demo import build as demo_models  # noqa: E402
 from train.__main__ import main as train_main  # noqa: E402
 
 # name -> flags of `python -m train run` that differ from the demo fine-tunes

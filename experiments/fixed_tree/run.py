@@ -16,7 +16,7 @@ Three measurements, B = 64:
 3. **Verify-stage latency** on those trees (batch 1, as decode calls it; median over
    repeats, compile excluded): the verifier alone and the verifier + KV-cache commit.
 
-    python experiments/fixed_tree/run.py             # runs/ (python -m train.demo_models), else the bundled models -> results.json + README
+    python experiments/fixed_tree/run.py             # runs/ (python -m train.demo.build), else the bundled models -> results.json + README
     python experiments/fixed_tree/run.py --quick
 """
 

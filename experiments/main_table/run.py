@@ -6,7 +6,7 @@ T = 1: plain autoregressive decoding of the target (AR), DDTree (the DFlash draf
 ``ft_exit`` + Tree Exit Verification), all with DDTree's best-first builder at budget
 B = 64, batch 1, timed in one process (definitions of τ and SR: experiments/paper_common.py).
 
-    python experiments/main_table/run.py             # runs/ (python -m train.demo_models), else the bundled models -> results.json + README
+    python experiments/main_table/run.py             # runs/ (python -m train.demo.build), else the bundled models -> results.json + README
     python experiments/main_table/run.py --quick     # 2 prompts per set, 32 tokens -> results_quick.json
     python experiments/main_table/run.py --random-models --quick   # smoke run without models
 """

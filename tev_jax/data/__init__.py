@@ -4,8 +4,8 @@
 - ``prompts``: the bundled evaluation prompt sets.
 
 The training corpus they come from (documents, token arrays, training windows) is built
-by the training package: ``train.corpus``, ``train.token_corpus``,
-``train.prepare_corpus``.
+by the training package: ``train.demo.corpus``, ``train.demo.token_corpus``,
+``train.demo.prepare_corpus``.
 
 Licences and attribution: ``tev_jax/data/README.md``.
 """

@@ -7,9 +7,9 @@
 | ``gsm``       | 128     | question, chat template        | gsm_eval (reasoning-gym, Apache-2.0) |
 | ``math``      | 70      | problem, chat template         | CHAMP hold-out (MIT)           |
 
-None of these records is in the training corpus (``train.corpus.build_documents`` never
+None of these records is in the training corpus (``train.demo.corpus.build_documents`` never
 reads the evaluation files, and drops the competition-math hold-out);
-``train.prepare_corpus`` exports these files from the shared data.
+``train.demo.prepare_corpus`` exports these files from the shared data.
 """
 
 from __future__ import annotations

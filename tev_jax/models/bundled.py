@@ -1,6 +1,6 @@
 """The demo models that ship inside the package: where they are, and are they intact.
 
-``tev_jax/data/models/`` (written by ``python -m train.export_bundled``)::
+``tev_jax/data/models/`` (written by ``python -m train.demo.export_bundled``)::
 
     manifest.json         format, dtype, and the SHA-256 and size of every file below
                           except the READMEs
@@ -39,7 +39,7 @@ DRAFTERS = ("exittrain", "dflash")
 DEFAULT_DRAFTER = DRAFTERS[0]
 # Bundles are small by design: the repository and the wheel stay light.
 MAX_BUNDLE_BYTES = 40 * 1000**2
-EXPORT_COMMAND = ("python -m train.export_bundled --target tev_jax/data/models/target "
+EXPORT_COMMAND = ("python -m train.demo.export_bundled --target tev_jax/data/models/target "
                   "--exittrain runs/exit_recipe/<chosen>/drafter "
                   "--dflash runs/drafters/dflash/drafter")
 # Free-text files the manifest does not pin, so their text can be edited after export.

@@ -6,8 +6,8 @@ Resumable: a run writes orbax checkpoints to ``--out/checkpoints`` every
 with ``--export-only``) the model is written as a Hugging Face directory with the
 tokenizer::
 
-    python -m train.prepare_corpus --update-bundled        # once: runs/corpus
-    python -m train.train_target --out runs/target --steps 1700
+    python -m train.demo.prepare_corpus --update-bundled        # once: runs/corpus
+    python -m train.demo.train_target --out runs/target --steps 1700
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from tqdm import tqdm
 
 from tev_jax import data
 from tev_jax.models import ModelConfig, Target, save_target
-from train import token_corpus
+from train.demo import token_corpus
 from train.optimizer import OptimConfig, make_optimizer
 
 

@@ -1,15 +1,15 @@
 """Builds the offline corpus: token arrays, manifest and evaluation prompts.
 
-    python -m train.prepare_corpus                    # encode with the bundled tokenizer
-    python -m train.prepare_corpus --update-bundled   # everything: retrain the tokenizer,
+    python -m train.demo.prepare_corpus                    # encode with the bundled tokenizer
+    python -m train.demo.prepare_corpus --update-bundled   # everything: retrain the tokenizer,
                                                       # re-export the bundled prompt files
 
 Reads the shared data folder at run time (``--data-dir``, default ``data/``
 relative to the repository root) and the running interpreter's standard library; writes
 to ``runs/corpus/`` (gitignored). See ``tev_jax/data/README.md``.
 
-The pipeline (`prepare_corpus`): documents (`train.corpus`) -> tokenizer -> token arrays
-and manifest (`train.token_corpus`), plus the evaluation prompt files that
+The pipeline (`prepare_corpus`): documents (`train.demo.corpus`) -> tokenizer -> token arrays
+and manifest (`train.demo.token_corpus`), plus the evaluation prompt files that
 `tev_jax.data.prompts` reads.
 """
 
@@ -32,7 +32,7 @@ from tev_jax.data.tokenizer import (
     tokenizer_sha256,
     train_tokenizer,
 )
-from train.corpus import (
+from train.demo.corpus import (
     CorpusConfig,
     build_documents,
     input_hashes,
@@ -41,9 +41,9 @@ from train.corpus import (
     resolve_data_dir,
     tokenizer_training_texts,
 )
-from train.token_corpus import MANIFEST, write_token_corpus
+from train.demo.token_corpus import MANIFEST, write_token_corpus
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_DATA_DIR = REPO_ROOT / "data"
 
 

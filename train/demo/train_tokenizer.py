@@ -1,7 +1,7 @@
 """Trains the byte-level BPE tokenizer on the training split of the offline corpus.
 
-    python -m train.train_tokenizer                  # rewrites tev_jax/data/tokenizer.json
-    python -m train.train_tokenizer --out /tmp/tokenizer.json --vocab-size 8192
+    python -m train.demo.train_tokenizer                  # rewrites tev_jax/data/tokenizer.json
+    python -m train.demo.train_tokenizer --out /tmp/tokenizer.json --vocab-size 8192
 
 Deterministic: the same data and interpreter give a byte-identical file.
 """
@@ -12,8 +12,8 @@ import argparse
 import time
 
 from tev_jax.data.tokenizer import TokenizerConfig, default_tokenizer_path, train_tokenizer
-from train.corpus import CorpusConfig, build_documents, tokenizer_training_texts
-from train.prepare_corpus import DEFAULT_DATA_DIR
+from train.demo.corpus import CorpusConfig, build_documents, tokenizer_training_texts
+from train.demo.prepare_corpus import DEFAULT_DATA_DIR
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -25,7 +25,7 @@ import numpy as np
 from tokenizers import Tokenizer
 
 from tev_jax.data.tokenizer import BOS_ID, EOS_ID, tokenizer_sha256
-from train.corpus import DOMAINS, SPLITS, Document
+from train.demo.corpus import DOMAINS, SPLITS, Document
 
 MANIFEST = "manifest.json"
 SPLITS_FILE = "splits.json"
@@ -183,7 +183,7 @@ def load_token_corpus(
     manifest_path = corpus_dir / MANIFEST
     if not manifest_path.is_file():
         raise ValueError(
-            f"no {MANIFEST} in {corpus_dir}; run `python -m train.prepare_corpus` first"
+            f"no {MANIFEST} in {corpus_dir}; run `python -m train.demo.prepare_corpus` first"
         )
     manifest = json.loads(manifest_path.read_text())
     if manifest.get("format_version") != FORMAT_VERSION:

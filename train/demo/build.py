@@ -1,18 +1,18 @@
 """Every bundled demo artefact, from the source data in data/ to the shipped models, in order.
 
-    python -m train.demo_models                  # all stages; a finished stage is skipped
-    python -m train.demo_models --only rollouts  # one stage (reruns it if its output exists)
-    python -m train.demo_models --set prompts=64 --set dflash_steps=10 --runs /tmp/demo
-    python -m train.demo_models --target tev_jax/data/models/target --only prompts \
+    python -m train.demo.build                  # all stages; a finished stage is skipped
+    python -m train.demo.build --only rollouts  # one stage (reruns it if its output exists)
+    python -m train.demo.build --set prompts=64 --set dflash_steps=10 --runs /tmp/demo
+    python -m train.demo.build --target tev_jax/data/models/target --only prompts \
         --only rollouts --only dflash             # drafters for the bundled target
 
 Stages (outputs under ``--runs``, default ``runs/``; every stage resumes or restarts
 deterministically, and its seed and log are in its output folder):
 
 =============  =====================================================================
-corpus         token arrays of the offline corpus (``train.prepare_corpus``)
-target         the Qwen3 target pre-trained on it (``train.train_target``)
-prompts        training prompts from the corpus' train split (``train.demo_prompts``)
+corpus         token arrays of the offline corpus (``train.demo.prepare_corpus``)
+target         the Qwen3 target pre-trained on it (``train.demo.train_target``)
+prompts        training prompts from the corpus' train split (``train.demo.prompts``)
 rollouts       the target's answers to them, T = 1 (``python -m train rollouts``)
 dflash         the DFlash drafter, token objective, from scratch (``python -m train run``)
 ft_token       fine-tunes of ``dflash`` with the same data, steps and optimiser:
@@ -32,7 +32,7 @@ import dataclasses
 import sys
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,15 +113,15 @@ def run_stage(stage: str, plan: DemoPlan, runs: Path, target: str | None = None,
     if stage == "target" and target:
         raise ValueError(f"--target {target} replaces the target stage; do not run it")
     if stage == "corpus":
-        from train.prepare_corpus import main
+        from train.demo.prepare_corpus import main
         main(["--out", str(runs / "corpus"), *data])
     elif stage == "target":
-        from train.train_target import main
+        from train.demo.train_target import main
         main(["--corpus", str(runs / "corpus"), "--out", str(runs / "target"),
               "--steps", str(plan.target_steps), "--seed", str(plan.seed),
               "--eval-every", str(plan.target_steps // 4)])
     elif stage == "prompts":
-        from train.demo_prompts import main
+        from train.demo.prompts import main
         main(["--out", str(runs / "prompts.jsonl"), "--count", str(plan.prompts),
               "--seed", str(plan.seed), *data])
     elif stage == "rollouts":
@@ -135,7 +135,7 @@ def run_stage(stage: str, plan: DemoPlan, runs: Path, target: str | None = None,
         if code:
             raise SystemExit(code)
     elif stage == "bundle":
-        from train.export_bundled import main
+        from train.demo.export_bundled import main
         main(["--target", str(target_dir(runs, target)),
               "--exittrain", str(runs / plan.exittrain / "drafter"),
               "--dflash", str(runs / "drafters" / "dflash" / "drafter")])
@@ -160,7 +160,7 @@ def plan_with(overrides: list[str]) -> DemoPlan:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m train.demo_models",
+    p = argparse.ArgumentParser(prog="python -m train.demo.build",
                                 description=__doc__.split("\n")[0])
     p.add_argument("--runs", default=str(REPO_ROOT / "runs"),
                    help="the folder every stage writes its output to (default: runs/ in the "

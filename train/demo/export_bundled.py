@@ -1,7 +1,7 @@
 """Exports the demo target and its two drafters into the package, so ``tev-jax generate``
 needs no paths::
 
-    python -m train.export_bundled --target runs/target/hf \
+    python -m train.demo.export_bundled --target runs/target/hf \
         --exittrain runs/exit_recipe/<chosen>/drafter --dflash runs/drafters/dflash/drafter
 
 Writes ``tev_jax/data/models/`` (the layout of `tev_jax.models.bundled`) as one
@@ -37,7 +37,7 @@ from tev_jax.models.checkpoint_io import (
 from tev_jax.models.drafter_io import load_drafter, save_drafter
 from tev_jax.models.target import score
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_OUT = REPO_ROOT / "tev_jax" / "data" / "models"
 _score = jax.jit(score)
 PROBE_TEXT = 'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n'
@@ -189,16 +189,16 @@ at `<|end|>` or `<|eos|>` (`generation_config.json`).
 Reproduce (commands and outputs: `train/README.md`, `tev_jax/data/README.md`):
 
 ```bash
-python -m train.prepare_corpus --update-bundled                  # corpus, tokenizer
-python -m train.train_target --out runs/target                   # -> runs/target/hf
+python -m train.demo.prepare_corpus --update-bundled                  # corpus, tokenizer
+python -m train.demo.train_target --out runs/target                   # -> runs/target/hf
 {bundled.EXPORT_COMMAND}
 ```
 
 or every stage of the demo models at once, with their settings:
-`python -m train.demo_models` (`train/demo_models.py`).
+`python -m train.demo.build` (`train/demo/build.py`).
 
 {config_text}
-Exported from `{source}` by `train/export_bundled.py` ({_conversion(stored)}).
+Exported from `{source}` by `train/demo/export_bundled.py` ({_conversion(stored)}).
 
 {LICENCE_TEXT}"""
 
@@ -289,11 +289,11 @@ in `train/README.md`, the fine-tune's choice in `experiments/exit_recipe/README.
 {bundled.EXPORT_COMMAND}
 ```
 
-`python -m train.demo_models` (`train/demo_models.py`) runs every stage with the settings
+`python -m train.demo.build` (`train/demo/build.py`) runs every stage with the settings
 of the shipped models.
 
 {config_text}
-Exported from `{source}` (target `{target_source}`) by `train/export_bundled.py`
+Exported from `{source}` (target `{target_source}`) by `train/demo/export_bundled.py`
 ({_conversion(stored)}).
 
 {LICENCE_TEXT}"""

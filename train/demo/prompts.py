@@ -12,7 +12,7 @@ the corpus, see ``tev_jax/data/prompts.py``):
   ``Solution:``;
 * prose: the document's first sentences.
 
-    python -m train.demo_prompts --out runs/prompts.jsonl --count 3000
+    python -m train.demo.prompts --out runs/prompts.jsonl --count 3000
 """
 
 from __future__ import annotations
@@ -25,9 +25,9 @@ from pathlib import Path
 import numpy as np
 
 from tev_jax.data.tokenizer import ASSISTANT
-from train.corpus import CorpusConfig, build_documents
+from train.demo.corpus import CorpusConfig, build_documents
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_DATA_DIR = REPO_ROOT / "data"
 _DEF_LINE = re.compile(r"^[ \t]*(def|class) \w+", re.MULTILINE)
 _ANSWER_MARKERS = ("\nAnswer:", "\nSolution:")
