@@ -276,3 +276,97 @@ def test_the_import_checks_catch_circles_and_core_reaching_a_family():
     assert f"{MODELS}.config" in family_imports_of_core(indirect, core)
     via_package = {**base, f"{MODELS}.config": "from tev_jax.models import Target\n"}
     assert family_imports_of_core(via_package, core)[f"{MODELS}.config"][0] == MODELS
+
+
+# ------------------------------------------------------------------------ the wings
+
+SERVER, BATCH, COSTS = "tev_jax.server", "tev_jax.batch", "tev_jax.costs"
+
+
+def _within(module: str, package: str) -> bool:
+    return module == package or module.startswith(package + ".")
+
+
+def reaches(sources: dict[str, str], froms: str, tos: tuple[str, ...]) -> dict[str, list[str]]:
+    """Module of ``froms`` -> the modules under any of ``tos`` it reaches through its
+    imports (at any depth, function-level imports included)."""
+    graph = import_graph(sources)
+    bad = {}
+    for m in graph:
+        if _within(m, froms):
+            hits = sorted(r for r in reachable(graph, m) if any(_within(r, t) for t in tos))
+            if hits:
+                bad[m] = hits
+    return bad
+
+
+def room_of(module: str) -> str:
+    """The room of a module of the library: its top-level subpackage, or the root
+    module itself (``tev_jax.costs.plan`` -> ``costs``, ``tev_jax.tree`` -> ``tree``)."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else parts[0]
+
+
+def room_cycles(sources: dict[str, str]) -> list[list[str]]:
+    """Circles between rooms (`room_of`): a subpackage whose modules import a root module
+    that imports back into the subpackage is one, even if no two modules form a circle."""
+    rooms: dict[str, set[str]] = {}
+    for m, deps in import_graph(sources).items():
+        rooms.setdefault(room_of(m), set()).update(
+            room_of(d) for d in deps if room_of(d) != room_of(m) and d != "tev_jax")
+    as_modules = {f"r.{r}": "\n".join(f"import r.{d}" for d in sorted(deps))
+                  for r, deps in rooms.items()}
+    return [[c[2:] for c in cycle] for cycle in import_cycles(as_modules, within="r")]
+
+
+def _library_and_training() -> dict[str, str]:
+    return package_sources("tev_jax") | package_sources("train")
+
+
+def test_the_server_and_the_batch_job_never_import_each_other():
+    sources = package_sources()
+    assert any(_within(m, SERVER) for m in sources) and any(_within(m, BATCH) for m in sources)
+    assert not reaches(sources, SERVER, (BATCH,)), reaches(sources, SERVER, (BATCH,))
+    assert not reaches(sources, BATCH, (SERVER,)), reaches(sources, BATCH, (SERVER,))
+
+
+def test_training_never_imports_the_command_line_or_the_batch_job():
+    sources = _library_and_training()
+    bad = reaches(sources, "train", ("tev_jax.cli", BATCH, SERVER))
+    assert not bad, bad
+
+
+def test_models_and_kernels_never_import_the_cost_modules():
+    sources = package_sources()
+    bad = reaches(sources, "tev_jax.models", (COSTS,)) | reaches(sources, "tev_jax.kernels",
+                                                                 (COSTS,))
+    assert not bad, bad
+
+
+def test_no_circle_between_the_rooms_of_the_library():
+    """Rooms: the root modules and the subpackages. Imports between them only point one
+    way (the root's method modules never import a wing that imports them back)."""
+    assert not room_cycles(package_sources()), room_cycles(package_sources())
+
+
+def test_the_wing_checks_catch_what_they_forbid():
+    """Negative controls on synthetic sources: the server reaching the batch job through
+    a shared module, a model importing a cost module in a function, and two rooms
+    importing each other through different modules."""
+    base = {
+        "tev_jax.slots": "import math\n",
+        "tev_jax.server.scheduler": "from tev_jax import slots\n",
+        "tev_jax.batch.job": "from tev_jax.slots import Slots\n",
+        "tev_jax.models.attention": "from tev_jax.kernels import scopes\n",
+        "tev_jax.kernels.scopes": "import re\n",
+        "tev_jax.costs.op_costs": "from tev_jax.kernels import scopes\n",
+    }
+    assert not reaches(base, SERVER, (BATCH,)) and not room_cycles(base)
+    assert not reaches(base, "tev_jax.models", (COSTS,))
+    shared = {**base, "tev_jax.slots": "from tev_jax.batch import job\n"}
+    assert reaches(shared, SERVER, (BATCH,)) == {
+        "tev_jax.server.scheduler": ["tev_jax.batch.job"]}
+    lazy = {**base, "tev_jax.kernels.scopes": "def f():\n    from tev_jax.costs import op_costs\n"}
+    assert reaches(lazy, "tev_jax.models", (COSTS,)) == {
+        "tev_jax.models.attention": ["tev_jax.costs.op_costs"]}
+    assert room_cycles(lazy) == [["costs", "kernels"]]

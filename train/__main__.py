@@ -268,7 +268,7 @@ def _rollouts(ns) -> None:
 
 
 def _run(ns) -> int:
-    from tev_jax.batch.outputs import lock_output
+    from tev_jax.runtime.locks import lock_output
     from tev_jax.runtime.exit_codes import (EXIT_RESUMABLE, Interrupted, Terminated,
                                             interrupt_exit)
     from train.checkpoint import steps_in

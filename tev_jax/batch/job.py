@@ -106,7 +106,7 @@ def _bar_rates(window: WindowRate, left: int, block_tokens: float, rounds: int) 
 def generate_file(job: FileJob, *, mesh=None, progress: bool = True) -> dict:
     """Runs ``job``; -> its summary (also printed to stderr).
 
-    The output is locked for the whole run (`tev_jax.batch.outputs.lock_output`), and nothing
+    The output is locked for the whole run (`tev_jax.runtime.locks.lock_output`), and nothing
     is written before every check has passed: the prompts (file and line named), the
     checkpoints, the output's settings, the batch on the mesh and the pre-flight memory
     check from shapes (`tev_jax.costs.plan.check_decode_floor`). A finished output is put in

@@ -1,19 +1,11 @@
-"""Files of batch generation: prompts in, JSONL results out (resumable, sharded).
-
-Prompts file: JSONL (``.jsonl`` / ``.json``), one object per line with an ``id`` and one
-of ``prompt`` (text), ``messages`` (a chat: ``[{"role", "content"}, ...]``) or
-``prompt_ids`` (token ids); or any other file as plain text, one prompt per line, whose
-id is its line number (from 1). Blank JSONL lines are skipped.
-
-The bundled evaluation sets (`tev_jax.data.prompts`) are prompts files too: give
-``bundled:NAME`` or their path (``tev_jax/data/prompts/gsm.jsonl``); chat sets become
-one-turn ``messages``, HumanEval its ``prompt``.
+"""The batch job's outputs: JSONL results, resumable and sharded (prompts files are read
+by `tev_jax.text_io`).
 
 Output: ``OUT`` gets one JSON object per finished prompt, appended and flushed line by
 line (``index``: its position in the prompts file; ``settings``: the fingerprint of the
 settings that made it); the run's settings go to the sidecar ``<OUT stem>.settings.json``
 with the number of prompts the file will hold. One process writes ``OUT`` at a time
-(`lock_output`: an exclusive lock on ``OUT.lock``; a second writer is refused with a
+(`tev_jax.runtime.locks.lock_output`: an exclusive lock on ``OUT.lock``; a second writer is refused with a
 line naming the holder). A rerun with the same settings skips the ids already in
 ``OUT``; with other settings it is refused unless forced (the old sidecar is then kept
 as ``<OUT stem>.settings.<fingerprint>.json``, so every row's settings stay on disk).
@@ -26,21 +18,15 @@ shards into ``OUT``, in input order.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import errno
-import fcntl
 import hashlib
 import json
 import os
 import re
-import socket
-import sys
-import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, TextIO
+from typing import TextIO
 
-from tev_jax.prompts import check_context, check_prompt
+from tev_jax.runtime.locks import lock_output, unwritable
 from tev_jax.text_io import id_key, read_text
 
 RUN_KEY = "run"  # settings entries that may differ between a run and its resumption
@@ -79,13 +65,6 @@ def settings_fingerprint(settings: dict) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:12]
 
 
-def _unwritable(out: Path, e: OSError, flag: str = "--output", what: str | None = None
-                ) -> ValueError:
-    file = next((p for p in (out.parent, *out.parent.parents) if p.is_file()), None)
-    why = f"{file} is a file, not a folder" if file is not None else e.strerror or e
-    return ValueError(f"{what or out}: cannot write there ({why}); choose another {flag}")
-
-
 def read_results(out: Path) -> list[dict]:
     """The complete result lines of ``out`` (an unfinished last line is cut from the file).
 
@@ -120,77 +99,6 @@ def read_results(out: Path) -> list[dict]:
 def read_done_ids(out: Path) -> set[str]:
     """JSON-encoded ids of the complete lines of ``out`` (see `read_results`)."""
     return {id_key(r["id"]) for r in read_results(Path(out))}
-
-
-def lock_path(out: str | Path) -> Path:
-    """The lock file of an output: ``OUT.lock``."""
-    out = Path(out)
-    return out.with_name(out.name + ".lock")
-
-
-@contextlib.contextmanager
-def lock_output(out: str | Path, *, command: str = "tev-jax generate", flag: str = "--output",
-                what: str | None = None) -> Iterator[None]:
-    """Holds an exclusive lock on ``out`` (``flock`` of ``OUT.lock``, removed on exit).
-
-    The lock file names its holder (process id, host, start time, command), so a second
-    writer is refused with one line saying who writes the file (``what``, default
-    ``out``) and which ``flag`` to change. Folders made for it are removed again if the
-    run leaves them empty.
-
-    Raises:
-      ValueError: another process holds the lock, or ``out``'s folder is not writable.
-    """
-    out = Path(out)
-    path = lock_path(out)
-    made = [p for p in (out.parent, *out.parent.parents) if not p.exists()]
-    try:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        while True:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                holder = os.read(fd, 4096).decode("utf-8", "replace").strip() or "unknown"
-                os.close(fd)
-                raise ValueError(f"{what or out} is being written by another process "
-                                 f"({holder}; lock {path}); wait for it to finish or use "
-                                 f"another {flag}") from None
-            except OSError as e:
-                if e.errno not in _NO_LOCKS:
-                    raise
-                print(f"warning: {out.parent} cannot be locked ({e.strerror}): a second "
-                      "writer of this output would not be noticed", file=sys.stderr)
-                break
-            try:
-                same = os.stat(path).st_ino == os.fstat(fd).st_ino
-            except FileNotFoundError:
-                same = False  # its holder removed it as we locked: lock the new one
-            if same:
-                break
-            os.close(fd)
-    except OSError as e:
-        _remove_empty(made)
-        raise _unwritable(out, e, flag, what) from None
-    try:
-        os.ftruncate(fd, 0)
-        os.write(fd, f"pid {os.getpid()} on {socket.gethostname()} since "
-                     f"{time.strftime('%Y-%m-%d %H:%M:%S')}: {command}\n".encode())
-        yield
-    finally:
-        path.unlink(missing_ok=True)
-        os.close(fd)
-        _remove_empty(made)
-
-
-# flock errors of filesystems without locks (some FUSE and network mounts): write unlocked
-_NO_LOCKS = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL)
-
-
-def _remove_empty(folders: Sequence[Path]) -> None:
-    for p in folders:  # deepest first
-        with contextlib.suppress(OSError):
-            p.rmdir()
 
 
 def read_settings(side: str | Path) -> dict:
@@ -275,7 +183,7 @@ def open_output(out: str | Path, settings: dict, *, force: bool = False,
         _write_atomic(side, json.dumps(dict(settings, **{RUN_KEY: run}), indent=1) + "\n")
         return done, out.open("a", encoding="utf-8")
     except OSError as e:
-        raise _unwritable(out, e) from None
+        raise unwritable(out, e) from None
 
 
 def _write_atomic(path: Path, text: str) -> None:
@@ -378,5 +286,5 @@ def merge_outputs(out: str | Path, *, force: bool = False) -> int:
             _write_atomic(out, "".join(json.dumps(r, ensure_ascii=False) + "\n"
                                        for r in _in_order(rows)))
         except OSError as e:
-            raise _unwritable(out, e) from None
+            raise unwritable(out, e) from None
     return len(rows)
