@@ -370,3 +370,26 @@ def test_the_wing_checks_catch_what_they_forbid():
     assert reaches(lazy, "tev_jax.models", (COSTS,)) == {
         "tev_jax.models.attention": ["tev_jax.costs.op_costs"]}
     assert room_cycles(lazy) == [["costs", "kernels"]]
+
+
+def module_map_misses(readme: str, package: Path) -> list[str]:
+    """The root modules and subpackages of ``package`` that the README's module map
+    (the table under "What is here") does not name as ``tev_jax/NAME.py`` or
+    ``tev_jax/NAME/``."""
+    table = readme.split("## What is here", 1)[1].split("\n## ", 1)[0]
+    names = ([f"{package.name}/{p.name}" for p in sorted(package.glob("*.py"))
+              if p.name != "__init__.py"]
+             + [f"{package.name}/{p.name}/" for p in sorted(package.iterdir())
+                if (p / "__init__.py").is_file()])
+    return [n for n in names if f"`{n}`" not in table]
+
+
+def test_the_readme_module_map_names_every_module_and_subpackage(tmp_path):
+    assert not module_map_misses((ROOT / "README.md").read_text(), ROOT / "tev_jax")
+    fake = tmp_path / "tev_jax"  # negative control: a module the map does not name
+    (fake / "wing").mkdir(parents=True)
+    (fake / "wing" / "__init__.py").write_text("")
+    (fake / "tree.py").write_text("")
+    (fake / "unmapped.py").write_text("")
+    readme = "## What is here\n| `tev_jax/tree.py` | `tev_jax/wing/` |\n## Next\n"
+    assert module_map_misses(readme, fake) == ["tev_jax/unmapped.py"]
