@@ -1,15 +1,22 @@
 """tev-jax: tree speculative decoding with Tree Exit Verification in JAX.
 
-The paper's §3 (canonical exit law) is `tev_jax.exit_law`, §4 (exact verifiers, TEV)
-is `tev_jax.verify`, DDTree's best-first builder is `tev_jax.ddtree`; draft trees are
-`tev_jax.tree.DraftTree`, and the target's sampling transform is `tev_jax.sampling`.
-Decoding goes through one object, `tev_jax.engine.Engine` (`Engine.create(target,
-drafter, DecodeConfig(...), batch_size)`), or its one-call form `generate`.
+The root is the method, in the paper's order: draft trees (`tev_jax.tree`), DDTree's
+best-first builder (`tev_jax.ddtree`), the canonical exit law (§3, `tev_jax.exit_law`),
+the exact verifiers and TEV (§4, `tev_jax.verify`) over the vocabulary's reductions
+(`tev_jax.vocab`) and the target's sampling transform (`tev_jax.sampling`), the
+extension points (`tev_jax.extensions`), drafters (`tev_jax.drafters`), the decode round
+and its engine (`tev_jax.decode`, `tev_jax.engine`: `Engine.create(target, drafter,
+DecodeConfig(...), batch_size)`, or the one-call `generate`), row slots for continuous
+batching (`tev_jax.slots`), and ExitTrain's objectives (§5, `tev_jax.exit_train`). The
+wings: `tev_jax.costs` (plans, tuning, timing), `tev_jax.batch` (the prompts-file job),
+`tev_jax.server` (``tev-jax serve``), `tev_jax.runtime` (platforms, signals, exit codes),
+`tev_jax.models`, `tev_jax.kernels`, `tev_jax.cli`; docs/design.md §10 has the layout.
 (The function `exit_law` is not re-exported here: it would hide the module of that name.)
 
 The names below are imported on first use, so ``import tev_jax`` neither imports jax
 nor changes anything in the process (no signal handler, no environment variable): the
-command lines start quickly and handle their signals themselves (`tev_jax.runtime.signals`).
+command lines start quickly and handle their signals themselves
+(`tev_jax.runtime.signals`).
 """
 
 import importlib

@@ -18,6 +18,11 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
+from tev_jax.runtime.platforms import quiet_start  # noqa: E402
+
+if __name__ == "__main__":
+    quiet_start()  # before jax is imported: no libtpu or CUDA plugin lines on a CPU
+
 import paper_common as pc  # noqa: E402
 
 

@@ -33,6 +33,11 @@ from pathlib import Path
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
+from tev_jax.runtime.platforms import quiet_start
+
+if __name__ == "__main__":
+    quiet_start()  # before jax is imported: no libtpu or CUDA plugin lines on a CPU
+
 import jax.numpy as jnp  # noqa: E402
 
 from tev_jax.costs import chips, plan

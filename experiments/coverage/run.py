@@ -27,6 +27,11 @@ import sys
 import time
 from pathlib import Path
 
+from tev_jax.runtime.platforms import quiet_start
+
+if __name__ == "__main__":
+    quiet_start()  # before jax is imported: no libtpu or CUDA plugin lines on a CPU
+
 import numpy as np
 
 HERE = Path(__file__).resolve().parent

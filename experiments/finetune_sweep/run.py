@@ -22,6 +22,11 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
 sys.path.insert(0, str(REPO))
 
+from tev_jax.runtime.platforms import quiet_start  # noqa: E402
+
+if __name__ == "__main__":
+    quiet_start()  # before jax is imported: no libtpu or CUDA plugin lines on a CPU
+
 from train.demo import build as demo_models  # noqa: E402
 from train.__main__ import main as train_main  # noqa: E402
 

@@ -33,6 +33,11 @@ import time
 import traceback
 from pathlib import Path
 
+from tev_jax.runtime.platforms import quiet_start
+
+if __name__ == "__main__":
+    quiet_start()  # before jax is imported: no libtpu or CUDA plugin lines on a CPU
+
 import jax
 import jax.numpy as jnp
 import numpy as np

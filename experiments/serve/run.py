@@ -24,6 +24,11 @@ the tree server's text equals the AR server's for the same prompt.
 
 from __future__ import annotations
 
+from tev_jax.runtime.platforms import quiet_start
+
+if __name__ == "__main__":
+    quiet_start()  # before jax is imported: no libtpu or CUDA plugin lines on a CPU
+
 import argparse
 import concurrent.futures
 import json

@@ -49,6 +49,11 @@ from pathlib import Path
 # train/ is a folder of the repository, not an installed package.
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from tev_jax.runtime.platforms import quiet_start
+
+if __name__ == "__main__":
+    quiet_start()  # before jax is imported: no libtpu or CUDA plugin lines on a CPU
+
 import jax
 import jax.numpy as jnp
 import numpy as np

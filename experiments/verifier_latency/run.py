@@ -24,6 +24,11 @@ import re
 import time
 from pathlib import Path
 
+from tev_jax.runtime.platforms import quiet_start
+
+if __name__ == "__main__":
+    quiet_start()  # before jax is imported: no libtpu or CUDA plugin lines on a CPU
+
 import jax
 import jax.numpy as jnp
 import numpy as np
