@@ -475,7 +475,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a bundled prompt set (evaluation data: its rollouts leak it into "
                         "the drafter); repeatable")
     r.add_argument("--limit", type=int, default=0,
-                   help="use only the first N prompts (default: all)")
+                   help="use only the first N prompts (0, the default: every prompt)")
     r.add_argument("--out", required=True, help="the rollout folder to write")
     r.add_argument("--force", action="store_true",
                    help="replace rollouts of other settings in --out (default: refuse them)")

@@ -24,7 +24,8 @@ DESCRIPTION = ("Tree speculative decoding with exact verifiers: generate text, c
 
 
 def subcommands() -> list:
-    """The subcommands' ``add_parser`` functions (their modules import jax)."""
+    """The subcommands' ``add_parser`` functions (their modules import jax only inside
+    the commands, so the command line is parsed before jax starts)."""
     from tev_jax.cli import compare, exit_law, generate, merge_outputs, plan, serve, tune
 
     return [exit_law.add_parser, generate.add_parser, compare.add_parser, plan.add_parser,
@@ -46,15 +47,15 @@ def _main(argv: list[str] | None) -> int:
     parser = argparse.ArgumentParser(prog="tev-jax", description=DESCRIPTION)
     parser.add_argument("--version", action="version", version=f"tev-jax {__version__}")
     try:
-        from tev_jax.runtime.platforms import quiet_start
-
-        quiet_start()  # before jax is imported: no libtpu / CUDA plugin lines on a CPU
         sub = parser.add_subparsers(dest="command", required=True)
-        for add in subcommands():
-            add(sub)
+        for add in subcommands():  # their modules import no jax: help, --version and
+            add(sub)               # usage errors answer at once
         signals.check()
         args = parse_args(parser, sub, argv)
         command = f"tev-jax {args.command}"
+        from tev_jax.runtime.platforms import quiet_start
+
+        quiet_start()  # before jax is imported: no libtpu / CUDA plugin lines on a CPU
         signals.check()
         code = args.func(args)
         if not code:

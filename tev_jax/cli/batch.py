@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import jax
 
 from tev_jax.cli import flags
 
@@ -48,6 +47,8 @@ SINGLE_PROMPT_HINTS = {
 
 
 def _process_shard(args) -> tuple[int, int]:
+    import jax
+
     if args.process_index is None and args.process_count is None:
         return jax.process_index(), jax.process_count()
     if args.process_index is None or args.process_count is None:

@@ -6,7 +6,6 @@ import dataclasses
 import sys
 
 from tev_jax.cli import flags
-from tev_jax.decode import DecodeConfig
 
 COMPARE_METHODS = (
     ("AR (target alone)", None, "none", "tev"),
@@ -28,6 +27,8 @@ def compare_command(args) -> int:
     method in turn (the median pass counts, and the range of the per-pass ratios to AR
     is printed beside the median's); `tev_jax.costs.timing.compare_methods` does the timing.
     """
+    from tev_jax.decode import DecodeConfig
+
     from tev_jax.costs import timing
     from tev_jax.data.tokenizer import format_chat
     from tev_jax.models import load_drafter, load_target, load_tokenizer

@@ -3,15 +3,12 @@
 from __future__ import annotations
 
 import functools
-
-import jax
-import numpy as np
+from typing import TYPE_CHECKING
 
 from tev_jax.cli import flags
-from tev_jax.exit_law import exit_law
-from tev_jax.sampling import check_finite
-from tev_jax.tree import make_tree, render
-from tev_jax.verify import tev
+
+if TYPE_CHECKING:
+    import numpy as np
 
 # The demo tree: the last committed word is "the"; the drafter proposed these
 # continuations (slot order = a best-first builder's order).
@@ -25,6 +22,8 @@ _DEMO_PARENTS = [-1, 0, 0, 1, 1, 2, 3, 4, 6]
 
 def _demo_logits(seed: int) -> np.ndarray:
     """Target logits that put most (not all) mass on the drafted continuations."""
+    import numpy as np
+
     rng = np.random.default_rng(seed)
     n, vocab = len(_DEMO_TOKENS), len(_DEMO_WORDS)
     logits = rng.normal(0.0, 0.5, (n, vocab)).astype(np.float32)
@@ -35,6 +34,13 @@ def _demo_logits(seed: int) -> np.ndarray:
 
 def exit_law_demo(args) -> int:
     """``tev-jax exit-law --demo``: an example tree, its exit law and some TEV draws."""
+    import jax
+    import numpy as np
+    from tev_jax.exit_law import exit_law
+    from tev_jax.sampling import check_finite
+    from tev_jax.tree import make_tree, render
+    from tev_jax.verify import tev
+
     flags.at_least_one(args, "--draws")
     if args.show < 0:
         raise ValueError(f"--show must be >= 0, got {args.show}")

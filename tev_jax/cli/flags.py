@@ -9,11 +9,16 @@ from __future__ import annotations
 
 import argparse
 import os
+from typing import TYPE_CHECKING
 
-from tev_jax import extensions
-from tev_jax.decode import DecodeConfig
-from tev_jax.models.bundled import BUNDLED, is_bundled_target
-from tev_jax.sampling import Sampling
+if TYPE_CHECKING:
+    from tev_jax.decode import DecodeConfig
+    from tev_jax.sampling import Sampling
+
+# The registries' names (`tev_jax.extensions.VERIFIERS`, ``BUILDERS``; a test keeps them
+# equal), here so that the command lines parse without importing jax.
+VERIFIER_NAMES = ("tev", "predraw", "sequential", "greedy")
+BUILDER_NAMES = ("ddtree", "chain", "none")
 
 
 def add_sampling_flags(p, *, temperature: float) -> None:
@@ -24,6 +29,8 @@ def add_sampling_flags(p, *, temperature: float) -> None:
 
 
 def sampling_from(args) -> Sampling:
+    from tev_jax.sampling import Sampling
+
     if args.temperature == 0:
         given = [f for f, v in (("--top-k", args.top_k), ("--top-p", args.top_p)) if v is not None]
         if given:
@@ -82,7 +89,8 @@ def checkpoint_dirs(args) -> tuple[str, str | None, str]:
     ``--drafter bundled:NAME`` (or ``bundled``) picks one of the bundled drafters (with the
     bundled target); no ``--drafter`` means the bundled default (ExitTrain).
     """
-    from tev_jax.models.bundled import DEFAULT_DRAFTER, bundled_paths, check_drafter_name
+    from tev_jax.models.bundled import (BUNDLED, DEFAULT_DRAFTER, bundled_paths,
+                                        check_drafter_name, is_bundled_target)
 
     if is_bundled_target(args.target):
         args.target = None
@@ -123,7 +131,7 @@ def add_decode_flags(p, *, max_new_tokens: int = 256, tree: bool = True) -> None
     registries' names); ``tree=False`` leaves out the tree's (builder, budget, tuning)."""
     if tree:
         add_tree_flags(p)
-    p.add_argument("--verifier", choices=tuple(extensions.VERIFIERS), default="tev",
+    p.add_argument("--verifier", choices=VERIFIER_NAMES, default="tev",
                    help="exact tree verifier (default %(default)s; greedy: T = 0 only)")
     add_sampling_flags(p, temperature=0.0)
     p.add_argument("--max-new-tokens", type=int, default=max_new_tokens,
@@ -135,7 +143,7 @@ def add_decode_flags(p, *, max_new_tokens: int = 256, tree: bool = True) -> None
 
 def add_tree_flags(p) -> None:
     """The tree's flags of `add_decode_flags` (builder, budget, tuning)."""
-    p.add_argument("--builder", choices=tuple(extensions.BUILDERS), default="ddtree",
+    p.add_argument("--builder", choices=BUILDER_NAMES, default="ddtree",
                    help="ddtree (default), chain (plain DFlash) or none (autoregressive)")
     p.add_argument("--budget", type=_budget, default=64,
                    help="DDTree node budget (default %(default)s), or auto: the best budget "
@@ -147,6 +155,8 @@ def add_tree_flags(p) -> None:
 def decode_config(args, **fields) -> DecodeConfig:
     """The `DecodeConfig` of `add_decode_flags`'s flags (the tree's at their defaults
     where the command has none); ``fields`` override or add."""
+    from tev_jax.decode import DecodeConfig
+
     tree = {k: getattr(args, k) for k in ("builder", "budget", "tuning") if hasattr(args, k)}
     if tree.get("tuning") is not None and tree["budget"] != "auto":
         raise ValueError("--tuning is read with --budget auto")

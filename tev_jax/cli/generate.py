@@ -6,9 +6,7 @@ import dataclasses
 import functools
 import sys
 
-import jax.numpy as jnp
 
-from tev_jax.budget import AutoBudget, resolve_budget
 from tev_jax.cli import batch, flags
 from tev_jax.runtime import signals
 
@@ -26,6 +24,9 @@ def generate_command(args) -> int:
     ``--no-stream``, ``--compare-ar`` or ``--repeats``, it is printed at the end of the
     timed fused program.
     """
+    import jax.numpy as jnp
+    from tev_jax.budget import AutoBudget, resolve_budget
+
     if args.prompts is not None:
         return batch.batch_generate_command(args)
     if args.prompt is None:

@@ -4,13 +4,17 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 from pathlib import Path
 
-import jax.numpy as jnp
-
 from tev_jax.cli import flags
-from tev_jax.costs.plan import DECODE_PROGRAMS as PROGRAMS_TO_PLAN
-from tev_jax.costs.plan import PRESETS
+
+# `tev_jax.costs.plan.PRESETS`' names and its ``DECODE_PROGRAMS`` (a test keeps them
+# equal), here so that the command line parses without importing jax.
+PRESET_NAMES = ("gemma-4-12b", "llama3-8b", "qwen3-0.6b", "qwen3-4b", "qwen3-8b",
+                "qwen3-coder-30b-a3b")
+PROGRAMS_TO_PLAN = ("generation", "ar_step", "round", "prefill", "draft", "build", "verify",
+                    "decide", "commit")
 
 
 def _mesh_for_plan(args):
@@ -37,6 +41,8 @@ def _mesh_for_plan(args):
 def plan_command(args) -> int:
     """``tev-jax plan``: per-device memory and cost of the decode programs, without weights
     (local devices, or a TPU slice with ``--topology``)."""
+    import jax.numpy as jnp
+
     from tev_jax import engine
     from tev_jax.costs import plan
 
@@ -64,9 +70,16 @@ def plan_command(args) -> int:
     print(f"compiling {len(programs)} program(s) ({', '.join(programs)}) of "
           f"{args.model or args.config} for {where} (minutes for a large model) ...",
           file=sys.stderr, flush=True)
+    start = time.perf_counter()
+
+    def compiled(name: str, done: int, total: int) -> None:
+        print(f"  [{done}/{total}] {name} compiled ({time.perf_counter() - start:.0f} s so "
+              "far)", file=sys.stderr, flush=True)
+
     result = plan.plan_decode_programs(
         cfg, config, args.batch, dtype=dtype, drafter_layers=args.drafter_layers, mesh=mesh,
-        programs=programs, chip=chip, devices_per_chip=per_chip, ops=args.ops)
+        programs=programs, chip=chip, devices_per_chip=per_chip, ops=args.ops,
+        progress=compiled)
     floor = plan.decode_floor(target, drafter, config, args.batch)
     hbm = plan.hbm_shortfall(result, floor, config)
     axes = {"data": args.mesh_data, "fsdp": args.mesh_fsdp, "tensor": args.mesh_tensor}
@@ -111,7 +124,7 @@ def add_parser(sub) -> None:
                     "roofline time. For a mesh on CPU set XLA_FLAGS="
                     "--xla_force_host_platform_device_count=8. XLA:CPU copies bfloat16 "
                     "weights to float32, so bfloat16 temporary memory on CPU overstates.")
-    p.add_argument("--model", default=None, help=f"a preset: {', '.join(sorted(PRESETS))}")
+    p.add_argument("--model", default=None, help=f"a preset: {', '.join(PRESET_NAMES)}")
     p.add_argument("--config", default=None, help="a Hugging Face config.json (or its directory)")
     p.add_argument("--layers", type=int, default=None,
                    help="plan with this many target layers (e.g. 2 for per-layer figures)")

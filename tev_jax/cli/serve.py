@@ -5,7 +5,6 @@ from __future__ import annotations
 import sys
 
 from tev_jax.cli import flags
-from tev_jax.decode import DecodeConfig
 from tev_jax.runtime.exit_codes import EXIT_USAGE
 
 SERVE_EXTRA = 'the server needs the serve extra: pip install -e ".[serve]"'
@@ -13,6 +12,9 @@ SERVE_EXTRA = 'the server needs the serve extra: pip install -e ".[serve]"'
 
 def serve_command(args) -> int:
     """Parses the flags into `tev_jax.server.run.ServeOptions` and serves."""
+    from tev_jax.decode import DecodeConfig
+    from tev_jax.models.bundled import is_bundled_target
+
     try:
         from tev_jax.server import run
     except ImportError as e:
@@ -20,6 +22,9 @@ def serve_command(args) -> int:
         return EXIT_USAGE
     flags.at_least_one(args, "--max-batch", "--max-tokens", "--max-prompt-tokens",
                        "--max-lanes")
+    if not 0 <= args.port <= 65535:
+        raise ValueError(f"--port must be a TCP port, 1 to 65535 (0: any free port), got "
+                         f"{args.port}")
     if args.max_queue < 0:
         raise ValueError(f"--max-queue must be >= 0, got {args.max_queue}")
     if args.verifier == "greedy":
@@ -36,7 +41,7 @@ def serve_command(args) -> int:
     target, drafter, where = flags.checkpoint_dirs(args)
     options = run.ServeOptions(
         target=target, drafter=drafter, config=config, model=args.model_name or
-        ("tev-jax-bundled" if flags.is_bundled_target(args.target) else args.target),
+        ("tev-jax-bundled" if is_bundled_target(args.target) else args.target),
         host=args.host, port=args.port, max_batch=args.max_batch, max_queue=args.max_queue,
         max_lanes=args.max_lanes, drain_seconds=args.drain_seconds, seed=args.seed,
         dtype=args.dtype, warmup=args.warmup)
@@ -59,7 +64,9 @@ def add_parser(sub) -> None:
     p.add_argument("--verifier", choices=("tev", "predraw", "sequential"), default="tev",
                    help="exact tree verifier (default %(default)s)")
     p.add_argument("--host", default="127.0.0.1", help="listen address (default %(default)s)")
-    p.add_argument("--port", type=int, default=8000, help="port (default %(default)s)")
+    p.add_argument("--port", type=int, default=8000,
+                   help="port, 1 to 65535, or 0 for any free port (the one taken is "
+                        "printed; default %(default)s)")
     p.add_argument("--max-batch", type=int, default=8,
                    help="live requests decoded together (row slots; default %(default)s)")
     p.add_argument("--max-queue", type=int, default=64,

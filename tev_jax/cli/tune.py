@@ -9,7 +9,6 @@ import json
 import sys
 from pathlib import Path
 
-import jax.numpy as jnp
 
 from tev_jax.cli import flags
 
@@ -24,11 +23,12 @@ def _ints(text: str) -> tuple[int, ...]:
     return values
 
 
-
 def tune_command(args) -> int:
     """``tev-jax tune --prompts FILE``: τ(b) from the exit law, round costs and the best
     budget per batch size (`tev_jax.costs.tune.tune`); ``--json FILE`` is the tuning file of
     ``--budget auto --tuning FILE``."""
+    import jax.numpy as jnp
+
     from tev_jax import text_io
     from tev_jax.costs import round_costs, tune
     from tev_jax.models import load_drafter, load_target, load_tokenizer

@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import jax
@@ -330,7 +331,9 @@ class DecodePlan:
 def plan_decode_programs(target_cfg: ModelConfig, config, batch_size: int, *,
                          dtype=jnp.float32, drafter_layers: int = 1, block_size: int = 16,
                          mesh=None, programs=DECODE_PROGRAMS, chip: Chip | None = None,
-                         devices_per_chip: int = 1, ops: int = 0) -> DecodePlan:
+                         devices_per_chip: int = 1, ops: int = 0,
+                         progress: Callable[[str, int, int], None] | None = None
+                         ) -> DecodePlan:
     """Compiles each decode program for abstract models; -> the `DecodePlan`.
 
     The AR step is a round of the same engine with ``builder='none'``; the prefill is
@@ -346,6 +349,8 @@ def plan_decode_programs(target_cfg: ModelConfig, config, batch_size: int, *,
         that GPU has a measured table (`tev_jax.costs.gpu_time`), its calibrated estimate.
       ops: with N > 0, also the per-op tables (`loop_ops`) of the AR step and the round,
         N ops each, the round's split by stage.
+      progress: called as ``progress(program, done, total)`` after each program compiled
+        (a compile of a large model takes minutes).
     Raises:
       ValueError: an unknown program name, or anything `Engine.create` refuses.
     """
@@ -369,11 +374,12 @@ def plan_decode_programs(target_cfg: ModelConfig, config, batch_size: int, *,
                "prefill": lambda: prefill.lower("prefill")}
     gpu = next((g for g, spec in GPUS.items() if chip is not None and spec.chip == chip), None)
     reports = {}
-    for name in programs:
-        if name == "draft" and engine.drafter is None:
-            continue  # AR has no draft stage
+    todo = [p for p in programs if not (p == "draft" and engine.drafter is None)]  # AR: none
+    for done, name in enumerate(todo, 1):
         lower = lowered.get(name) or (lambda name=name: engine.lower(name))
         reports[name] = compile_report(lower(), gpu=gpu)
+        if progress:
+            progress(name, done, len(todo))
     tables = {} if ops <= 0 else {"ar_step": loop_ops(ar), "round": loop_ops(engine)}
     floors = {name: round_floor(e) for name, e in (("ar_step", ar), ("round", engine))
               if name in programs}

@@ -10,6 +10,7 @@ Python setting is rewritten to name the flag the user typed (`flag_names`, `name
 from __future__ import annotations
 
 import argparse
+import difflib
 import re
 import signal
 
@@ -38,7 +39,8 @@ def interrupt_exit(e: BaseException | None) -> tuple[str, int]:
 
 def parse_args(parser: argparse.ArgumentParser, subcommands, argv=None) -> argparse.Namespace:
     """``parser.parse_args(argv)``, except that a flag the subcommand does not know is
-    refused with that subcommand's usage (argparse shows the top-level one).
+    refused with that subcommand's usage (argparse shows the top-level one) and the
+    closest flag it does know (``--budjet (did you mean --budget?)``).
 
     Args:
       subcommands: the action ``parser.add_subparsers`` returned.
@@ -46,7 +48,11 @@ def parse_args(parser: argparse.ArgumentParser, subcommands, argv=None) -> argpa
     args, extra = parser.parse_known_args(argv)
     if extra:
         chosen = subcommands.choices[getattr(args, subcommands.dest)]
-        chosen.error(f"unrecognized arguments: {' '.join(extra)}")
+        known = [o for action in chosen._actions for o in action.option_strings]
+        hints = [f"{x} (did you mean {close[0]}?)"
+                 if x.startswith("-") and (close := difflib.get_close_matches(
+                     x.split("=", 1)[0], known, n=1, cutoff=0.7)) else x for x in extra]
+        chosen.error(f"unrecognized arguments: {' '.join(hints)}")
     return args
 
 

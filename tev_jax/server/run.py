@@ -11,10 +11,12 @@ connections and `serve` returns (exit 0).
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import json
 import logging
 import signal
+import socket
 import sys
 from pathlib import Path
 
@@ -98,6 +100,35 @@ def build(options: ServeOptions) -> Served:
     return Served(scheduler, limits, encode, chat, options.drain_seconds)
 
 
+def listening_socket(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to (``host``, ``port``); port 0 takes any free port (read it
+    with ``getsockname``). Raises OSError naming the address if it cannot be bound."""
+    if not 0 <= port <= 65535:
+        raise ValueError(f"port {port} is not a TCP port (1 to 65535, or 0: any free one)")
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise OSError(e.errno, f"cannot listen on {host}:{port} ({e.strerror})") from None
+    return sock
+
+
+def log_config() -> dict:
+    """uvicorn's logging with every line on stderr (its access log included, which it
+    writes to stdout by default), as the rest of ``tev-jax serve`` writes."""
+    config = copy.deepcopy(uvicorn.config.LOGGING_CONFIG)
+    for handler in config["handlers"].values():
+        handler["stream"] = "ext://sys.stderr"
+    return config
+
+
+def _url_host(host: str) -> str:
+    return f"[{host}]" if ":" in host else host
+
+
 class _DrainingServer(uvicorn.Server):
     """uvicorn's server whose exit signal also drains the scheduler at once, so running
     streams end within a round instead of uvicorn waiting for them."""
@@ -131,13 +162,15 @@ def serve(options: ServeOptions, served: Served | None = None) -> int:
               flush=True)
         served.scheduler.warmup()
     logging.basicConfig(level=logging.INFO, format="%(levelname)s: %(message)s")
-    config = uvicorn.Config(create_app(served), host=options.host, port=options.port,
-                            log_level="info", timeout_graceful_shutdown=30)
+    sock = listening_socket(options.host, options.port)
+    config = uvicorn.Config(create_app(served), log_level="info", log_config=log_config(),
+                            timeout_graceful_shutdown=30)
     server = _DrainingServer(config, served)
-    print(f"tev-jax serve: {options.model} on http://{options.host}:{options.port}/v1 "
+    host, port = sock.getsockname()[:2]
+    print(f"tev-jax serve: {options.model} on http://{_url_host(host)}:{port}/v1 "
           f"(max batch {options.max_batch})", file=sys.stderr, flush=True)
     with _quiet_signals():
-        server.run()
+        server.run(sockets=[sock])
     return 0 if served.scheduler.join(30) else 1
 
 

@@ -209,6 +209,7 @@ class Scheduler:
         self.stop_ids = frozenset(config.stop_token_ids)
         self._seeds = np.random.default_rng(seed)
         self._programs: dict[Sampling, SlotPrograms] = {}  # kept after a lane retires
+        self._met: set[tuple] = set()  # (setting, slots[, width]) whose programs ran
         self._lanes: dict[Sampling, _Lane] = {}
         self._waiting: collections.deque[Job] = collections.deque()
         self._admitting = 0  # requests taken from the queue whose refill is running
@@ -299,6 +300,7 @@ class Scheduler:
                 count += other != slots
             jax.block_until_ready(st.done_B)
             count += 1
+            self._met |= {(sampling, slots)} | {(sampling, slots, t) for t in self.widths}
         return count
 
     # ------------------------------------------------------------- the thread's work
@@ -408,14 +410,27 @@ class Scheduler:
         finally:
             self._admitting = 0
 
+    def _first_use(self, sampling: Sampling, slots: int, *width: int) -> None:
+        """Logs a program's first use: the request that meets it waits for its compile."""
+        key = (sampling, slots, *width)
+        if key not in self._met:
+            self._met.add(key)
+            what = f"refill of prompts up to {width[0]} tokens" if width else "round"
+            log.info("compiling the %s on %d slot(s) for %s (first use; --warmup compiles "
+                     "the greedy programs before listening)", what, slots, sampling)
+
     def _refill(self, lane: _Lane, jobs: list[Job]) -> None:
         seeds = [self._seed_of(job.request) for job in jobs]
+        width = next(w for w in self.widths
+                     if w >= max(len(job.request.prompt_ids) for job in jobs))
+        self._first_use(lane.sampling, lane.slots.size, width)
         k = lane.slots.refill_rows(len(jobs))
         lane.slots.refill([(job, job.request.prompt_ids) for job in jobs],
                           request_keys(seeds + [0] * (k - len(jobs))), self.widths)
 
     def _round(self, lane: _Lane) -> None:
         slots = lane.slots.size
+        self._first_use(lane.sampling, slots)
         lane.slots.run(slots + 1, 1)
         self.stats["rounds"] += 1
         self.stats["budgets"][budget_of(lane.slots.engine.config)] += 1
