@@ -316,7 +316,8 @@ def _run(ns) -> int:
             keys = [k for k in ("loss", "token_loss", "exit_loss", "tau", "opd_response",
                                 "opd_rejected", "token_acc", "rollout_tau")
                     if k in last]
-            lines.append(f"final (update {int(last['update'])}): " + ", ".join(
+            at = "final" if result.update >= cfg.steps else "last"
+            lines.append(f"{at} (update {int(last['update'])}): " + ", ".join(
                 f"{k} {last[k]:.4g}" for k in keys) + f"; log in {cfg.out_dir}/train_log.jsonl")
     else:
         lines.append(f"nothing to do: the checkpoint in {where} is at update "

@@ -416,9 +416,11 @@ def train(cfg: TrainConfig, *, target=None, drafter=None, data: RolloutSet | Non
         raise
     if state is None:
         if jax.process_index() == 0:
-            print(f"starting a new run in {out} (no checkpoint in {ckpt.directory})",
-                  file=sys.stderr)
+            print(f"starting a new run in {out} (no checkpoint there yet)", file=sys.stderr)
         state = init_state(params, optimizer, place)
+    elif jax.process_index() == 0:
+        print(f"resuming the run in {out} from its checkpoint at update {start} of "
+              f"{cfg.steps}", file=sys.stderr)
     del params
     if jax.process_index() == 0:
         out.mkdir(parents=True, exist_ok=True)

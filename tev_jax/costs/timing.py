@@ -43,13 +43,15 @@ def compiled_generate(target, drafter, prompt_ids, config: DecodeConfig, key=0, 
     `Generation` with ``stats.seconds`` = wall time of the jitted call up to
     ``block_until_ready`` (host checks excluded) and ``stats.compile_seconds`` = the
     first call's. Benchmarks compile every configuration first and then time them
-    round-robin.
+    round-robin. A signal that came during the compile stops it before any timed run
+    (`tev_jax.runtime.signals.check`).
     """
     engine, prompts = engine_for(target, drafter, prompt_ids, config, mesh=mesh)
     key = as_key(key)
     t0 = time.perf_counter()
     jax.block_until_ready(engine.generate(prompts, key))
     compile_seconds = time.perf_counter() - t0
+    signals.check()  # a Ctrl-C during the compile: nothing more runs
 
     def run() -> Generation:
         t0 = time.perf_counter()
@@ -65,7 +67,10 @@ def timed_generate(target, drafter, prompt_ids, config: DecodeConfig, key=0, *,
     """The fused generation after a compile call; ``stats.seconds`` = median over
     ``repeats`` runs, ``stats.compile_seconds`` = the compile call's wall time."""
     run = compiled_generate(target, drafter, prompt_ids, config, key, mesh=mesh)
-    gens = [run() for _ in range(max(repeats, 1))]
+    gens = []
+    for _ in range(max(repeats, 1)):
+        signals.check()
+        gens.append(run())
     seconds = float(np.median([g.stats.seconds for g in gens]))
     return dataclasses.replace(gens[-1], stats=dataclasses.replace(gens[-1].stats,
                                                                    seconds=seconds))
@@ -87,9 +92,11 @@ def streamed_generate(target, drafter, prompt_ids, config: DecodeConfig, key=0, 
     t0 = time.perf_counter()
     jax.block_until_ready(engine.round(engine.prefill(prompts, key)))
     compile_seconds = time.perf_counter() - t0
+    signals.check()  # a Ctrl-C during the compile: no token is shown
     t0 = time.perf_counter()
     st = engine.prefill(prompts, key)
     while True:
+        signals.check()  # between rounds
         num_B, done_B, out_BM, rounds = jax.device_get(
             (st.num_out_B, st.done_B, st.out_BM, st.round))
         on_round([row[:n].tolist() for row, n in zip(out_BM, num_B)])

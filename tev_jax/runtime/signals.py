@@ -65,7 +65,9 @@ def _flush() -> None:
 def _exit_at_once(signum: int, prog: str) -> None:
     _flush()
     with contextlib.suppress(Exception):
-        os.write(2, f"{prog}: {signal.Signals(signum).name} again: stopped at once\n".encode())
+        start = "\n" if os.isatty(2) else ""  # off a progress bar's line on a terminal
+        os.write(2, f"{start}{prog}: {signal.Signals(signum).name} again: stopped at once\n"
+                 .encode())
     os._exit(EXIT_SIGNAL + signum)
 
 
