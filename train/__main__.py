@@ -591,6 +591,20 @@ def main(argv=None) -> int:
         return _main(argv)
 
 
+def run() -> None:
+    """The ``tev-train`` executable: `main`, then exit with its code; a signal while the
+    interpreter exits (a checkpoint is complete by then) ends it with that code at once
+    (`tev_jax.runtime.signals.exit_quietly`), never with a traceback."""
+    from tev_jax.runtime import signals
+
+    try:
+        code = main()
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else 2
+    signals.exit_quietly(code)
+    sys.exit(code)
+
+
 def _main(argv) -> int:
     from tev_jax.runtime import signals
     from tev_jax.runtime.exit_codes import (EXIT_RESUMABLE, EXIT_USAGE, Interrupted,
@@ -643,4 +657,4 @@ def _main(argv) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run()

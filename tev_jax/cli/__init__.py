@@ -40,6 +40,17 @@ def main(argv: list[str] | None = None) -> int:
         return _main(argv)
 
 
+def run() -> None:
+    """The ``tev-jax`` executable: `main`, then exit with its code; a signal while the
+    interpreter exits ends it with that code at once (`tev_jax.runtime.signals.exit_quietly`)."""
+    try:
+        code = main()
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else EXIT_USAGE
+    signals.exit_quietly(code)
+    sys.exit(code)
+
+
 def _main(argv: list[str] | None) -> int:
     from tev_jax import __version__
 

@@ -1,8 +1,6 @@
 """``python -m tev_jax.cli``: the ``tev-jax`` command."""
 
-import sys
-
-from tev_jax.cli import main
+from tev_jax.cli import run
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run()

@@ -138,4 +138,18 @@ def handled_signals(prog: str, signals=STOP_SIGNALS):
         _received.clear()
 
 
-__all__ = ["STOP_SIGNALS", "check", "handled_signals", "handling", "release", "requested"]
+def exit_quietly(code: int) -> None:
+    """For a command line whose work is over (``code``: its exit code): a SIGINT or
+    SIGTERM that lands while the interpreter exits ends the process at once with
+    ``code``, its output flushed, instead of raising inside whatever runs then (jax's
+    atexit clean-up takes a second or more, and a KeyboardInterrupt there prints a
+    traceback). A signal the process ignores stays ignored. Main thread only."""
+    def end(signum, frame):
+        _flush()
+        os._exit(code)
+
+    for s in STOP_SIGNALS:
+        if signal.getsignal(s) is not signal.SIG_IGN:
+            signal.signal(s, end)
+
+__all__ = ["STOP_SIGNALS", "check", "exit_quietly", "handled_signals", "handling", "release", "requested"]
