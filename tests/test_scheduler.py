@@ -2,6 +2,7 @@
 per sampling setting) are given back once their rows end, and requests are admitted in
 arrival order (issue 60: a setting beyond ``max_lanes`` used to wait forever)."""
 
+import logging
 import threading
 
 import pytest
@@ -72,13 +73,15 @@ def _run(scheduler: Scheduler, requests, seconds: float = 240.0) -> Recorder:
     return rec
 
 
-def test_settings_beyond_max_lanes_are_admitted_in_arrival_order(bundled):
+def test_settings_beyond_max_lanes_are_admitted_in_arrival_order(bundled, caplog):
     """One lane, three requests: A (T 0.5), B (T 0.9), C (T 0.5). Every request ends
     (before the fix B waited forever once A's lane had emptied), B is admitted before C
     though C could have joined A's lane (C came later), the queue ends empty with no
     watchdog stall, and each completion equals the same request alone (seeded, fixed
     budget, all on the 1-slot program); then a second wave, a new setting and a known
-    one, is admitted too."""
+    one, is admitted too. Each program's first use is logged (the request that meets it
+    waits for its compile), once."""
+    caplog.set_level(logging.INFO, logger="tev_jax.server")
     tok = bundled[2]
     requests = [_request(tok, 0.5, 1), _request(tok, 0.9, 2), _request(tok, 0.5, 3)]
     s = _scheduler(bundled, max_batch=2, max_lanes=1)
@@ -100,3 +103,8 @@ def test_settings_beyond_max_lanes_are_admitted_in_arrival_order(bundled):
     s.drain()
     assert s.join(30)
     assert s.snapshot()["stalls"] == 0
+    compiles = [r.getMessage() for r in caplog.records if "compiling" in r.getMessage()]
+    for t in (0.5, 0.9, 0.7):  # every setting's round and refill, each logged once
+        ours = [m for m in compiles if f"temperature={t}," in m]
+        assert len([m for m in ours if "the round on 1 slot(s)" in m]) == 1, compiles
+        assert len([m for m in ours if "refill of prompts up to 16 tokens" in m]) == 1
