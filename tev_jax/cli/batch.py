@@ -75,6 +75,7 @@ def batch_generate_command(args) -> int:
         hints = [SINGLE_PROMPT_HINTS[f] for f in single if f in SINGLE_PROMPT_HINTS]
         raise ValueError(f"{', '.join(single)} only appl{'ies' if len(single) == 1 else 'y'} "
                          "to a single PROMPT" + "".join(f"; {h}" for h in hints))
+    flags.check_inputs(args)
     flags.check_writable(args.summary_json, "--summary-json")
     index, count = _process_shard(args)
     target_dir, drafter_dir, where = flags.checkpoint_dirs(args)

@@ -79,7 +79,51 @@ def check_writable(path: str | None, flag: str) -> None:
         raise ValueError(f"{flag} {path}: cannot write it ({why})")
 
 
+def check_readable(path: str | None, flag: str, what: str, *,
+                   folder: bool | None = None) -> None:
+    """Before any work: a ValueError naming ``flag`` and ``path`` as typed (``./x`` stays
+    ``./x``) unless ``path`` exists and can be read: a folder where ``folder`` is True, a
+    file where it is False, either where None. ``what`` names the thing in the message
+    (``--prompts ./x.jsonl: no such prompts file``). None and remote paths (``gs://...``,
+    checked where they are opened) pass."""
+    if path is None or "://" in str(path):
+        return
+    why = None
+    if not os.path.exists(path):
+        why = f"no such {what}"
+    elif folder is True and not os.path.isdir(path):
+        why = f"a file, not a {what}"
+    elif folder is False and os.path.isdir(path):
+        why = f"a folder, not a {what}"
+    elif not os.access(path, os.R_OK | (os.X_OK if os.path.isdir(path) else 0)):
+        why = "cannot read it (permission denied)"
+    if why:
+        raise ValueError(f"{flag} {path}: {why}")
+
+
 BUNDLED_PREFIX = "bundled:"
+
+
+def check_inputs(args) -> None:
+    """`check_readable` for the input paths the command has among ``--prompts``,
+    ``--target``, ``--drafter`` (unless ``--builder none``) and ``--tuning`` (with
+    ``--budget auto``), before anything is loaded; ``bundled`` / ``bundled:NAME`` values
+    pass (the bundle checks their names)."""
+    from tev_jax.models.bundled import BUNDLED
+
+    def given(name):
+        value = getattr(args, name, None)
+        return None if value is None or value == BUNDLED or str(value).startswith(
+            BUNDLED_PREFIX) else value
+
+    check_readable(given("prompts"), "--prompts", "prompts file", folder=False)
+    check_readable(given("target"), "--target", "target checkpoint folder", folder=True)
+    if getattr(args, "builder", None) != "none":
+        check_readable(given("drafter"), "--drafter", "drafter checkpoint folder",
+                       folder=True)
+    if getattr(args, "budget", None) == "auto":  # else decode_config refuses --tuning
+        check_readable(getattr(args, "tuning", None), "--tuning", "tuning file",
+                       folder=False)
 
 
 def checkpoint_dirs(args) -> tuple[str, str | None, str]:

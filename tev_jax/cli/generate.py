@@ -46,6 +46,7 @@ def generate_command(args) -> int:
         raise ValueError("the PROMPT is empty: give some text to continue")
     flags.check_text(args.prompt)
     flags.at_least_one(args, "--repeats")
+    flags.check_inputs(args)
     from tev_jax.costs import plan, timing
     from tev_jax.data.tokenizer import format_chat
     from tev_jax.models import load_drafter, load_target, load_tokenizer

@@ -35,6 +35,7 @@ def tune_command(args) -> int:
     from tev_jax.text_io import stop_token_ids
 
     flags.at_least_one(args, "--repeats", "--max-new-tokens")
+    flags.check_inputs(args)
     flags.check_writable(args.json, "--json")
     flags.check_writable(args.figure, "--figure")
     if args.figure and importlib.util.find_spec("matplotlib") is None:
