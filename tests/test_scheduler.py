@@ -2,6 +2,7 @@
 per sampling setting) are given back once their rows end, and requests are admitted in
 arrival order (issue 60: a setting beyond ``max_lanes`` used to wait forever)."""
 
+import dataclasses
 import logging
 import threading
 
@@ -108,3 +109,83 @@ def test_settings_beyond_max_lanes_are_admitted_in_arrival_order(bundled, caplog
         ours = [m for m in compiles if f"temperature={t}," in m]
         assert len([m for m in ours if "the round on 1 slot(s)" in m]) == 1, compiles
         assert len([m for m in ours if "refill of prompts up to 16 tokens" in m]) == 1
+
+
+def _text(rec: Recorder, i: int) -> str:
+    return "".join(e.text for e in rec.events[i])
+
+
+def test_a_request_the_engine_cannot_take_ends_alone(bundled, monkeypatch):
+    """Issue 57, item 1: a request with a token id outside the vocabulary (one that got
+    past the app) ends with 'error' by itself, and a lane whose program fails ends its
+    own requests only: the others complete as they do alone (greedy), and the scheduler
+    goes on serving."""
+    from tev_jax import slots as slots_module
+
+    tok = bundled[2]
+    greedy = _request(tok, 0.0, 0)
+    bad_ids = GenerationRequest(chat=False, prompt_ids=(1, 1099511627776), max_tokens=4,
+                                sampling=Sampling(temperature=0.0))
+    doomed = _request(tok, 0.9, 5)
+    s = _scheduler(bundled, max_batch=4, max_lanes=4)
+    real = slots_module.Slots.refill
+
+    def refill(self, entries, key_K, widths):
+        if any(job.request.sampling.temperature == 0.9 for job, _ in entries):
+            raise RuntimeError("a lane's program failed")
+        return real(self, entries, key_K, widths)
+
+    monkeypatch.setattr(slots_module.Slots, "refill", refill)
+    rec = _run(s, [greedy, bad_ids, doomed, greedy])
+    reasons = [rec.events[i][-1].finish_reason for i in range(4)]
+    assert reasons == ["length", "error", "error", "length"], reasons
+    alone = Recorder(1)
+    s.submit(greedy, alone.emit(0))
+    assert alone.wait(120)
+    assert rec.tokens(0) == rec.tokens(3) == alone.tokens(0)
+    assert s.snapshot()["finish_reasons"] == {"length": 3, "error": 2}
+    s.drain()
+    assert s.join(30)
+
+
+def test_a_stop_string_ends_usage_and_token_ids_with_the_text(bundled):
+    """Issue 57, item 10: with a stop string from the middle of a completion, the text
+    ends before it, and the usage and the token ids end with the text (before, they
+    counted every token decoded past the cut)."""
+    from tev_jax.server.detokenize import tokens_for
+
+    tok = bundled[2]
+    s = _scheduler(bundled, max_batch=1, max_lanes=1).start()
+    plain = Recorder(1)
+    s.submit(_request(tok, 0.0, 0), plain.emit(0))
+    assert plain.wait(240)
+    text, ids = _text(plain, 0), list(plain.tokens(0))
+    assert len(ids) == MAX_TOKENS and plain.events[0][-1].completion_tokens == MAX_TOKENS
+    stop = text[len(text) // 2:len(text) // 2 + 2]
+    assert stop.strip() and text.find(stop) > 0, text
+    cut = Recorder(1)
+    s.submit(dataclasses.replace(_request(tok, 0.0, 0), stop=(stop,)), cut.emit(0))
+    assert cut.wait(240)
+    s.drain()
+    assert s.join(30)
+    want = text[: text.find(stop)]
+    n = tokens_for(len(want), ids, tok.decode)
+    assert _text(cut, 0) == want and cut.events[0][-1].finish_reason == "stop"
+    assert cut.events[0][-1].completion_tokens == n == len(cut.tokens(0)) < len(ids)
+    assert list(cut.tokens(0)) == ids[:n]
+
+
+def test_warmup_compiles_what_default_clients_send(bundled, caplog):
+    """Issue 57, item 9: --warmup compiles the greedy programs and those of OpenAI's
+    default setting (temperature 1): a request at T = 1 then logs no compile. Negative
+    control: another setting still compiles when first met."""
+    caplog.set_level(logging.INFO, logger="tev_jax.server")
+    tok = bundled[2]
+    s = _scheduler(bundled, max_batch=1, max_lanes=1)
+    assert s.warmup() > 0
+    rec = _run(s, [_request(tok, 1.0, 1), _request(tok, 0.0, 2), _request(tok, 0.7, 3)])
+    s.drain()
+    assert s.join(30)
+    assert all(rec.events[i][-1].finish_reason == "length" for i in range(3))
+    compiles = [r.getMessage() for r in caplog.records if "compiling" in r.getMessage()]
+    assert compiles and all("temperature=0.7," in m for m in compiles), compiles

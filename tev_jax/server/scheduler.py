@@ -52,7 +52,8 @@ from tev_jax import extensions
 from tev_jax.budget import AutoBudget
 from tev_jax.decode import DecodeConfig
 from tev_jax.sampling import Sampling
-from tev_jax.server.requests import GenerationRequest, held_back, stop_at
+from tev_jax.server.detokenize import IncrementalText, next_text, tokens_for, visible
+from tev_jax.server.requests import GenerationRequest
 from tev_jax.slots import SlotPrograms, Slots, row_buckets, slot_configs, width_buckets
 
 log = logging.getLogger("tev_jax.server")
@@ -77,6 +78,10 @@ STOP, LENGTH, ABORT, ERROR = "stop", "length", "abort", "error"
 drain that cut the request, an engine error."""
 
 
+WARMUP = (Sampling(temperature=0.0), Sampling(temperature=1.0))
+"""What ``--warmup`` compiles: greedy, and the OpenAI clients' default (temperature 1)."""
+
+
 class QueueFull(RuntimeError):
     """The waiting queue is full (answered with HTTP 429)."""
 
@@ -93,7 +98,8 @@ class Event:
       text: the new text (may be empty with a ``finish_reason``).
       finish_reason: None while it runs; then one of STOP, LENGTH, ABORT, ERROR.
       prompt_tokens, completion_tokens: the usage so far.
-      token_ids: the new token ids (those whose text is ``text`` or held back).
+      token_ids: the new token ids: those whose text is all shown so far (a stop string
+        ends them where it ends the text).
     """
 
     text: str
@@ -113,6 +119,7 @@ class Job:
     request: GenerationRequest
     emit: Callable[[Event], None]
     tokens: list[int] = dataclasses.field(default_factory=list)
+    text: IncrementalText | None = None
     sent: int = 0
     sent_tokens: int = 0
     cancelled: bool = False
@@ -160,22 +167,6 @@ def lane_configs(config: DecodeConfig, max_batch: int) -> dict[int, DecodeConfig
     if isinstance(config.budget, AutoBudget):
         config = dataclasses.replace(config, budget=64, tuning=None)
     return {s: config for s in sizes}
-
-
-def next_text(tokens: Sequence[int], decode: Callable[[list[int]], str], stops: Sequence[str],
-              final: bool) -> tuple[str, bool]:
-    """(the text that may be shown now, whether a stop string ended it).
-
-    A last character whose UTF-8 bytes are not all generated yet, and an end that could
-    be the start of a stop string, are held back until the text is final."""
-    text = decode(list(tokens))
-    cut = stop_at(text, stops)
-    if cut is not None:
-        return text[:cut], True
-    if final:
-        return text, False
-    text = text.rstrip("\ufffd")
-    return text[: len(text) - held_back(text, stops)], False
 
 
 class Scheduler:
@@ -272,12 +263,17 @@ class Scheduler:
             "slot_counts": {str(k): v for k, v in sorted(self.stats["slot_counts"].items())},
         }
 
-    def warmup(self, sampling: Sampling = Sampling(temperature=0.0)) -> int:
-        """Compiles every program a lane of ``sampling`` may run (each slot count's round,
-        each refill bucket, each move between slot counts) on scratch states, before
-        `start`; -> the programs run. Without it they compile when first met."""
+    def warmup(self, samplings: Sequence[Sampling] = WARMUP) -> int:
+        """Compiles every program a lane of each of ``samplings`` may run (each slot
+        count's round, each refill bucket, each move between slot counts) on scratch
+        states, before `start`; -> the programs run. Without it they compile when first
+        met. The default: greedy, and what OpenAI's clients send when they set nothing
+        (temperature 1, no top-k or top-p)."""
         if self._thread.is_alive():
             raise RuntimeError("warm up before the scheduler starts")
+        return sum(self._warm(s) for s in samplings)
+
+    def _warm(self, sampling: Sampling) -> int:
         count = 0
         programs = self._programs_of(sampling)
         for slots in self.sizes:
@@ -332,9 +328,12 @@ class Scheduler:
                 self._admit(waiting)
                 if self._waiting and not any(lane.live for lane in self._lanes.values()):
                     self._unstall()
-                for lane in list(self._lanes.values()):
+                for s, lane in list(self._lanes.items()):
                     if lane.live:
-                        self._round(lane)
+                        try:
+                            self._round(lane)
+                        except Exception:  # that lane's requests end; the others go on
+                            self._fail_lane(s, lane)
                 self._compact()
             except Exception:  # nothing hangs: every job of a failed lane ends
                 log.exception("the scheduler failed a round")
@@ -382,6 +381,12 @@ class Scheduler:
             if job.cancelled:
                 taken.append(job)
                 continue
+            why = self._unfit(job.request)
+            if why is not None:
+                log.error("refused a request the app let through: %s", why)
+                self._finish(job, ERROR)
+                taken.append(job)
+                continue
             if live >= self.max_batch:
                 break
             s = job.request.sampling
@@ -399,16 +404,43 @@ class Scheduler:
         try:
             for s, jobs in new.items():
                 lane = self._lanes[s]
-                programs = self._programs_of(s)
-                slots = programs.smallest(lane.live + len(jobs))
-                if lane.slots is None:
-                    lane.slots = Slots(programs, slots, jax.random.key(0))
-                elif slots > lane.slots.size:
-                    lane.slots.resize(slots)
-                self._refill(lane, jobs)
-                self._hand_out(lane)
+                try:
+                    programs = self._programs_of(s)
+                    slots = programs.smallest(lane.live + len(jobs))
+                    if lane.slots is None:
+                        lane.slots = Slots(programs, slots, jax.random.key(0))
+                    elif slots > lane.slots.size:
+                        lane.slots.resize(slots)
+                    self._refill(lane, jobs)
+                    self._hand_out(lane)
+                except Exception:  # these requests (and their lane's) end; others go on
+                    self._fail_lane(s, lane, jobs)
         finally:
             self._admitting = 0
+
+    def _unfit(self, request: GenerationRequest) -> str | None:
+        """Why a request cannot be decoded (the app checks requests first; this guards
+        the engine against anything that got past it), or None."""
+        ids, vocab = request.prompt_ids, self.target.config.vocab_size
+        if not 1 <= len(ids) <= self.config.prompt_len:
+            return f"a prompt of {len(ids)} tokens (1 to {self.config.prompt_len} fit)"
+        bad = [t for t in ids if not (isinstance(t, int) and 0 <= t < vocab)]
+        if bad:
+            return f"token id {bad[0]!r} outside the vocabulary [0, {vocab})"
+        if not 1 <= request.max_tokens <= self.config.max_new_tokens:
+            return f"max_tokens {request.max_tokens} (1 to {self.config.max_new_tokens})"
+        return None
+
+    def _fail_lane(self, sampling: Sampling, lane: _Lane, jobs: Sequence[Job] = ()) -> None:
+        """A lane whose program failed: its requests (and ``jobs``, being admitted to
+        it) end with 'error' and it is retired; the other lanes are untouched."""
+        log.exception("the lane of %s failed; its %d request(s) end with an error",
+                      sampling, lane.live + len(jobs))
+        live = [j for _, j in lane.jobs()]
+        for job in live + [j for j in jobs if j not in live]:
+            if job.finish_reason is None:
+                self._finish(job, ERROR)
+        self._lanes.pop(sampling, None)
 
     def _first_use(self, sampling: Sampling, slots: int, *width: int) -> None:
         """Logs a program's first use: the request that meets it waits for its compile."""
@@ -448,17 +480,8 @@ class Scheduler:
                 reason = ABORT
                 job.emit(Event("", reason, len(req.prompt_ids), len(job.tokens)))
             else:
-                job.tokens = rows.out_BM[slot, : min(int(rows.num_B[slot]), req.max_tokens)
-                                         ].tolist()
-                ended_by_token = done and job.tokens[-1] in self.stop_ids
-                at_length = len(job.tokens) >= req.max_tokens or done
-                text, hit = next_text(job.tokens, self.decode, req.stop,
-                                      ended_by_token or at_length)
-                reason = (STOP if hit or ended_by_token else LENGTH if at_length else None)
-                if len(text) > job.sent or reason:
-                    job.emit(Event(text[job.sent:], reason, len(req.prompt_ids),
-                                   len(job.tokens), tuple(job.tokens[job.sent_tokens:])))
-                    job.sent, job.sent_tokens = max(job.sent, len(text)), len(job.tokens)
+                reason = self._next_text(job, rows.out_BM[slot, : min(
+                    int(rows.num_B[slot]), req.max_tokens)].tolist(), done)
             if reason is None:
                 continue
             job.finish_reason = reason
@@ -472,6 +495,31 @@ class Scheduler:
                 stop_rows.append(slot)
         if stop_rows:  # rows the host ended: the device stops decoding them
             lane.slots.end(stop_rows)
+
+    def _next_text(self, job: Job, tokens: list[int], done: bool) -> str | None:
+        """Hands a row's new text (and the tokens it took) to its request; -> the finish
+        reason, None while it runs. A stop string ends the text, its usage and its token
+        ids where the string starts."""
+        req = job.request
+        job.text = job.text or IncrementalText(self.decode)
+        ended_by_token = done and tokens[-1] in self.stop_ids
+        at_length = len(tokens) >= req.max_tokens or done
+        final = ended_by_token or at_length
+        text, hit = visible(job.text, tokens, req.stop, final)
+        if final and not hit:
+            shown = len(tokens)
+        elif not hit and len(text) == len(job.text.text):
+            shown = job.text.read  # the usual round: nothing held back
+        else:  # the tokens of the text up to a (possible) stop string
+            shown = tokens_for(len(text), tokens, self.decode)
+        shown = max(shown, job.sent_tokens)
+        job.tokens = tokens[:shown] if hit else tokens
+        reason = STOP if hit or ended_by_token else LENGTH if at_length else None
+        if len(text) > job.sent or shown > job.sent_tokens or reason:
+            job.emit(Event(text[job.sent:], reason, len(req.prompt_ids), len(job.tokens),
+                           tuple(tokens[job.sent_tokens:shown])))
+            job.sent, job.sent_tokens = max(job.sent, len(text)), shown
+        return reason
 
     def _finish(self, job: Job, reason: str) -> None:
         job.finish_reason = reason
@@ -493,5 +541,5 @@ class Scheduler:
                 lane.slots.resize(slots)
 
 
-__all__ = ["ABORT", "ERROR", "LENGTH", "STOP", "Draining", "Event", "Job", "QueueFull",
+__all__ = ["ABORT", "ERROR", "LENGTH", "STOP", "WARMUP", "Draining", "Event", "Job", "QueueFull",
            "Scheduler", "budget_of", "lane_configs", "next_text", "request_keys"]
