@@ -169,3 +169,15 @@ def test_a_signal_during_the_compile_stops_before_the_timed_run(monkeypatch):
         time.sleep(0.2)
         with pytest.raises(KeyboardInterrupt):
             timing.timed_generate(target, drafter, prompt, config, repeats=2)
+
+
+def test_flag_names_stay_out_of_paths():
+    """`name_flags` writes a setting's name as its flag, but never inside a path: before,
+    ``--tuning ./tuning.json`` holding a JSON array read "./tuning.--json must hold"."""
+    from tev_jax.runtime.exit_codes import name_flags
+
+    names = {"json": "--json", "tuning": "--tuning", "max_new_tokens": "--max-new-tokens"}
+    assert name_flags("the tuning file ./tuning.json must hold a JSON object", names) == (
+        "the tuning file ./tuning.json must hold a JSON object")
+    assert name_flags("runs/json must exist; json must be set; max_new_tokens (256)",
+                      names) == "runs/json must exist; --json must be set; --max-new-tokens (256)"

@@ -78,15 +78,16 @@ def name_flags(message: str, flags: dict[str, str]) -> str:
     its ``--flag`` (``name=False`` becomes ``--flag false``), and so does a name with an
     underscore, or after "lower", followed by a value in parentheses (``max_new_tokens
     (256)``, ``lower budget (64)``), and "or None" reads "or unset", so errors
-    raised by the library's configs name what the user typed."""
+    raised by the library's configs name what the user typed. A name inside a path
+    (``./tuning.json must ...``) stays as it is."""
     for name in sorted(flags, key=len, reverse=True):
         flag = flags[name]
-        message = re.sub(rf"(?<![\w-]){re.escape(name)}=(True|False)\b",
+        message = re.sub(rf"(?<![\w./-]){re.escape(name)}=(True|False)\b",
                          lambda m: f"{flag} {m.group(1).lower()}", message)
-        message = re.sub(rf"(?<![\w-]){re.escape(name)}(?=\s+must\b|\s+is required\b|=)",
+        message = re.sub(rf"(?<![\w./-]){re.escape(name)}(?=\s+must\b|\s+is required\b|=)",
                          flag, message)
         if "_" in name:  # "max_new_tokens (256)"; plain words stay words
-            message = re.sub(rf"(?<![\w-]){re.escape(name)}(?= \()", flag, message)
+            message = re.sub(rf"(?<![\w./-]){re.escape(name)}(?= \()", flag, message)
         message = re.sub(rf"(?<=another ){re.escape(name)}\b", flag, message)
         message = re.sub(rf"(?<=lower ){re.escape(name)}(?= \()", flag, message)
     return re.sub(r"(?<=\S) or None\b", " or unset", message)  # a flag is unset, not None
