@@ -4,7 +4,8 @@ Prompts files (JSONL kinds, plain text, every bad-input message), chat templates
 prompt-buffer checks, resumable output with its settings sidecar, process shards and
 their merge, the end-to-end command on a tiny saved target (two process shards merged
 = the greedy reference; a rerun resumes; another configuration is refused), and the
-layering rule: importing tev_jax and its CLI never imports ``train``.
+layering rule: importing tev_jax and its CLI never imports ``train``; the rates a job
+reports (tev_jax.batch.rates). The prompts-file job's refusals: tests/test_batch_job.py.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from decode_fixtures import greedy_reference, tiny_target
 
 from tev_jax import text_io
 from tev_jax.batch import outputs
+from tev_jax.data import prompts as prompt_sets
 from tev_jax.data import tokenizer as tok_lib
 
 V = 64
@@ -72,6 +74,36 @@ def test_read_prompts_bad_files(tmp_path):
         text_io.read_prompts(_write(tmp_path / "p.txt", ["a", " ", "b"]))
     with pytest.raises(ValueError, match="no prompts"):
         text_io.read_prompts(_write(tmp_path / "e.jsonl", [""]))
+
+
+def test_prompts_files_name_bad_bytes_and_read_the_bundled_sets(tmp_path):
+    """Issue 26, findings 11 and 12: a non-UTF-8 prompts file is refused naming its
+    line and column; the bundled prompt sets are prompts files (by name or path)."""
+    bad = tmp_path / "p.txt"
+    bad.write_bytes(b"hello\nna\xefve\n")
+    with pytest.raises(ValueError, match=r"p.txt:2: not UTF-8 text \(byte 0xef at column 3\)"):
+        text_io.read_prompts(bad)
+    for source in ("bundled:gsm", prompt_sets.prompts_dir() / "gsm.jsonl"):
+        records = text_io.read_prompts(source)
+        assert len(records) == prompt_sets.PROMPT_COUNTS["gsm"]
+        assert records[0].kind == "messages" and records[0].id == "gsm_eval_0000"
+    assert text_io.read_prompts("bundled:humaneval")[0].kind == "prompt"
+    with pytest.raises(ValueError, match="no such bundled prompt set"):
+        text_io.read_prompts("bundled:gsm8k")
+
+
+def test_prompt_files_name_a_float_id_and_a_json_array(tmp_path):
+    """Issue 38, nits: a JSON id 1.5 is named as a bad id (not a missing one); a .json
+    array file is told it should be JSONL."""
+    f = tmp_path / "p.jsonl"
+    f.write_text('{"id": 1.5, "prompt": "x"}\n')
+    with pytest.raises(ValueError, match=r"p.jsonl:1: id 1.5 must be a non-empty string or "
+                                         r"an integer, got float"):
+        text_io.read_prompts(f)
+    f = tmp_path / "p.json"
+    f.write_text('[{"id": 1, "prompt": "x"}]\n')
+    with pytest.raises(ValueError, match=r"p.json: a JSON array; a prompts file is JSONL"):
+        text_io.read_prompts(f)
 
 
 def test_chat_templates_and_encoding(tmp_path):
@@ -184,6 +216,33 @@ def test_shards_and_merge(tmp_path):
     outputs.shard_path(out, 1, 3).unlink()
     with pytest.raises(ValueError, match=r"shards \[1\] of 3 are missing"):
         outputs.merge_outputs(out, force=True)
+
+
+def test_merge_refuses_incomplete_shards_and_writes_input_order(tmp_path):
+    """Issue 26, finding 2 (and 16: merged rows in input order): a shard cut to 1 of its
+    3 lines is refused, naming the shard and the rerun; a complete set merges in the
+    prompts file's order, whatever order the rows finished in."""
+    out = tmp_path / "out.jsonl"
+    ids = [f"q{i}" for i in range(7)]
+    shards = [outputs.shard_path(out, i, 2) for i in range(2)]
+    for i, shard in enumerate(shards):
+        mine = outputs.shard_of(list(enumerate(ids)), i, 2)
+        with outputs.lock_output(shard):
+            _, f = outputs.open_output(shard, {"seed": 0, "run": {"process_index": i}},
+                                        expected=len(mine))
+            with f:
+                for index, rid in reversed(mine):  # finished last-first
+                    outputs.write_line(f, {"id": rid, "index": index})
+    full = shards[1].read_text()
+    shards[1].write_text(full.splitlines(keepends=True)[0])
+    with pytest.raises(ValueError, match=r"out.1-of-2.jsonl is incomplete: 1 of its 3 "
+                                         r"results \(2 missing\); rerun process 1 of 2"):
+        outputs.merge_outputs(out)
+    assert not out.exists()
+    shards[1].write_text(full)
+    assert outputs.merge_outputs(out) == 7
+    assert [json.loads(x)["id"] for x in out.read_text().splitlines()] == ids
+    assert json.loads(outputs.settings_path(out).read_text())["run"]["expected"] == 7
 
 
 # ------------------------------------------------------------------- command line
@@ -323,3 +382,22 @@ def test_a_slow_generation_does_not_read_zero_tokens_per_second(rate, shown):
     from tev_jax.cli.generate import per_second
 
     assert per_second(rate) == shown
+
+
+def test_window_rates_ignore_bursts():
+    """Issue 47, item 11: rows finishing together do not read as thousands of prompts/s;
+    the rate is over the window's real span."""
+    from tev_jax.batch.rates import WindowRate
+
+    now = [0.0]
+    rate = WindowRate(window=10.0, min_span=2.0, clock=lambda: now[0])
+    now[0] = 1.0
+    for _ in range(5):                      # five rows in one call
+        rate.add(prompts=1, tokens=100)
+    assert rate.rate("prompts") is None     # under min_span: no rate yet
+    now[0] = 4.0
+    rate.add(prompts=1, tokens=100)
+    assert rate.rate("prompts") == pytest.approx(6 / 4.0)
+    now[0] = 20.0                           # the window moves on
+    rate.add(prompts=1, tokens=50)
+    assert rate.rate("tokens") is None or rate.rate("tokens") < 100

@@ -1,6 +1,8 @@
 """The bundled demo models: export (float32 or bfloat16, atomic, size-limited, pinned by SHA-256),
 lookup of the target and its two drafters (ExitTrain, the default, and DFlash), corruption
-detection, `tev-jax generate` with and without explicit paths and `tev-jax compare`.
+detection (one damaged drafter leaves the other usable), the names ``bundled`` and
+``bundled:NAME`` on both command lines, ``python -m train.demo.build``'s help and
+errors, `tev-jax generate` with and without explicit paths and `tev-jax compare`.
 
 The models here are random ones of the shipped shapes with the project's tokenizer
 (V = 4096), exported into a temporary bundle; the last test runs the real bundle inside
@@ -220,6 +222,71 @@ def test_missing_bundle_names_the_export_command(tmp_path, monkeypatch, capsys):
     with pytest.raises(SystemExit):
         cli.main(["generate", PROMPT])
     assert "python -m train.demo.export_bundled --target" in capsys.readouterr().err
+
+
+def test_one_bundled_drafter_damaged_leaves_the_other_usable(tmp_path):
+    """Issue 26, finding 18: damage to one bundled drafter no longer blocks the other."""
+    root = tmp_path / "models"
+    for sub in ("target", "drafters/exittrain", "drafters/dflash"):
+        (root / sub).mkdir(parents=True)
+        (root / sub / "config.json").write_text("{}")
+        (root / sub / "model.safetensors").write_bytes(sub.encode())
+    bundled.write_manifest(root, {"dtype": "float32"})
+    (root / "drafters" / "dflash" / "model.safetensors").write_bytes(b"damaged")
+    paths = bundled.bundled_paths(root, drafters=("exittrain",))
+    assert paths.drafter == root / "drafters" / "exittrain"
+    bundled.bundled_paths(root, drafters=())
+    with pytest.raises(ValueError, match="dflash/model.safetensors is corrupted"):
+        bundled.bundled_paths(root, drafters=("dflash",))
+
+
+def test_the_bundled_target_named_by_its_folder_takes_the_bundled_drafter():
+    """Issue 47, items 10 and 5: --target bundled, or the bundled target's folder, with
+    the default drafter is the bundled pair (it was refused for want of --drafter)."""
+    import argparse
+
+    from tev_jax.cli import flags
+
+    paths = bundled.bundled_paths()
+    for target in ("bundled", str(paths.target)):
+        args = argparse.Namespace(target=target, drafter=None, builder="ddtree")
+        t, d, where = flags.checkpoint_dirs(args)
+        assert (t, d) == (str(paths.target), str(paths.drafter))
+        assert where == "bundled target + bundled exittrain drafter"
+
+
+def test_bundled_names_a_training_target_and_drafter():
+    """Issue 47, item 5: tev-train's --target-path bundled and --drafter-path
+    bundled[:NAME] name the bundled models, as tev-train rollouts --target bundled does."""
+    from train import __main__ as train_cli
+
+    paths = bundled.bundled_paths()
+    ns = train_cli.build_parser().parse_args(
+        ["run", "--target-path", "bundled", "--drafter-path", "bundled:dflash",
+         "--data-dir", "d"])
+    cfg = train_cli.config_from_args(ns)
+    assert cfg.target_path == str(paths.target)
+    assert cfg.drafter_path == str(paths.drafters["dflash"])
+    ns = train_cli.build_parser().parse_args(["run", "--drafter-path", "bundled"])
+    assert train_cli.config_from_args(ns).drafter_path == str(paths.drafter)
+    ns = train_cli.build_parser().parse_args(["run", "--drafter-path", "bundled:nope"])
+    with pytest.raises(ValueError, match="unknown bundled drafter 'nope'"):
+        train_cli.config_from_args(ns)
+
+
+def test_demo_models_help_and_errors(tmp_path, capsys):
+    """Issue 47, items 6 and 10: python -m train.demo.build --help names itself and
+    documents --runs; a missing data folder is one line, exit 2."""
+    from train.demo import build as demo_models
+
+    with pytest.raises(SystemExit):
+        demo_models.main(["--help"])
+    out = capsys.readouterr().out
+    assert out.startswith("usage: python -m train.demo.build") and "the folder every" in out
+    code = demo_models.main(["--runs", str(tmp_path / "runs"), "--only", "corpus",
+                             "--data-dir", str(tmp_path / "nowhere")])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and "\n" not in err and "lacks prose.jsonl" in err
 
 
 def test_cli_generate_explicit_paths_and_bundled_defaults(bundle, monkeypatch, capsys,

@@ -1,9 +1,13 @@
 """Checkpoints: a killed, or SIGTERM-preempted, and resumed run gives bitwise the same
 losses; a missing, corrupted or half-written checkpoint gives a clear error and leaves
-the others intact; remote checkpoint paths stay URIs."""
+the others intact; remote checkpoint paths stay URIs; listing them logs no deprecation
+warning. Through ``tev-train run`` (issue 26): a preempted run exits 75, a refused rerun
+leaves its config, a damaged newest checkpoint falls back to the newest good one, and
+``--resume false`` moves the earlier checkpoints aside."""
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import signal
@@ -14,7 +18,10 @@ import numpy as np
 import pytest
 
 import train_fixtures as tf
+from train_fixtures import train_dirs  # noqa: F401  (a fixture)
+
 from tev_jax import sharding as shd
+from train import __main__ as train_cli
 from train.checkpoint import CheckpointError, TrainCheckpointer, abstract_like, checkpoint_path
 from train.loop import read_log, train
 from train.rollouts import RolloutSet
@@ -157,3 +164,89 @@ def test_a_failed_save_never_replaces_the_last_good_checkpoint(tmp_path, async_s
     assert step == 2 and meta == {"update": 2}
     np.testing.assert_array_equal(state["w"], _state(2)["w"])
     reopened.close()
+
+
+def test_checkpoints_list_without_deprecation_warnings(tmp_path, caplog):
+    """Issue 26, finding 16: listing checkpoints (every tev-train run does) logs no absl
+    deprecation warning."""
+    with caplog.at_level(logging.WARNING):
+        with TrainCheckpointer(tmp_path / "ck") as ck:
+            assert ck.all_steps() == []
+    assert not [r for r in caplog.records if "deprecated" in r.getMessage()]
+
+
+def _train(root, out, *extra):
+    """``tev-train run`` on the `train_fixtures.train_dirs` folder ``root``: 4 updates of
+    the exit loss, a checkpoint after each."""
+    return ["run", "--target-path", str(root / "target"), "--drafter-path",
+            str(root / "drafter"), "--data-dir", str(root / "data"), "--out-dir", str(out),
+            "--loss", "exit", "--budget", "8", "--batch-size", "8", "--num-anchors", "2",
+            "--steps", "4", "--lr", "0.01", "--warmup-steps", "0", "--checkpoint-every", "1",
+            "--no-progress", *extra]
+
+
+@pytest.mark.slow
+def test_a_run_preempted_refused_damaged_and_restarted(train_dirs, tmp_path,  # noqa: F811
+                                                       capsys, monkeypatch):
+    """Issue 26, findings 4, 5, 6, 15 and 16 on one tiny run:
+    15: a preempted run (SIGTERM, checkpoint saved) exits 75, not 0;
+    16: the finished run ends with a summary (the drafter's folder, updates/s, losses);
+    4: a refused rerun (changed --lr) leaves config.json as it was;
+    6: a corrupted newest checkpoint and an empty step folder fall back to the newest
+       good one, with one line and no tracebacks;
+    5: --resume false moves the earlier checkpoints aside, and the next plain run
+       resumes the new ones."""
+    out = tmp_path / "run"
+    read = RolloutSet.batch_at
+
+    def batch_at(self, seed, step, *args, **kw):
+        if step == 1:                      # preempted during update 2
+            os.kill(os.getpid(), signal.SIGTERM)
+        return read(self, seed, step, *args, **kw)
+
+    monkeypatch.setattr(RolloutSet, "batch_at", batch_at)
+    assert train_cli.main(_train(train_dirs, out)) == 75
+    assert "train run: preempted (SIGTERM) at update 2: checkpoint saved in " in (
+        capsys.readouterr().err)
+    monkeypatch.setattr(RolloutSet, "batch_at", read)
+
+    assert train_cli.main(_train(train_dirs, out)) == 0
+    summary = capsys.readouterr().out
+    assert f"drafter written to {out / 'drafter'}" in summary
+    assert "updates 3..4 of 4 in" in summary and "updates/s" in summary
+    assert "final (update 4): loss " in summary and "exit_loss" in summary
+    config = (out / "config.json").read_text()
+
+    assert train_cli.main(_train(train_dirs, out, "--lr", "0.02")) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "config differs (lr:" in err and "--resume false" in err
+    assert (out / "config.json").read_text() == config
+
+    ckdir = out / "checkpoints"
+    with TrainCheckpointer(ckdir) as ck:
+        steps = ck.all_steps()
+    newest = ckdir / str(steps[-1])
+    for f in (newest / "state").rglob("*"):
+        if f.is_file():
+            f.write_bytes(b"garbage")
+    (ckdir / "9").mkdir()                      # an empty step folder
+    assert train_cli.main(_train(train_dirs, out, "--steps", "5")) == 2  # steps differ
+    capsys.readouterr()
+    assert train_cli.main(_train(train_dirs, out, "--until-update", "4")) == 0
+    out_, err = capsys.readouterr()
+    assert f"resuming from step {steps[-2]}, the newest checkpoint that restores" in err
+    assert "Traceback" not in err and "Event loop is closed" not in err
+    assert sorted(p.name for p in ckdir.iterdir() if p.name.startswith("unreadable-"))[0] \
+        .startswith("unreadable-4-")
+
+    assert train_cli.main(_train(train_dirs, out, "--resume", "false", "--until-update",
+                                 "1")) == 0
+    err = capsys.readouterr().err
+    assert "moved the earlier run's checkpoints" in err
+    aside = [p for p in tmp_path.joinpath("run").iterdir() if ".replaced-" in p.name]
+    assert len(aside) == 1
+    with TrainCheckpointer(ckdir) as ck:
+        assert ck.all_steps() == [1]
+    assert train_cli.main(_train(train_dirs, out, "--until-update", "2")) == 0
+    assert "updates 2..2 of 4" in capsys.readouterr().out
+    shutil.rmtree(out)

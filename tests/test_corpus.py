@@ -258,3 +258,13 @@ def test_bundled_prompts_match_shared_data():
     exported = prepare_corpus.export_prompt_records(SHARED_DATA)
     for name in prompts.PROMPT_SETS:
         assert exported[name] == prompts.prompt_records(name)
+
+
+def test_the_source_data_is_in_the_repository():
+    """Issue 47, item 6: the bundle's source data is in data/ of a clone, with its
+    licences."""
+    assert prepare_corpus.DEFAULT_DATA_DIR == corpus.resolve_data_dir(
+        prepare_corpus.DEFAULT_DATA_DIR)
+    readme = (prepare_corpus.DEFAULT_DATA_DIR / "README.md").read_text()
+    for name in corpus.SHARED_FILES:
+        assert f"{name}" in readme

@@ -5,6 +5,7 @@ functions: batch-1 timed runs reproduce the AR tokens at T = 0 and give τ = (su
 lengths) / rounds consistent with the number of generated tokens; the captured decode
 round's logits equal a plain forward pass over context + tree path; tables have a column
 per set plus the average; at T = 0 every fixed-tree verification has the exit law's length.
+The figures study draws an exit tree with whole depths and a clear root label.
 """
 
 from __future__ import annotations
@@ -154,7 +155,7 @@ def test_studies_default_to_the_bundled_models_in_a_fresh_clone(tmp_path):
     assert target == bundle.target
     assert drafters == {"dflash": bundle.drafters["dflash"],
                         "ft_exit": bundle.drafters["exittrain"]}
-    with pytest.raises(ValueError, match=r"ft_token, ft_prefix.*python -m train\.demo_models"):
+    with pytest.raises(ValueError, match=r"ft_token, ft_prefix.*python -m train\.demo\.build"):
         pc.study_model_dirs(runs_target, runs_drafters, ("ft_token", "ft_prefix", "ft_exit"),
                             **where)
     mine = tmp_path / "mine"
@@ -181,3 +182,27 @@ def test_quick_runs_do_not_replace_the_full_results():
     assert Path(step.parse_args(["--quick"]).out).name == "results_quick.json"
     assert Path(step.parse_args([]).out).name == "results.json"
     assert step.parse_args(["--quick", "--out", "x.json"]).out == "x.json"
+
+
+def test_exit_tree_figure_has_whole_depths_and_a_clear_root(tmp_path):
+    """Issue 47, item 15 (experiments/figures): the depth axis has ticks at whole depths
+    only, and the root's label sits left of the root, clear of its children."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figures = experiment_scripts.load("figures")
+    tree = dict(tokens=[1, 2, 3, 4], parents=[-1, 0, 0, 1], depths=[0, 1, 1, 2],
+                reach=[1.0, 0.6, 0.3, 0.4], w=[0.1, 0.2, 0.3, 0.4], coverage=1.3)
+
+    class Tok:
+        def decode(self, ids, **kw):
+            return f"t{ids[0]}"
+
+    fig, ax = plt.subplots()
+    figures.draw_tree(ax, tree, Tok(), "t", 0.4)
+    assert list(ax.get_xticks()) == [0, 1, 2]
+    root = [t for t in ax.texts if t.get_text().startswith("root")]
+    assert len(root) == 1 and root[0].get_horizontalalignment() == "right"
+    plt.close(fig)

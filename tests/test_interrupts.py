@@ -11,12 +11,14 @@ signal or a lost result that the message says is on disk (``tev-train``'s comman
 tests/test_train_interrupts.py; the harness: tests/interrupting.py). The slow tier
 interrupts each command 20 times; the fast tier the batch generation once, and the
 mechanism's own tests run in fresh interpreters whose SIGINT is set explicitly, so they
-pass however the test run itself was started.
+pass however the test run itself was started. The messages and exit codes are also
+checked in-process, on a tiny saved target (issue 26).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import random
 import re
 import signal
@@ -24,7 +26,14 @@ import subprocess
 import sys
 
 import pytest
+from cli_fixtures import AR, PROMPT, batch_argv
+from cli_fixtures import target_dir  # noqa: F401  (a fixture)
 from interrupting import before_the_command, check_exit, env, interrupt, interrupts
+
+from tev_jax import cli
+from tev_jax.batch import continuous
+from tev_jax.costs import timing
+from tev_jax.runtime import exit_codes
 
 
 def _check_generate(cwd, code, err, sig):
@@ -91,6 +100,65 @@ def test_twenty_interrupts_per_command(name, tmp_path):
     assert sum(c != 0 for c in codes) == 20, (
         f"{name}: {sum(c == 0 for c in codes)} of {len(codes)} runs ended before the signal")
     assert -11 not in codes and 139 not in codes
+
+
+def test_interrupts_end_with_one_line_and_a_documented_code(tmp_path,
+                                                            target_dir,  # noqa: F811
+                                                            capsys, monkeypatch):
+    """In-process, on a tiny saved target (issue 26, finding 15): Ctrl-C or SIGTERM in
+    batch mode ends with one line saying what is on disk and exit code 75 (resumable);
+    the rerun finishes the file in input order; a single generation interrupted exits
+    130."""
+    real = continuous.generate_continuous
+    stop = {"signal": None}
+
+    def one_then_stop(*args, **kw):
+        for i, result in enumerate(real(*args, **kw)):
+            yield result
+            if stop["signal"] == "int":
+                raise KeyboardInterrupt
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    monkeypatch.setattr(continuous, "generate_continuous", one_then_stop)
+
+    def unhandled(*_):  # a command that left SIGTERM alone fails here, not pytest
+        raise AssertionError("SIGTERM reached the test's handler")
+
+    previous = signal.signal(signal.SIGTERM, unhandled)
+    try:
+        for kind, what in (("int", "interrupted (SIGINT)"), ("term", "terminated (SIGTERM)")):
+            stop["signal"] = kind
+            capsys.readouterr()
+            try:
+                code = cli.main(batch_argv(target_dir, tmp_path))
+            except KeyboardInterrupt:
+                pytest.fail("the interrupt escaped tev-jax generate")
+            assert code == exit_codes.EXIT_RESUMABLE == 75
+            err = capsys.readouterr().err.strip().splitlines()
+            assert err[-1].startswith(f"tev-jax generate: {what}; ")
+            assert "results are in" in err[-1] and "Traceback" not in "".join(err)
+        assert signal.getsignal(signal.SIGTERM) is unhandled
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    monkeypatch.setattr(continuous, "generate_continuous", real)
+    assert cli.main(batch_argv(target_dir, tmp_path)) == 0
+    rows = [json.loads(x) for x in (tmp_path / "out.jsonl").read_text().splitlines()]
+    assert [r["index"] for r in rows] == list(range(5))
+    assert len({r["settings"] for r in rows}) == 1
+
+    def interrupted(*args, **kw):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(timing, "timed_generate", interrupted)
+    capsys.readouterr()
+    try:
+        code = cli.main(["generate", PROMPT, "--target", str(target_dir), *AR])
+    except KeyboardInterrupt:
+        pytest.fail("the interrupt escaped tev-jax generate")
+    assert code == 130
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["compiling the decode program (once per setting) ...",
+                   "tev-jax generate: interrupted (SIGINT)"]
 
 
 def _python(code: str, *, sigint=signal.SIG_DFL, timeout=120,
@@ -173,8 +241,9 @@ def test_the_output_is_out_before_the_handlers_are_given_back():
 def test_a_second_ctrl_c_exits_at_once_while_the_main_thread_is_busy(first, second):
     """A SIGINT after a first signal ends the process at once with 130, while the main
     thread is still inside one call (here a read that waits for ever; a compile in real
-    life) and never reaches a check. (A repeated SIGTERM does not: the batch job's test in
-    test_edges sends one per result and still gets its clean stop.)"""
+    life) and never reaches a check. (A repeated SIGTERM does not: the in-process batch job of
+    test_interrupts_end_with_one_line_and_a_documented_code gets one per result and still
+    stops cleanly.)"""
     code = ("import os, signal, threading, time\n"
             "from tev_jax.runtime import signals\n"
             "def send():\n"

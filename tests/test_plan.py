@@ -12,6 +12,7 @@ import re
 import jax
 import jax.numpy as jnp
 import pytest
+from cli_fixtures import refused_one_line
 from flax import nnx
 
 from tev_jax import cli, decode, sharding
@@ -108,6 +109,16 @@ def test_plan_command_json(tmp_path, capsys):
     assert fewer["programs"]["generation"]["argument_bytes"] < direct.argument_bytes
     with pytest.raises(SystemExit):
         cli.main(["plan", "--model", "qwen3-4b", "--config", str(tmp_path)])
+
+
+def test_plan_flags_are_checked(capsys):
+    """Issue 38, item 13 (tev-jax plan): --tau below 1, and --tau without a roofline (no
+    --topology), are refused; so are --batch 0 and --layers 0."""
+    base = ["plan", "--model", "qwen3-0.6b", "--layers", "1", "--programs", "prefill"]
+    assert "--tau must be a number >= 1" in refused_one_line(base + ["--tau", "-1"], capsys)
+    assert "--tau needs a roofline" in refused_one_line(base + ["--tau", "4"], capsys)
+    assert "--batch must be >= 1" in refused_one_line(base + ["--batch", "0"], capsys)
+    assert "--layers must be >= 1" in refused_one_line(base[:3] + ["--layers", "0"], capsys)
 
 
 # ------------------------------------------------------------------------ pre-flight

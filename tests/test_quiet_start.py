@@ -5,7 +5,9 @@ README's snippets and the examples print none of their start-up lines.
 The filter is tested on what a C library writes to file descriptor 2 (where the CUDA
 plugin and libtpu log), with a line that must survive; the README's first snippet runs
 as written in a fresh interpreter whose environment names no platform, so that without
-`quiet_start` libtpu (which CI installs) or the CUDA plugin would print.
+`quiet_start` libtpu (which CI installs) or the CUDA plugin would print. A command run
+with no platform named prints nothing from libtpu, and `quiet_tpu_runtime` fills only
+the variables the user left unset (issues 38 and 47).
 """
 
 from __future__ import annotations
@@ -91,3 +93,32 @@ def test_the_documented_commands_run_quietly(argv):
     assert run.returncode == 0, run.stderr
     noisy = [line for line in run.stderr.splitlines() if NOISE.search(line)]
     assert not noisy, f"with the {_extras()} extra: {noisy}"
+
+
+def test_no_libtpu_noise_without_tpus(tmp_path):
+    """Issue 38, item 3: with the tpu extra installed, a command on a machine without TPU
+    chips prints nothing from libtpu (jax is kept to the CPU; JAX_PLATFORMS is not set)."""
+    if platforms.tpu_chips_present() or platforms.nvidia_gpu_visible():
+        pytest.skip("a machine with accelerators")
+    env = {k: v for k, v in os.environ.items() if k not in ("JAX_PLATFORMS", "XLA_FLAGS")}
+    run = subprocess.run([sys.executable, "-m", "tev_jax.cli", "exit-law", "--demo",
+                          "--draws", "10", "--show", "1"], env=env, capture_output=True,
+                         text=True, timeout=300, cwd=tmp_path)
+    assert run.returncode == 0 and "mean block length" in run.stdout
+    for noise in ("TPU", "libtpu", "hostname", "InitGoogle"):
+        assert noise not in run.stderr, run.stderr
+
+
+def test_quiet_tpu_runtime_fills_only_unset_variables(monkeypatch):
+    """Issue 47, item 12: without TPU chips, libtpu's environment is filled so that it
+    starts without its errors; a variable the user set is kept, and a TPU machine is left
+    alone."""
+    for name in platforms.QUIET_TPU_ENV:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("TPU_WORKER_ID", "3")
+    monkeypatch.setattr(platforms, "tpu_chips_present", lambda: False)
+    assert platforms.quiet_tpu_runtime()
+    assert os.environ["TPU_WORKER_HOSTNAMES"] == "localhost" and os.environ["TPU_WORKER_ID"] == "3"
+    monkeypatch.delenv("TPU_WORKER_HOSTNAMES")
+    monkeypatch.setattr(platforms, "tpu_chips_present", lambda: True)
+    assert not platforms.quiet_tpu_runtime() and "TPU_WORKER_HOSTNAMES" not in os.environ

@@ -3,7 +3,8 @@ commands: tests/test_interrupts.py): a training run and a rollout generation get
 signal at a random time (seeded), from the first second (imports, compiling) to past
 their first checkpoint or shard. Never a segfault, a traceback, a lost signal, or a lost
 checkpoint or shard that the message says is on disk. The slow tier interrupts each
-command 20 times; the fast tier the training run once."""
+command 20 times; the fast tier the training run once. The message of an interrupted
+run (which checkpoint is kept) is also checked in-process, on tiny models (issue 47)."""
 
 from __future__ import annotations
 
@@ -17,7 +18,13 @@ import sys
 import numpy as np
 import pytest
 
+from cli_fixtures import train_run_argv
 from interrupting import before_the_command, check_exit, env, interrupt, interrupts
+from train_fixtures import train_dirs  # noqa: F401  (a fixture)
+
+from train import __main__ as train_cli
+from train.checkpoint import steps_in
+from train.rollouts import RolloutSet
 
 RUN_FLAGS = ["--target-path", "bundled", "--drafter-path", "bundled:dflash", "--loss", "exit",
              "--budget", "16", "--num-anchors", "8", "--batch-size", "4", "--steps", "40",
@@ -121,3 +128,38 @@ def test_twenty_interrupts_per_command(name, tmp_path, rollouts):
     assert sum(c != 0 for c in codes) == 20, (
         f"{name}: {sum(c == 0 for c in codes)} of {len(codes)} runs ended before the signal")
     assert -11 not in codes and 139 not in codes
+
+
+READ = RolloutSet.batch_at
+
+
+def _interrupt_at(monkeypatch, micro_step):
+    """A KeyboardInterrupt when a run reads the batch of ``micro_step`` (in-process)."""
+    read = READ
+
+    def batch_at(self, seed, step, *args, **kw):
+        if step == micro_step:
+            raise KeyboardInterrupt
+        return read(self, seed, step, *args, **kw)
+
+    monkeypatch.setattr(RolloutSet, "batch_at", batch_at)
+
+
+def test_an_interrupted_run_says_which_checkpoint_is_kept(train_dirs, tmp_path,  # noqa: F811
+                                                           capsys, monkeypatch):
+    """In-process, on the tiny models of `train_fixtures` (issue 47, item 2): interrupted
+    before its first checkpoint, a run says that nothing is saved (not that checkpoints
+    "are kept"); interrupted later, it names the update of the newest checkpoint, which
+    is the one on disk."""
+    out = tmp_path / "run"
+    _interrupt_at(monkeypatch, 1)
+    assert train_cli.main(train_run_argv(train_dirs, out)) == 75
+    err = capsys.readouterr().err
+    assert "are kept" not in err and "interrupted (SIGINT); no checkpoint was written yet" in err
+    assert "the first comes at update 2" in err and steps_in(out / "checkpoints") == []
+
+    _interrupt_at(monkeypatch, 4)            # during update 5: updates 2 and 4 are saved
+    assert train_cli.main(train_run_argv(train_dirs, out)) == 75
+    err = capsys.readouterr().err
+    assert "the newest checkpoint, at update 4, is in" in err, err
+    assert steps_in(out / "checkpoints")[-1] == 4

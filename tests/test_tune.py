@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from cli_fixtures import nothing_but, prompts_file, refused_one_line
 from decode_fixtures import TableDrafter, greedy_reference, oracle_table, tiny_target
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -392,3 +393,18 @@ def test_cli_tune_then_generate_auto(tmp_path, capsys, monkeypatch, tuned):
         cli.main(["generate", "hello", "--target", str(tmp_path / "target"), "--drafter",
                   str(tmp_path / "d2"), "--budget", "auto", "--tuning", str(out)])
     assert "tuned for other models" in capsys.readouterr().err
+
+
+def test_tune_refuses_before_tuning(tmp_path, capsys, monkeypatch):
+    """Issue 38, item 11: tune's --repeats 0, an unwritable --json and --figure without
+    matplotlib are refused before the tuning runs (whose result would be lost)."""
+    p = str(prompts_file(tmp_path / "p.jsonl"))
+    assert "--repeats must be >= 1, got 0" in refused_one_line(
+        ["tune", "--prompts", p, "--repeats", "0"], capsys)
+    assert "--json" in refused_one_line(
+        ["tune", "--prompts", p, "--json", str(tmp_path / "x" / "t")], capsys)
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None)
+    line = refused_one_line(["tune", "--prompts", p, "--figure", str(tmp_path / "t.png")],
+                            capsys)
+    assert "--figure" in line and "needs matplotlib" in line
+    nothing_but(tmp_path, "p.jsonl")
