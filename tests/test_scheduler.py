@@ -8,6 +8,7 @@ import threading
 
 import pytest
 
+from tev_jax.budget import AutoBudget
 from tev_jax.data.tokenizer import STOP_IDS
 from tev_jax.decode import DecodeConfig
 from tev_jax.sampling import Sampling
@@ -189,3 +190,53 @@ def test_warmup_compiles_what_default_clients_send(bundled, caplog):
     assert all(rec.events[i][-1].finish_reason == "length" for i in range(3))
     compiles = [r.getMessage() for r in caplog.records if "compiling" in r.getMessage()]
     assert compiles and all("temperature=0.7," in m for m in compiles), compiles
+
+
+def test_batch_invariant_rows_do_not_depend_on_their_batch(bundled):
+    """Issue 57, item 7. Why a seed could break: the same row after one round on the
+    1-slot program and among others on the 4-slot program has other bits in its target
+    features (XLA's products accumulate in another order for another row count; the
+    control). With the batch-invariant layout (one slot count, each prompt prefilled
+    alone) the row's numbers are the same whatever else is in the batch, and seeded
+    T = 1 requests sent together equal the same requests sent alone."""
+    import jax
+    import numpy as np
+
+    from tev_jax.server.scheduler import request_keys
+    from tev_jax.slots import SlotPrograms, Slots
+
+    target, drafter, tok = bundled
+    config = DecodeConfig(max_new_tokens=MAX_TOKENS, prompt_len=16, budget=4,
+                          stop_token_ids=STOP_IDS, sampling=Sampling(temperature=1.0))
+    programs = SlotPrograms(target, drafter, {1: config, 4: config})
+    prompts = [tok.encode(t).ids for t in ("Once upon a time", "The cat sat", "In 1999 the")]
+
+    def features(slots: int, rows: list, one_by_one: bool) -> np.ndarray:
+        s = Slots(programs, slots, jax.random.key(0))
+        for batch in ([[r] for r in rows] if one_by_one else [rows]):
+            k = s.refill_rows(len(batch))
+            s.refill([(i, prompts[i]) for i in batch],
+                     request_keys([7 + i for i in batch] + [0] * (k - len(batch))), [16])
+        s.run(slots + 1, 1)
+        return np.asarray(s.st.new_feats_BPF[0])
+
+    alone_1 = features(1, [0], one_by_one=True)
+    batched = features(4, [0, 1, 2], one_by_one=False)
+    assert not np.array_equal(alone_1, batched)  # the control: the numbers moved
+    alone_4 = features(4, [0], one_by_one=True)
+    assert np.array_equal(alone_4, features(4, [0, 1, 2], one_by_one=True))
+
+    requests = [dataclasses.replace(_request(tok, 1.0, 1000 + i), prompt_ids=tuple(p))
+                for i, p in enumerate(prompts)]
+    s = _scheduler(bundled, max_batch=4, max_lanes=1, batch_invariant=True)
+    together = _run(s, requests)
+    for i, r in enumerate(requests):
+        alone = Recorder(1)
+        s.submit(r, alone.emit(0))
+        assert alone.wait(120)
+        assert alone.tokens(0) == together.tokens(i), i
+    s.drain()
+    assert s.join(30)
+    with pytest.raises(ValueError, match="fixed budget"):
+        Scheduler(target, drafter, dataclasses.replace(config, budget=AutoBudget(((1, 4),))),
+                  tok.decode, batch_invariant=True)

@@ -31,9 +31,15 @@ Rows never interact: at T = 0 every request gets the greedy tokens of its prompt
 whatever shares the batch; at T > 0 each is an exact sample whose random numbers come
 from its own row key (`tev_jax.decode.step_keys`): `request_key` of the request's
 ``seed``, or of a seed the scheduler draws. At a fixed budget the same request with the
-same seed gets the same completion, whatever else shares the batch, whichever slot or
-lane size it lands in and whenever it arrives (an automatic budget changes the tree
-with the live rows, and with it which exact sample the key picks).
+same seed gets the same completion whatever else shares the batch, whichever slot it
+lands in and whenever it arrives, as long as it decodes on programs of the same slot
+count (an automatic budget changes the tree with the live rows, and with it which exact
+sample the key picks). Across slot counts a near-tie between two tokens (an argmax or a
+draw) can resolve the other way, because XLA's matrix products accumulate in another
+order for another number of rows (measured on XLA:CPU, 2026-12-06: a product of 1 row
+or of 64 and more agrees with the same rows of a larger one; of 2 to 32 rows, it differs
+in the last bits). ``batch_invariant`` makes every row's numbers independent of its
+batch: one slot count, each prompt prefilled alone.
 """
 
 from __future__ import annotations
@@ -183,18 +189,30 @@ class Scheduler:
       max_lanes: sampling settings decoded at once.
       seed: seeds the seeds the scheduler draws for requests without one.
       widths: prompt width buckets (default three of `tev_jax.slots.width_buckets`).
+      batch_invariant: a row's numbers never depend on its batch: every round runs on
+        the ``max_batch``-slot program and every prompt is prefilled alone, in the
+        width its own length picks (needs a fixed budget). Without it a seed holds bit
+        for bit only among requests decoded on programs of the same slot count: XLA's
+        matrix products accumulate in another order for another number of rows, and a
+        near-tie between two tokens can then resolve the other way.
     """
 
     def __init__(self, target, drafter, config: DecodeConfig, decode: Callable[[list[int]], str],
                  *, max_batch: int = 8, max_queue: int = 64, max_lanes: int = 4,
-                 seed: int = 0, widths: Sequence[int] | None = None):
+                 seed: int = 0, widths: Sequence[int] | None = None,
+                 batch_invariant: bool = False):
         if max_batch < 1 or max_queue < 0 or max_lanes < 1:
             raise ValueError(f"max_batch and max_lanes must be >= 1 and max_queue >= 0, got "
                              f"{max_batch}, {max_lanes}, {max_queue}")
+        if batch_invariant and isinstance(config.budget, AutoBudget):
+            raise ValueError("batch_invariant needs a fixed budget (an automatic one changes "
+                             "the tree with the live rows)")
         self.target, self.drafter, self.decode = target, drafter, decode
         self.config = config
         self.max_batch, self.max_queue, self.max_lanes = max_batch, max_queue, max_lanes
-        self.configs = lane_configs(config, max_batch)
+        self.batch_invariant = batch_invariant
+        self.configs = ({max_batch: config} if batch_invariant
+                        else lane_configs(config, max_batch))
         self.sizes = tuple(sorted(self.configs))
         self.widths = tuple(sorted(widths or width_buckets(config.prompt_len, 3)))
         self.stop_ids = frozenset(config.stop_token_ids)
@@ -411,7 +429,8 @@ class Scheduler:
                         lane.slots = Slots(programs, slots, jax.random.key(0))
                     elif slots > lane.slots.size:
                         lane.slots.resize(slots)
-                    self._refill(lane, jobs)
+                    for batch in ([[j] for j in jobs] if self.batch_invariant else [jobs]):
+                        self._refill(lane, batch)
                     self._hand_out(lane)
                 except Exception:  # these requests (and their lane's) end; others go on
                     self._fail_lane(s, lane, jobs)
