@@ -195,27 +195,51 @@ def _json_record(path: Path, n: int, line: str, line_ids: bool = False) -> Promp
     return PromptRecord(id=rid, line=n, kind=kind, value=value)
 
 
-def chat_formatter(tokenizer_config: dict | None) -> Callable[[list[dict]], str]:
+def chat_formatter(tokenizer_config: dict | str | os.PathLike | None,
+                   template: str | None = None) -> Callable[[list[dict]], str]:
     """``messages -> prompt text``: the tokenizer's chat template, else the bundled one.
 
-    With a ``chat_template`` in ``tokenizer_config`` (a tokenizer_config.json), renders
-    it as Hugging Face does (Jinja, ``add_generation_prompt=True``, the special tokens
-    as variables). Without one, `tev_jax.data.tokenizer.format_chat`, which takes a
-    single user turn.
+    With a chat template, renders it as Hugging Face does (Jinja, ``add_generation_prompt
+    =True``, the special tokens of ``tokenizer_config`` as variables, ``raise_exception``
+    and ``strftime_now``). The messages are ``{"role", "content"}`` objects (a ``name``
+    passes through); a ``developer`` message (OpenAI's newer name for the system turn) is
+    given to the template as ``system`` unless the template names ``developer`` itself.
+    Without a template, `tev_jax.data.tokenizer.format_chat`: any system or developer
+    messages, then one user turn.
+
+    Args:
+      tokenizer_config: a tokenizer_config.json's object (its ``chat_template``), or the
+        folder holding tokenizer_config.json (then its ``chat_template.jinja`` is read
+        too), or None.
+      template: a chat template's text, which takes precedence over the config's:
+        current transformers saves the template as ``chat_template.jinja`` beside
+        tokenizer_config.json instead of in it.
     """
-    template = (tokenizer_config or {}).get("chat_template")
+    if isinstance(tokenizer_config, (str, os.PathLike)):
+        folder = Path(tokenizer_config)
+        config_file, template_file = folder / "tokenizer_config.json", folder / "chat_template.jinja"
+        if template is None and template_file.is_file():
+            template = read_text(template_file)
+        tokenizer_config = json.loads(read_text(config_file)) if config_file.is_file() else None
+    if not template:
+        template = (tokenizer_config or {}).get("chat_template")
     if isinstance(template, list):  # several named templates: the default one
         template = next((t["template"] for t in template if t.get("name") == "default"), None)
     if not template:
         from tev_jax.data.tokenizer import format_chat
 
         def bundled(messages):
-            if len(messages) != 1 or messages[0]["role"] != "user":
-                raise ValueError("without a chat template in tokenizer_config.json, messages "
-                                 "must be one user turn")
-            return format_chat(messages[0]["content"])
+            system = [m["content"] for m in messages[:-1] if m["role"] in ("system", "developer")]
+            if len(system) != len(messages) - 1 or messages[-1]["role"] != "user":
+                raise ValueError("without a chat template (tokenizer_config.json or "
+                                 "chat_template.jinja), messages must be one user turn, "
+                                 "after any system or developer messages")
+            return format_chat(messages[-1]["content"],
+                               "\n\n".join(c for c in system if c) or None)
 
         return bundled
+    import datetime
+
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
     def raise_exception(message):
@@ -223,11 +247,19 @@ def chat_formatter(tokenizer_config: dict | None) -> Callable[[list[dict]], str]
 
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
     env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.datetime.now().strftime(fmt)
     compiled = env.from_string(template)
     tokens = {k: v for k, v in (tokenizer_config or {}).items()
               if k.endswith("_token") and isinstance(v, str)}
-    return lambda messages: compiled.render(messages=messages, add_generation_prompt=True,
-                                            **tokens)
+    knows_developer = "developer" in template
+
+    def render(messages):
+        if not knows_developer:
+            messages = [m | {"role": "system"} if m["role"] == "developer" else m
+                        for m in messages]
+        return compiled.render(messages=messages, add_generation_prompt=True, **tokens)
+
+    return render
 
 
 def encode_records(records: Sequence[PromptRecord], tokenizer, chat, *, vocab_size: int,

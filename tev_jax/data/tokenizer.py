@@ -16,6 +16,8 @@ Chat template (one user turn; the model continues after the last newline)::
 
     <|user|>\\n{user_text}<|end|>\\n<|assistant|>\\n
 
+There is no system token: a system prompt opens the user turn (`format_chat`).
+
 and a training dialogue is that prompt, the answer, then ``<|end|>``. ``encode`` (with
 the default ``add_special_tokens=True``) prepends ``<|bos|>``; nothing appends
 ``<|eos|>``. Generation stops at ``<|end|>`` or ``<|eos|>`` (``STOP_IDS``).
@@ -79,17 +81,28 @@ class TokenizerConfig:
             )
 
 
-def format_chat(user_text: str) -> str:
+def format_chat(user_text: str, system: str | None = None) -> str:
     """The chat prompt for one user turn; the model's answer follows it.
 
     Args:
       user_text: the user's message (non-empty).
+      system: the system (or developer) messages' text, or None. The tokenizer has no
+        system token (its special tokens are the table above: adding one would change V
+        and the trained models), so, as templates of models without a system role do
+        (Gemma's), the system text opens the user turn, a blank line before the user's
+        text: ``"<|user|>\\n{system}\\n\\n{user_text}<|end|>\\n<|assistant|>\\n"``, in
+        the markers the models were trained on. Without it the prompt is exactly the
+        one-turn prompt below (the bundled drafters were trained on it).
 
     Returns:
       ``"<|user|>\\n{user_text}<|end|>\\n<|assistant|>\\n"`` (no BOS: ``encode`` adds it).
     """
     if not isinstance(user_text, str) or not user_text:
         raise ValueError("user_text must be a non-empty string")
+    if system is not None and not isinstance(system, str):
+        raise ValueError("system must be a string or None")
+    if system:
+        user_text = f"{system}\n\n{user_text}"
     return f"{USER}\n{user_text}{END}\n{ASSISTANT}\n"
 
 
