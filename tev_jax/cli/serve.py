@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import os
 import sys
 
 from tev_jax.cli import flags
 from tev_jax.runtime.exit_codes import EXIT_USAGE
 
 SERVE_EXTRA = 'the server needs the serve extra: pip install -e ".[serve]"'
+API_KEY_ENV = "TEV_JAX_API_KEY"
 
 
 def serve_command(args) -> int:
@@ -27,6 +29,13 @@ def serve_command(args) -> int:
                          f"{args.port}")
     if args.max_queue < 0:
         raise ValueError(f"--max-queue must be >= 0, got {args.max_queue}")
+    if not 0 < args.max_body_mb <= 4096:
+        raise ValueError(f"--max-body-mb must be in (0, 4096], got {args.max_body_mb}")
+    api_key = args.api_key if args.api_key is not None else (
+        os.environ.get(API_KEY_ENV) or None)  # set but empty: no key
+    if api_key is not None and (not api_key.strip() or api_key != api_key.strip()):
+        raise ValueError("--api-key (or TEV_JAX_API_KEY) must be a non-empty key without "
+                         "surrounding spaces")
     if args.verifier == "greedy":
         raise ValueError("--verifier greedy is exact at temperature 0 only; a server takes "
                          "any temperature (use tev, predraw or sequential)")
@@ -44,7 +53,8 @@ def serve_command(args) -> int:
         ("tev-jax-bundled" if is_bundled_target(args.target) else args.target),
         host=args.host, port=args.port, max_batch=args.max_batch, max_queue=args.max_queue,
         max_lanes=args.max_lanes, drain_seconds=args.drain_seconds, seed=args.seed,
-        dtype=args.dtype, warmup=args.warmup)
+        dtype=args.dtype, warmup=args.warmup, api_key=api_key,
+        max_body_bytes=int(args.max_body_mb * 2**20))
     print(f"tev-jax serve: {where}; {flags.method_label(config)}", file=sys.stderr)
     return run.serve(options)
 
@@ -93,4 +103,11 @@ def add_parser(sub) -> None:
                         "bucket) before listening; default: each when first met")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
                    help="parameter and KV-cache dtype (default %(default)s)")
+    p.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' on every /v1 route (401 "
+                        f"without it; /health stays open); default: ${API_KEY_ENV} if set, "
+                        "else none")
+    p.add_argument("--max-body-mb", type=float, default=8.0,
+                   help="the largest request body read, in MiB; larger bodies get 413 "
+                        "(default %(default)s)")
     p.set_defaults(func=serve_command)

@@ -2,9 +2,20 @@
 
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (JSON, or with
 ``"stream": true`` server-sent events: one event per decode round's new text, then
-``data: [DONE]``), ``GET /v1/models`` and ``GET /health`` (slots, queue, τ, the
-budgets the rounds ran with). A bad request gets 400 with OpenAI's error body naming
-the field, a full queue 429 with ``Retry-After``, a draining server 503.
+``data: [DONE]``), ``GET /v1/models``, ``GET /v1/models/{id}`` and ``GET /health``
+(slots, queue, τ, the budgets the rounds ran with; 503 with ``"status": "draining"``
+once a drain began). Every answer that is not a success is OpenAI's error body
+(``{"error": {"message", "type", "param", "code"}}``): a bad request 400 naming the
+field, an unknown model 404 (``model_not_found``), an unknown route 404
+(``not_found``), a wrong method 405, a body over ``max_body_bytes`` 413 (refused from
+its Content-Length before it is read, or as soon as a chunked body passes the limit), a
+missing or wrong API key on ``/v1/*`` 401 (``invalid_api_key``), a full queue 429 with
+``Retry-After``, a draining server 503, anything unexpected 500.
+
+The body's JSON is parsed, checked and tokenized in a worker thread
+(`asyncio.to_thread`), so a large prompt never holds up the event loop (``GET
+/health``, the streams); the tokenizer must release the GIL while it encodes (`run`
+encodes with ``encode_batch``, which does).
 
 Starlette (with uvicorn to run it, `tev_jax.cli.serve`) is the stack: small, well kept,
 the ASGI toolkit FastAPI is built on, with streaming responses that notice a client
@@ -18,12 +29,16 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import hmac
 import json
+import logging
 import time
 import uuid
 from collections.abc import Callable, Sequence
 
 from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
@@ -32,8 +47,11 @@ from tev_jax.server.requests import (GenerationRequest, Limits, RequestError, er
                                      parse_request, read_json)
 from tev_jax.server.scheduler import Draining, Event, QueueFull, Scheduler
 
+log = logging.getLogger("tev_jax.server")
+
 RETRY_AFTER_S = 1
 POLL_S = 0.5  # how often a non-streamed request checks that its client is still there
+DEFAULT_MAX_BODY_BYTES = 8 * 2**20
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,6 +65,9 @@ class Served:
       chat_format: ``messages -> text``, the model's chat template.
       drain_seconds: on shutdown, how long running requests may go on before they are
         cut (0: at the end of the current round).
+      api_key: when set, every ``/v1/*`` route needs ``Authorization: Bearer <key>``
+        (``/health`` stays open).
+      max_body_bytes: the largest request body read (more: 413).
     """
 
     scheduler: Scheduler
@@ -54,10 +75,76 @@ class Served:
     encode: Callable[[str], Sequence[int]]
     chat_format: Callable[[list[dict]], str]
     drain_seconds: float = 0.0
+    api_key: str | None = None
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
 
 
 def _error(e: RequestError, headers: dict | None = None) -> JSONResponse:
     return JSONResponse(error_body(e), status_code=e.status, headers=headers)
+
+
+_HTTP_CODES = {401: "invalid_api_key", 404: "not_found", 405: "method_not_allowed",
+               413: "request_too_large"}
+
+
+async def _http_error(request: Request, exc: HTTPException) -> Response:
+    """Starlette's HTTP errors (an unknown route, a wrong method) as OpenAI's error body."""
+    message = {404: f"no route {request.method} {request.url.path}",
+               405: f"{request.method} is not allowed on {request.url.path}"}.get(
+                   exc.status_code, str(exc.detail))
+    return _error(RequestError(message, None, status=exc.status_code,
+                               code=_HTTP_CODES.get(exc.status_code)),
+                  getattr(exc, "headers", None))
+
+
+async def _server_error(request: Request, exc: Exception) -> Response:
+    """Anything unexpected: 500 with OpenAI's error body (uvicorn logs the traceback)."""
+    return _error(RequestError(f"internal error ({type(exc).__name__})", None, status=500,
+                               kind="server_error"))
+
+
+class _ApiKey:
+    """ASGI middleware: ``/v1/*`` needs ``Authorization: Bearer <key>`` (compared in
+    constant time), else 401; ``/health`` and the rest stay open."""
+
+    def __init__(self, app, key: str):
+        self.app, self.key = app, key.encode()
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and (scope["path"] == "/v1"
+                                        or scope["path"].startswith("/v1/")):
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            scheme, _, token = given.partition(b" ")
+            if scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(), self.key):
+                what = "no API key" if not given else "an invalid API key"
+                response = _error(RequestError(
+                    f"{what}: this server needs 'Authorization: Bearer <key>' (--api-key)",
+                    None, status=401, code="invalid_api_key"),
+                    {"WWW-Authenticate": "Bearer"})
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The request body, at most ``limit`` bytes: a `RequestError` (413) from the
+    Content-Length before anything is read, or as soon as a chunked body passes it."""
+    too_large = lambda size: RequestError(
+        f"the body is {size} bytes, more than this server reads ({limit} bytes, "
+        f"--max-body-mb)", None, status=413, code="request_too_large")
+    length = request.headers.get("content-length")
+    if length is not None:
+        if not length.isdigit():
+            raise RequestError(f"Content-Length {length[:20]!r} is not a number")
+        if int(length) > limit:
+            raise too_large(int(length))
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise too_large(f"over {limit}" if length is None else size)
+        chunks.append(chunk)
+    return b"".join(chunks)
 
 
 def _choice(req: GenerationRequest, text: str, finish: str | None, *, delta: bool,
@@ -82,18 +169,45 @@ def create_app(served: Served) -> Starlette:
     limits, scheduler = served.limits, served.scheduler
     created = int(time.time())
 
+    model_object = {"id": limits.model, "object": "model", "created": created,
+                    "owned_by": "tev-jax", "max_model_len": limits.max_positions}
+
     async def health(request: Request) -> Response:
-        return JSONResponse({"status": "ok", "model": limits.model, **scheduler.snapshot()})
+        snapshot = scheduler.snapshot()
+        draining = snapshot["draining"]
+        return JSONResponse({"status": "draining" if draining else "ok",
+                             "model": limits.model, **snapshot},
+                            status_code=503 if draining else 200)
 
     async def models(request: Request) -> Response:
-        return JSONResponse({"object": "list", "data": [
-            {"id": limits.model, "object": "model", "created": created,
-             "owned_by": "tev-jax", "max_model_len": limits.max_positions}]})
+        return JSONResponse({"object": "list", "data": [model_object]})
+
+    async def model(request: Request) -> Response:
+        name = request.path_params["model"]
+        if name != limits.model:
+            return _error(RequestError(f"The model {json.dumps(name)} does not exist; this "
+                                       f"server serves {limits.model!r}", "model",
+                                       status=404, code="model_not_found"))
+        return JSONResponse(model_object)
+
+    def parse(body: bytes, chat: bool) -> GenerationRequest:
+        """Runs in a worker thread: JSON, checks, chat template, tokenizer."""
+        try:
+            return parse_request(read_json(body), limits, served.encode,
+                                 chat_format=served.chat_format if chat else None)
+        except RequestError:
+            raise
+        except RecursionError:
+            raise RequestError("the body nests too deeply to be read") from None
+        except Exception as e:  # a check missed something: answer, and log it
+            log.exception("reading a request failed")
+            raise RequestError(f"the request could not be read ({type(e).__name__})", None,
+                               status=500, kind="server_error") from None
 
     async def generate(request: Request, chat: bool) -> Response:
         try:
-            req = parse_request(read_json(await request.body()), limits, served.encode,
-                                chat_format=served.chat_format if chat else None)
+            body = await read_body(request, served.max_body_bytes)
+            req = await asyncio.to_thread(parse, body, chat)
         except RequestError as e:
             return _error(e)
         loop = asyncio.get_running_loop()
@@ -152,9 +266,12 @@ def create_app(served: Served) -> Starlette:
 
     return Starlette(routes=[
         Route("/health", health), Route("/v1/models", models),
+        Route("/v1/models/{model:path}", model),
         Route("/v1/completions", completions, methods=["POST"]),
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
-    ], lifespan=lifespan)
+    ], lifespan=lifespan,
+        middleware=[Middleware(_ApiKey, key=served.api_key)] if served.api_key else [],
+        exception_handlers={HTTPException: _http_error, Exception: _server_error})
 
 
 async def _stream(req: GenerationRequest, job, events: asyncio.Queue, head: dict):
@@ -183,4 +300,4 @@ async def _stream(req: GenerationRequest, job, events: asyncio.Queue, head: dict
         job.cancel()
 
 
-__all__ = ["RETRY_AFTER_S", "Served", "create_app"]
+__all__ = ["DEFAULT_MAX_BODY_BYTES", "RETRY_AFTER_S", "Served", "create_app", "read_body"]

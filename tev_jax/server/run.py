@@ -4,8 +4,11 @@
 (`tev_jax.server.scheduler`) and the app (`tev_jax.server.app`), and runs uvicorn until
 SIGINT / SIGTERM. On a signal it stops admitting and drains the scheduler: the waiting
 requests end at once and the running ones at the end of the current round (or after
-``drain_seconds``), each with its ``finish_reason``; then uvicorn closes the
-connections and `serve` returns (exit 0).
+``drain_seconds``), each with its ``finish_reason``. The server keeps listening while
+the scheduler drains, so a request that arrives then gets 503 (and ``GET /health``
+says ``draining``) rather than a refused connection; once the scheduler has finished,
+uvicorn closes the connections and `serve` returns (exit 0). A second signal stops
+listening at once.
 """
 
 from __future__ import annotations
@@ -13,17 +16,16 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
-import json
 import logging
 import signal
 import socket
 import sys
-from pathlib import Path
+import threading
 
 import uvicorn
 
 from tev_jax.decode import DecodeConfig
-from tev_jax.server.app import Served, create_app
+from tev_jax.server.app import DEFAULT_MAX_BODY_BYTES, Served, create_app
 from tev_jax.server.requests import Limits
 from tev_jax.server.scheduler import Scheduler
 
@@ -45,6 +47,8 @@ class ServeOptions:
       dtype: parameter and cache dtype.
       warmup: compile the greedy lane's programs before listening (else each compiles
         when first met, and the request that meets it waits for it).
+      api_key: when set, ``/v1/*`` needs ``Authorization: Bearer <key>``.
+      max_body_bytes: the largest request body read (more: 413).
     """
 
     target: str
@@ -60,6 +64,8 @@ class ServeOptions:
     seed: int = 0
     dtype: str = "float32"
     warmup: bool = False
+    api_key: str | None = None
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
 
 
 def build(options: ServeOptions) -> Served:
@@ -82,22 +88,25 @@ def build(options: ServeOptions) -> Served:
         config = dataclasses.replace(config, stop_token_ids=stop_token_ids(target, tokenizer))
     if isinstance(config.budget, AutoBudget) and config.builder == "ddtree":
         check_tuned_for(config.budget, target, drafter)
-    config_file = Path(options.target) / "tokenizer_config.json"
-    chat = text_io.chat_formatter(
-        json.loads(config_file.read_text()) if config_file.is_file() else None)
+    # tokenizer_config.json's chat_template, or chat_template.jinja beside it
+    chat = text_io.chat_formatter(options.target)
     has_bos = tokenizer.token_to_id(BOS) is not None
 
     def encode(text: str) -> list[int]:  # a chat template that writes BOS itself
-        return tokenizer.encode(text, add_special_tokens=not (has_bos and text.startswith(BOS))
-                                ).ids
+        # encode_batch releases the GIL while it works (encode holds it: seconds for a
+        # megabyte, the event loop stalled)
+        return tokenizer.encode_batch(
+            [text], add_special_tokens=not (has_bos and text.startswith(BOS)))[0].ids
 
     scheduler = Scheduler(target, drafter, config, tokenizer.decode,
                           max_batch=options.max_batch, max_queue=options.max_queue,
                           max_lanes=options.max_lanes, seed=options.seed)
     limits = Limits(model=options.model, prompt_len=config.prompt_len,
                     max_tokens=config.max_new_tokens,
-                    max_positions=target.config.max_position_embeddings)
-    return Served(scheduler, limits, encode, chat, options.drain_seconds)
+                    max_positions=target.config.max_position_embeddings,
+                    vocab_size=target.config.vocab_size)
+    return Served(scheduler, limits, encode, chat, options.drain_seconds,
+                  api_key=options.api_key, max_body_bytes=options.max_body_bytes)
 
 
 def listening_socket(host: str, port: int) -> socket.socket:
@@ -130,16 +139,29 @@ def _url_host(host: str) -> str:
 
 
 class _DrainingServer(uvicorn.Server):
-    """uvicorn's server whose exit signal also drains the scheduler at once, so running
-    streams end within a round instead of uvicorn waiting for them."""
+    """uvicorn's server whose exit signal drains the scheduler at once (running streams
+    end within a round, or after ``drain_seconds``, instead of uvicorn waiting for them)
+    and lets uvicorn stop only once the scheduler has finished: until then it keeps
+    listening, and a new request gets 503. A second signal stops listening at once (a
+    third SIGINT is uvicorn's forced exit)."""
 
     def __init__(self, config: uvicorn.Config, served: Served):
         super().__init__(config)
         self.served = served
+        self._drained: threading.Thread | None = None
 
     def handle_exit(self, sig, frame) -> None:
+        if self._drained is not None:
+            super().handle_exit(sig, frame)
+            return
         self.served.scheduler.drain(self.served.drain_seconds)
-        super().handle_exit(sig, frame)
+        self._drained = threading.Thread(target=self._exit_when_drained, args=(sig,),
+                                         name="tev-jax-drain", daemon=True)
+        self._drained.start()
+
+    def _exit_when_drained(self, sig) -> None:
+        self.served.scheduler.join()
+        super().handle_exit(sig, None)
 
 
 @contextlib.contextmanager
