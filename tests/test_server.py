@@ -198,7 +198,6 @@ def test_chat_and_streaming(server, bundled):
 def test_bad_requests_get_400_naming_the_field(server):
     client = server.client()
     cases = [
-        ("model", dict(model="gpt-4", prompt="hi")),
         ("max_tokens", dict(model=MODEL, prompt="hi", max_tokens=-1)),
         ("max_tokens", dict(model=MODEL, prompt="hi", max_tokens=MAX_TOKENS + 1)),
         ("prompt", dict(model=MODEL, prompt="word " * 200)),  # longer than the cache's P
@@ -209,6 +208,9 @@ def test_bad_requests_get_400_naming_the_field(server):
         with pytest.raises(openai.BadRequestError) as e:
             client.completions.create(**kw)
         assert e.value.status_code == 400 and e.value.body["param"] == param, kw
+    with pytest.raises(openai.NotFoundError) as e:  # as OpenAI answers an unknown model
+        client.completions.create(model="gpt-4", prompt="hi")
+    assert e.value.status_code == 404 and e.value.body["code"] == "model_not_found"
     r = httpx.post(server.url + "/v1/completions", content=b"{not json", timeout=10)
     assert r.status_code == 400 and "JSON" in r.json()["error"]["message"]
     assert r.json()["error"]["type"] == "invalid_request_error"

@@ -40,14 +40,17 @@ class IncrementalText:
 
     def update(self, tokens: Sequence[int]) -> str:
         """The text of ``tokens`` so far, without a last character whose bytes are not
-        all there."""
+        all there (the window's whole characters before it are in)."""
         tokens = list(tokens)
         before = self.decode(tokens[self._prefix:self._read])
         now = self.decode(tokens[self._prefix:])
-        if len(now) > len(before) and not now.endswith(INCOMPLETE):
+        if len(now) <= len(before):
+            return self.text
+        if not now.endswith(INCOMPLETE):
             self.text += now[len(before):]
             self._prefix, self._read = self._read, len(tokens)
-        return self.text
+            return self.text
+        return self.text + now[len(before):].rstrip(INCOMPLETE)
 
     def final(self, tokens: Sequence[int]) -> str:
         """The whole text of ``tokens``, a last incomplete character included (as the

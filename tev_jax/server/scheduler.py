@@ -58,7 +58,7 @@ from tev_jax import extensions
 from tev_jax.budget import AutoBudget
 from tev_jax.decode import DecodeConfig
 from tev_jax.sampling import Sampling
-from tev_jax.server.detokenize import IncrementalText, next_text, tokens_for, visible
+from tev_jax.server.detokenize import IncrementalText, tokens_for, visible
 from tev_jax.server.requests import GenerationRequest
 from tev_jax.slots import SlotPrograms, Slots, row_buckets, slot_configs, width_buckets
 
@@ -527,7 +527,7 @@ class Scheduler:
         text, hit = visible(job.text, tokens, req.stop, final)
         if final and not hit:
             shown = len(tokens)
-        elif not hit and len(text) == len(job.text.text):
+        elif not hit and len(text) >= len(job.text.text):
             shown = job.text.read  # the usual round: nothing held back
         else:  # the tokens of the text up to a (possible) stop string
             shown = tokens_for(len(text), tokens, self.decode)
@@ -561,4 +561,4 @@ class Scheduler:
 
 
 __all__ = ["ABORT", "ERROR", "LENGTH", "STOP", "WARMUP", "Draining", "Event", "Job", "QueueFull",
-           "Scheduler", "budget_of", "lane_configs", "next_text", "request_keys"]
+           "Scheduler", "budget_of", "lane_configs", "request_keys"]
