@@ -41,6 +41,9 @@ def serve_command(args) -> int:
                          "any temperature (use tev, predraw or sequential)")
     if args.tuning is not None and args.budget != "auto":
         raise ValueError("--tuning is read with --budget auto")
+    if args.batch_invariant and args.budget == "auto":
+        raise ValueError("--batch-invariant needs a fixed --budget (an automatic one "
+                         "changes the tree with the live rows)")
     if args.budget == "auto" and args.tuning is None:
         raise ValueError("--budget auto needs --tuning FILE (the file that tev-jax tune "
                          "--json FILE writes)")
@@ -53,7 +56,8 @@ def serve_command(args) -> int:
         ("tev-jax-bundled" if is_bundled_target(args.target) else args.target),
         host=args.host, port=args.port, max_batch=args.max_batch, max_queue=args.max_queue,
         max_lanes=args.max_lanes, drain_seconds=args.drain_seconds, seed=args.seed,
-        dtype=args.dtype, warmup=args.warmup, api_key=api_key,
+        dtype=args.dtype, warmup=args.warmup, batch_invariant=args.batch_invariant,
+        api_key=api_key,
         max_body_bytes=int(args.max_body_mb * 2**20))
     print(f"tev-jax serve: {where}; {flags.method_label(config)}", file=sys.stderr)
     return run.serve(options)
@@ -99,8 +103,13 @@ def add_parser(sub) -> None:
                    help="prefill prompts in chunks of this many tokens (default %(default)s)")
     p.add_argument("--seed", type=int, default=0, help="the scheduler's sampling seed")
     p.add_argument("--warmup", action="store_true",
-                   help="compile the greedy lane's programs (every slot count and prompt "
-                        "bucket) before listening; default: each when first met")
+                   help="compile the programs of greedy requests and of temperature 1 "
+                        "(OpenAI's default; every slot count and prompt bucket) before "
+                        "listening; default: each when first met")
+    p.add_argument("--batch-invariant", action="store_true",
+                   help="a request's numbers never depend on its batch, so a seed holds "
+                        "bit for bit: every round on the --max-batch program, every prompt "
+                        "prefilled alone (needs a fixed --budget; slower for few requests)")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
                    help="parameter and KV-cache dtype (default %(default)s)")
     p.add_argument("--api-key", default=None,

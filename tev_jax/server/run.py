@@ -45,8 +45,11 @@ class ServeOptions:
       drain_seconds: on SIGTERM, how long running requests may go on.
       seed: the scheduler's key.
       dtype: parameter and cache dtype.
-      warmup: compile the greedy lane's programs before listening (else each compiles
-        when first met, and the request that meets it waits for it).
+      warmup: compile the programs of greedy requests and of OpenAI's default setting
+        (temperature 1) before listening (else each compiles when first met, and the
+        request that meets it waits for it).
+      batch_invariant: the `Scheduler`'s: a seed holds bit for bit whatever shares the
+        batch (every round on the max-batch program, every prompt prefilled alone).
       api_key: when set, ``/v1/*`` needs ``Authorization: Bearer <key>``.
       max_body_bytes: the largest request body read (more: 413).
     """
@@ -64,6 +67,7 @@ class ServeOptions:
     seed: int = 0
     dtype: str = "float32"
     warmup: bool = False
+    batch_invariant: bool = False
     api_key: str | None = None
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
 
@@ -100,7 +104,8 @@ def build(options: ServeOptions) -> Served:
 
     scheduler = Scheduler(target, drafter, config, tokenizer.decode,
                           max_batch=options.max_batch, max_queue=options.max_queue,
-                          max_lanes=options.max_lanes, seed=options.seed)
+                          max_lanes=options.max_lanes, seed=options.seed,
+                          batch_invariant=options.batch_invariant)
     limits = Limits(model=options.model, prompt_len=config.prompt_len,
                     max_tokens=config.max_new_tokens,
                     max_positions=target.config.max_position_embeddings,
@@ -180,8 +185,8 @@ def serve(options: ServeOptions, served: Served | None = None) -> int:
     """Serves until SIGINT / SIGTERM; 0 after a drained shutdown."""
     served = served or build(options)
     if options.warmup:
-        print("tev-jax serve: compiling the greedy lane's programs ...", file=sys.stderr,
-              flush=True)
+        print("tev-jax serve: compiling the programs of greedy requests and of temperature 1 "
+              "...", file=sys.stderr, flush=True)
         served.scheduler.warmup()
     logging.basicConfig(level=logging.INFO, format="%(levelname)s: %(message)s")
     sock = listening_socket(options.host, options.port)
