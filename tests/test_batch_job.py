@@ -127,9 +127,10 @@ def test_an_unwritable_summary_is_refused_before_the_run(model_dirs, tmp_path,  
 
 def test_chat_roles_and_oversized_batches_name_the_culprit(model_dirs, tmp_path,  # noqa: F811
                                                            capsys):
-    """Issue 38, item 15: a system message is refused with its file, line and id; a batch
-    size far above the prompts to decode is cut to them before the memory check (issue
-    47, item 10: it was refused in a two-in-one message suggesting a lower budget)."""
+    """Issue 38, item 15: a system message with no user turn is refused with its file,
+    line and id; a batch size far above the prompts to decode is cut to them before the
+    memory check (issue 47, item 10: it was refused in a two-in-one message suggesting a
+    lower budget)."""
     from tev_jax.models.bundled import bundled_paths
 
     config = json.loads((bundled_paths().target / "tokenizer_config.json").read_text())
@@ -137,7 +138,8 @@ def test_chat_roles_and_oversized_batches_name_the_culprit(model_dirs, tmp_path,
     f = tmp_path / "m.jsonl"
     f.write_text(json.dumps({"id": "s", "messages": [{"role": "system", "content": "x"}]})
                  + "\n")
-    with pytest.raises(ValueError, match=r"m.jsonl:1: id 's': chat template: only user"):
+    with pytest.raises(ValueError, match=r"m.jsonl:1: id 's': chat template: system "
+                       "messages must be followed by a user turn"):
         text_io.encode_records(text_io.read_prompts(f), word_tokenizer(), chat, vocab_size=V,
                                 prompt_len=None, truncate=False, where=str(f))
     capsys.readouterr()

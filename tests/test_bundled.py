@@ -352,3 +352,37 @@ def test_real_bundle_generates_with_defaults(capsys):
     out, err = capsys.readouterr()
     assert out.startswith("def fibonacci(n):")
     assert "bundled target + bundled exittrain drafter; ddtree (budget 64) + tev; T=0" in err
+
+
+def test_the_shipped_chat_template_opens_the_user_turn_with_the_system_text():
+    """Issue 57, item 6: the bundled target's chat template (tokenizer_config.json)
+    renders leading system messages as `format_chat` does, user turns as before (what the
+    drafters were trained on), the same as transformers' ``apply_chat_template``, and
+    refuses system messages with no user turn after them."""
+    import json
+
+    from transformers import PreTrainedTokenizerFast
+
+    from tev_jax import text_io
+    from tev_jax.data.tokenizer import format_chat
+
+    paths = bundled.bundled_paths()
+    config = json.loads((paths.target / "tokenizer_config.json").read_text())
+    chat = text_io.chat_formatter(config)
+    hf = PreTrainedTokenizerFast(tokenizer_file=str(paths.target / "tokenizer.json"),
+                                 **{k: v for k, v in config.items() if k != "tokenizer_class"})
+    user = [{"role": "user", "content": "What is 2?"}]
+    cases = {
+        "user": (user, format_chat("What is 2?")),
+        "system": ([{"role": "system", "content": "Be brief."}] + user,
+                   format_chat("What is 2?", system="Be brief.")),
+        "two": ([{"role": "system", "content": "A."}, {"role": "system", "content": "B."}] + user,
+                format_chat("What is 2?", system="A.\n\nB.")),
+    }
+    for name, (messages, want) in cases.items():
+        assert chat(messages) == want, name
+        assert hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True) == want
+    for bad in ([{"role": "system", "content": "x"}],
+                [{"role": "user", "content": "a"}, {"role": "system", "content": "b"}]):
+        with pytest.raises(ValueError, match="chat template"):
+            chat(bad)

@@ -263,9 +263,9 @@ def test_large_bodies_get_413_and_a_large_prompt_does_not_stall_the_loop(server)
 
 def test_chat_takes_content_parts_and_the_models_template(server):
     """Item 6: content as a list of text parts equals the same text as a string; a
-    system or developer message goes to the model's own template (the bundled one has
-    only user and assistant roles and says so: 400 naming messages); an image part is
-    refused."""
+    system or developer message goes to the model's own template (the bundled one opens
+    the user turn with it, as a completion of `format_chat(text, system=...)`); system
+    messages with no user turn and an image part are refused, naming messages."""
     c = client(server)
     text = "What is 12 * 7?"
     kw = dict(model=MODEL, max_tokens=12, temperature=0)
@@ -274,12 +274,18 @@ def test_chat_takes_content_parts_and_the_models_template(server):
         {"type": "text", "text": text}]}], **kw)
     assert parts.choices[0].message.content == plain.choices[0].message.content
     assert parts.usage.prompt_tokens == plain.usage.prompt_tokens
+    from tev_jax.data.tokenizer import format_chat
+
+    prompt = format_chat(text, system="Be brief.")  # the bundled template's system turn
+    want = c.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0)
     for role in ("system", "developer"):
-        with pytest.raises(openai.BadRequestError) as e:
-            c.chat.completions.create(messages=[{"role": role, "content": "Be brief."},
+        r = c.chat.completions.create(messages=[{"role": role, "content": "Be brief."},
                                                 {"role": "user", "content": text}], **kw)
-        assert e.value.body["param"] == "messages"
-        assert "only user and assistant roles" in e.value.body["message"]
+        assert r.choices[0].message.content == want.choices[0].text
+        assert r.usage.prompt_tokens == want.usage.prompt_tokens
+    with pytest.raises(openai.BadRequestError) as e:  # no user turn to open
+        c.chat.completions.create(messages=[{"role": "system", "content": "Be brief."}], **kw)
+    assert e.value.body["param"] == "messages"
     with pytest.raises(openai.BadRequestError) as e:
         c.chat.completions.create(messages=[{"role": "user", "content": [
             {"type": "image_url", "image_url": {"url": "http://127.0.0.1/x.png"}}]}], **kw)

@@ -199,9 +199,7 @@ def _read_prompts(ns, tokenizer, target) -> list[list[int]]:
         raise ValueError("no prompts: give --prompts-file and/or --prompt-set")
     folder = Path(ns.tokenizer or ns.target)
     folder = folder if folder.is_dir() else folder.parent
-    config_file = folder / "tokenizer_config.json"
-    chat = text_io.chat_formatter(
-        json.loads(text_io.read_text(config_file)) if config_file.is_file() else None)
+    chat = text_io.chat_formatter(folder)
     requests = []
     for source in sources:
         records = text_io.read_prompts(source, line_ids=True)

@@ -11,7 +11,6 @@ joins them).
 from __future__ import annotations
 
 import dataclasses
-import json
 import sys
 import time
 from pathlib import Path
@@ -149,9 +148,7 @@ def _run(job: FileJob, out: Path, mesh, progress: bool) -> dict:
 
     records = text_io.read_prompts(job.prompts)
     tokenizer = load_tokenizer(job.target)
-    config_file = Path(job.target) / "tokenizer_config.json"
-    chat = text_io.chat_formatter(
-        json.loads(text_io.read_text(config_file)) if config_file.is_file() else None)
+    chat = text_io.chat_formatter(job.target)
     dtype = jnp.dtype(job.dtype)
     target = load_target(job.target, dtype=dtype, mesh=mesh)
     # Every process encodes the whole file, so all agree on the default prompt buffer.

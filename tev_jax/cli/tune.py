@@ -5,9 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import importlib.util
-import json
 import sys
-from pathlib import Path
 
 
 from tev_jax.cli import flags
@@ -46,9 +44,7 @@ def tune_command(args) -> int:
     target = load_target(target_dir, dtype=dtype)
     tokenizer = load_tokenizer(target_dir)
     drafter = load_drafter(drafter_dir, target, dtype=dtype)
-    config_file = Path(target_dir) / "tokenizer_config.json"
-    chat = text_io.chat_formatter(
-        json.loads(config_file.read_text()) if config_file.is_file() else None)
+    chat = text_io.chat_formatter(target_dir)
     requests = text_io.encode_records(
         text_io.read_prompts(args.prompts), tokenizer, chat,
         vocab_size=target.config.vocab_size, prompt_len=args.prompt_len,

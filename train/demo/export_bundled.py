@@ -47,14 +47,29 @@ PROBE_TEXT = 'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n'
 # written as {{ '\\n' }} expressions because transformers renders with trim_blocks (a
 # newline right after a block tag is dropped).
 _NL = "{{ '\\n' }}"
+_NL2 = "'\\n\\n'"
+# Leading system messages open the first user turn, joined by blank lines and a blank
+# line before the user's text (the tokenizer has no system token;
+# `tev_jax.data.tokenizer.format_chat` writes the same); without them, a user turn renders
+# exactly as the drafters were trained on it.
 CHAT_TEMPLATE = (
+    "{% set ns = namespace(system='', n=0) %}"
     "{% for message in messages %}"
+    "{% if message['role'] == 'system' and ns.n == loop.index0 %}"
+    "{% set ns.system = ns.system + (" + _NL2 + " if ns.system else '') + message['content'] %}"
+    "{% set ns.n = ns.n + 1 %}{% endif %}{% endfor %}"
+    "{% set turns = messages[ns.n:] %}"
+    "{% if not turns or (ns.n and turns[0]['role'] != 'user') %}"
+    "{{ raise_exception('system messages must be followed by a user turn') }}{% endif %}"
+    "{% for message in turns %}"
     "{% if not loop.first %}" + _NL + "{% endif %}"
-    "{% if message['role'] == 'user' %}" + tok_lib.USER + _NL + "{{ message['content'] }}"
-    + tok_lib.END
+    "{% if message['role'] == 'user' %}" + tok_lib.USER + _NL
+    + "{% if loop.first and ns.system %}{{ ns.system }}" + _NL + _NL + "{% endif %}"
+    "{{ message['content'] }}" + tok_lib.END
     + "{% elif message['role'] == 'assistant' %}" + tok_lib.ASSISTANT + _NL
     + "{{ message['content'] }}" + tok_lib.END
-    + "{% else %}{{ raise_exception('only user and assistant roles are supported') }}"
+    + "{% else %}{{ raise_exception('system messages come first, then user and assistant "
+    "turns') }}"
     "{% endif %}{% endfor %}"
     "{% if add_generation_prompt %}" + _NL + tok_lib.ASSISTANT + _NL + "{% endif %}"
 )
