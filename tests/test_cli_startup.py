@@ -181,3 +181,13 @@ def test_flag_names_stay_out_of_paths():
         "the tuning file ./tuning.json must hold a JSON object")
     assert name_flags("runs/json must exist; json must be set; max_new_tokens (256)",
                       names) == "runs/json must exist; --json must be set; --max-new-tokens (256)"
+
+
+def test_rollouts_help_says_what_limit_0_means(capsys):
+    """Issue 58, item 7: ``--limit 0`` writes every prompt; the help says so."""
+    from train.__main__ import main as train_main
+
+    with pytest.raises(SystemExit):
+        train_main(["rollouts", "--help"])
+    help_text = " ".join(capsys.readouterr().out.split())
+    assert "--limit LIMIT use only the first N prompts (0, the default: every prompt)" in help_text

@@ -100,7 +100,9 @@ def test_plan_command_json(tmp_path, capsys):
             "--builder", "none", "--temperature", "1", "--programs", "generation",
             "--json", "-"]
     assert cli.main(argv) == 0
-    full = json.loads(capsys.readouterr().out)
+    out, err = capsys.readouterr()
+    full = json.loads(out)
+    assert "[1/1] generation compiled" in err  # a line per program (issue 58, item 9)
     assert cli.main(argv + ["--layers", "1"]) == 0
     fewer = json.loads(capsys.readouterr().out)
     assert full["layers"] == 2 and fewer["layers"] == 1

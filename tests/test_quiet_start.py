@@ -122,3 +122,37 @@ def test_quiet_tpu_runtime_fills_only_unset_variables(monkeypatch):
     monkeypatch.delenv("TPU_WORKER_HOSTNAMES")
     monkeypatch.setattr(platforms, "tpu_chips_present", lambda: True)
     assert not platforms.quiet_tpu_runtime() and "TPU_WORKER_HOSTNAMES" not in os.environ
+
+
+def quiet_before_jax(source: str) -> bool:
+    """Whether a script calls ``quiet_start()`` (under ``if __name__ == "__main__":``,
+    as the examples do) before any statement that imports jax, flax or a module of
+    ours other than `tev_jax.runtime.platforms` (which imports no jax)."""
+    import ast
+
+    for node in ast.parse(source).body:
+        if isinstance(node, ast.If) and "quiet_start()" in ast.unparse(node):
+            return True
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                     else [node.module or ""])
+            if any(n != "tev_jax.runtime.platforms" and n.split(".")[0] in (
+                    "jax", "flax", "tev_jax", "train", "paper_common") for n in names):
+                return False
+    return False
+
+
+def test_every_experiment_script_starts_quiet():
+    """Issue 58, item 3: ``python experiments/tree_builder/run.py --quick`` printed
+    libtpu's start-up lines (no script called `quiet_start`). Negative controls: a script
+    that imports jax first, and one that never calls it."""
+    scripts = sorted(README.parent.glob("experiments/*/run.py"))
+    assert len(scripts) > 20
+    loud = [str(p.relative_to(README.parent)) for p in scripts
+            if not quiet_before_jax(p.read_text())]
+    assert not loud, loud
+    good = ('import sys\nfrom tev_jax.runtime.platforms import quiet_start\n'
+            'if __name__ == "__main__":\n    quiet_start()\nimport jax\n')
+    assert quiet_before_jax(good)
+    assert not quiet_before_jax("import jax\n" + good)
+    assert not quiet_before_jax("import sys\nimport jax\n")

@@ -150,7 +150,8 @@ def test_an_interrupted_run_says_which_checkpoint_is_kept(train_dirs, tmp_path, 
     """In-process, on the tiny models of `train_fixtures` (issue 47, item 2): interrupted
     before its first checkpoint, a run says that nothing is saved (not that checkpoints
     "are kept"); interrupted later, it names the update of the newest checkpoint, which
-    is the one on disk."""
+    is the one on disk, and its summary says "last", not "final"; run again, it says that
+    it resumes, and from which update."""
     out = tmp_path / "run"
     _interrupt_at(monkeypatch, 1)
     assert train_cli.main(train_run_argv(train_dirs, out)) == 75
@@ -163,3 +164,13 @@ def test_an_interrupted_run_says_which_checkpoint_is_kept(train_dirs, tmp_path, 
     err = capsys.readouterr().err
     assert "the newest checkpoint, at update 4, is in" in err, err
     assert steps_in(out / "checkpoints")[-1] == 4
+
+    # issue 58, item 8: run again, it says that it resumes and from which update; a run
+    # stopped before its end sums up its last update, not its "final" one
+    monkeypatch.setattr(RolloutSet, "batch_at", READ)
+    assert train_cli.main(train_run_argv(train_dirs, out, "--until-update", "5")) == 0
+    captured = capsys.readouterr()
+    assert f"resuming the run in {out} from its checkpoint at update 4 of 6" in captured.err
+    assert "last (update 5)" in captured.out and "final (update" not in captured.out
+    assert train_cli.main(train_run_argv(train_dirs, out)) == 0
+    assert "final (update 6)" in capsys.readouterr().out
