@@ -36,7 +36,8 @@ SLOW_FIRST = ("test_interrupts.py", "test_train_interrupts.py", "test_decode.py"
               "test_decode_mesh.py", "test_gemma4.py", "test_moe.py", "test_moe_train.py",
               "test_tpu_plan.py", "test_decode_stats.py", "test_tune.py",
               "test_train_step.py", "test_functional_contract.py", "test_multihost.py",
-              "test_gpu_measure.py", "test_decode_speed_script.py")
+              "test_gpu_measure.py", "test_decode_speed_script.py", "test_engine.py",
+              "test_batch_job.py", "test_cli_output.py")
 """The files with the most test time (about 35–100 s each on the 2-core machine, measured
 2026-12-04 with --durations=0), longest first; the two interrupt files first: in the slow
 tier (-m slow) their 80 interrupted commands take the longest (``tev-jax``'s two about

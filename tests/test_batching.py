@@ -58,6 +58,7 @@ def _run(target, drafter, prompts, config, batch_size, key=0, widths=None):
     return {r.id: r for r in results}
 
 
+@pytest.mark.slow  # issue 58, item 11: the fast tier's headroom
 def test_every_request_equals_its_prompt_alone_at_t0(target, drafter):
     config = decode.DecodeConfig(max_new_tokens=M, budget=6, stop_token_ids=STOP,
                                  prompt_len=P)

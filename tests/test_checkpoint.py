@@ -38,6 +38,7 @@ def _run(cfg, **kw):
 MESH = dict(mesh_data=2, mesh_fsdp=4, mesh_tensor=1) if shd.device_count_ok(8) else {}
 
 
+@pytest.mark.slow  # issue 58, item 11: the fast tier's headroom
 def test_kill_and_resume_gives_bitwise_identical_losses(tmp_path):
     straight = _run(tf.config(tmp_path / "straight", **MESH), until_update=6)
     cfg = tf.config(tmp_path / "resumed", **MESH)

@@ -137,6 +137,7 @@ def test_resumed_opd_run_equals_an_uninterrupted_one(runs):
     assert log_a[-1]["loss"] != log_a[0]["loss"]
 
 
+@pytest.mark.slow  # issue 58, item 11: the fast tier's headroom
 def test_resume_inside_a_phase_needs_its_rollouts(tmp_path):
     _run(tmp_path, steps=4, until_update=3, checkpoint_every=100, keep_checkpoints=1)
     # the one checkpoint (update 3) is in phase 1: phase 0's rollouts were deleted

@@ -1,6 +1,8 @@
 """The server's `Scheduler` in process, with the bundled models and no HTTP: lanes (one
 per sampling setting) are given back once their rows end, and requests are admitted in
-arrival order (issue 60: a setting beyond ``max_lanes`` used to wait forever)."""
+arrival order (issue 60: a setting beyond ``max_lanes`` used to wait forever). That test
+is in the fast tier; the scheduler's others (a request or lane that fails, stop strings,
+warm-up, batch invariance) compile more and are in the slow tier."""
 
 import dataclasses
 import logging
@@ -116,6 +118,7 @@ def _text(rec: Recorder, i: int) -> str:
     return "".join(e.text for e in rec.events[i])
 
 
+@pytest.mark.slow
 def test_a_request_the_engine_cannot_take_ends_alone(bundled, monkeypatch):
     """Issue 57, item 1: a request with a token id outside the vocabulary (one that got
     past the app) ends with 'error' by itself, and a lane whose program fails ends its
@@ -149,6 +152,7 @@ def test_a_request_the_engine_cannot_take_ends_alone(bundled, monkeypatch):
     assert s.join(30)
 
 
+@pytest.mark.slow
 def test_a_stop_string_ends_usage_and_token_ids_with_the_text(bundled):
     """Issue 57, item 10: with a stop string from the middle of a completion, the text
     ends before it, and the usage and the token ids end with the text (before, they
@@ -176,6 +180,7 @@ def test_a_stop_string_ends_usage_and_token_ids_with_the_text(bundled):
     assert list(cut.tokens(0)) == ids[:n]
 
 
+@pytest.mark.slow
 def test_warmup_compiles_what_default_clients_send(bundled, caplog):
     """Issue 57, item 9: --warmup compiles the greedy programs and those of OpenAI's
     default setting (temperature 1): a request at T = 1 then logs no compile. Negative
@@ -192,6 +197,7 @@ def test_warmup_compiles_what_default_clients_send(bundled, caplog):
     assert compiles and all("temperature=0.7," in m for m in compiles), compiles
 
 
+@pytest.mark.slow
 def test_batch_invariant_rows_do_not_depend_on_their_batch(bundled):
     """Issue 57, item 7. Why a seed could break: the same row after one round on the
     1-slot program and among others on the 4-slot program has other bits in its target

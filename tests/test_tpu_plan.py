@@ -51,6 +51,7 @@ def _bound(n_devices: int) -> int:
 
 
 @needs_libtpu
+@pytest.mark.slow  # issue 58, item 11: the fast tier keeps the v5e:2x4 compiles
 @pytest.mark.parametrize("name,axes,programs", [
     # tensor 8 on v5e:2x4: every program, in test_plan_command_json_for_a_topology; data 2
     # x tensor 4 there: the rounds, in test_continuous_batching_rounds_compile_for_a_tpu_slice
