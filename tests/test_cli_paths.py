@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from tev_jax import cli
-from tev_jax.cli import flags
+from tev_jax.runtime.exit_codes import check_readable
 from train import __main__ as train_cli
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -168,11 +168,11 @@ def test_check_readable_keeps_the_path_as_typed(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     (tmp_path / "f.json").write_text("{}")
     for ok in (None, "./f.json", str(tmp_path / "f.json"), "gs://bucket/x"):
-        flags.check_readable(ok, "--tuning", "tuning file", folder=False)
-    flags.check_readable(".", "--target", "target folder", folder=True)
-    flags.check_readable("./f.json", "--tokenizer", "tokenizer file or folder")
+        check_readable(ok, "--tuning", "tuning file", folder=False)
+    check_readable(".", "--target", "target folder", folder=True)
+    check_readable("./f.json", "--tokenizer", "tokenizer file or folder")
     with pytest.raises(ValueError, match=r"^--tuning \./x/\./y\.json: no such tuning file$"):
-        flags.check_readable("./x/./y.json", "--tuning", "tuning file", folder=False)
+        check_readable("./x/./y.json", "--tuning", "tuning file", folder=False)
 
 
 # ---------------------------------------------------------------- quick results

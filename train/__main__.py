@@ -34,6 +34,8 @@ import types
 import typing
 from pathlib import Path
 
+from tev_jax.runtime.exit_codes import check_readable
+
 DESCRIPTION = ("Drafter training for tree speculative decoding: target rollouts, DFlash / "
                "ExitTrain training runs (resumable), memory plans.")
 
@@ -155,29 +157,6 @@ def _bundled_dir(field: str, value):
     return str(bundled_paths(drafters=(name,)).drafters[name])
 
 
-def _check_readable(path, flag: str, what: str, *, folder: bool | None = None) -> None:
-    """Before any work: a ValueError naming ``flag`` and ``path`` as typed (``./x`` stays
-    ``./x``) unless ``path`` exists and can be read (a folder where ``folder`` is True, a
-    file where it is False); None, ``bundled`` / ``bundled:NAME`` and remote paths pass.
-    As ``tev_jax.cli.flags.check_readable`` (train does not import the cli)."""
-    import os
-
-    if (not isinstance(path, str) or "://" in path or path == BUNDLED
-            or path.startswith(BUNDLED + ":")):
-        return
-    why = None
-    if not os.path.exists(path):
-        why = f"no such {what}"
-    elif folder is True and not os.path.isdir(path):
-        why = f"a file, not a {what}"
-    elif folder is False and os.path.isdir(path):
-        why = f"a folder, not a {what}"
-    elif not os.access(path, os.R_OK | (os.X_OK if os.path.isdir(path) else 0)):
-        why = "cannot read it (permission denied)"
-    if why:
-        raise ValueError(f"{flag} {path}: {why}")
-
-
 def _ints_flag(text: str, flag: str) -> tuple[int, ...]:
     try:
         return tuple(int(x) for x in text.split(",") if x.strip())
@@ -237,9 +216,9 @@ def _rollouts(ns) -> None:
         raise ValueError("--target is required (except with --merge)")
     if ns.limit < 0:
         raise ValueError(f"--limit must be >= 0 (0: every prompt), got {ns.limit}")
-    _check_readable(ns.target, "--target", "target checkpoint folder", folder=True)
-    _check_readable(ns.tokenizer, "--tokenizer", "tokenizer file or folder")
-    _check_readable(ns.prompts_file, "--prompts-file", "prompts file", folder=False)
+    check_readable(ns.target, "--target", "target checkpoint folder", folder=True)
+    check_readable(ns.tokenizer, "--tokenizer", "tokenizer file or folder")
+    check_readable(ns.prompts_file, "--prompts-file", "prompts file", folder=False)
     stop = None if ns.stop_ids is None else _ints_flag(ns.stop_ids, "--stop-ids")
     if ns.target == BUNDLED:
         from tev_jax.models.bundled import bundled_paths
@@ -303,12 +282,12 @@ def _run(ns) -> int:
                          f"{ns.until_update}")
     if ns.max_minutes is not None and not 0 < ns.max_minutes < float("inf"):
         raise ValueError(f"--max-minutes must be a number > 0, got {ns.max_minutes}")
-    _check_readable(ns.config, "--config", "config file", folder=False)
+    check_readable(ns.config, "--config", "config file", folder=False)
     cfg = config_from_args(ns)  # refuses flags that contradict each other first
     for flag, name, what in (("--target-path", "target_path", "target checkpoint folder"),
                              ("--drafter-path", "drafter_path", "drafter checkpoint folder"),
                              ("--data-dir", "data_dir", "rollout folder")):
-        _check_readable(getattr(ns, name), flag, what, folder=True)  # as typed
+        check_readable(getattr(ns, name), flag, what, folder=True)  # as typed
     where = cfg.checkpoint_dir or str(Path(cfg.out_dir) / "checkpoints")
     # one run per --out-dir (on several hosts each process has its own view of it)
     lock = (contextlib.nullcontext() if cfg.distributed else

@@ -11,6 +11,8 @@ import argparse
 import os
 from typing import TYPE_CHECKING
 
+from tev_jax.runtime.exit_codes import check_readable
+
 if TYPE_CHECKING:
     from tev_jax.decode import DecodeConfig
     from tev_jax.sampling import Sampling
@@ -77,28 +79,6 @@ def check_writable(path: str | None, flag: str) -> None:
            and not os.access(folder, os.W_OK | os.X_OK) else None)
     if why:
         raise ValueError(f"{flag} {path}: cannot write it ({why})")
-
-
-def check_readable(path: str | None, flag: str, what: str, *,
-                   folder: bool | None = None) -> None:
-    """Before any work: a ValueError naming ``flag`` and ``path`` as typed (``./x`` stays
-    ``./x``) unless ``path`` exists and can be read: a folder where ``folder`` is True, a
-    file where it is False, either where None. ``what`` names the thing in the message
-    (``--prompts ./x.jsonl: no such prompts file``). None and remote paths (``gs://...``,
-    checked where they are opened) pass."""
-    if path is None or "://" in str(path):
-        return
-    why = None
-    if not os.path.exists(path):
-        why = f"no such {what}"
-    elif folder is True and not os.path.isdir(path):
-        why = f"a file, not a {what}"
-    elif folder is False and os.path.isdir(path):
-        why = f"a folder, not a {what}"
-    elif not os.access(path, os.R_OK | (os.X_OK if os.path.isdir(path) else 0)):
-        why = "cannot read it (permission denied)"
-    if why:
-        raise ValueError(f"{flag} {path}: {why}")
 
 
 BUNDLED_PREFIX = "bundled:"

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import os
 import re
 import signal
 
@@ -93,5 +94,28 @@ def name_flags(message: str, flags: dict[str, str]) -> str:
     return re.sub(r"(?<=\S) or None\b", " or unset", message)  # a flag is unset, not None
 
 
+def check_readable(path: str | None, flag: str, what: str, *,
+                   folder: bool | None = None) -> None:
+    """Before any work: a ValueError naming ``flag`` and ``path`` as typed (``./x`` stays
+    ``./x``) unless ``path`` exists and can be read: a folder where ``folder`` is True, a
+    file where it is False, either where None. ``what`` names the thing in the message
+    (``--prompts ./x.jsonl: no such prompts file``). None, remote paths (``gs://...``,
+    checked where they are opened) and the bundled models' names (``bundled``,
+    ``bundled:NAME``) pass."""
+    if path is None or "://" in str(path) or str(path) == "bundled" or str(
+            path).startswith("bundled:"):
+        return
+    why = None
+    if not os.path.exists(path):
+        why = f"no such {what}"
+    elif folder is True and not os.path.isdir(path):
+        why = f"a file, not a {what}"
+    elif folder is False and os.path.isdir(path):
+        why = f"a folder, not a {what}"
+    elif not os.access(path, os.R_OK | (os.X_OK if os.path.isdir(path) else 0)):
+        why = "cannot read it (permission denied)"
+    if why:
+        raise ValueError(f"{flag} {path}: {why}")
+
 __all__ = ["EXIT_RESUMABLE", "EXIT_SIGNAL", "EXIT_USAGE", "Interrupted", "Terminated",
-           "flag_names", "interrupt_exit", "name_flags", "parse_args"]
+           "flag_names", "interrupt_exit", "check_readable", "name_flags", "parse_args"]
