@@ -33,7 +33,7 @@ from interrupting import before_the_command, check_exit, env, interrupt, interru
 from tev_jax import cli
 from tev_jax.batch import continuous
 from tev_jax.costs import timing
-from tev_jax.runtime import exit_codes
+from tev_jax.runtime import exit_codes, signals
 
 
 def _check_generate(cwd, code, err, sig):
@@ -161,6 +161,31 @@ def test_interrupts_end_with_one_line_and_a_documented_code(tmp_path,
                    "tev-jax generate: interrupted (SIGINT)"]
 
 
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_a_signal_after_the_work_is_complete_ends_with_0_and_says_so(sig, monkeypatch,
+                                                                      capsys):
+    """A signal that lands after the command's last safe point, its work complete (CI,
+    2026-12-06: a rollout generation that had written all its shards said "interrupted
+    before anything was written"), ends with 0 and one true line; the negative control,
+    a command that takes the signal at a safe point, ends with 130 / 143."""
+    def add(sub, *, check):
+        def work(args):
+            os.kill(os.getpid(), sig)
+            if check:
+                signals.check()
+            return 0
+
+        sub.add_parser("work").set_defaults(func=work)
+
+    what = {signal.SIGINT: "interrupted (SIGINT)", signal.SIGTERM: "terminated (SIGTERM)"}
+    for check, code in ((False, 0), (True, 128 + sig)):
+        monkeypatch.setattr(cli, "subcommands", lambda c=check: [lambda s: add(s, check=c)])
+        assert cli.main(["work"]) == code
+        err = capsys.readouterr().err.strip().splitlines()
+        late = f"tev-jax work: {what[sig]} once its work was complete: nothing is lost"
+        assert err == ([late] if code == 0 else [f"tev-jax work: {what[sig]}"])
+
+
 def _python(code: str, *, sigint=signal.SIG_DFL, timeout=120,
             environ=None) -> subprocess.CompletedProcess:
     """Runs ``code`` in a fresh interpreter (environment ``environ``, else `env`) started
@@ -199,7 +224,7 @@ def test_a_signal_is_taken_at_the_next_check_only():
     `signals.check` (SIGTERM as ``Terminated``), never in between; the handlers are given
     back afterwards."""
     code = ("import os, signal, time\n"
-            "from tev_jax.runtime import exit_codes, signals\n"
+            "from tev_jax.runtime import exit_codes, signals, signals\n"
             "before = {s: signal.getsignal(s) for s in signals.STOP_SIGNALS}\n"
             "for sig, kind in ((signal.SIGINT, KeyboardInterrupt),\n"
             "                  (signal.SIGTERM, exit_codes.Terminated)):\n"

@@ -644,7 +644,7 @@ def _main(argv) -> int:
         except CheckpointError as e:
             raise ValueError(str(e)) from None
         if code == 0:
-            signals.check()  # a signal the command's last stretch did not take
+            signals.note_late(f"{prog} {command}")  # one its last stretch did not take
         return code
     except KeyboardInterrupt as e:
         name = f"{prog} {command}" if command else prog

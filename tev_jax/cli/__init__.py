@@ -70,7 +70,7 @@ def _main(argv: list[str] | None) -> int:
         signals.check()
         code = args.func(args)
         if not code:
-            signals.check()  # a signal the command's last stretch did not take
+            signals.note_late(command)  # a signal the command's last stretch did not take
         return code
     except KeyboardInterrupt as e:
         what, code = interrupt_exit(e.__cause__ if isinstance(e, Interrupted) else e)

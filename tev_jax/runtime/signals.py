@@ -28,7 +28,7 @@ import signal
 import sys
 import threading
 
-from tev_jax.runtime.exit_codes import EXIT_SIGNAL, Terminated
+from tev_jax.runtime.exit_codes import EXIT_SIGNAL, Terminated, interrupt_exit
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 _received: list[int] = []   # signals recorded by the handler, in order
@@ -54,6 +54,15 @@ def check() -> None:
         raise Terminated()
     if signum is not None:
         raise KeyboardInterrupt()
+
+
+def note_late(prog: str) -> None:
+    """Says on stderr that a signal came once the command's work was complete (its
+    output is whole, so the command still ends with 0), and nothing if none came."""
+    signum = requested()
+    if signum is not None:
+        what, _ = interrupt_exit(Terminated() if signum == signal.SIGTERM else None)
+        print(f"{prog}: {what} once its work was complete: nothing is lost", file=sys.stderr)
 
 
 def _flush() -> None:
