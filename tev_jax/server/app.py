@@ -2,15 +2,17 @@
 
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (JSON, or with
 ``"stream": true`` server-sent events: one event per decode round's new text, then
-``data: [DONE]``), ``GET /v1/models``, ``GET /v1/models/{id}`` and ``GET /health``
+``data: [DONE]``), ``GET /v1/models``, ``GET /v1/models/{id}``, ``GET /health``
 (slots, queue, τ, the budgets the rounds ran with; 503 with ``"status": "draining"``
-once a drain began). Every answer that is not a success is OpenAI's error body
-(``{"error": {"message", "type", "param", "code"}}``): a bad request 400 naming the
-field, an unknown model 404 (``model_not_found``), an unknown route 404
-(``not_found``), a wrong method 405, a body over ``max_body_bytes`` 413 (refused from
-its Content-Length before it is read, or as soon as a chunked body passes the limit), a
-missing or wrong API key on ``/v1/*`` 401 (``invalid_api_key``), a full queue 429 with
-``Retry-After``, a draining server 503, anything unexpected 500.
+once a drain began) and ``GET /metrics`` (Prometheus' text format of the
+`tev_jax.server.metrics.ServerMetrics` under vLLM's names; 404 when the server keeps
+none; open without the API key, like ``/health``). Every answer that is not a success
+is OpenAI's error body (``{"error": {"message", "type", "param", "code"}}``): a bad
+request 400 naming the field, an unknown model 404 (``model_not_found``), an unknown
+route 404 (``not_found``), a wrong method 405, a body over ``max_body_bytes`` 413
+(refused from its Content-Length before it is read, or as soon as a chunked body passes
+the limit), a missing or wrong API key on ``/v1/*`` 401 (``invalid_api_key``), a full
+queue 429 with ``Retry-After``, a draining server 503, anything unexpected 500.
 
 The body's JSON is parsed, checked and tokenized in a worker thread
 (`asyncio.to_thread`), so a large prompt never holds up the event loop (``GET
@@ -43,6 +45,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from tev_jax.server.metrics import ServerMetrics
 from tev_jax.server.requests import (GenerationRequest, Limits, RequestError, error_body,
                                      parse_request, read_json)
 from tev_jax.server.scheduler import Draining, Event, QueueFull, Scheduler
@@ -68,6 +71,7 @@ class Served:
       api_key: when set, every ``/v1/*`` route needs ``Authorization: Bearer <key>``
         (``/health`` stays open).
       max_body_bytes: the largest request body read (more: 413).
+      metrics: the `ServerMetrics` that ``GET /metrics`` shows (None: that route is 404).
     """
 
     scheduler: Scheduler
@@ -77,6 +81,7 @@ class Served:
     drain_seconds: float = 0.0
     api_key: str | None = None
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    metrics: ServerMetrics | None = None
 
 
 def _error(e: RequestError, headers: dict | None = None) -> JSONResponse:
@@ -179,6 +184,13 @@ def create_app(served: Served) -> Starlette:
                              "model": limits.model, **snapshot},
                             status_code=503 if draining else 200)
 
+    async def metrics(request: Request) -> Response:
+        if served.metrics is None:
+            return _error(RequestError("this server keeps no metrics", None, status=404,
+                                       code="not_found"))
+        body, content_type = served.metrics.exposition()
+        return Response(body, media_type=content_type)
+
     async def models(request: Request) -> Response:
         return JSONResponse({"object": "list", "data": [model_object]})
 
@@ -265,8 +277,8 @@ def create_app(served: Served) -> Starlette:
             await asyncio.to_thread(scheduler.join)
 
     return Starlette(routes=[
-        Route("/health", health), Route("/v1/models", models),
-        Route("/v1/models/{model:path}", model),
+        Route("/health", health), Route("/metrics", metrics),
+        Route("/v1/models", models), Route("/v1/models/{model:path}", model),
         Route("/v1/completions", completions, methods=["POST"]),
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
     ], lifespan=lifespan,
