@@ -134,7 +134,21 @@ def _objective(x_HV, root):
                                 jnp.where(t.depths > 0, 0.5, 0.0), cfg)
 
 
+ROW_T = jnp.asarray([0.0, 0.8], jnp.float32)  # one greedy row, one sampled
+ROW_K = jnp.asarray([3, 0], jnp.int32)
+ROW_P = jnp.asarray([1.0, 0.7], jnp.float32)
+
+
+def _one_row(fn):
+    """A function of a batch of rows, called on a batch of one."""
+    return lambda x, *settings: fn(x[None], *(a[None] for a in settings))[0]
+
+
 CASES = {
+    "tev_jax.sampling.row_cut": Case(_one_row(sampling.row_cut), (LOGITS_NV, ROW_K, ROW_P)),
+    "tev_jax.vocab.row_scores": Case(
+        _one_row(lambda x, t, k, p: vocab.row_scores(x, sampling.SamplingRows(t, k, p)).x),
+        (LOGITS_NV, ROW_T, ROW_K, ROW_P)),
     "tev_jax.vocab.target_scores": Case(
         lambda x: vocab.target_scores(x, TOPK).x, (LOGITS_NV,)),
     "tev_jax.vocab.block_masses": Case(

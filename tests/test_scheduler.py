@@ -1,8 +1,9 @@
-"""The server's `Scheduler` in process, with the bundled models and no HTTP: lanes (one
-per sampling setting) are given back once their rows end, and requests are admitted in
-arrival order (issue 60: a setting beyond ``max_lanes`` used to wait forever). That test
-is in the fast tier; the scheduler's others (a request or lane that fails, stop strings,
-warm-up, batch invariance) compile more and are in the slow tier."""
+"""The server's `Scheduler` in process, with the bundled models and no HTTP: every
+sampling setting shares one batch (issue 59; issue 60: a fifth setting used to wait
+forever for a lane), requests are admitted in arrival order, and a new setting compiles
+nothing. Those tests are in the fast tier; the scheduler's others (a request or a
+program that fails, stop strings, warm-up, batch invariance, n choices) compile more and
+are in the slow tier."""
 
 import dataclasses
 import logging
@@ -77,41 +78,42 @@ def _run(scheduler: Scheduler, requests, seconds: float = 240.0) -> Recorder:
     return rec
 
 
-def test_settings_beyond_max_lanes_are_admitted_in_arrival_order(bundled, caplog):
-    """One lane, three requests: A (T 0.5), B (T 0.9), C (T 0.5). Every request ends
-    (before the fix B waited forever once A's lane had emptied), B is admitted before C
-    though C could have joined A's lane (C came later), the queue ends empty with no
-    watchdog stall, and each completion equals the same request alone (seeded, fixed
-    budget, all on the 1-slot program); then a second wave, a new setting and a known
-    one, is admitted too. Each program's first use is logged (the request that meets it
-    waits for its compile), once."""
+def test_settings_share_one_batch_in_arrival_order(bundled, caplog):
+    """Two slots, three requests: A (T 0.5), B (T 0.9), C (T 0.5). Every request ends
+    (issue 60: with one lane per setting B waited forever once A's lane had emptied), B
+    is admitted before C, the queue ends empty with no watchdog stall, and each
+    completion equals the same request alone (seeded, fixed budget, batch-invariant
+    programs); then a second wave of settings never seen and B's is admitted too. Each
+    program's first use is logged once, and the new settings compile nothing."""
     caplog.set_level(logging.INFO, logger="tev_jax.server")
     tok = bundled[2]
     requests = [_request(tok, 0.5, 1), _request(tok, 0.9, 2), _request(tok, 0.5, 3)]
-    s = _scheduler(bundled, max_batch=2, max_lanes=1)
+    s = _scheduler(bundled, max_batch=2, batch_invariant=True)
     rec = _run(s, requests)
     assert [rec.events[i][-1].finish_reason for i in range(3)] == ["length"] * 3
     assert rec.order.index(1) < rec.order.index(2), rec.order  # B's first event before C's
     snap = s.snapshot()
-    assert (snap["waiting"], snap["live"], snap["lanes"], snap["stalls"]) == (0, 0, 0, 0)
+    assert (snap["waiting"], snap["live"], snap["stalls"]) == (0, 0, 0)
+    compiled = [r.getMessage() for r in caplog.records if "compiling" in r.getMessage()]
     for i, r in enumerate(requests):  # one at a time through the same scheduler
         alone = Recorder(1)
         s.submit(r, alone.emit(0))
         assert alone.wait(120), s.snapshot()
         assert alone.tokens(0) == rec.tokens(i), i
-    wave = Recorder(2)  # a second wave while it runs: a setting never seen, and B's
+    wave = Recorder(3)  # a second wave: settings never seen, and B's
     s.submit(_request(tok, 0.7, 4), wave.emit(0))
     s.submit(requests[1], wave.emit(1))
+    s.submit(dataclasses.replace(_request(tok, 1.0, 5),
+                                 sampling=Sampling(1.3, top_k=7, top_p=0.8)), wave.emit(2))
     assert wave.wait(120), s.snapshot()
     assert wave.tokens(1) == rec.tokens(1)
     s.drain()
     assert s.join(30)
     assert s.snapshot()["stalls"] == 0
     compiles = [r.getMessage() for r in caplog.records if "compiling" in r.getMessage()]
-    for t in (0.5, 0.9, 0.7):  # every setting's round and refill, each logged once
-        ours = [m for m in compiles if f"temperature={t}," in m]
-        assert len([m for m in ours if "the round on 1 slot(s)" in m]) == 1, compiles
-        assert len([m for m in ours if "refill of prompts up to 16 tokens" in m]) == 1
+    assert compiles == compiled, compiles  # the new settings compiled nothing
+    assert [m for m in compiles if "the round on 2 slot(s)" in m] != [], compiles
+    assert len(compiles) == len(set(compiles)), compiles  # each first use logged once
 
 
 def _text(rec: Recorder, i: int) -> str:
@@ -121,9 +123,9 @@ def _text(rec: Recorder, i: int) -> str:
 @pytest.mark.slow
 def test_a_request_the_engine_cannot_take_ends_alone(bundled, monkeypatch):
     """Issue 57, item 1: a request with a token id outside the vocabulary (one that got
-    past the app) ends with 'error' by itself, and a lane whose program fails ends its
-    own requests only: the others complete as they do alone (greedy), and the scheduler
-    goes on serving."""
+    past the app) ends with 'error' by itself while the others complete as they do
+    alone (greedy); a program that fails ends the requests it held (their state is
+    gone) and the scheduler goes on serving."""
     from tev_jax import slots as slots_module
 
     tok = bundled[2]
@@ -131,22 +133,24 @@ def test_a_request_the_engine_cannot_take_ends_alone(bundled, monkeypatch):
     bad_ids = GenerationRequest(chat=False, prompt_ids=(1, 1099511627776), max_tokens=4,
                                 sampling=Sampling(temperature=0.0))
     doomed = _request(tok, 0.9, 5)
-    s = _scheduler(bundled, max_batch=4, max_lanes=4)
+    s = _scheduler(bundled, max_batch=4)
     real = slots_module.Slots.refill
 
-    def refill(self, entries, key_K, widths):
+    def refill(self, entries, *args):
         if any(job.request.sampling.temperature == 0.9 for job, _ in entries):
-            raise RuntimeError("a lane's program failed")
-        return real(self, entries, key_K, widths)
+            raise RuntimeError("a program failed")
+        return real(self, entries, *args)
 
     monkeypatch.setattr(slots_module.Slots, "refill", refill)
-    rec = _run(s, [greedy, bad_ids, doomed, greedy])
-    reasons = [rec.events[i][-1].finish_reason for i in range(4)]
-    assert reasons == ["length", "error", "error", "length"], reasons
-    alone = Recorder(1)
-    s.submit(greedy, alone.emit(0))
-    assert alone.wait(120)
-    assert rec.tokens(0) == rec.tokens(3) == alone.tokens(0)
+    rec = _run(s, [greedy, bad_ids, greedy])
+    reasons = [rec.events[i][-1].finish_reason for i in range(3)]
+    assert reasons == ["length", "error", "length"], reasons
+    for request, reason in ((doomed, "error"), (greedy, "length")):
+        alone = Recorder(1)
+        s.submit(request, alone.emit(0))
+        assert alone.wait(120)
+        assert alone.events[0][-1].finish_reason == reason
+    assert rec.tokens(0) == rec.tokens(2) == alone.tokens(0)
     assert s.snapshot()["finish_reasons"] == {"length": 3, "error": 2}
     s.drain()
     assert s.join(30)
@@ -160,7 +164,7 @@ def test_a_stop_string_ends_usage_and_token_ids_with_the_text(bundled):
     from tev_jax.server.detokenize import tokens_for
 
     tok = bundled[2]
-    s = _scheduler(bundled, max_batch=1, max_lanes=1).start()
+    s = _scheduler(bundled, max_batch=1).start()
     plain = Recorder(1)
     s.submit(_request(tok, 0.0, 0), plain.emit(0))
     assert plain.wait(240)
@@ -181,20 +185,26 @@ def test_a_stop_string_ends_usage_and_token_ids_with_the_text(bundled):
 
 
 @pytest.mark.slow
-def test_warmup_compiles_what_default_clients_send(bundled, caplog):
-    """Issue 57, item 9: --warmup compiles the greedy programs and those of OpenAI's
-    default setting (temperature 1): a request at T = 1 then logs no compile. Negative
-    control: another setting still compiles when first met."""
+def test_warmup_compiles_everything_a_client_can_send(bundled, caplog):
+    """Issue 57, item 9 and issue 59: --warmup compiles every program, and sampling
+    settings are values in the state, so requests of any setting log no compile.
+    Negative control: without the warm-up the same requests compile."""
     caplog.set_level(logging.INFO, logger="tev_jax.server")
     tok = bundled[2]
-    s = _scheduler(bundled, max_batch=1, max_lanes=1)
-    assert s.warmup() > 0
-    rec = _run(s, [_request(tok, 1.0, 1), _request(tok, 0.0, 2), _request(tok, 0.7, 3)])
-    s.drain()
-    assert s.join(30)
-    assert all(rec.events[i][-1].finish_reason == "length" for i in range(3))
-    compiles = [r.getMessage() for r in caplog.records if "compiling" in r.getMessage()]
-    assert compiles and all("temperature=0.7," in m for m in compiles), compiles
+    requests = [_request(tok, 1.0, 1), _request(tok, 0.0, 2),
+                dataclasses.replace(_request(tok, 0.7, 3),
+                                    sampling=Sampling(0.7, top_k=3, top_p=0.9))]
+    for warm in (True, False):
+        caplog.clear()
+        s = _scheduler(bundled, max_batch=2)
+        if warm:
+            assert s.warmup() > 0
+        rec = _run(s, requests)
+        s.drain()
+        assert s.join(30)
+        assert all(rec.events[i][-1].finish_reason == "length" for i in range(3))
+        compiles = [r.getMessage() for r in caplog.records if "compiling" in r.getMessage()]
+        assert (compiles == []) == warm, compiles
 
 
 @pytest.mark.slow
@@ -234,7 +244,7 @@ def test_batch_invariant_rows_do_not_depend_on_their_batch(bundled):
 
     requests = [dataclasses.replace(_request(tok, 1.0, 1000 + i), prompt_ids=tuple(p))
                 for i, p in enumerate(prompts)]
-    s = _scheduler(bundled, max_batch=4, max_lanes=1, batch_invariant=True)
+    s = _scheduler(bundled, max_batch=4, batch_invariant=True)
     together = _run(s, requests)
     for i, r in enumerate(requests):
         alone = Recorder(1)
@@ -246,3 +256,35 @@ def test_batch_invariant_rows_do_not_depend_on_their_batch(bundled):
     with pytest.raises(ValueError, match="fixed budget"):
         Scheduler(target, drafter, dataclasses.replace(config, budget=AutoBudget(((1, 4),))),
                   tok.decode, batch_invariant=True)
+
+
+@pytest.mark.slow
+def test_n_choices_are_rows_with_their_own_keys(bundled):
+    """Issue 59, item 2: ``n`` = 3 at T = 1 with a seed is three rows: three completions,
+    each its own sample (choice i > 0 folds i into the request's key), choice 0 that of
+    the same request with n = 1, and the whole answer the same when sent again."""
+    tok = bundled[2]
+    one = _request(tok, 1.0, 42)
+    three = dataclasses.replace(one, n=3)
+    s = _scheduler(bundled, max_batch=4, batch_invariant=True)
+
+    def choices(request) -> list[tuple[int, ...]]:
+        got = {}
+        done = threading.Event()
+
+        def emit(event):
+            got.setdefault(event.choice, []).append(event)
+            if len(got) == request.n and all(e[-1].finish_reason for e in got.values()):
+                done.set()
+
+        s.submit(request, emit)
+        assert done.wait(120), s.snapshot()
+        return [tuple(t for e in got[i] for t in e.token_ids) for i in range(request.n)]
+
+    s.start()
+    first = choices(three)
+    assert len(set(first)) == 3, first  # independent samples (32 ** 6 outcomes)
+    assert choices(one) == first[:1]
+    assert choices(three) == first
+    s.drain()
+    assert s.join(30)

@@ -201,7 +201,7 @@ def test_bad_requests_get_400_naming_the_field(server):
         ("max_tokens", dict(model=MODEL, prompt="hi", max_tokens=-1)),
         ("max_tokens", dict(model=MODEL, prompt="hi", max_tokens=MAX_TOKENS + 1)),
         ("prompt", dict(model=MODEL, prompt="word " * 200)),  # longer than the cache's P
-        ("n", dict(model=MODEL, prompt="hi", n=2)),
+        ("n", dict(model=MODEL, prompt="hi", n=MAX_BATCH + 1)),
         ("temperature", dict(model=MODEL, prompt="hi", temperature=3)),
     ]
     for param, kw in cases:
@@ -266,7 +266,7 @@ def fixed_server():
 
 def test_a_seed_gives_the_same_completion_whatever_shares_the_batch(fixed_server, bundled):
     """``seed`` at T = 1 with a fixed budget: a request sent alone, then 4 copies of it
-    among 8 unseeded sampled requests and 4 greedy ones (two lanes, every slot count,
+    among 8 unseeded sampled requests and 4 greedy ones (one batch, every slot count,
     other join rounds), all give one text; the same request with another seed gives
     another (the negative control: 32 tokens at T = 1 of the bundled target). (With
     ``--budget auto`` the tree follows the live rows, and with it which exact sample a
@@ -292,9 +292,62 @@ def test_a_seed_gives_the_same_completion_whatever_shares_the_batch(fixed_server
     assert server.wait_idle()["slots_free"] == MAX_BATCH
 
 
+def _metrics(server) -> dict[tuple, float]:
+    """``GET /metrics`` parsed by prometheus_client: (sample name, labels) -> value."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    r = httpx.get(server.url + "/metrics", timeout=10)
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
+    return {(sample.name, tuple(sorted(sample.labels.items()))): sample.value
+            for family in text_string_to_metric_families(r.text)
+            for sample in family.samples}
+
+
+def _sum(metrics: dict, name: str, **labels) -> float:
+    return sum(v for (n, ls), v in metrics.items()
+               if n == name and all(dict(ls).get(k) == v for k, v in labels.items()))
+
+
+def test_metrics_count_the_tokens_served(fixed_server, bundled):
+    """Issue 59, item 3: ``/metrics`` parses with prometheus_client, under vLLM's names;
+    over a wave of 12 requests (greedy and sampled, n = 2 among them, every slot count)
+    the generation tokens are the completion tokens served, and each request's tokens
+    after its first are its drafts plus its accepted draft tokens (every round of a
+    tree row gives one draft, its accepted tokens and the bonus token); every choice
+    counts as a finished request."""
+    server = fixed_server
+    client = server.client()
+    texts = _prompts(bundled[2], 6)
+    before = _metrics(server)
+
+    def complete(i):
+        r = client.completions.create(model=MODEL, prompt=texts[i % 6], max_tokens=8 + i,
+                                      temperature=(0.0, 1.0)[i % 2], n=1 + (i % 4 == 3))
+        return r.usage.completion_tokens, len(r.choices)
+
+    with concurrent.futures.ThreadPoolExecutor(12) as pool:
+        served = list(pool.map(complete, range(12), timeout=300))
+    server.wait_idle()
+    after = _metrics(server)
+    delta = lambda name, **kw: _sum(after, name, **kw) - _sum(before, name, **kw)
+    tokens, choices = sum(t for t, _ in served), sum(c for _, c in served)
+    assert delta("vllm:generation_tokens_total") == tokens
+    drafts = delta("vllm:spec_decode_num_drafts_total")
+    accepted = delta("vllm:spec_decode_num_accepted_tokens_total")
+    assert drafts > 0 and drafts + accepted == tokens - choices, (drafts, accepted)
+    assert delta("vllm:spec_decode_num_draft_tokens_total") == 6 * drafts  # --budget 6
+    per_pos = [delta("vllm:spec_decode_num_accepted_tokens_per_pos_total", position=str(p))
+               for p in range(6)]
+    assert sum(per_pos) == accepted and per_pos == sorted(per_pos, reverse=True)
+    assert sum(delta("vllm:request_success_total", finished_reason=r)
+               for r in ("length", "stop")) == choices
+    assert delta("vllm:time_to_first_token_seconds_count") == choices
+    assert _sum(after, "vllm:num_requests_running") == 0
+
+
 @pytest.fixture(scope="module")
-def lanes_server():
-    s = Server("--budget", "6", "--max-batch", str(MAX_BATCH), "--max-lanes", "2",
+def settings_server():
+    s = Server("--budget", "6", "--max-batch", str(MAX_BATCH), "--batch-invariant",
                "--max-tokens", "16", "--max-prompt-tokens", "64", "--seed", "0")
     yield s
     assert s.stop() == 0, s.output()
@@ -329,14 +382,14 @@ class Watchdog:
         self._thread.join(10)
 
 
-def test_more_settings_than_lanes_all_complete_as_alone(lanes_server, bundled):
-    """Issue 60: six sampling settings through two lanes (``--max-lanes 2``), sent
+def test_many_settings_in_one_batch_all_complete_as_alone(settings_server, bundled):
+    """Issues 60 and 59: six sampling settings in one batch of four slots, sent
     concurrently twice and then in waves of two: every request completes and equals the
-    same request sent alone (seed i, fixed budget, one row per lane: the 1-slot
-    program), ``/health`` returns to ``waiting: 0``, and a watchdog polling ``/health``
-    never sees requests waiting on an idle server for 5 s (before the fix four of
-    eight such requests waited forever once the lanes had been used)."""
-    server = lanes_server
+    same request sent alone (seed i, fixed budget, ``--batch-invariant``), ``/health``
+    returns to ``waiting: 0``, and a watchdog polling ``/health`` never sees requests
+    waiting on an idle server for 5 s (with one lane per setting, four of eight such
+    requests once waited forever after the lanes had been used)."""
+    server = settings_server
     client = server.client()
     text = _prompts(bundled[2], 2)[1]
     settings = [dict(temperature=round(0.3 + 0.1 * i, 1), top_p=(1.0, 0.9)[i % 2], seed=i)

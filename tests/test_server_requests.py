@@ -7,14 +7,15 @@ import pytest
 
 from tev_jax.budget import AutoBudget
 from tev_jax.decode import DecodeConfig
-from tev_jax.sampling import Sampling
+from tev_jax.sampling import PER_ROW, Sampling
 from tev_jax.server.requests import (Limits, RequestError, error_body, held_back,
                                      parse_request, read_json, stop_at)
 from tev_jax.server.detokenize import next_text
-from tev_jax.server.scheduler import budget_of, lane_configs
+from tev_jax.server.scheduler import budget_of, serving_configs
 
 V = 50  # the vocabulary: encode below gives ids in [0, 50)
-LIMITS = Limits(model="m", prompt_len=8, max_tokens=32, max_positions=40, vocab_size=V)
+LIMITS = Limits(model="m", prompt_len=8, max_tokens=32, max_positions=40, vocab_size=V,
+                max_n=2)
 
 
 def encode(text):
@@ -76,7 +77,8 @@ def test_chat_applies_the_template():
     ("prompt", {"prompt": ["a", "b"]}),         # several prompts: n = 1 only
     ("prompt", {"prompt": ""}),
     ("prompt", {}),
-    ("n", {"prompt": "a", "n": 2}),
+    ("n", {"prompt": "a", "n": 0}),
+    ("n", {"prompt": "a", "n": 3}),             # more choices than the server's rows
     ("temperature", {"prompt": "a", "temperature": -0.1}),
     ("temperature", {"prompt": "a", "temperature": "hot"}),
     ("top_p", {"prompt": "a", "top_p": 0}),
@@ -140,15 +142,16 @@ def test_stop_strings_cut_and_hold_back():
     assert next_text([0], lambda ids: "a\ufffd" if ids else "", [], final=False) == ("a", False)
 
 
-def test_lane_configs_share_one_cache_and_follow_the_tuning():
+def test_serving_configs_share_one_cache_follow_the_tuning_and_sample_per_row():
     base = DecodeConfig(max_new_tokens=16, prompt_len=16, budget=8)
-    fixed = lane_configs(base, 4)
+    fixed = serving_configs(base, 4)
+    assert {c.sampling for c in fixed.values()} == {PER_ROW}
     assert sorted(fixed) == [1, 2, 4] and {budget_of(c) for c in fixed.values()} == {8}
     auto = AutoBudget(table=((1, 16), (2, 8), (4, 0)))
-    configs = lane_configs(DecodeConfig(max_new_tokens=16, prompt_len=16, budget=auto), 4)
+    configs = serving_configs(DecodeConfig(max_new_tokens=16, prompt_len=16, budget=auto), 4)
     assert {s: budget_of(c) for s, c in configs.items()} == {1: 16, 2: 8, 4: 0}
     assert len({c.max_cache_len for c in configs.values()}) == 1
-    ar = lane_configs(DecodeConfig(max_new_tokens=16, prompt_len=16, builder="none"), 2)
+    ar = serving_configs(DecodeConfig(max_new_tokens=16, prompt_len=16, builder="none"), 2)
     assert {budget_of(c) for c in ar.values()} == {0}
 
 
@@ -424,8 +427,9 @@ class FakeScheduler:
         if self.draining:
             raise Draining("the server is shutting down")
         self.submitted.append(request)
-        emit(self.Event("ok", "stop", len(request.prompt_ids), 1, (7,)))
-        return type("Job", (), {"cancel": lambda self: None})()
+        for i in range(request.n):
+            emit(self.Event("ok", "stop", len(request.prompt_ids), 1, (7,), i))
+        return [type("Job", (), {"cancel": lambda self: None})()] * request.n
 
 
 def app_client(encode_fn=strict_encode, **served):
@@ -469,6 +473,15 @@ def test_app_answers_every_failure_with_openai_json():
     r = client.post("/v1/completions", json={"model": "m", "prompt": [1, 2], "max_tokens": 2})
     assert r.status_code == 200 and r.json()["choices"][0]["text"] == "ok"
     assert scheduler.submitted[-1].prompt_ids == (1, 2)
+    r = client.post("/v1/completions", json={"model": "m", "prompt": [1, 2], "n": 2}).json()
+    assert [c["index"] for c in r["choices"]] == [0, 1]  # n choices, the prompt counted once
+    assert r["usage"] == {"prompt_tokens": 2, "completion_tokens": 2, "total_tokens": 4}
+    chunks = [json.loads(line[6:]) for line in client.post(
+        "/v1/completions", json={"model": "m", "prompt": [1, 2], "n": 2, "stream": True,
+                                 "stream_options": {"include_usage": True}}
+    ).text.splitlines() if line.startswith("data: {")]
+    assert sorted({c["choices"][0]["index"] for c in chunks if c["choices"]}) == [0, 1]
+    assert chunks[-1]["usage"]["completion_tokens"] == 2
 
 
 def test_app_turns_an_unexpected_error_into_500_json():

@@ -48,10 +48,10 @@ from tev_jax import verify as verify_lib
 from tev_jax.budget import AutoBudget
 from tev_jax.exit_law import exit_law
 from tev_jax.models import kv_cache as kvc
-from tev_jax.sampling import Sampling
+from tev_jax.sampling import PER_ROW, Sampling, SamplingRows
 from tev_jax.trace import RoundRecord, round_record
 from tev_jax.tree import DraftTree, ancestor_mask
-from tev_jax.vocab import sample_token
+from tev_jax.vocab import row_scores, sample_token
 
 PAD_TOKEN = -1
 LEN_ALIGN = 8  # prompt and cache lengths are rounded up to this, to share compilations
@@ -81,7 +81,12 @@ class DecodeConfig:
       verifier: 'tev', 'predraw', 'sequential', 'greedy' (T = 0 only), or a callable
         ``(key, tree, target_logits_NV, sampling, *, horizon) -> Verdict`` (for
         experiments and tests). Ignored when ``builder='none'``.
-      sampling: the target's sampling transform (default greedy, T = 0).
+      sampling: the target's sampling transform (default greedy, T = 0), the same for
+        every row and static in the programs; or `tev_jax.sampling.PER_ROW`: each row's
+        own, given with its prompt (``Engine.prompts(..., sampling=...)``, ``refill``)
+        and held in the state (``DecodeState.sampling_B``), so that one program serves
+        every setting, at the cost of one transformed [B, N, V] buffer per round
+        (`tev_jax.vocab.row_scores`).
       stop_token_ids: a row ends after emitting any of these (the stop token is kept).
       prompt_len: P, a fixed prompt buffer: every batch is padded to P slots (prompts of
         up to P tokens), so that prompts of any length reuse one compilation. None pads
@@ -101,7 +106,7 @@ class DecodeConfig:
     builder: str | extensions.TreeBuilder = "ddtree"
     budget: int | AutoBudget = 64
     verifier: str | extensions.Verifier = "tev"
-    sampling: Sampling = Sampling(temperature=0.0)
+    sampling: Sampling | str = Sampling(temperature=0.0)
     stop_token_ids: tuple[int, ...] = ()
     prompt_len: int | None = None
     max_cache_len: int | None = None
@@ -129,13 +134,14 @@ class DecodeConfig:
             extensions.resolve_verifier(self.verifier)
         else:
             extensions.check_hashable(self.verifier, "verifier")
-        if not isinstance(self.sampling, Sampling):
-            raise ValueError(f"sampling must be a Sampling, got {type(self.sampling).__name__}")
+        if not isinstance(self.sampling, Sampling) and self.sampling != PER_ROW:
+            raise ValueError(f"sampling must be a Sampling or {PER_ROW!r}, got "
+                             f"{self.sampling!r}")
         if (self.verifier == "greedy" and self.builder != "none"
-                and not self.sampling.greedy):
-            raise ValueError("verifier='greedy' is exact only at temperature 0; got "
-                             f"temperature={self.sampling.temperature} (use 'tev', "
-                             "'predraw' or 'sequential')")
+                and not (self.sampling != PER_ROW and self.sampling.greedy)):
+            t = "per row" if self.sampling == PER_ROW else self.sampling.temperature
+            raise ValueError(f"verifier='greedy' is exact only at temperature 0; got "
+                             f"temperature={t} (use 'tev', 'predraw' or 'sequential')")
         if not isinstance(self.stop_token_ids, tuple):
             raise ValueError("stop_token_ids must be a tuple of ints")
         if self.prompt_len is not None and (not isinstance(self.prompt_len, int)
@@ -203,6 +209,7 @@ class DecodeState:
         without a mixture.
       bad_target: bool [] a target logit was NaN or +inf.
       bad_draft: bool [] a draft logit was NaN or +inf.
+      sampling_B: each row's `SamplingRows` [B] with ``sampling=PER_ROW``, else None.
     """
 
     key_B: jax.Array
@@ -224,6 +231,7 @@ class DecodeState:
     experts_RL: jax.Array
     bad_target: jax.Array
     bad_draft: jax.Array
+    sampling_B: SamplingRows | None = None
 
 
 # ---------------------------------------------------------------- explicit shardings
@@ -244,7 +252,8 @@ def state_axes(st: DecodeState, drafter) -> DecodeState:
         start_B=b, root_B=b, new_tokens_BP=("batch", None),
         new_feats_BPF=("batch", None, None), new_count_B=b, out_BM=("batch", None),
         num_out_B=b, done_B=b, rounds_B=b, moved_B=b, block_len_RB=(None, "batch"),
-        expected_len_RB=(None, "batch"), experts_RL=(), bad_target=(), bad_draft=())
+        expected_len_RB=(None, "batch"), experts_RL=(), bad_target=(), bad_draft=(),
+        sampling_B=None if st.sampling_B is None else SamplingRows(b, b, b))
 
 
 def _is_names(x) -> bool:
@@ -286,18 +295,33 @@ def merge_models(graphdef, params):
 # ------------------------------------------------------------------------ the stages
 
 
-def prefill(graphdef, params, tokens_BT, lengths_B, key_B, *, spec: DecodeSpec
-            ) -> DecodeState:
+def row_sampling(spec: DecodeSpec, sampling_B: SamplingRows | None):
+    """The setting the programs of ``spec`` sample with: the config's, or with
+    `PER_ROW` the rows' (a ValueError while tracing when one is given without the
+    other)."""
+    per_row = spec.config.sampling == PER_ROW
+    if per_row != (sampling_B is not None):
+        raise ValueError("sampling=PER_ROW needs each row's setting (SamplingRows), and "
+                         "only it takes them" if per_row else
+                         f"this config samples every row with {spec.config.sampling}; "
+                         "per-row settings need DecodeConfig(sampling='per_row')")
+    return sampling_B if per_row else spec.config.sampling
+
+
+def prefill(graphdef, params, tokens_BT, lengths_B, key_B, sampling_B=None, *,
+            spec: DecodeSpec) -> DecodeState:
     """Consumes the prompts, samples t0 (row b's with ``step_keys(key_B, 0)[b]``), gives
-    the prompt's taps to the drafter. ``key_B``: each row's key (`row_keys`)."""
+    the prompt's taps to the drafter. ``key_B``: each row's key (`row_keys`);
+    ``sampling_B``: each row's `SamplingRows` with ``sampling=PER_ROW``, else None."""
     target, drafter = merge_models(graphdef, params)
     cfg = spec.config
+    sampling = row_sampling(spec, sampling_B)
     b, t = tokens_BT.shape
     h, m = spec.horizon, cfg.max_new_tokens
     cache = target.init_cache(b, spec.max_len)
     logits_BV, feats_BTF, cache = target.prefill(cache, tokens_BT, lengths_B, taps=spec.taps,
                                                  chunk=cfg.prefill_chunk)
-    t0_B = sample_token(step_keys(key_B, jnp.zeros((b,), jnp.int32)), logits_BV, cfg.sampling)
+    t0_B = sample_token(step_keys(key_B, jnp.zeros((b,), jnp.int32)), logits_BV, sampling)
     if feats_BTF is None:
         feats_BTF = jnp.zeros((b, t, 0), jnp.float32)
     zeros_B = jnp.zeros((b,), jnp.int32)
@@ -327,6 +351,7 @@ def prefill(graphdef, params, tokens_BT, lengths_B, key_B, *, spec: DecodeSpec
                              jnp.int32),
         bad_target=jnp.any(_not_finite(logits_BV)),
         bad_draft=jnp.zeros((), bool),
+        sampling_B=None if sampling_B is None else jax.tree.map(jnp.asarray, sampling_B),
     )
 
 
@@ -373,20 +398,32 @@ def verify_stage(graphdef, params, cache, tree: DraftTree, start_B, *, spec: Dec
                               taps=spec.taps, experts_touched=True)
 
 
-def decide_stage(key_B, tree: DraftTree, logits_BNV, *, spec: DecodeSpec
+def per_row_logits(logits_BNV, sampling_B: SamplingRows | None, spec: DecodeSpec):
+    """(what the verifier reads, its static setting): the logits and the config's
+    setting, or with `PER_ROW` each row's transformed log-weights
+    (`tev_jax.vocab.row_scores`) and T = 1, under which they are the rows' own
+    distributions."""
+    sampling = row_sampling(spec, sampling_B)
+    if sampling_B is None:
+        return logits_BNV, sampling
+    return row_scores(logits_BNV, sampling_B).x, Sampling(temperature=1.0)
+
+
+def decide_stage(key_B, tree: DraftTree, logits_BNV, sampling_B=None, *, spec: DecodeSpec
                  ) -> verify_lib.Verdict:
-    """The verifier on every row, row b with the key ``key_B[b]`` (`step_keys`)."""
+    """The verifier on every row, row b with the key ``key_B[b]`` (`step_keys`) and,
+    with `PER_ROW`, its setting ``sampling_B`` (`per_row_logits`)."""
     cfg = spec.config
     h = spec.horizon
     b = logits_BNV.shape[0]
     if cfg.builder == "none":
-        bonus_B = sample_token(key_B, logits_BNV[:, 0], cfg.sampling)
+        bonus_B = sample_token(key_B, logits_BNV[:, 0], row_sampling(spec, sampling_B))
         zeros_B = jnp.zeros((b,), jnp.int32)
         return verify_lib.Verdict(path=jnp.zeros((b, 1), jnp.int32), length=zeros_B + 1,
                                   bonus=bonus_B, exit_node=zeros_B)
     fn = extensions.resolve_verifier(cfg.verifier)
-    return jax.vmap(lambda k, t, l: fn(k, t, l, cfg.sampling, horizon=h))(key_B, tree,
-                                                                          logits_BNV)
+    logits_BNV, sampling = per_row_logits(logits_BNV, sampling_B, spec)
+    return jax.vmap(lambda k, t, l: fn(k, t, l, sampling, horizon=h))(key_B, tree, logits_BNV)
 
 
 def commit_stage(st: DecodeState, ctx, draft_logits_BHV, tree: DraftTree, logits_BNV,
@@ -431,7 +468,8 @@ def commit_stage(st: DecodeState, ctx, draft_logits_BHV, tree: DraftTree, logits
 
     expected_RB = st.expected_len_RB
     if cfg.track_exit_law:
-        law = jax.vmap(lambda t, l: exit_law(t, l, cfg.sampling))(tree, logits_BNV)
+        law_logits_BNV, sampling = per_row_logits(logits_BNV, st.sampling_B, spec)
+        law = jax.vmap(lambda t, l: exit_law(t, l, sampling))(tree, law_logits_BNV)
         expected_RB = expected_RB.at[st.round].set(
             jnp.where(active_B, law.expected_length, 0.0), mode="drop")
 
@@ -464,6 +502,7 @@ def commit_stage(st: DecodeState, ctx, draft_logits_BHV, tree: DraftTree, logits
                     st.experts_RL.at[st.round].set(experts_L, mode="drop")),
         bad_target=bad_target,
         bad_draft=bad_draft,
+        sampling_B=st.sampling_B,
     )
 
 
@@ -502,7 +541,7 @@ def traced_round(graphdef, params, st: DecodeState, *, spec: DecodeSpec
         logits, feats, cache, experts = verify_stage(graphdef, params, st.cache, tree,
                                                       st.start_B, spec=spec)
     with jax.named_scope("decide"):
-        verdict = decide_stage(round_step_keys(st), tree, logits, spec=spec)
+        verdict = decide_stage(round_step_keys(st), tree, logits, st.sampling_B, spec=spec)
     with jax.named_scope("commit"):
         new = commit_stage(st, ctx, draft_logits, tree, logits, feats, cache, verdict,
                            experts, spec=spec)
@@ -521,14 +560,15 @@ def running(st: DecodeState, max_new_tokens: int) -> jax.Array:
     return jnp.any(~st.done_B) & (st.round < max_new_tokens)
 
 
-def generation(graphdef, params, tokens_BT, lengths_B, key, *, spec: DecodeSpec
-               ) -> DecodeState:
+def generation(graphdef, params, tokens_BT, lengths_B, key, sampling_B=None, *,
+               spec: DecodeSpec) -> DecodeState:
     """A whole generation: `prefill`, then `decode_round` until every row is done.
 
     Args:
       graphdef, params: ``nnx.split((target,))`` or ``nnx.split((target, drafter))``.
       tokens_BT: int32 [B, T] prompts, zero-padded; lengths_B: int32 [B] their lengths.
       key: PRNG key of the whole generation (row b's is ``row_keys(key, [b])``).
+      sampling_B: each row's `SamplingRows` with ``sampling=PER_ROW``, else None.
       spec: the `DecodeSpec`.
     Returns:
       The final `DecodeState` (``out_BM``, ``num_out_B`` and the per-round records).
@@ -536,7 +576,7 @@ def generation(graphdef, params, tokens_BT, lengths_B, key, *, spec: DecodeSpec
     drafter = merge_models(graphdef, params)[1]
     pin = lambda st: constrain_state(st, drafter, spec)
     st = pin(prefill(graphdef, params, tokens_BT, lengths_B,
-                     row_keys(key, jnp.arange(tokens_BT.shape[0])), spec=spec))
+                     row_keys(key, jnp.arange(tokens_BT.shape[0])), sampling_B, spec=spec))
     return jax.lax.while_loop(
         lambda s: running(s, spec.config.max_new_tokens),
         lambda s: pin(decode_round(graphdef, params, s, spec=spec)),
@@ -554,13 +594,23 @@ def generation(graphdef, params, tokens_BT, lengths_B, key, *, spec: DecodeSpec
 # there; a request's statistics come from ``rounds_B`` and ``start_B``.
 
 
+def abstract_rows(rows: int, spec: DecodeSpec) -> SamplingRows | None:
+    """Abstract `SamplingRows` of ``rows`` rows with `PER_ROW`, else None."""
+    if spec.config.sampling != PER_ROW:
+        return None
+    return SamplingRows(jax.ShapeDtypeStruct((rows,), jnp.float32),
+                        jax.ShapeDtypeStruct((rows,), jnp.int32),
+                        jax.ShapeDtypeStruct((rows,), jnp.float32))
+
+
 def state_shapes(graphdef, params, rows: int, *, spec: DecodeSpec) -> DecodeState:
     """The abstract `DecodeState` of ``rows`` rows (``jax.ShapeDtypeStruct`` leaves)."""
     return jax.eval_shape(
-        lambda p, t, n, k: prefill(graphdef, p, t, n, k, spec=spec), params,
+        lambda p, t, n, k, s: prefill(graphdef, p, t, n, k, s, spec=spec), params,
         jax.ShapeDtypeStruct((rows, LEN_ALIGN), jnp.int32),
         jax.ShapeDtypeStruct((rows,), jnp.int32),
-        jax.eval_shape(lambda: row_keys(jax.random.key(0), jnp.arange(rows))))
+        jax.eval_shape(lambda: row_keys(jax.random.key(0), jnp.arange(rows))),
+        abstract_rows(rows, spec))
 
 
 def row_axes(graphdef, params, *, spec: DecodeSpec) -> tuple[int | None, ...]:
@@ -586,8 +636,9 @@ def empty_state(graphdef, params, key, *, spec: DecodeSpec) -> DecodeState:
     return st.replace(done_B=jnp.ones((spec.batch_size,), bool))
 
 
-def refill(graphdef, params, st: DecodeState, tokens_KT, lengths_K, slots_K, key_K, *,
-           spec: DecodeSpec, axes: tuple[int | None, ...]) -> DecodeState:
+def refill(graphdef, params, st: DecodeState, tokens_KT, lengths_K, slots_K, key_K,
+           sampling_K=None, *, spec: DecodeSpec, axes: tuple[int | None, ...]
+           ) -> DecodeState:
     """Prefills K prompts into the given slots of ``st``; other rows unchanged.
 
     Args:
@@ -599,11 +650,12 @@ def refill(graphdef, params, st: DecodeState, tokens_KT, lengths_K, slots_K, key
         prompt (padding rows of a bucketed K).
       key_K: PRNG key [K], each prompt's row key (`row_keys`: the j-th request of a
         continuous batch has row j's key of a plain generation).
+      sampling_K: each prompt's `SamplingRows` [K] with ``sampling=PER_ROW``, else None.
       spec: the `DecodeSpec`; axes: `row_axes`.
     Returns:
       The state with those rows freshly prefilled (t0 sampled, rounds 0).
     """
-    new = prefill(graphdef, params, tokens_KT, lengths_K, key_K, spec=spec)
+    new = prefill(graphdef, params, tokens_KT, lengths_K, key_K, sampling_K, spec=spec)
     return put_rows(graphdef, params, st, new, slots_K, spec=spec, axes=axes)
 
 
@@ -653,9 +705,10 @@ def rounds_until(graphdef, params, st: DecodeState, until_done, max_rounds, *,
     return st
 
 
-__all__ = ["LEN_ALIGN", "PAD_TOKEN", "STAGES", "DecodeConfig", "DecodeSpec", "DecodeState",
-           "aligned_len", "build_stage", "commit_stage", "constrain_state", "decide_stage",
-           "decode_round", "draft_stage", "empty_state", "generation", "merge_models",
-           "prefill", "put_rows", "refill", "round_step_keys", "row_axes", "row_keys",
-           "rounds_until", "running", "state_axes", "state_shapes", "step_keys",
-           "take_rows", "traced_round", "verify_stage"]
+__all__ = ["LEN_ALIGN", "PAD_TOKEN", "STAGES", "DecodeConfig", "DecodeSpec",
+           "DecodeState", "abstract_rows", "aligned_len", "build_stage", "commit_stage",
+           "constrain_state", "decide_stage", "decode_round", "draft_stage",
+           "empty_state", "generation", "merge_models", "per_row_logits", "prefill",
+           "put_rows", "refill", "round_step_keys", "row_axes", "row_keys",
+           "row_sampling", "rounds_until", "running", "state_axes", "state_shapes",
+           "step_keys", "take_rows", "traced_round", "verify_stage"]

@@ -49,6 +49,7 @@ from tev_jax.generation import DecodeStats, Generation
 from tev_jax.models import kv_heads
 from tev_jax.models import layer_layout as layer_layouts
 from tev_jax.prompts import Prompts, check_prompts
+from tev_jax.sampling import PER_ROW, Sampling, SamplingRows
 from tev_jax.trace import RoundRecord, RoundTrace, stack_records
 
 PROGRAMS = ("generate", "prefill", "round", "run_rounds", *decode.STAGES)
@@ -129,7 +130,9 @@ def _spec_of(target, drafter, config: DecodeConfig, batch_size: int, prompt_len:
     builder = extensions.resolve_builder(config.builder, config.budget)
     num_slots = extensions.builder_num_slots(builder, horizon, vocab)
     if callable(config.verifier) and config.builder != "none":
-        extensions.check_verifier(config.verifier, num_slots, horizon, vocab, config.sampling)
+        extensions.check_verifier(config.verifier, num_slots, horizon, vocab,
+                                  Sampling(1.0) if config.sampling == PER_ROW
+                                  else config.sampling)
     need = prompt_len + config.max_new_tokens + num_slots
     max_len = decode.aligned_len(need) if config.max_cache_len is None else config.max_cache_len
     if max_len < need:
@@ -178,15 +181,17 @@ def decode_spec(target, drafter, config: DecodeConfig, batch_size: int, *,
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "spec"))
-def _generate_jit(graphdef, params, tokens_BT, lengths_B, key, *, spec):
-    return decode.generation(graphdef, params, tokens_BT, lengths_B, key, spec=spec)
+def _generate_jit(graphdef, params, tokens_BT, lengths_B, key, sampling_B=None, *, spec):
+    return decode.generation(graphdef, params, tokens_BT, lengths_B, key, sampling_B,
+                             spec=spec)
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "spec"))
-def _prefill_jit(graphdef, params, tokens_BT, lengths_B, key, *, spec):
+def _prefill_jit(graphdef, params, tokens_BT, lengths_B, key, sampling_B=None, *, spec):
     drafter = decode.merge_models(graphdef, params)[1]
     st = decode.prefill(graphdef, params, tokens_BT, lengths_B,
-                        decode.row_keys(key, jnp.arange(tokens_BT.shape[0])), spec=spec)
+                        decode.row_keys(key, jnp.arange(tokens_BT.shape[0])), sampling_B,
+                        spec=spec)
     return decode.constrain_state(st, drafter, spec)
 
 
@@ -212,9 +217,10 @@ def _run_jit(graphdef, params, st, *, spec):
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "spec", "axes"),
                    donate_argnames=("st",))
-def _refill_jit(graphdef, params, st, tokens_KT, lengths_K, slots_K, key_K, *, spec, axes):
+def _refill_jit(graphdef, params, st, tokens_KT, lengths_K, slots_K, key_K, sampling_K, *,
+                spec, axes):
     return decode.refill(graphdef, params, st, tokens_KT, lengths_K, slots_K, key_K,
-                         spec=spec, axes=axes)
+                         sampling_K, spec=spec, axes=axes)
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "spec", "axes"),
@@ -372,11 +378,14 @@ class Engine:
 
     # --------------------------------------------------------------------- programs
 
-    def prompts(self, prompt_ids: Sequence[Sequence[int]]) -> Prompts:
+    def prompts(self, prompt_ids: Sequence[Sequence[int]],
+                sampling: Sampling | Sequence[Sampling] | None = None) -> Prompts:
         """Host checks of B prompts, zero-padded and placed as the programs expect.
 
         The padding width is P with ``config.prompt_len`` set, else the longest prompt
         rounded up to a multiple of 8 (so prompts of similar lengths share a program).
+        ``sampling``: with ``DecodeConfig(sampling=PER_ROW)``, each prompt's `Sampling`
+        (or one for all); other configs sample with theirs and take none.
         """
         prompts = check_prompts(prompt_ids, self.vocab_size, self.spec.prompt_len)
         if len(prompts) != self.spec.batch_size:
@@ -388,7 +397,27 @@ class Engine:
         for i, p in enumerate(prompts):
             tokens_BT[i, : len(p)] = p
         lengths_B = np.asarray([len(p) for p in prompts], np.int32)
-        return Prompts(*(self._rows(x) for x in (tokens_BT, lengths_B)))
+        return Prompts(*(self._rows(x) for x in (tokens_BT, lengths_B)),
+                       self.row_settings(sampling, len(prompts)))
+
+    def row_settings(self, sampling: Sampling | Sequence[Sampling] | None, rows: int
+                     ) -> SamplingRows | None:
+        """``rows`` rows' settings for the programs: placed `SamplingRows` with
+        ``sampling=PER_ROW`` (``sampling`` one `Sampling` or one per row), else None (and
+        ``sampling`` must be None)."""
+        if self.config.sampling != PER_ROW:
+            if sampling is not None:
+                raise ValueError(f"this engine samples every row with "
+                                 f"{self.config.sampling}; per-row settings need "
+                                 "DecodeConfig(sampling='per_row')")
+            return None
+        if sampling is None:
+            raise ValueError("a sampling='per_row' engine needs each prompt's setting: "
+                             "prompts(ids, sampling=[Sampling(...), ...])")
+        settings = [sampling] * rows if isinstance(sampling, Sampling) else list(sampling)
+        if len(settings) != rows:
+            raise ValueError(f"{len(settings)} sampling settings for {rows} prompts")
+        return jax.tree.map(self._rows, SamplingRows.of(settings))
 
     def _rows(self, x: np.ndarray) -> jax.Array:
         if self.mesh is None:
@@ -402,12 +431,14 @@ class Engine:
 
     def generate(self, prompts: Prompts, key: jax.Array) -> DecodeState:
         """The whole generation as one program: prefill + the fused loop."""
-        return self._call(_generate_jit, prompts.tokens_BT, prompts.lengths_B, key)
+        return self._call(_generate_jit, prompts.tokens_BT, prompts.lengths_B, key,
+                          prompts.sampling_B)
 
     def prefill(self, prompts: Prompts, key: jax.Array) -> DecodeState:
         """Consumes the prompts and samples each row's first token (row b's key is
         ``decode.row_keys(key, [b])``)."""
-        return self._call(_prefill_jit, prompts.tokens_BT, prompts.lengths_B, key)
+        return self._call(_prefill_jit, prompts.tokens_BT, prompts.lengths_B, key,
+                          prompts.sampling_B)
 
     def round(self, st: DecodeState) -> DecodeState:
         """One round (draft, build, verify, decide, commit); ``st`` is donated."""
@@ -477,8 +508,9 @@ class Engine:
         Signatures (as the stage functions of `tev_jax.decode`, params first where
         the stage runs a model): ``draft(params, st) -> (logits_BHV, ctx)``,
         ``build(logits_BHV, root_B) -> tree``, ``verify(params, cache, tree, start_B)
-        -> (logits_BNV, feats, cache)``, ``decide(key_B, tree, logits_BNV) -> verdict``
-        (``key_B``: `tev_jax.decode.round_step_keys` of the state), ``commit(st, ctx,
+        -> (logits_BNV, feats, cache)``, ``decide(key_B, tree, logits_BNV[,
+        sampling_B]) -> verdict`` (``key_B``: `tev_jax.decode.round_step_keys` of the
+        state; ``sampling_B``: its ``sampling_B`` with ``sampling=PER_ROW``), ``commit(st, ctx,
         logits_BHV, tree, logits_BNV, feats, cache, verdict)``.
         A stage is compiled once per setting of the config fields it reads.
         """
@@ -499,11 +531,15 @@ class Engine:
         with _mesh_scope(self.mesh):
             return decode.empty_state(self.graphdef, self.params, key, spec=self.spec)
 
-    def refill(self, st: DecodeState, tokens_KT, lengths_K, slots_K, key_K, *,
+    def refill(self, st: DecodeState, tokens_KT, lengths_K, slots_K, key_K,
+               sampling_K: Sampling | Sequence[Sampling] | None = None, *,
                axes: tuple[int | None, ...]) -> DecodeState:
         """Prefills K prompts into the given slots of ``st`` (donated), prompt k with the
-        row key ``key_K[k]``; see `tev_jax.decode.refill`. ``axes`` is `slot_axes`."""
-        return self._call(_refill_jit, st, tokens_KT, lengths_K, slots_K, key_K, axes=axes)
+        row key ``key_K[k]`` and, with ``sampling=PER_ROW``, the setting
+        ``sampling_K[k]`` (`row_settings`); see `tev_jax.decode.refill`. ``axes`` is
+        `slot_axes`."""
+        return self._call(_refill_jit, st, tokens_KT, lengths_K, slots_K, key_K,
+                          self.row_settings(sampling_K, len(lengths_K)), axes=axes)
 
     def take_slots(self, st: DecodeState, rows, *, axes: tuple[int | None, ...]
                    ) -> DecodeState:
@@ -542,16 +578,21 @@ class Engine:
         b, t = self.spec.batch_size, width or self.spec.prompt_len
         rows = lambda *shape: (None if self.mesh is None else shd.logical_sharding(
             ("batch",) + (None,) * (len(shape) - 1), shape, self.mesh))
+        settings = decode.abstract_rows(b, self.spec)
         return Prompts(jax.ShapeDtypeStruct((b, t), jnp.int32, sharding=rows(b, t)),
-                       jax.ShapeDtypeStruct((b,), jnp.int32, sharding=rows(b)))
+                       jax.ShapeDtypeStruct((b,), jnp.int32, sharding=rows(b)),
+                       None if settings is None else jax.tree.map(
+                           lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype,
+                                                          sharding=rows(b)), settings))
 
     def abstract_state(self) -> DecodeState:
         """The abstract `DecodeState` after the prefill, with the loop's shardings."""
         with _mesh_scope(self.mesh):
+            prompts = self.abstract_prompts()
             st = jax.eval_shape(
                 functools.partial(_prefill_jit, self.graphdef, spec=self.spec),
-                _abstract(self.params), *dataclasses.astuple(self.abstract_prompts()),
-                jax.eval_shape(lambda: jax.random.key(0)))
+                _abstract(self.params), prompts.tokens_BT, prompts.lengths_B,
+                jax.eval_shape(lambda: jax.random.key(0)), prompts.sampling_B)
         return st
 
     def lower(self, program: str = "generate") -> jax.stages.Lowered:
@@ -577,9 +618,12 @@ class Engine:
         with _mesh_scope(self.mesh):
             if program in ("generate", "prefill"):
                 fn = _generate_jit if program == "generate" else _prefill_jit
-                return fn.lower(self.graphdef, params,
-                                *dataclasses.astuple(self.abstract_prompts()), key,
-                                spec=self.spec)
+                prompts = self.abstract_prompts()
+                # the rows' settings with sampling=PER_ROW only: a static setting's program
+                # takes (params, tokens, lengths, key)
+                settings = () if prompts.sampling_B is None else (prompts.sampling_B,)
+                return fn.lower(self.graphdef, params, prompts.tokens_BT, prompts.lengths_B,
+                                key, *settings, spec=self.spec)
             st = self.abstract_state()
             if program == "round":
                 return _round_jit.lower(self.graphdef, params, st, spec=self.spec)
@@ -599,12 +643,13 @@ class Engine:
             draft_logits, ctx = None, st.ctx
         tree = shape("build", draft_logits, st.root_B)
         logits, feats, cache, experts = shape("verify", params, st.cache, tree, st.start_B)
-        verdict = shape("decide", st.key_B, tree, logits)
+        settings = () if st.sampling_B is None else (st.sampling_B,)
+        verdict = shape("decide", st.key_B, tree, logits, *settings)
         return {
             "draft": (params, st),
             "build": (draft_logits, st.root_B),
             "verify": (params, st.cache, tree, st.start_B),
-            "decide": (st.key_B, tree, logits),
+            "decide": (st.key_B, tree, logits, *settings),
             "commit": (st, ctx, draft_logits, tree, logits, feats, cache, verdict, experts),
         }[program]
 

@@ -82,7 +82,11 @@ class Verifier(Protocol):
           tree: the row's `DraftTree` [N].
           target_logits_NV: float32 [N, V]; row i is the target's next-token logits
             after the path root..i.
-          sampling: the target's sampling transform (static).
+          sampling: the target's sampling transform (static). With each row's own
+            setting (``DecodeConfig(sampling='per_row')``) the engine applies the row's
+            transform first (`tev_jax.vocab.row_scores`) and passes the transformed
+            log-weights with ``Sampling(1.0)``: a verifier exact at temperature 1 is then
+            exact for every row's setting.
           horizon: H, static; ``Verdict.path`` has H+1 entries.
 
         Returns:

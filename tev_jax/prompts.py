@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
+from typing import Any
 
 import jax
 import numpy as np
@@ -12,11 +13,13 @@ import numpy as np
 
 @dataclasses.dataclass(frozen=True)
 class Prompts:
-    """A batch of prompts ready for the engine: int32 tokens [B, T] (zero-padded) and
-    int32 lengths [B], placed on the engine's mesh."""
+    """A batch of prompts ready for the engine: int32 tokens [B, T] (zero-padded),
+    int32 lengths [B] and, for an engine whose rows each have their own setting, the
+    rows' `tev_jax.sampling.SamplingRows` (else None), placed on the engine's mesh."""
 
     tokens_BT: jax.Array
     lengths_B: jax.Array
+    sampling_B: Any = None
 
 
 def check_prompt(ids, vocab_size: int, prompt_len: int | None = None, *,

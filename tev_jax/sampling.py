@@ -2,14 +2,23 @@
 
 Every exact verifier is exact with respect to the *transformed* target distribution
 ``p = softmax(transform(logits))``; this module is the one definition of that transform.
+
+A setting is either one `Sampling` for every row, static in the compiled programs (the
+fast path: at T = 0 and for a plain temperature nothing of size [N, V] is written), or,
+with ``DecodeConfig(sampling=PER_ROW)``, each row's own, held as arrays in the decode
+state (`SamplingRows`): one program then serves every setting, and the engine applies
+each row's transform to its logits before the verifier (`tev_jax.vocab.row_scores`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+from flax import struct
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,10 +50,43 @@ class Sampling:
         return self.temperature == 0
 
 
+PER_ROW = "per_row"
+"""``DecodeConfig(sampling=PER_ROW)``: each row's setting comes with its prompt
+(`SamplingRows`) and lives in the decode state."""
+
+
+@struct.dataclass
+class SamplingRows:
+    """Each row's `Sampling`, as arrays [B] (what the decode state holds with
+    `PER_ROW`).
+
+    Attributes:
+      temperature: float32 [B]; 0 is greedy.
+      top_k: int32 [B]; 0 keeps every token.
+      top_p: float32 [B]; 1 keeps every token.
+    """
+
+    temperature: jax.Array
+    top_k: jax.Array
+    top_p: jax.Array
+
+    @classmethod
+    def of(cls, settings: Sequence[Sampling]) -> SamplingRows:
+        """The rows of these settings (host arrays)."""
+        settings = list(settings)
+        if not all(isinstance(s, Sampling) for s in settings):
+            raise ValueError(f"each row's setting must be a Sampling, got {settings!r}")
+        return cls(np.asarray([s.temperature for s in settings], np.float32),
+                   np.asarray([s.top_k or 0 for s in settings], np.int32),
+                   np.asarray([1.0 if s.top_p is None else s.top_p for s in settings],
+                              np.float32))
+
+
 def log_probs(logits_NV: jax.Array, sampling: Sampling) -> jax.Array:
     """Target log-distribution after the transform; float32 [..., V].
 
     Removed tokens get -inf. At T = 0 the result is 0 at the argmax and -inf elsewhere.
+    (`row_cut` is the same cut with each row's own top-k and top-p.)
     """
     logits = logits_NV.astype(jnp.float32)
     if sampling.greedy:
@@ -63,6 +105,26 @@ def log_probs(logits_NV: jax.Array, sampling: Sampling) -> jax.Array:
         threshold = jnp.min(jnp.where(keep_sorted, sorted_desc, jnp.inf), axis=-1, keepdims=True)
         logits = jnp.where(logits >= threshold, logits, -jnp.inf)
     return jax.nn.log_softmax(logits, axis=-1)
+
+
+def row_cut(z_BXV: jax.Array, top_k_B: jax.Array, top_p_B: jax.Array) -> jax.Array:
+    """`log_probs`'s top-k then top-p, each row b with its own ``top_k_B[b]`` (0: off)
+    and ``top_p_B[b]`` (1: off), on temperature-scaled logits [B, ..., V]; removed
+    tokens get -inf, kept ones keep their value (not renormalised). One sort per row."""
+    vocab = z_BXV.shape[-1]
+    lead = z_BXV.shape[:-1]
+    per_row = lambda a: jnp.broadcast_to(a.reshape((-1,) + (1,) * (len(lead) - 1)), lead)
+    k, p = per_row(top_k_B)[..., None], per_row(top_p_B)[..., None]
+    sorted_desc = -jnp.sort(-z_BXV, axis=-1)
+    kth = jnp.take_along_axis(sorted_desc, jnp.clip(k - 1, 0, vocab - 1), axis=-1)
+    kth = jnp.where((k > 0) & (k < vocab), kth, -jnp.inf)
+    z = jnp.where(z_BXV >= kth, z_BXV, -jnp.inf)
+    sorted_desc = jnp.where(sorted_desc >= kth, sorted_desc, -jnp.inf)
+    probs = jax.nn.softmax(sorted_desc, axis=-1)
+    mass_before = jnp.cumsum(probs, axis=-1) - probs
+    threshold = jnp.min(jnp.where(mass_before < p, sorted_desc, jnp.inf), axis=-1,
+                        keepdims=True)
+    return jnp.where((p < 1) & (z < threshold), -jnp.inf, z)
 
 
 def check_finite(logits, what: str = "target logits") -> None:

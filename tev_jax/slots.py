@@ -22,6 +22,7 @@ from tev_jax import decode, extensions
 from tev_jax import sharding as shd
 from tev_jax.budget import AutoBudget
 from tev_jax.engine import Engine
+from tev_jax.sampling import Sampling
 
 
 @dataclasses.dataclass(frozen=True)
@@ -227,12 +228,15 @@ class Slots:
         self.engine = engine
 
     def refill(self, entries: Sequence[tuple[Any, Sequence[int]]], key_K: jax.Array,
-               widths: Sequence[int]) -> list[int]:
+               widths: Sequence[int], sampling_K: Sequence[Sampling] | None = None
+               ) -> list[int]:
         """Prefills prompts into the free slots, in order: ``entries`` are (holder,
         prompt ids), at most `free` of them; ``key_K`` one row key per entry, padded to
-        the refill's row bucket (`refill_rows`). The prompts are padded to the smallest
-        of ``widths`` that holds them and the rows to a `row_buckets` size (padding rows
-        go to slot index B and are dropped). -> the slots taken."""
+        the refill's row bucket (`refill_rows`), and on programs with each row's own
+        sampling (`tev_jax.sampling.PER_ROW`) ``sampling_K`` one setting per entry,
+        padded alike. The prompts are padded to the smallest of ``widths`` that holds
+        them and the rows to a `row_buckets` size (padding rows go to slot index B and
+        are dropped). -> the slots taken."""
         free = self.free()
         if not entries or len(entries) > len(free):
             raise ValueError(f"{len(entries)} prompts for {len(free)} free slots")
@@ -246,7 +250,7 @@ class Slots:
             lengths_K[row], slots_K[row] = len(ids), slot
             self.holders[slot] = holder
         self.st = self.engine.refill(self.st, tokens_KT, lengths_K, slots_K, key_K,
-                                     axes=self.programs.axes(self.size))
+                                     sampling_K, axes=self.programs.axes(self.size))
         return free[: len(entries)]
 
     def refill_rows(self, n: int) -> int:

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from flax import struct
 from jax.sharding import PartitionSpec
 
-from tev_jax.sampling import Sampling, log_probs
+from tev_jax.sampling import Sampling, SamplingRows, log_probs, row_cut
 from tev_jax.sharding import logical_to_spec, mesh_axis_size
 
 
@@ -67,6 +67,34 @@ def target_scores(logits_NV: jax.Array, sampling: Sampling) -> Scores:
     if sampling.top_k is not None or sampling.top_p is not None:
         return Scores(log_probs(logits, sampling), 1.0)
     return Scores(logits, 1.0 / sampling.temperature)
+
+
+def row_scores(logits_BXV: jax.Array, rows: SamplingRows) -> Scores:
+    """The target's log-weights with each row's own setting (`tev_jax.sampling.PER_ROW`):
+    ``Scores(z, 1)`` with, for row b, ``softmax(z[b])`` the distribution of
+    ``target_scores(logits[b], rows.setting(b))``: one-hot at the argmax where the
+    temperature is 0, else the logits over the temperature, cut by `row_cut` where some
+    row of the batch asks for a top-k or a top-p (a ``lax.cond``: a batch without one
+    sorts nothing). Unlike the static settings it writes ``z`` ([B, ..., V] float32): a
+    pass over the logits and a buffer of their size per call.
+
+    Args:
+      logits_BXV: [B, ..., V] target logits, rows first.
+      rows: `SamplingRows` with fields [B].
+    """
+    x = logits_BXV.astype(jnp.float32)
+    lead, vocab = x.shape[:-1], x.shape[-1]
+    per_row = lambda a: a.reshape((-1,) + (1,) * len(lead))
+    t = per_row(rows.temperature)
+    top = argmax(x.reshape(-1, vocab)).reshape(lead)
+    hot = jnp.where(jnp.arange(vocab) == top[..., None], 0.0, -jnp.inf)
+    z = jnp.where(t > 0, x / jnp.where(t > 0, t, 1.0), hot)
+    cut_B = (rows.temperature > 0) & (((rows.top_k > 0) & (rows.top_k < vocab))
+                                      | (rows.top_p < 1))
+    z = jax.lax.cond(jnp.any(cut_B),
+                     lambda z: jnp.where(per_row(cut_B), row_cut(z, rows.top_k, rows.top_p), z),
+                     lambda z: z, z)
+    return Scores(z, 1.0)
 
 
 BLOCK = 128  # vocabulary block of the two-stage reductions (see block_masses)
@@ -386,14 +414,19 @@ def embed_rows(table_VD: jax.Array, ids: jax.Array) -> jax.Array:
                          axis_names=manual)(table_VD, ids)
 
 
-def sample_token(keys_B: jax.Array, logits_BV: jax.Array, sampling: Sampling) -> jax.Array:
+def sample_token(keys_B: jax.Array, logits_BV: jax.Array,
+                 sampling: Sampling | SamplingRows) -> jax.Array:
     """One token per row from ``softmax(transform(logits))``, row b's from its own key
-    ``keys_B[b]``; int32 [B]. Argmax at T = 0.
+    ``keys_B[b]``; int32 [B]. Argmax at T = 0. ``sampling``: one setting for every row,
+    or each row's (`tev_jax.sampling.SamplingRows`, `row_scores`).
 
     Uses the verifiers' samplers: their two-stage argmax, and one uniform per row with
     the blocked inverse-CDF search (cheaper on CPU than Gumbel-max, which draws V random
     numbers per row).
     """
+    if isinstance(sampling, SamplingRows):
+        scores = row_scores(logits_BV, sampling)   # greedy rows: one-hot, so the argmax
+        return inverse_cdf(jax.vmap(lambda k: uniform(k, ()))(keys_B), scores)
     if sampling.greedy:
         return argmax(logits_BV)
     scores = target_scores(logits_BV, sampling)
@@ -401,5 +434,5 @@ def sample_token(keys_B: jax.Array, logits_BV: jax.Array, sampling: Sampling) ->
 
 
 __all__ = ["BLOCK", "Scores", "argmax", "block_masses", "cpu_barrier", "embed_rows",
-           "first_above", "gather_blocks", "inverse_cdf", "log_normalizer", "sample_token",
-           "target_scores", "top_k", "uniform", "vocab_top_k"]
+           "first_above", "gather_blocks", "inverse_cdf", "log_normalizer", "row_scores",
+           "sample_token", "target_scores", "top_k", "uniform", "vocab_top_k"]

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
 import statistics
 import time
 
@@ -60,7 +59,7 @@ def compiled(engine: Engine, prompts, key, variant: str):
         exe = engine.lower("generate").compile()
         seconds = time.perf_counter() - t0
     print(f"{variant}: compiled in {seconds:.1f} s")
-    args = (engine.params, *dataclasses.astuple(prompts), key)
+    args = (engine.params, prompts.tokens_BT, prompts.lengths_B, key)
     return lambda: jax.block_until_ready(exe(*args))
 
 

@@ -23,7 +23,7 @@ def serve_command(args) -> int:
         print(f"tev-jax serve: {SERVE_EXTRA} ({e})", file=sys.stderr)
         return EXIT_USAGE
     flags.at_least_one(args, "--max-batch", "--max-tokens", "--max-prompt-tokens",
-                       "--max-lanes")
+                       "--mesh-data", "--mesh-fsdp", "--mesh-tensor")
     if not 0 <= args.port <= 65535:
         raise ValueError(f"--port must be a TCP port, 1 to 65535 (0: any free port), got "
                          f"{args.port}")
@@ -55,8 +55,8 @@ def serve_command(args) -> int:
         target=target, drafter=drafter, config=config, model=args.model_name or
         ("tev-jax-bundled" if is_bundled_target(args.target) else args.target),
         host=args.host, port=args.port, max_batch=args.max_batch, max_queue=args.max_queue,
-        max_lanes=args.max_lanes, drain_seconds=args.drain_seconds, seed=args.seed,
-        dtype=args.dtype, warmup=args.warmup, batch_invariant=args.batch_invariant,
+        drain_seconds=args.drain_seconds, seed=args.seed, dtype=args.dtype,
+        mesh=(args.mesh_data, args.mesh_fsdp, args.mesh_tensor), warmup=args.warmup, batch_invariant=args.batch_invariant,
         api_key=api_key,
         max_body_bytes=int(args.max_body_mb * 2**20))
     print(f"tev-jax serve: {where}; {flags.method_label(config)}", file=sys.stderr)
@@ -86,9 +86,6 @@ def add_parser(sub) -> None:
     p.add_argument("--max-queue", type=int, default=64,
                    help="requests that may wait for a slot; more get 429 (default "
                         "%(default)s)")
-    p.add_argument("--max-lanes", type=int, default=4,
-                   help="sampling settings decoded at once (each has its own decode "
-                        "state; default %(default)s)")
     p.add_argument("--max-tokens", type=int, default=256,
                    help="the most new tokens a request may ask for (the cache's output "
                         "part; default %(default)s)")
@@ -103,15 +100,17 @@ def add_parser(sub) -> None:
                    help="prefill prompts in chunks of this many tokens (default %(default)s)")
     p.add_argument("--seed", type=int, default=0, help="the scheduler's sampling seed")
     p.add_argument("--warmup", action="store_true",
-                   help="compile the programs of greedy requests and of temperature 1 "
-                        "(OpenAI's default; every slot count and prompt bucket) before "
-                        "listening; default: each when first met")
+                   help="compile every program (each slot count, prompt bucket and move "
+                        "between slot counts; sampling settings are values, so that is "
+                        "all any request needs) before listening; default: each when "
+                        "first met")
     p.add_argument("--batch-invariant", action="store_true",
                    help="a request's numbers never depend on its batch, so a seed holds "
                         "bit for bit: every round on the --max-batch program, every prompt "
                         "prefilled alone (needs a fixed --budget; slower for few requests)")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
                    help="parameter and KV-cache dtype (default %(default)s)")
+    flags.add_mesh_flags(p)
     p.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer KEY' on every /v1 route (401 "
                         f"without it; /health stays open); default: ${API_KEY_ENV} if set, "

@@ -39,6 +39,7 @@ from tev_jax.models.checkpoint_io import read_config
 from tev_jax.models.config import AttentionSpec, ModelConfig, RopeScaling
 from tev_jax.models.drafter import Drafter, DrafterConfig, default_target_layer_ids
 from tev_jax.models.target import Target
+from tev_jax.sampling import PER_ROW
 
 PRESETS: dict[str, ModelConfig] = {
     "qwen3-0.6b": ModelConfig(
@@ -487,17 +488,18 @@ def decode_floor(target, drafter, config, batch_size: int) -> dict[str, int]:
     built (`tev_jax.engine.decode_spec` reads N and L from the settings; the caches
     are shapes from ``jax.eval_shape``), so absurd settings are sized in milliseconds.
     The buffers: the target's and the drafter's KV caches (held in the loop state), the
-    verify pass's float32 logits [B, N, V] and its ancestor mask [B, N, N], and, for the
-    exact verifiers (all but ``greedy``), the decide stage's float32 table over node
-    pairs [B, N, N] (siblings, ancestors: at wide budgets the largest buffer).
+    verify pass's float32 logits [B, N, V] (twice with each row's own sampling,
+    `tev_jax.sampling.PER_ROW`: the transformed copy) and its ancestor mask [B, N, N],
+    and, for the exact verifiers (all but ``greedy``), the decide stage's float32 table
+    over node pairs [B, N, N] (siblings, ancestors: at wide budgets the largest buffer).
 
     Args:
       target, drafter: the models (real or abstract); drafter None without a tree.
       config: the `DecodeConfig`, with ``prompt_len`` set.
       batch_size: B.
     Returns:
-      {'kv cache': ..., 'tree logits': ..., 'tree mask': ..., 'verifier pairs': ...}:
-      bytes per buffer.
+      {'kv cache': ..., 'tree logits': ..., 'row settings': ..., 'tree mask': ...,
+      'verifier pairs': ...}: bytes per buffer.
     """
     spec = decode_spec(target, drafter, config, batch_size)
     b, n, l = batch_size, spec.num_slots, spec.max_len
@@ -506,8 +508,10 @@ def decode_floor(target, drafter, config, batch_size: int) -> dict[str, int]:
         context = as_drafter(drafter).init_context
         caches.append(jax.eval_shape(lambda: context(target, b, l)))
     pairs = spec.has_drafter and n > 1 and config.verifier != "greedy"
+    logits = _bytes((b, n, target.config.vocab_size), jnp.float32)
     return {"kv cache": sum(_bytes(x.shape, x.dtype) for x in jax.tree.leaves(caches)),
-            "tree logits": _bytes((b, n, target.config.vocab_size), jnp.float32),
+            "tree logits": logits,
+            "row settings": logits if config.sampling == PER_ROW else 0,
             "tree mask": _bytes((b, n, n), jnp.bool_),
             "verifier pairs": _bytes((b, n, n), jnp.float32) if pairs else 0}
 
@@ -538,8 +542,8 @@ def available_bytes(devices=None) -> tuple[int, str]:
     return host // n, "host memory" + (f" (a {n}th each for {n} devices)" if n > 1 else "")
 
 
-def shortfall(need_bytes: int, floor: dict[str, int], have: int, where: str, config
-              ) -> str | None:
+def shortfall(need_bytes: int, floor: dict[str, int], have: int, where: str, config,
+              names: dict[str, str] | None = None) -> str | None:
     """One line naming the setting to lower when ``need_bytes`` exceeds ``have``, else None.
 
     Args:
@@ -548,15 +552,18 @@ def shortfall(need_bytes: int, floor: dict[str, int], have: int, where: str, con
       floor: `decode_floor`'s buffers; the biggest one decides the advice.
       have, where: bytes available and what they measure (`available_bytes`).
       config: the `DecodeConfig` whose settings the message names.
+      names: how to name the settings ('budget', 'max_new_tokens', 'cache length',
+        'batch size'), e.g. by a command's flags; default those words.
     """
     if need_bytes <= have:
         return None
+    name = lambda what: (names or {}).get(what, what)
     biggest = max(floor, key=floor.get)
     if biggest != "kv cache" and config.builder == "ddtree":
-        advice = f"lower budget ({config.budget})"
+        advice = f"lower {name('budget')} ({config.budget})"
     else:
-        advice = (f"lower max_new_tokens ({config.max_new_tokens}), the cache length or "
-                  "the batch size")
+        advice = (f"lower {name('max_new_tokens')} ({config.max_new_tokens}), "
+                  f"{name('cache length')} or {name('batch size')}")
     parts = {k: v for k, v in floor.items() if v}
     rest = need_bytes - sum(floor.values())
     if rest > 0:
@@ -610,11 +617,13 @@ def check_decode_fits(target, drafter, config, batch_size: int, *, mesh=None
     return report
 
 
-def check_decode_floor(target, drafter, config, batch_size: int, *, mesh=None
+def check_decode_floor(target, drafter, config, batch_size: int, *, mesh=None,
+                       names: dict[str, str] | None = None
                        ) -> tuple[dict[str, int], int, str]:
     """The first half of `check_decode_fits`, from shapes alone (milliseconds, nothing
     compiled or built in proportion to the settings): `decode_floor`'s share on the
-    most loaded device of ``mesh`` against `available_bytes`.
+    most loaded device of ``mesh`` against `available_bytes`; ``names``: as for
+    `shortfall`.
 
     Returns:
       (the floor per device, bytes available, what they measure).
@@ -628,7 +637,7 @@ def check_decode_floor(target, drafter, config, batch_size: int, *, mesh=None
     # the most loaded device holds at least an n-th of every buffer
     floor = {k: -(-v // n) for k, v in decode_floor(target, drafter, config, batch_size).items()}
     have, where = available_bytes(devices)
-    msg = shortfall(sum(floor.values()), floor, have, where, config)
+    msg = shortfall(sum(floor.values()), floor, have, where, config, names)
     if msg is not None:
         raise NotEnoughMemory(msg)
     return floor, have, where

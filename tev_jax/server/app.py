@@ -153,18 +153,22 @@ async def read_body(request: Request, limit: int) -> bytes:
 
 
 def _choice(req: GenerationRequest, text: str, finish: str | None, *, delta: bool,
-            token_ids: tuple[int, ...] = ()) -> dict:
+            token_ids: tuple[int, ...] = (), index: int = 0) -> dict:
     ids = {"token_ids": list(token_ids)} if req.return_token_ids else {}
     if not req.chat:
-        return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish} | ids
+        return {"index": index, "text": text, "logprobs": None, "finish_reason": finish} | ids
     if delta:
-        return {"index": 0, "delta": {"content": text} if text else {},
+        return {"index": index, "delta": {"content": text} if text else {},
                 "logprobs": None, "finish_reason": finish} | ids
-    return {"index": 0, "message": {"role": "assistant", "content": text},
+    return {"index": index, "message": {"role": "assistant", "content": text},
             "logprobs": None, "finish_reason": finish} | ids
 
 
-def _usage(prompt: int, completion: int) -> dict:
+def _usage(last: dict[int, Event]) -> dict:
+    """OpenAI's usage of a request from its choices' last events: the prompt once, the
+    completions' tokens summed."""
+    prompt = next(iter(last.values())).prompt_tokens
+    completion = sum(e.completion_tokens for e in last.values())
     return {"prompt_tokens": prompt, "completion_tokens": completion,
             "total_tokens": prompt + completion}
 
@@ -230,7 +234,7 @@ def create_app(served: Served) -> Starlette:
                 loop.call_soon_threadsafe(events.put_nowait, event)
 
         try:
-            job = scheduler.submit(req, emit)
+            jobs = scheduler.submit(req, emit)
         except QueueFull as e:
             return _error(RequestError(f"{e}; retry later", None, status=429,
                                        kind="rate_limit_error"),
@@ -241,25 +245,30 @@ def create_app(served: Served) -> Starlette:
         head = {"id": rid, "object": "chat.completion" if chat else "text_completion",
                 "created": int(time.time()), "model": limits.model}
         if req.stream:
-            return StreamingResponse(_stream(req, job, events, head),
+            return StreamingResponse(_stream(req, jobs, events, head),
                                      media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
-        text, last, ids = [req.prompt_text] if req.echo else [], None, []
+        texts = {i: [req.prompt_text] if req.echo else [] for i in range(req.n)}
+        ids: dict[int, list[int]] = {i: [] for i in range(req.n)}
+        last: dict[int, Event] = {}
         try:
-            while last is None or last.finish_reason is None:
+            while len(last) < req.n or any(e.finish_reason is None for e in last.values()):
                 try:
-                    last = await asyncio.wait_for(events.get(), POLL_S)
-                    text.append(last.text)
-                    ids.extend(last.token_ids)
+                    event = await asyncio.wait_for(events.get(), POLL_S)
                 except TimeoutError:
                     if await request.is_disconnected():
                         return Response(status_code=499)
+                    continue
+                texts[event.choice].append(event.text)
+                ids[event.choice].extend(event.token_ids)
+                last[event.choice] = event
         finally:
-            job.cancel()
+            for job in jobs:
+                job.cancel()
         return JSONResponse(head | {
-            "choices": [_choice(req, "".join(text), last.finish_reason, delta=False,
-                                token_ids=tuple(ids))],
-            "usage": _usage(last.prompt_tokens, last.completion_tokens)})
+            "choices": [_choice(req, "".join(texts[i]), last[i].finish_reason, delta=False,
+                                token_ids=tuple(ids[i]), index=i) for i in range(req.n)],
+            "usage": _usage(last)})
 
     async def completions(request: Request) -> Response:
         return await generate(request, chat=False)
@@ -286,30 +295,33 @@ def create_app(served: Served) -> Starlette:
         exception_handlers={HTTPException: _http_error, Exception: _server_error})
 
 
-async def _stream(req: GenerationRequest, job, events: asyncio.Queue, head: dict):
-    """The server-sent events of one request; a client that goes away cancels it."""
+async def _stream(req: GenerationRequest, jobs, events: asyncio.Queue, head: dict):
+    """The server-sent events of one request (each chunk one choice's, by ``index``); a
+    client that goes away cancels it."""
     chunk_object = "chat.completion.chunk" if req.chat else "text_completion"
 
     def data(choices: list, **extra) -> str:
         return f"data: {json.dumps(head | {'object': chunk_object, 'choices': choices} | extra)}\n\n"
 
     try:
-        if req.chat:
-            yield data([{"index": 0, "delta": {"role": "assistant", "content": ""},
-                         "logprobs": None, "finish_reason": None}])
-        elif req.echo:
-            yield data([_choice(req, req.prompt_text, None, delta=True)])
-        while True:
+        for i in range(req.n):
+            if req.chat:
+                yield data([{"index": i, "delta": {"role": "assistant", "content": ""},
+                             "logprobs": None, "finish_reason": None}])
+            elif req.echo:
+                yield data([_choice(req, req.prompt_text, None, delta=True, index=i)])
+        last: dict[int, Event] = {}
+        while len(last) < req.n or any(e.finish_reason is None for e in last.values()):
             event = await events.get()
+            last[event.choice] = event
             yield data([_choice(req, event.text, event.finish_reason, delta=True,
-                                token_ids=event.token_ids)])
-            if event.finish_reason is not None:
-                break
+                                token_ids=event.token_ids, index=event.choice)])
         if req.include_usage:
-            yield data([], usage=_usage(event.prompt_tokens, event.completion_tokens))
+            yield data([], usage=_usage(last))
         yield "data: [DONE]\n\n"
     finally:
-        job.cancel()
+        for job in jobs:
+            job.cancel()
 
 
 __all__ = ["DEFAULT_MAX_BODY_BYTES", "RETRY_AFTER_S", "Served", "create_app", "read_body"]

@@ -65,6 +65,8 @@ class Limits:
       max_positions: the target's context length (prompt + max_tokens must fit).
       vocab_size: V, the target's vocabulary: token ids given as a prompt must lie in
         [0, V).
+      max_n: the most choices a request may ask for (``n``; each is a row of the batch,
+        so at most the server's ``--max-batch``).
     """
 
     model: str
@@ -72,6 +74,7 @@ class Limits:
     max_tokens: int
     max_positions: int
     vocab_size: int
+    max_n: int = 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,6 +96,7 @@ class GenerationRequest:
       prompt_text: the prompt as text (for ``echo``).
       return_token_ids: the extra field ``return_token_ids``: each choice also carries
         the generated token ids (``token_ids``), as vLLM's does.
+      n: the choices to generate, each an independent sample (its own row and key).
     """
 
     chat: bool
@@ -106,6 +110,7 @@ class GenerationRequest:
     echo: bool = False
     prompt_text: str = ""
     return_token_ids: bool = False
+    n: int = 1
 
 
 def _not_json(constant: str):
@@ -333,7 +338,8 @@ def _prompt(body: dict, chat_format: Callable[[list[dict]], str] | None,
             return _prompt_ids(prompt, vocab_size), "prompt"
         if not isinstance(prompt, str) or not prompt:
             raise RequestError("'prompt' must be a non-empty string (or one list of token "
-                               "ids); a list of several prompts is not served (n = 1)",
+                               "ids); a list of several prompts is not served (send one "
+                               "request each)",
                                "prompt")
         _check_text(prompt, "prompt", "prompt")
         return prompt, "prompt"
@@ -371,9 +377,10 @@ def parse_request(body: dict, limits: Limits, encode: Callable[[str], Sequence[i
                            code="model_not_found")
     chat = chat_format is not None
     _refuse_unsupported(body, chat)
-    n = _field(body, "n", _is_int, "1 (one choice per request)", 1)
-    if n != 1:
-        raise RequestError(f"'n' must be 1 (one choice per request), got {n}", "n")
+    n = _field(body, "n", _is_int, "a positive integer", 1)
+    if not 1 <= n <= limits.max_n:
+        raise RequestError(f"'n' must be 1 to {limits.max_n} (each choice is a row of "
+                           f"the batch: --max-batch {limits.max_n}), got {n}", "n")
     limit_name = ("max_completion_tokens" if body.get("max_completion_tokens") is not None
                   else "max_tokens")
     max_tokens = _field(body, limit_name, _is_int, "a positive integer")
@@ -423,7 +430,7 @@ def parse_request(body: dict, limits: Limits, encode: Callable[[str], Sequence[i
         chat=chat, prompt_ids=tuple(int(t) for t in ids), max_tokens=max_tokens,
         sampling=sampling, stop=stop, stream=stream, include_usage=bool(include_usage),
         seed=seed, echo=bool(echo), prompt_text=text if isinstance(text, str) else "",
-        return_token_ids=return_ids)
+        return_token_ids=return_ids, n=n)
 
 
 def stop_at(text: str, stops: Sequence[str]) -> int | None:

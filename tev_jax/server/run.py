@@ -41,13 +41,14 @@ class ServeOptions:
         for) and ``prompt_len`` (the longest prompt); sampling comes per request.
       model: the served model's name (``GET /v1/models``).
       host, port: where to listen (loopback by default).
-      max_batch, max_queue, max_lanes: the `Scheduler`'s.
+      max_batch, max_queue: the `Scheduler`'s.
       drain_seconds: on SIGTERM, how long running requests may go on.
       seed: the scheduler's key.
       dtype: parameter and cache dtype.
-      warmup: compile the programs of greedy requests and of OpenAI's default setting
-        (temperature 1) before listening (else each compiles when first met, and the
-        request that meets it waits for it).
+      mesh: the (data, fsdp, tensor) device counts the models and the decode state are
+        sharded over; (1, 1, 1) is one device.
+      warmup: compile every program before listening (else each compiles when first
+        met, and the request that meets it waits for it).
       batch_invariant: the `Scheduler`'s: a seed holds bit for bit whatever shares the
         batch (every round on the max-batch program, every prompt prefilled alone).
       api_key: when set, ``/v1/*`` needs ``Authorization: Bearer <key>``.
@@ -62,10 +63,10 @@ class ServeOptions:
     port: int = 8000
     max_batch: int = 8
     max_queue: int = 64
-    max_lanes: int = 4
     drain_seconds: float = 0.0
     seed: int = 0
     dtype: str = "float32"
+    mesh: tuple[int, int, int] = (1, 1, 1)
     warmup: bool = False
     batch_invariant: bool = False
     api_key: str | None = None
@@ -73,25 +74,33 @@ class ServeOptions:
 
 
 def build(options: ServeOptions) -> Served:
-    """Loads the models and builds the scheduler (not started) and the request limits."""
+    """Loads the models and builds the scheduler (not started) and the request limits.
+
+    Raises:
+      ValueError: a mesh the devices or the models do not divide, or a configuration
+        whose decode state does not fit the devices' memory (`check_fits`).
+    """
     import jax.numpy as jnp
 
-    from tev_jax import text_io
+    from tev_jax import sharding, text_io
     from tev_jax.budget import AutoBudget, check_tuned_for
     from tev_jax.data.tokenizer import BOS
     from tev_jax.models import load_drafter, load_target, load_tokenizer
+    from tev_jax.server.metrics import ServerMetrics
     from tev_jax.text_io import stop_token_ids
 
     dtype = jnp.dtype(options.dtype)
-    target = load_target(options.target, dtype=dtype)
+    mesh = None if options.mesh == (1, 1, 1) else sharding.make_mesh(*options.mesh)
+    target = load_target(options.target, dtype=dtype, mesh=mesh)
     tokenizer = load_tokenizer(options.target)
     drafter = (None if options.drafter is None
-               else load_drafter(options.drafter, target, dtype=dtype))
+               else load_drafter(options.drafter, target, dtype=dtype, mesh=mesh))
     config = options.config
     if not config.stop_token_ids:
         config = dataclasses.replace(config, stop_token_ids=stop_token_ids(target, tokenizer))
     if isinstance(config.budget, AutoBudget) and config.builder == "ddtree":
         check_tuned_for(config.budget, target, drafter)
+    check_fits(target, drafter, config, options.max_batch, mesh)
     # tokenizer_config.json's chat_template, or chat_template.jinja beside it
     chat = text_io.chat_formatter(options.target)
     has_bos = tokenizer.token_to_id(BOS) is not None
@@ -102,16 +111,37 @@ def build(options: ServeOptions) -> Served:
         return tokenizer.encode_batch(
             [text], add_special_tokens=not (has_bos and text.startswith(BOS)))[0].ids
 
+    metrics = ServerMetrics(options.model)
     scheduler = Scheduler(target, drafter, config, tokenizer.decode,
                           max_batch=options.max_batch, max_queue=options.max_queue,
-                          max_lanes=options.max_lanes, seed=options.seed,
-                          batch_invariant=options.batch_invariant)
+                          seed=options.seed, batch_invariant=options.batch_invariant,
+                          mesh=mesh, metrics=metrics)
     limits = Limits(model=options.model, prompt_len=config.prompt_len,
                     max_tokens=config.max_new_tokens,
                     max_positions=target.config.max_position_embeddings,
-                    vocab_size=target.config.vocab_size)
+                    vocab_size=target.config.vocab_size, max_n=options.max_batch)
     return Served(scheduler, limits, encode, chat, options.drain_seconds,
-                  api_key=options.api_key, max_body_bytes=options.max_body_bytes)
+                  api_key=options.api_key, max_body_bytes=options.max_body_bytes,
+                  metrics=metrics)
+
+
+SERVE_FLAGS = {"budget": "--budget", "max_new_tokens": "--max-tokens",
+               "batch size": "--max-batch", "cache length": "--max-prompt-tokens"}
+"""How `tev_jax.costs.plan.shortfall`'s advice names the settings on ``tev-jax serve``."""
+
+
+def check_fits(target, drafter, config: DecodeConfig, max_batch: int, mesh) -> None:
+    """Refuses, in one line naming the flag to lower, a server whose largest slot
+    program's buffers (the caches of ``max_batch`` rows, a round's tree logits and each
+    row's transformed logits; `tev_jax.costs.plan.decode_floor`, from shapes alone) do
+    not fit each device's free memory (`tev_jax.costs.plan.check_decode_floor`)."""
+    from tev_jax.costs import plan
+    from tev_jax.server.scheduler import serving_configs
+
+    for slots, slot_config in serving_configs(config, max_batch).items():
+        if slots == max_batch:
+            plan.check_decode_floor(target, drafter, slot_config, slots, mesh=mesh,
+                                    names=SERVE_FLAGS)
 
 
 def listening_socket(host: str, port: int) -> socket.socket:
@@ -185,8 +215,8 @@ def serve(options: ServeOptions, served: Served | None = None) -> int:
     """Serves until SIGINT / SIGTERM; 0 after a drained shutdown."""
     served = served or build(options)
     if options.warmup:
-        print("tev-jax serve: compiling the programs of greedy requests and of temperature 1 "
-              "...", file=sys.stderr, flush=True)
+        print("tev-jax serve: compiling every program (each slot count, prompt bucket and "
+              "move) ...", file=sys.stderr, flush=True)
         served.scheduler.warmup()
     logging.basicConfig(level=logging.INFO, format="%(levelname)s: %(message)s")
     sock = listening_socket(options.host, options.port)
@@ -201,4 +231,4 @@ def serve(options: ServeOptions, served: Served | None = None) -> int:
     return 0 if served.scheduler.join(30) else 1
 
 
-__all__ = ["ServeOptions", "build", "serve"]
+__all__ = ["SERVE_FLAGS", "ServeOptions", "build", "check_fits", "serve"]
