@@ -288,3 +288,29 @@ def test_n_choices_are_rows_with_their_own_keys(bundled):
     assert choices(three) == first
     s.drain()
     assert s.join(30)
+
+
+@pytest.mark.slow
+def test_a_data_2_tensor_2_scheduler_gives_the_single_devices_greedy_completions(bundled):
+    """Issue 59, item 1: the same greedy requests (and a top-k one at T = 0.0001, whose
+    cut and argmax the per-row transform decides) through a scheduler on a data 2 x
+    tensor 2 mesh of the simulated CPU devices (slot counts 2 and 4: the mesh divides
+    no odd one) complete as on one device."""
+    from tev_jax import sharding
+
+    tok = bundled[2]
+    texts = ("Once upon a time", "The cat sat on", "In the morning the")
+    requests = [dataclasses.replace(_request(tok, 0.0, i), prompt_ids=tuple(tok.encode(t).ids))
+                for i, t in enumerate(texts)]
+    requests.append(dataclasses.replace(requests[0], sampling=Sampling(1e-4, top_k=2)))
+    mesh = sharding.make_mesh(2, 1, 2)
+    on_mesh = _scheduler(bundled, max_batch=4, mesh=mesh)
+    assert on_mesh.sizes == (2, 4)
+    one = _scheduler(bundled, max_batch=4)
+    got, want = _run(on_mesh, requests), _run(one, requests)
+    for s in (on_mesh, one):
+        s.drain()
+        assert s.join(30)
+    for i in range(len(requests)):
+        assert want.events[i][-1].finish_reason == "length"
+        assert got.tokens(i) == want.tokens(i), i

@@ -138,7 +138,7 @@ def check_fits(target, drafter, config: DecodeConfig, max_batch: int, mesh) -> N
     from tev_jax.costs import plan
     from tev_jax.server.scheduler import serving_configs
 
-    for slots, slot_config in serving_configs(config, max_batch).items():
+    for slots, slot_config in serving_configs(config, max_batch, mesh).items():
         if slots == max_batch:
             plan.check_decode_floor(target, drafter, slot_config, slots, mesh=mesh,
                                     names=SERVE_FLAGS)
