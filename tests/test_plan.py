@@ -82,6 +82,27 @@ def test_per_device_figures_on_a_mesh():
         plan.plan_decode(TINY, AR, 3, mesh=mesh)
 
 
+def test_serving_plan_has_a_line_per_slot_count_and_each_rows_settings(tmp_path, capsys):
+    """Issue 59, item 1: ``tev-jax plan --serve`` compiles a round and an AR step at each
+    slot count ``tev-jax serve --max-batch 4`` runs (1, 2, 4), with each row's own
+    sampling: the round holds the rows' transformed [B, N, V] logits, so its peak grows
+    with the slots, and equals `plan_serving`'s."""
+    (tmp_path / "config.json").write_text(json.dumps(TINY.to_hf()))
+    argv = ["plan", "--config", str(tmp_path), "--batch", "4", "--prompt-len", "64",
+            "--max-new-tokens", "8", "--budget", "8", "--serve", "--json", "-"]
+    assert cli.main(argv) == 0
+    out = capsys.readouterr().out
+    rows = json.loads(out[out.index("{"):])["slot_counts"]
+    assert [r["slots"] for r in rows] == [1, 2, 4] and {r["budget"] for r in rows} == {8}
+    peaks = [r["round_peak_bytes"] for r in rows]
+    assert peaks == sorted(peaks) and peaks[0] < peaks[-1]
+    config = decode.DecodeConfig(prompt_len=64, max_new_tokens=8, budget=8)
+    direct = plan.plan_serving(TINY, config, 4)
+    assert direct[4].programs["round"].peak_bytes == peaks[-1]
+    static = plan.plan_decode_programs(TINY, config, 4, programs=("round",))
+    assert static.programs["round"].temp_bytes < direct[4].programs["round"].temp_bytes
+
+
 def test_model_config_from_preset_file_and_directory(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(TINY.to_hf()))
     assert plan.model_config(str(tmp_path)) == TINY

@@ -426,14 +426,42 @@ def _first_two_law(bundled, prompt_ids, temperature, top_k):
     return cands, p0[cands, None] * p1
 
 
-def test_t1_first_tokens_pass_chi_square_and_the_negative_control_fails(server, bundled):
-    """TEV through the server at T = 1 (top-k 4): the first two tokens of 640 requests
-    (t1 is the first round's verified token) against their exact law, chi-square at
-    alpha = 1e-4 (`tev_jax.testing.chi_square`); the same draws against the law at
-    T = 0.5 (the negative control) must be rejected. Server seed 0: each request's row
-    key from a seed the server draws."""
+@pytest.fixture(scope="module")
+def mesh_server():
+    """A server on a data 2 x tensor 2 mesh of the simulated CPU devices (issue 59)."""
+    s = Server("--budget", "6", "--max-batch", str(MAX_BATCH), "--max-tokens",
+               str(MAX_TOKENS), "--max-prompt-tokens", "64", "--seed", "0",
+               "--mesh-data", "2", "--mesh-tensor", "2", wait_s=300)
+    yield s
+    assert s.stop() == 0, s.output()
+
+
+def test_a_mesh_server_gives_the_single_devices_greedy_completions(mesh_server, bundled):
+    """Issue 59, item 1: greedy completions through a data 2 x tensor 2 server, sent
+    together (slot counts 2 and 4), equal the single device's AR reference."""
+    client = mesh_server.client()
+    texts = _prompts(bundled[2], 6)
+    lengths = [MAX_TOKENS - 5 * i for i in range(6)]
+    with concurrent.futures.ThreadPoolExecutor(6) as pool:
+        got = list(pool.map(lambda a: _complete(client, *a)[:2], zip(texts, lengths),
+                            timeout=600))
+    assert got == _greedy(bundled, texts, lengths)
+    h = mesh_server.wait_idle()
+    assert set(h["slot_counts"]) <= {"2", "4"}, h  # the mesh divides no odd count
+
+
+@pytest.mark.parametrize("where", ["server", "mesh_server"])
+def test_t1_first_tokens_pass_chi_square_and_the_negative_control_fails(where, bundled,
+                                                                         request):
+    """TEV through the server at T = 1 (top-k 4), on one device and on a data 2 x
+    tensor 2 mesh: the first two tokens of 640 requests (t1 is the first round's
+    verified token) against their exact law, chi-square at alpha = 1e-4
+    (`tev_jax.testing.chi_square`); the same draws against the law at T = 0.5 (the
+    negative control) must be rejected. Server seed 0: each request's row key from a
+    seed the server draws."""
     from tev_jax.testing import chi_square
 
+    server = request.getfixturevalue(where)
     tok = bundled[2]
     prompt = tok.encode("The best way to").ids
     cands, joint = _first_two_law(bundled, prompt, 1.0, 4)

@@ -11,7 +11,8 @@ from tev_jax.sampling import PER_ROW, Sampling
 from tev_jax.server.requests import (Limits, RequestError, error_body, held_back,
                                      parse_request, read_json, stop_at)
 from tev_jax.server.detokenize import next_text
-from tev_jax.server.scheduler import budget_of, serving_configs
+from tev_jax.server.scheduler import budget_of
+from tev_jax.slots import serving_configs
 
 V = 50  # the vocabulary: encode below gives ids in [0, 50)
 LIMITS = Limits(model="m", prompt_len=8, max_tokens=32, max_positions=40, vocab_size=V,

@@ -22,7 +22,7 @@ from tev_jax import decode, extensions
 from tev_jax import sharding as shd
 from tev_jax.budget import AutoBudget
 from tev_jax.engine import Engine
-from tev_jax.sampling import Sampling
+from tev_jax.sampling import PER_ROW, Sampling
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,6 +88,21 @@ def slot_configs(config: decode.DecodeConfig, batch_size: int, *, mesh=None
     return {s: dataclasses.replace(fixed, budget=b) if b else
             dataclasses.replace(fixed, builder=extensions.root_only_builder, budget=64)
             for s, b in budgets.items()}
+
+
+def serving_configs(config: decode.DecodeConfig, max_batch: int, mesh=None
+                    ) -> dict[int, decode.DecodeConfig]:
+    """The config of each slot count the server's scheduler may run (the `row_buckets`
+    that ``mesh`` divides, ``max_batch`` always), all with one cache length and each
+    row's own sampling (`tev_jax.sampling.PER_ROW`): an automatic budget's per slot
+    count (`slot_configs`), else ``config`` for every count."""
+    config = dataclasses.replace(config, sampling=PER_ROW)
+    sizes = [s for s in row_buckets(max_batch) if fit_batch(max_batch, s, mesh) == s]
+    if isinstance(config.budget, AutoBudget) and config.builder == "ddtree":
+        return slot_configs(config, max_batch, mesh=mesh)
+    if isinstance(config.budget, AutoBudget):
+        config = dataclasses.replace(config, budget=64, tuning=None)
+    return {s: config for s in sizes}
 
 
 def fit_batch(batch_size: int, rows: int, mesh=None) -> int:
@@ -293,4 +308,4 @@ class Slots:
 
 
 __all__ = ["Request", "RoundRows", "SlotPrograms", "Slots", "bucket", "fit_batch",
-           "row_buckets", "slot_configs", "width_buckets"]
+           "row_buckets", "serving_configs", "slot_configs", "width_buckets"]

@@ -62,6 +62,8 @@ def plan_command(args) -> int:
         raise ValueError("--tau needs a roofline to estimate tokens/s: give --topology "
                          "(the local devices have no published peak figures)")
     dtype = jnp.dtype(args.dtype)
+    if args.serve:
+        return _serving_plan(args, cfg, config, dtype, mesh, chip, per_chip, where)
     programs = tuple(p.strip() for p in args.programs.split(","))
     # the settings' shapes are checked (cache length, mesh, batch) before anything compiles
     target, drafter = plan.abstract_models(cfg, config, dtype=dtype,
@@ -113,6 +115,51 @@ def plan_command(args) -> int:
     return 0
 
 
+def _serving_plan(args, cfg, config, dtype, mesh, chip, per_chip, where) -> int:
+    """``tev-jax plan --serve``: a round and an AR step at every slot count that ``tev-jax
+    serve --max-batch B`` runs (`tev_jax.costs.plan.plan_serving`), one line each."""
+    from tev_jax.costs import plan
+    from tev_jax.server.scheduler import budget_of
+    from tev_jax.slots import serving_configs
+
+    configs = serving_configs(config, args.batch, mesh)
+    print(f"compiling the round and the AR step at {len(configs)} slot count(s) "
+          f"({', '.join(map(str, configs))}) of {args.model or args.config} for {where} ...",
+          file=sys.stderr, flush=True)
+    plans = plan.plan_serving(cfg, config, args.batch, dtype=dtype,
+                              drafter_layers=args.drafter_layers, mesh=mesh, chip=chip,
+                              devices_per_chip=per_chip)
+    ms = lambda t: "-" if t is None else f"{t * 1e3:.3f}"
+    rows = []
+    print(f"serving {args.model or args.config} ({cfg.num_layers} layers, {args.dtype}), "
+          f"--max-batch {args.batch}, prompt {args.prompt_len}, max tokens "
+          f"{args.max_new_tokens}, each row's own sampling; per device on {where}"
+          + ("" if chip is None else f" (roofline: {chip.name})"))
+    print(f"{'slots':>5}{'budget':>8}{'round peak GiB':>16}{'round ms':>10}{'AR peak GiB':>13}"
+          f"{'AR ms':>8}")
+    for slots, p in plans.items():
+        r, ar = p.programs["round"], p.programs["ar_step"]
+        rows.append({"slots": slots, "budget": budget_of(configs[slots]),
+                     "round_peak_bytes": r.peak_bytes, "round_seconds": p.seconds("round"),
+                     "ar_peak_bytes": ar.peak_bytes, "ar_seconds": p.seconds("ar_step")})
+        print(f"{slots:>5}{rows[-1]['budget']:>8}{r.peak_bytes / 2**30:>16.3f}"
+              f"{ms(rows[-1]['round_seconds']):>10}{ar.peak_bytes / 2**30:>13.3f}"
+              f"{ms(rows[-1]['ar_seconds']):>8}")
+    if next(iter(plans.values())).seconds_are == "floor":
+        print("ms: the roofline, max(FLOPs / peak, bytes / HBM bandwidth), a floor that no "
+              "program reaches")
+    elif chip is not None:
+        print("ms: estimates calibrated on the GPU's measured table (tev_jax.costs.gpu_time)")
+    if args.json:
+        text = json.dumps({"model": args.model or args.config, "max_batch": args.batch,
+                           "where": where, "slot_counts": rows}, indent=1)
+        if args.json == "-":
+            print(text)
+        else:
+            Path(args.json).write_text(text + "\n")
+    return 0
+
+
 def add_parser(sub) -> None:
     p = sub.add_parser(
         "plan", help="per-device memory and cost of the decode programs (no weights needed)",
@@ -146,6 +193,10 @@ def add_parser(sub) -> None:
     p.add_argument("--programs", default=",".join(PROGRAMS_TO_PLAN),
                    help="comma-separated programs to compile (default: all of "
                         "%(default)s)")
+    p.add_argument("--serve", action="store_true",
+                   help="the serving plan of tev-jax serve --max-batch BATCH: a round and "
+                        "an AR step at every slot count it runs, each row with its own "
+                        "sampling (per-device peak memory and roofline time)")
     p.add_argument("--tau", type=float, default=None,
                    help="an expected tau: estimate tokens/s and the speed-up over AR")
     p.add_argument("--ops", type=int, default=0, metavar="N",

@@ -40,6 +40,7 @@ from tev_jax.models.config import AttentionSpec, ModelConfig, RopeScaling
 from tev_jax.models.drafter import Drafter, DrafterConfig, default_target_layer_ids
 from tev_jax.models.target import Target
 from tev_jax.sampling import PER_ROW
+from tev_jax.slots import serving_configs
 
 PRESETS: dict[str, ModelConfig] = {
     "qwen3-0.6b": ModelConfig(
@@ -389,6 +390,19 @@ def plan_decode_programs(target_cfg: ModelConfig, config, batch_size: int, *,
                       floors=floors)
 
 
+def plan_serving(target_cfg: ModelConfig, config, max_batch: int, **kw
+                 ) -> dict[int, DecodePlan]:
+    """The serving plan of ``tev-jax serve --max-batch max_batch``: for each slot count
+    it runs (`tev_jax.slots.serving_configs`: each row's own sampling, the
+    budget of that count), the compiled round and AR step of that many rows; -> slot
+    count -> `DecodePlan` (per-device peak memory, FLOPs, bytes and, with a chip, the
+    roofline time of a round). ``kw``: as for `plan_decode_programs` (``mesh``,
+    ``chip``, ``dtype``, ...); ``programs`` defaults to the round and the AR step."""
+    kw.setdefault("programs", ("round", "ar_step"))
+    return {slots: plan_decode_programs(target_cfg, c, slots, **kw)
+            for slots, c in serving_configs(config, max_batch, kw.get("mesh")).items()}
+
+
 def _device_bytes(x, sharding=None) -> int:
     sharding = getattr(x, "sharding", None) if sharding is None else sharding
     shape = x.shape if sharding is None else sharding.shard_shape(x.shape)
@@ -647,5 +661,5 @@ __all__ = ["DECODE_PROGRAMS", "DecodePlan", "GiB", "NotEnoughMemory", "PRESETS",
            "ProgramReport", "abstract_drafter", "abstract_models", "abstract_target",
            "available_bytes", "check_decode_fits", "check_decode_floor", "compile_report",
            "decode_floor", "drafter_config", "hbm_shortfall", "loop_ops", "model_config",
-           "round_floor", "sum_floor",
-           "plan_decode", "plan_decode_programs", "preset", "shortfall", "with_layers"]
+           "plan_decode", "plan_decode_programs", "plan_serving", "preset", "round_floor",
+           "shortfall", "sum_floor", "with_layers"]

@@ -46,8 +46,14 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from tev_jax.server.metrics import ServerMetrics
-from tev_jax.server.requests import (GenerationRequest, Limits, RequestError, error_body,
-                                     parse_request, read_json)
+from tev_jax.server.requests import (
+    GenerationRequest,
+    Limits,
+    RequestError,
+    error_body,
+    parse_request,
+    read_json,
+)
 from tev_jax.server.scheduler import Draining, Event, QueueFull, Scheduler
 
 log = logging.getLogger("tev_jax.server")

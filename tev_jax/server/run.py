@@ -136,7 +136,7 @@ def check_fits(target, drafter, config: DecodeConfig, max_batch: int, mesh) -> N
     row's transformed logits; `tev_jax.costs.plan.decode_floor`, from shapes alone) do
     not fit each device's free memory (`tev_jax.costs.plan.check_decode_floor`)."""
     from tev_jax.costs import plan
-    from tev_jax.server.scheduler import serving_configs
+    from tev_jax.slots import serving_configs
 
     for slots, slot_config in serving_configs(config, max_batch, mesh).items():
         if slots == max_batch:

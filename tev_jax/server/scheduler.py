@@ -56,11 +56,16 @@ import numpy as np
 from tev_jax import extensions
 from tev_jax.budget import AutoBudget
 from tev_jax.decode import DecodeConfig
-from tev_jax.sampling import PER_ROW, Sampling
+from tev_jax.sampling import Sampling
 from tev_jax.server.detokenize import IncrementalText, tokens_for, visible
 from tev_jax.server.requests import GenerationRequest
-from tev_jax.slots import (SlotPrograms, Slots, fit_batch, row_buckets, slot_configs,
-                           width_buckets)
+from tev_jax.slots import (
+    SlotPrograms,
+    Slots,
+    row_buckets,
+    serving_configs,
+    width_buckets,
+)
 
 log = logging.getLogger("tev_jax.server")
 
@@ -153,21 +158,6 @@ def budget_of(config: DecodeConfig) -> int:
     if config.builder == "ddtree":
         return int(config.budget)
     return 0 if config.builder in ("none", extensions.root_only_builder) else -1
-
-
-def serving_configs(config: DecodeConfig, max_batch: int, mesh=None
-                    ) -> dict[int, DecodeConfig]:
-    """The config of each slot count the scheduler may run (`tev_jax.slots.row_buckets`
-    that ``mesh`` divides, ``max_batch`` always), all with one cache length and each
-    row's own sampling (`tev_jax.sampling.PER_ROW`): an automatic budget's per slot
-    count (`tev_jax.slots.slot_configs`), else ``config`` for every count."""
-    config = dataclasses.replace(config, sampling=PER_ROW)
-    sizes = [s for s in row_buckets(max_batch) if fit_batch(max_batch, s, mesh) == s]
-    if isinstance(config.budget, AutoBudget) and config.builder == "ddtree":
-        return slot_configs(config, max_batch, mesh=mesh)
-    if isinstance(config.budget, AutoBudget):
-        config = dataclasses.replace(config, budget=64, tuning=None)
-    return {s: config for s in sizes}
 
 
 class Scheduler:
@@ -572,4 +562,4 @@ class Scheduler:
 
 
 __all__ = ["ABORT", "ERROR", "LENGTH", "STOP", "Draining", "Event", "Job", "QueueFull",
-           "Scheduler", "budget_of", "request_keys", "serving_configs"]
+           "Scheduler", "budget_of", "request_keys"]
