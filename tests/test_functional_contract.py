@@ -147,7 +147,8 @@ def _one_row(fn):
 CASES = {
     "tev_jax.sampling.row_cut": Case(_one_row(sampling.row_cut), (LOGITS_NV, ROW_K, ROW_P)),
     "tev_jax.vocab.row_scores": Case(
-        _one_row(lambda x, t, k, p: vocab.row_scores(x, sampling.SamplingRows(t, k, p)).x),
+        _one_row(lambda x, t, k, p: vocab.row_scores(
+            x, sampling.SamplingRows(t, k, p, jnp.ones(t.shape, bool))).x),
         (LOGITS_NV, ROW_T, ROW_K, ROW_P)),
     "tev_jax.vocab.target_scores": Case(
         lambda x: vocab.target_scores(x, TOPK).x, (LOGITS_NV,)),

@@ -158,3 +158,22 @@ def test_engines_refuse_a_missing_or_superfluous_setting(bundled):
         DecodeConfig(verifier="greedy", sampling=PER_ROW)
     with pytest.raises(ValueError, match="sampling must be a Sampling or 'per_row'"):
         DecodeConfig(sampling="per-row")
+
+
+def test_rows_that_ignore_stop_tokens_go_on_and_the_others_end(bundled):
+    """vLLM's ``ignore_eos`` as a per-row flag (``SamplingRows.stops``): with a stop token
+    that the greedy text reaches early, rows that stop end there (the stop token kept),
+    rows that do not give the whole text of a config without stop tokens."""
+    target, drafter = bundled
+    plain = Engine.create(target, drafter, dataclasses.replace(BASE, sampling=PER_ROW), 4)
+    free = plain.finish(plain.generate(plain.prompts(IDS, Sampling(0.0)), jax.random.key(0)))
+    stop = int(free.tokens[0][3])  # row 0's fourth token
+    config = dataclasses.replace(BASE, sampling=PER_ROW, stop_token_ids=(stop,))
+    engine = Engine.create(target, drafter, config, 4)
+    rows = SamplingRows.of([Sampling(0.0)] * 4, stops=[True, False, True, False])
+    got = engine.finish(engine.generate(engine.prompts(IDS, rows), jax.random.key(0)))
+    first = free.tokens[0].tolist().index(stop)
+    assert got.tokens[0][: got.lengths[0]].tolist() == free.tokens[0][: first + 1].tolist()
+    for b in (1, 3):
+        assert got.tokens[b].tolist() == free.tokens[b].tolist()
+    assert got.lengths[1] == got.lengths[3] == BASE.max_new_tokens

@@ -95,6 +95,15 @@ def test_bad_fields_are_named(param, body):
     refused(param, **body)
 
 
+def test_ignore_eos_is_honoured_not_refused():
+    """vLLM's ``ignore_eos`` (which GuideLLM sends to fix output lengths) is parsed into
+    the request (the scheduler gives the row ``stops=False``); a non-boolean is 400."""
+    r = parse_request({"model": "m", "prompt": "a", "ignore_eos": True}, LIMITS, encode)
+    assert r.ignore_eos and not parse_request({"model": "m", "prompt": "a"}, LIMITS,
+                                              encode).ignore_eos
+    refused("ignore_eos", prompt="a", ignore_eos="yes")
+
+
 def test_request_keys_use_all_64_bits_of_a_seed():
     """A seed's row key (`tev_jax.server.scheduler.request_keys`) tells apart seeds that
     agree in their low or high 32 bits, and takes a negative seed modulo 2**64."""
@@ -204,7 +213,7 @@ def test_prompt_token_ids_in_the_vocabulary_pass():
     ("frequency_penalty", 0.1), ("frequency_penalty", False),
     ("logit_bias", {"5": 100}), ("response_format", {"type": "json_object"}),
     ("response_format", {"type": "json_schema", "json_schema": {}}),
-    ("ignore_eos", True), ("min_tokens", 3), ("repetition_penalty", 1.2),
+    ("min_tokens", 3), ("repetition_penalty", 1.2),
     ("repetition_penalty", True),
     ("logprobs", 1), ("logprobs", True), ("logprobs", 0), ("logprobs", 5),
     ("top_logprobs", 2), ("best_of", 2), ("best_of", True), ("suffix", "}"),

@@ -164,8 +164,6 @@ def test_fields_that_change_the_output_are_refused(server):
         ("suffix", lambda: c.completions.create(model=MODEL, prompt="a", suffix="}")),
         ("tools", lambda: c.chat.completions.create(**chat, tools=[
             {"type": "function", "function": {"name": "f", "parameters": {}}}])),
-        ("ignore_eos", lambda: c.completions.create(model=MODEL, prompt="a",
-                                                    extra_body={"ignore_eos": True})),
         ("min_tokens", lambda: c.completions.create(model=MODEL, prompt="a",
                                                     extra_body={"min_tokens": 4})),
         ("repetition_penalty", lambda: c.completions.create(

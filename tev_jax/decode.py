@@ -253,7 +253,7 @@ def state_axes(st: DecodeState, drafter) -> DecodeState:
         new_feats_BPF=("batch", None, None), new_count_B=b, out_BM=("batch", None),
         num_out_B=b, done_B=b, rounds_B=b, moved_B=b, block_len_RB=(None, "batch"),
         expected_len_RB=(None, "batch"), experts_RL=(), bad_target=(), bad_draft=(),
-        sampling_B=None if st.sampling_B is None else SamplingRows(b, b, b))
+        sampling_B=None if st.sampling_B is None else SamplingRows(b, b, b, b))
 
 
 def _is_names(x) -> bool:
@@ -284,6 +284,11 @@ def _stop_mask(tokens: jax.Array, stop_ids: tuple[int, ...]) -> jax.Array:
     if not stop_ids:
         return jnp.zeros(tokens.shape, bool)
     return jnp.isin(tokens, jnp.asarray(stop_ids, jnp.int32))
+
+
+def _stops(sampling_B: SamplingRows | None, b: int) -> jax.Array:
+    """bool [B]: which rows end at a stop token (all but the per-row ``stops=False``)."""
+    return jnp.ones((b,), bool) if sampling_B is None else sampling_B.stops
 
 
 def merge_models(graphdef, params):
@@ -342,7 +347,7 @@ def prefill(graphdef, params, tokens_BT, lengths_B, key_B, sampling_B=None, *,
         new_count_B=zeros_B,
         out_BM=out_BM,
         num_out_B=jnp.ones((b,), jnp.int32),
-        done_B=_stop_mask(t0_B, cfg.stop_token_ids) | (m <= 1),
+        done_B=(_stop_mask(t0_B, cfg.stop_token_ids) & _stops(sampling_B, b)) | (m <= 1),
         rounds_B=zeros_B,
         moved_B=zeros_B,
         block_len_RB=jnp.zeros((m, b), jnp.int32),
@@ -449,7 +454,8 @@ def commit_stage(st: DecodeState, ctx, draft_logits_BHV, tree: DraftTree, logits
     block_BP = jnp.where(j_P[None] == verdict.length[:, None] - 1, verdict.bonus[:, None],
                          after_root_BP)
     in_block_BP = j_P[None] < length_B[:, None]
-    stop_BP = _stop_mask(block_BP, cfg.stop_token_ids) & in_block_BP
+    stop_BP = (_stop_mask(block_BP, cfg.stop_token_ids) & in_block_BP
+               & _stops(st.sampling_B, b)[:, None])
     hit_stop_B = jnp.any(stop_BP, axis=1)
     first_stop_B = jnp.where(hit_stop_B, jnp.argmax(stop_BP, axis=1), p)
     emit_B = jnp.minimum(jnp.minimum(length_B, first_stop_B + 1), m - st.num_out_B)
@@ -584,109 +590,6 @@ def generation(graphdef, params, tokens_BT, lengths_B, key, sampling_B=None, *,
     )
 
 
-# ------------------------------------------------------------------ continuous batching
-#
-# Two programs over one decode state of B row slots (the host loop that uses them is
-# `tev_jax.batch.continuous`): `refill` prefills K new prompts into a small state with `prefill`
-# and scatters its rows into the big state at given slots; `rounds_until` runs
-# `decode_round` until some more rows have finished. ``state.round`` keeps counting
-# across requests, so the per-round records (``block_len_RB``) are not per-request
-# there; a request's statistics come from ``rounds_B`` and ``start_B``.
-
-
-def abstract_rows(rows: int, spec: DecodeSpec) -> SamplingRows | None:
-    """Abstract `SamplingRows` of ``rows`` rows with `PER_ROW`, else None."""
-    if spec.config.sampling != PER_ROW:
-        return None
-    return SamplingRows(jax.ShapeDtypeStruct((rows,), jnp.float32),
-                        jax.ShapeDtypeStruct((rows,), jnp.int32),
-                        jax.ShapeDtypeStruct((rows,), jnp.float32))
-
-
-def state_shapes(graphdef, params, rows: int, *, spec: DecodeSpec) -> DecodeState:
-    """The abstract `DecodeState` of ``rows`` rows (``jax.ShapeDtypeStruct`` leaves)."""
-    return jax.eval_shape(
-        lambda p, t, n, k, s: prefill(graphdef, p, t, n, k, s, spec=spec), params,
-        jax.ShapeDtypeStruct((rows, LEN_ALIGN), jnp.int32),
-        jax.ShapeDtypeStruct((rows,), jnp.int32),
-        jax.eval_shape(lambda: row_keys(jax.random.key(0), jnp.arange(rows))),
-        abstract_rows(rows, spec))
-
-
-def row_axes(graphdef, params, *, spec: DecodeSpec) -> tuple[int | None, ...]:
-    """The row axis of every `DecodeState` leaf (None for the per-batch scalars)."""
-    shapes = [jax.tree.leaves(state_shapes(graphdef, params, rows, spec=spec))
-              for rows in (1, 2)]
-    axes = []
-    for one, two in zip(*shapes):
-        diff = [i for i, (a, b) in enumerate(zip(one.shape, two.shape)) if a != b]
-        axes.append(diff[0] if diff else None)
-    return tuple(axes)
-
-
-def empty_state(graphdef, params, key, *, spec: DecodeSpec) -> DecodeState:
-    """A state of ``spec.batch_size`` free slots (every row done, nothing in flight;
-    the slots' keys ``row_keys(key, range(B))`` until a prompt fills them)."""
-    def zeros(s):
-        if jnp.issubdtype(s.dtype, jax.dtypes.prng_key):
-            return row_keys(key, jnp.arange(spec.batch_size))
-        return jnp.zeros(s.shape, s.dtype)
-
-    st = jax.tree.map(zeros, state_shapes(graphdef, params, spec.batch_size, spec=spec))
-    return st.replace(done_B=jnp.ones((spec.batch_size,), bool))
-
-
-def refill(graphdef, params, st: DecodeState, tokens_KT, lengths_K, slots_K, key_K,
-           sampling_K=None, *, spec: DecodeSpec, axes: tuple[int | None, ...]
-           ) -> DecodeState:
-    """Prefills K prompts into the given slots of ``st``; other rows unchanged.
-
-    Args:
-      graphdef, params: as in `generation`.
-      st: the batch state ([B] rows).
-      tokens_KT: int32 [K, T] the prompts, zero-padded (T a bucket width <= P).
-      lengths_K: int32 [K] prompt lengths (>= 1).
-      slots_K: int32 [K] the row of ``st`` each prompt goes to; ``>= B`` drops the
-        prompt (padding rows of a bucketed K).
-      key_K: PRNG key [K], each prompt's row key (`row_keys`: the j-th request of a
-        continuous batch has row j's key of a plain generation).
-      sampling_K: each prompt's `SamplingRows` [K] with ``sampling=PER_ROW``, else None.
-      spec: the `DecodeSpec`; axes: `row_axes`.
-    Returns:
-      The state with those rows freshly prefilled (t0 sampled, rounds 0).
-    """
-    new = prefill(graphdef, params, tokens_KT, lengths_K, key_K, sampling_K, spec=spec)
-    return put_rows(graphdef, params, st, new, slots_K, spec=spec, axes=axes)
-
-
-def put_rows(graphdef, params, st: DecodeState, rows: DecodeState, slots_K, *,
-             spec: DecodeSpec, axes: tuple[int | None, ...]) -> DecodeState:
-    """The K rows of ``rows`` written into the slots ``slots_K`` of ``st`` (a state of the
-    same shapes but B rows; ``>= B`` drops a row); the per-batch scalars of ``st`` are
-    kept and its flags OR-ed with those of ``rows``. `refill` puts freshly prefilled
-    rows; a scheduler that grows its slot count puts the rows of a smaller state into
-    an `empty_state`. ``axes`` is `row_axes`."""
-    big, treedef = jax.tree.flatten(st)
-
-    def put(axis, old, fresh):
-        if axis is None:  # per-batch scalars: keep the loop's round, OR the flags
-            return old | fresh if old.dtype == jnp.bool_ else old
-        return old.at[(slice(None),) * axis + (slots_K,)].set(fresh, mode="drop")
-
-    st = treedef.unflatten([put(a, o, f) for a, o, f in zip(axes, big, jax.tree.leaves(rows))])
-    return constrain_state(st, merge_models(graphdef, params)[1], spec)
-
-
-def take_rows(graphdef, params, st: DecodeState, rows_K, *, spec: DecodeSpec,
-              axes: tuple[int | None, ...]) -> DecodeState:
-    """The state of the K rows ``rows_K`` of ``st``, in that order (per-batch scalars
-    kept): the rows still running, moved onto a program of ``spec.batch_size`` = K
-    slots. ``axes`` is `row_axes` (the same for every batch size)."""
-    leaves, treedef = jax.tree.flatten(st)
-    taken = [x if a is None else jnp.take(x, rows_K, axis=a) for a, x in zip(axes, leaves)]
-    return constrain_state(treedef.unflatten(taken), merge_models(graphdef, params)[1], spec)
-
-
 def rounds_until(graphdef, params, st: DecodeState, until_done, max_rounds, *,
                  spec: DecodeSpec) -> DecodeState:
     """Runs rounds until ``until_done`` rows are done, all are, or ``max_rounds`` ran
@@ -706,9 +609,8 @@ def rounds_until(graphdef, params, st: DecodeState, until_done, max_rounds, *,
 
 
 __all__ = ["LEN_ALIGN", "PAD_TOKEN", "STAGES", "DecodeConfig", "DecodeSpec",
-           "DecodeState", "abstract_rows", "aligned_len", "build_stage", "commit_stage",
+           "DecodeState", "aligned_len", "build_stage", "commit_stage",
            "constrain_state", "decide_stage", "decode_round", "draft_stage",
-           "empty_state", "generation", "merge_models", "per_row_logits", "prefill",
-           "put_rows", "refill", "round_step_keys", "row_axes", "row_keys",
-           "row_sampling", "rounds_until", "running", "state_axes", "state_shapes",
-           "step_keys", "take_rows", "traced_round", "verify_stage"]
+           "generation", "merge_models", "per_row_logits", "prefill", "round_step_keys",
+           "row_keys", "row_sampling", "rounds_until", "running", "state_axes",
+           "step_keys", "traced_round", "verify_stage"]

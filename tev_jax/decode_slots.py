@@ -27,7 +27,8 @@ def abstract_rows(rows: int, spec: DecodeSpec) -> SamplingRows | None:
         return None
     return SamplingRows(jax.ShapeDtypeStruct((rows,), jnp.float32),
                         jax.ShapeDtypeStruct((rows,), jnp.int32),
-                        jax.ShapeDtypeStruct((rows,), jnp.float32))
+                        jax.ShapeDtypeStruct((rows,), jnp.float32),
+                        jax.ShapeDtypeStruct((rows,), jnp.bool_))
 
 
 def state_shapes(graphdef, params, rows: int, *, spec: DecodeSpec) -> DecodeState:

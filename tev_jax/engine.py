@@ -40,7 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from tev_jax import decode, extensions
+from tev_jax import decode, decode_slots, extensions
 from tev_jax import sharding as shd
 from tev_jax.budget import AutoBudget, resolve_budget
 from tev_jax.decode import DecodeConfig, DecodeSpec, DecodeState
@@ -219,19 +219,19 @@ def _run_jit(graphdef, params, st, *, spec):
                    donate_argnames=("st",))
 def _refill_jit(graphdef, params, st, tokens_KT, lengths_K, slots_K, key_K, sampling_K, *,
                 spec, axes):
-    return decode.refill(graphdef, params, st, tokens_KT, lengths_K, slots_K, key_K,
+    return decode_slots.refill(graphdef, params, st, tokens_KT, lengths_K, slots_K, key_K,
                          sampling_K, spec=spec, axes=axes)
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "spec", "axes"),
                    donate_argnames=("st",))
 def _put_jit(graphdef, params, st, rows, slots_K, *, spec, axes):
-    return decode.put_rows(graphdef, params, st, rows, slots_K, spec=spec, axes=axes)
+    return decode_slots.put_rows(graphdef, params, st, rows, slots_K, spec=spec, axes=axes)
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "spec", "axes"))
 def _take_jit(graphdef, params, st, rows_K, *, spec, axes):
-    return decode.take_rows(graphdef, params, st, rows_K, spec=spec, axes=axes)
+    return decode_slots.take_rows(graphdef, params, st, rows_K, spec=spec, axes=axes)
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "spec"), donate_argnames=("st",))
@@ -400,11 +400,11 @@ class Engine:
         return Prompts(*(self._rows(x) for x in (tokens_BT, lengths_B)),
                        self.row_settings(sampling, len(prompts)))
 
-    def row_settings(self, sampling: Sampling | Sequence[Sampling] | None, rows: int
-                     ) -> SamplingRows | None:
+    def row_settings(self, sampling: Sampling | Sequence[Sampling] | SamplingRows | None,
+                     rows: int) -> SamplingRows | None:
         """``rows`` rows' settings for the programs: placed `SamplingRows` with
-        ``sampling=PER_ROW`` (``sampling`` one `Sampling` or one per row), else None (and
-        ``sampling`` must be None)."""
+        ``sampling=PER_ROW`` (``sampling`` one `Sampling`, one per row, or the
+        `SamplingRows` themselves), else None (and ``sampling`` must be None)."""
         if self.config.sampling != PER_ROW:
             if sampling is not None:
                 raise ValueError(f"this engine samples every row with "
@@ -414,10 +414,13 @@ class Engine:
         if sampling is None:
             raise ValueError("a sampling='per_row' engine needs each prompt's setting: "
                              "prompts(ids, sampling=[Sampling(...), ...])")
-        settings = [sampling] * rows if isinstance(sampling, Sampling) else list(sampling)
-        if len(settings) != rows:
-            raise ValueError(f"{len(settings)} sampling settings for {rows} prompts")
-        return jax.tree.map(self._rows, SamplingRows.of(settings))
+        if not isinstance(sampling, SamplingRows):
+            settings = [sampling] * rows if isinstance(sampling, Sampling) else list(sampling)
+            sampling = SamplingRows.of(settings)
+        if sampling.temperature.shape != (rows,):
+            raise ValueError(f"{sampling.temperature.shape[0]} sampling settings for {rows} "
+                             "prompts")
+        return jax.tree.map(lambda x: self._rows(np.asarray(x)), sampling)
 
     def _rows(self, x: np.ndarray) -> jax.Array:
         if self.mesh is None:
@@ -524,19 +527,19 @@ class Engine:
     def slot_axes(self) -> tuple[int | None, ...]:
         """The row axis of every `DecodeState` leaf (for `refill`)."""
         with _mesh_scope(self.mesh):
-            return decode.row_axes(self.graphdef, self.params, spec=self.spec)
+            return decode_slots.row_axes(self.graphdef, self.params, spec=self.spec)
 
     def empty_slots(self, key: jax.Array) -> DecodeState:
         """A state of B free slots (every row done, nothing in flight)."""
         with _mesh_scope(self.mesh):
-            return decode.empty_state(self.graphdef, self.params, key, spec=self.spec)
+            return decode_slots.empty_state(self.graphdef, self.params, key, spec=self.spec)
 
     def refill(self, st: DecodeState, tokens_KT, lengths_K, slots_K, key_K,
-               sampling_K: Sampling | Sequence[Sampling] | None = None, *,
+               sampling_K: Sampling | Sequence[Sampling] | SamplingRows | None = None, *,
                axes: tuple[int | None, ...]) -> DecodeState:
         """Prefills K prompts into the given slots of ``st`` (donated), prompt k with the
         row key ``key_K[k]`` and, with ``sampling=PER_ROW``, the setting
-        ``sampling_K[k]`` (`row_settings`); see `tev_jax.decode.refill`. ``axes`` is
+        ``sampling_K[k]`` (`row_settings`); see `tev_jax.decode_slots.refill`. ``axes`` is
         `slot_axes`."""
         return self._call(_refill_jit, st, tokens_KT, lengths_K, slots_K, key_K,
                           self.row_settings(sampling_K, len(lengths_K)), axes=axes)
@@ -578,7 +581,7 @@ class Engine:
         b, t = self.spec.batch_size, width or self.spec.prompt_len
         rows = lambda *shape: (None if self.mesh is None else shd.logical_sharding(
             ("batch",) + (None,) * (len(shape) - 1), shape, self.mesh))
-        settings = decode.abstract_rows(b, self.spec)
+        settings = decode_slots.abstract_rows(b, self.spec)
         return Prompts(jax.ShapeDtypeStruct((b, t), jnp.int32, sharding=rows(b, t)),
                        jax.ShapeDtypeStruct((b,), jnp.int32, sharding=rows(b)),
                        None if settings is None else jax.tree.map(

@@ -57,29 +57,38 @@ PER_ROW = "per_row"
 
 @struct.dataclass
 class SamplingRows:
-    """Each row's `Sampling`, as arrays [B] (what the decode state holds with
-    `PER_ROW`).
+    """Each row's own setting, as arrays [B] (what the decode state holds with
+    `PER_ROW`): its `Sampling`, and whether it ends at a stop token.
 
     Attributes:
       temperature: float32 [B]; 0 is greedy.
       top_k: int32 [B]; 0 keeps every token.
       top_p: float32 [B]; 1 keeps every token.
+      stops: bool [B]; False: the row goes on past the config's stop tokens, to its
+        ``max_new_tokens`` (vLLM's ``ignore_eos``, which benchmark clients send).
     """
 
     temperature: jax.Array
     top_k: jax.Array
     top_p: jax.Array
+    stops: jax.Array
 
     @classmethod
-    def of(cls, settings: Sequence[Sampling]) -> SamplingRows:
-        """The rows of these settings (host arrays)."""
+    def of(cls, settings: Sequence[Sampling], stops: Sequence[bool] | None = None
+           ) -> SamplingRows:
+        """The rows of these settings (host arrays); ``stops`` default: every row ends
+        at a stop token."""
         settings = list(settings)
         if not all(isinstance(s, Sampling) for s in settings):
             raise ValueError(f"each row's setting must be a Sampling, got {settings!r}")
+        stops = [True] * len(settings) if stops is None else list(stops)
+        if len(stops) != len(settings):
+            raise ValueError(f"{len(stops)} stop flags for {len(settings)} settings")
         return cls(np.asarray([s.temperature for s in settings], np.float32),
                    np.asarray([s.top_k or 0 for s in settings], np.int32),
                    np.asarray([1.0 if s.top_p is None else s.top_p for s in settings],
-                              np.float32))
+                              np.float32),
+                   np.asarray(stops, bool))
 
 
 def log_probs(logits_NV: jax.Array, sampling: Sampling) -> jax.Array:

@@ -22,7 +22,7 @@ from tev_jax import decode, extensions
 from tev_jax import sharding as shd
 from tev_jax.budget import AutoBudget
 from tev_jax.engine import Engine
-from tev_jax.sampling import PER_ROW, Sampling
+from tev_jax.sampling import PER_ROW, Sampling, SamplingRows
 
 
 @dataclasses.dataclass(frozen=True)
@@ -243,13 +243,13 @@ class Slots:
         self.engine = engine
 
     def refill(self, entries: Sequence[tuple[Any, Sequence[int]]], key_K: jax.Array,
-               widths: Sequence[int], sampling_K: Sequence[Sampling] | None = None
-               ) -> list[int]:
+               widths: Sequence[int],
+               sampling_K: Sequence[Sampling] | SamplingRows | None = None) -> list[int]:
         """Prefills prompts into the free slots, in order: ``entries`` are (holder,
         prompt ids), at most `free` of them; ``key_K`` one row key per entry, padded to
         the refill's row bucket (`refill_rows`), and on programs with each row's own
-        sampling (`tev_jax.sampling.PER_ROW`) ``sampling_K`` one setting per entry,
-        padded alike. The prompts are padded to the smallest of ``widths`` that holds
+        sampling (`tev_jax.sampling.PER_ROW`) ``sampling_K`` one setting per entry
+        (or their `tev_jax.sampling.SamplingRows`), padded alike. The prompts are padded to the smallest of ``widths`` that holds
         them and the rows to a `row_buckets` size (padding rows go to slot index B and
         are dropped). -> the slots taken."""
         free = self.free()

@@ -97,6 +97,8 @@ class GenerationRequest:
       return_token_ids: the extra field ``return_token_ids``: each choice also carries
         the generated token ids (``token_ids``), as vLLM's does.
       n: the choices to generate, each an independent sample (its own row and key).
+      ignore_eos: vLLM's extra field: the completion goes on past the model's stop
+        tokens to ``max_tokens`` (benchmark clients send it to fix output lengths).
     """
 
     chat: bool
@@ -111,6 +113,7 @@ class GenerationRequest:
     prompt_text: str = ""
     return_token_ids: bool = False
     n: int = 1
+    ignore_eos: bool = False
 
 
 def _not_json(constant: str):
@@ -187,7 +190,7 @@ UNSUPPORTED: dict[str, tuple] = {
     "function_call": ("none", "auto"), "audio": (), "modalities": (["text"],),
     "reasoning_effort": (), "verbosity": (), "web_search_options": (),
     # vLLM's extra sampling and output fields
-    "repetition_penalty": (1,), "min_p": (0,), "min_tokens": (0,), "ignore_eos": (False,),
+    "repetition_penalty": (1,), "min_p": (0,), "min_tokens": (0,),
     "use_beam_search": (False,), "length_penalty": (1,), "stop_token_ids": ([],),
     "include_stop_str_in_output": (False,), "skip_special_tokens": (True,),
     "truncate_prompt_tokens": (), "prompt_logprobs": (), "allowed_token_ids": (),
@@ -405,6 +408,8 @@ def parse_request(body: dict, limits: Limits, encode: Callable[[str], Sequence[i
                                  "true or false", False)
     return_ids = _field(body, "return_token_ids", lambda v: isinstance(v, bool),
                         "true or false", False)
+    ignore_eos = _field(body, "ignore_eos", lambda v: isinstance(v, bool), "true or false",
+                        False)
     text, where = _prompt(body, chat_format, limits.vocab_size)
     if isinstance(text, list):
         ids = text
@@ -430,7 +435,7 @@ def parse_request(body: dict, limits: Limits, encode: Callable[[str], Sequence[i
         chat=chat, prompt_ids=tuple(int(t) for t in ids), max_tokens=max_tokens,
         sampling=sampling, stop=stop, stream=stream, include_usage=bool(include_usage),
         seed=seed, echo=bool(echo), prompt_text=text if isinstance(text, str) else "",
-        return_token_ids=return_ids, n=n)
+        return_token_ids=return_ids, n=n, ignore_eos=ignore_eos)
 
 
 def stop_at(text: str, stops: Sequence[str]) -> int | None:

@@ -56,7 +56,7 @@ import numpy as np
 from tev_jax import extensions
 from tev_jax.budget import AutoBudget
 from tev_jax.decode import DecodeConfig
-from tev_jax.sampling import Sampling
+from tev_jax.sampling import Sampling, SamplingRows
 from tev_jax.server.detokenize import IncrementalText, tokens_for, visible
 from tev_jax.server.requests import GenerationRequest
 from tev_jax.slots import (
@@ -449,7 +449,9 @@ class Scheduler:
         pad = k - len(jobs)
         keys = request_keys([self._seed_of(j.request) for j in jobs] + [0] * pad,
                             [j.choice for j in jobs] + [0] * pad)
-        settings = [j.request.sampling for j in jobs] + [Sampling(temperature=0.0)] * pad
+        settings = SamplingRows.of(
+            [j.request.sampling for j in jobs] + [Sampling(temperature=0.0)] * pad,
+            stops=[not j.request.ignore_eos for j in jobs] + [True] * pad)
         self._slots.refill([(job, job.request.prompt_ids) for job in jobs], keys,
                            self.widths, settings)
 
@@ -502,7 +504,7 @@ class Scheduler:
         ids where the string starts."""
         req = job.request
         job.text = job.text or IncrementalText(self.decode)
-        ended_by_token = done and tokens[-1] in self.stop_ids
+        ended_by_token = done and tokens[-1] in self.stop_ids and not req.ignore_eos
         at_length = len(tokens) >= req.max_tokens or done
         final = ended_by_token or at_length
         text, hit = visible(job.text, tokens, req.stop, final)
