@@ -276,7 +276,10 @@ def test_neutral_values_and_metadata_pass():
 
 def test_types_and_sizes_of_what_is_read():
     refused("stream_options", prompt="a", stream_options={"include_usage": 1})
-    refused("stream_options", prompt="a", stream_options={"continuous_usage_stats": True})
+    refused("stream_options", prompt="a", stream_options={"continuous_usage_stats": "yes"})
+    r = parse_request({"model": "m", "prompt": "a", "stream": True,
+                       "stream_options": {"continuous_usage_stats": True}}, LIMITS, encode)
+    assert r.continuous_usage and not r.include_usage  # vLLM's: usage in every chunk
     refused("stream_options", prompt="a", stream_options=[])
     refused("stop", prompt="a", stop="x" * 1001)
     refused("stop", prompt="a", stop=[1])
@@ -492,6 +495,11 @@ def test_app_answers_every_failure_with_openai_json():
     ).text.splitlines() if line.startswith("data: {")]
     assert sorted({c["choices"][0]["index"] for c in chunks if c["choices"]}) == [0, 1]
     assert chunks[-1]["usage"]["completion_tokens"] == 2
+    chunks = [json.loads(line[6:]) for line in client.post(
+        "/v1/completions", json={"model": "m", "prompt": [1, 2], "n": 2, "stream": True,
+                                 "stream_options": {"continuous_usage_stats": True}}
+    ).text.splitlines() if line.startswith("data: {")]
+    assert [c["usage"]["completion_tokens"] for c in chunks if c["choices"]] == [1, 2]
 
 
 def test_app_turns_an_unexpected_error_into_500_json():

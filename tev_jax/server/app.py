@@ -320,8 +320,9 @@ async def _stream(req: GenerationRequest, jobs, events: asyncio.Queue, head: dic
         while len(last) < req.n or any(e.finish_reason is None for e in last.values()):
             event = await events.get()
             last[event.choice] = event
+            usage = {"usage": _usage(last)} if req.continuous_usage else {}
             yield data([_choice(req, event.text, event.finish_reason, delta=True,
-                                token_ids=event.token_ids, index=event.choice)])
+                                token_ids=event.token_ids, index=event.choice)], **usage)
         if req.include_usage:
             yield data([], usage=_usage(last))
         yield "data: [DONE]\n\n"

@@ -89,6 +89,8 @@ class GenerationRequest:
       stop: stop strings (the text is cut before the first one).
       stream: answer with server-sent events.
       include_usage: with ``stream``, a last event carrying ``usage``.
+      continuous_usage: with ``stream``, every event carries the ``usage`` so far
+        (vLLM's ``stream_options.continuous_usage_stats``).
       seed: the client's seed: the request's random numbers come from it alone, so the
         same request with the same seed gets the same completion whatever else shares
         the batch (None: the server draws one).
@@ -108,6 +110,7 @@ class GenerationRequest:
     stop: tuple[str, ...] = ()
     stream: bool = False
     include_usage: bool = False
+    continuous_usage: bool = False
     seed: int | None = None
     echo: bool = False
     prompt_text: str = ""
@@ -222,11 +225,6 @@ def _refuse_unsupported(body: dict, chat: bool) -> None:
         ok = " or ".join(json.dumps(x) for x in neutral)
         raise RequestError(f"'{name}' is not supported by this server (got {_show(v)}); "
                            f"leave it out{' or send ' + ok if ok else ''}", name)
-    options = body.get("stream_options")
-    if isinstance(options, dict) and options.get("continuous_usage_stats") not in (None, False):
-        raise RequestError("'stream_options.continuous_usage_stats' is not supported by this "
-                           "server (usage comes in the last event with include_usage)",
-                           "stream_options")
 
 
 def sampling_of(body: dict, vocab_size: int | None = None) -> Sampling:
@@ -400,10 +398,13 @@ def parse_request(body: dict, limits: Limits, encode: Callable[[str], Sequence[i
         raise RequestError(f"'seed' must be a 64-bit integer, got {_show(seed)}", "seed")
     stream = _field(body, "stream", lambda v: isinstance(v, bool), "true or false", False)
     options = _field(body, "stream_options", lambda v: isinstance(v, dict), "an object", {})
-    include_usage = options.get("include_usage")
-    if include_usage is not None and not isinstance(include_usage, bool):
-        raise RequestError(f"'stream_options.include_usage' must be true or false, got "
-                           f"{_show(include_usage)}", "stream_options")
+    include_usage, continuous = (options.get(k) for k in ("include_usage",
+                                                         "continuous_usage_stats"))
+    for name, value in (("include_usage", include_usage),
+                        ("continuous_usage_stats", continuous)):
+        if value is not None and not isinstance(value, bool):
+            raise RequestError(f"'stream_options.{name}' must be true or false, got "
+                               f"{_show(value)}", "stream_options")
     echo = (not chat) and _field(body, "echo", lambda v: isinstance(v, bool),
                                  "true or false", False)
     return_ids = _field(body, "return_token_ids", lambda v: isinstance(v, bool),
@@ -434,6 +435,7 @@ def parse_request(body: dict, limits: Limits, encode: Callable[[str], Sequence[i
     return GenerationRequest(
         chat=chat, prompt_ids=tuple(int(t) for t in ids), max_tokens=max_tokens,
         sampling=sampling, stop=stop, stream=stream, include_usage=bool(include_usage),
+        continuous_usage=bool(continuous),
         seed=seed, echo=bool(echo), prompt_text=text if isinstance(text, str) else "",
         return_token_ids=return_ids, n=n, ignore_eos=ignore_eos)
 
