@@ -46,15 +46,19 @@ def _rows(settings_) -> SamplingRows:
 @st.composite
 def _setting(draw):
     t = draw(st.sampled_from([0.0, 0.3, 1.0, 2.5]))
-    k = draw(st.sampled_from([None, 1, 2, 5, 11, 40]))
+    k = draw(st.sampled_from([None, 1, 2, 5, 11, 40, 300]))
     p = draw(st.sampled_from([None, 0.2, 0.75, 1.0]))
     return Sampling(t, k, p)
 
 
 @settings(max_examples=30, deadline=None)
-@given(st.lists(_setting(), min_size=1, max_size=5), st.integers(0, 2**31 - 1))
-def test_row_scores_is_log_probs_row_by_row(settings_, seed):
-    logits = np.random.default_rng(seed).normal(size=(len(settings_), 3, 40)) * 3
+@given(st.lists(_setting(), min_size=1, max_size=5), st.integers(0, 2**31 - 1),
+       st.sampled_from([40, 600]), st.sampled_from([0.3, 3.0, 12.0]))
+def test_row_scores_is_log_probs_row_by_row(settings_, seed, vocab, scale):
+    """Over a vocabulary of 40 (sorted whole) and of 600 (the cut found among the
+    `CUT_PREFIX` = 256 largest logits, or, for a flat row's nucleus or a top-k of 300,
+    after a sort): the same support and probabilities as the static transform."""
+    logits = np.random.default_rng(seed).normal(size=(len(settings_), 3, vocab)) * scale
     logits[:, 1, :4] = logits[:, 1, 4:8]  # ties at the top-k / top-p cuts
     z = row_scores(jnp.asarray(logits, jnp.float32), _rows(settings_)).x
     for b, s in enumerate(settings_):

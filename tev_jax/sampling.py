@@ -116,24 +116,47 @@ def log_probs(logits_NV: jax.Array, sampling: Sampling) -> jax.Array:
     return jax.nn.log_softmax(logits, axis=-1)
 
 
+CUT_PREFIX = 256
+"""`row_cut` first looks for each row's cut among its this many largest logits (a top-k,
+about 10x cheaper than a sort of the vocabulary on XLA:CPU: 14 against 124 ms on
+[136, 4096], 9 against 784 ms on [16, 151 936]); a batch where some row's top-k is
+larger or its nucleus reaches past them sorts the vocabulary instead."""
+
+
 def row_cut(z_BXV: jax.Array, top_k_B: jax.Array, top_p_B: jax.Array) -> jax.Array:
     """`log_probs`'s top-k then top-p, each row b with its own ``top_k_B[b]`` (0: off)
     and ``top_p_B[b]`` (1: off), on temperature-scaled logits [B, ..., V]; removed
-    tokens get -inf, kept ones keep their value (not renormalised). One sort per row."""
+    tokens get -inf, kept ones keep their value (not renormalised). The cut is found
+    among each row's `CUT_PREFIX` largest logits where it lies there, else (for the
+    whole batch, a ``lax.cond``) after a sort of the vocabulary."""
     vocab = z_BXV.shape[-1]
     lead = z_BXV.shape[:-1]
     per_row = lambda a: jnp.broadcast_to(a.reshape((-1,) + (1,) * (len(lead) - 1)), lead)
     k, p = per_row(top_k_B)[..., None], per_row(top_p_B)[..., None]
-    sorted_desc = -jnp.sort(-z_BXV, axis=-1)
-    kth = jnp.take_along_axis(sorted_desc, jnp.clip(k - 1, 0, vocab - 1), axis=-1)
-    kth = jnp.where((k > 0) & (k < vocab), kth, -jnp.inf)
-    z = jnp.where(z_BXV >= kth, z_BXV, -jnp.inf)
-    sorted_desc = jnp.where(sorted_desc >= kth, sorted_desc, -jnp.inf)
-    probs = jax.nn.softmax(sorted_desc, axis=-1)
+    if vocab <= CUT_PREFIX:
+        return _cut(z_BXV, -jnp.sort(-z_BXV, axis=-1), k, p)[0]
+    cut, found = _cut(z_BXV, jax.lax.top_k(z_BXV, CUT_PREFIX)[0], k, p)
+    return jax.lax.cond(jnp.all(found), lambda: cut,
+                        lambda: _cut(z_BXV, -jnp.sort(-z_BXV, axis=-1), k, p)[0])
+
+
+def _cut(z, largest, k, p):
+    """`row_cut` from each row's ``largest`` logits, sorted, [..., K] (K <= V; all of
+    them: a sort). -> (the cut logits, bool [...]: whether the row's cut lies among
+    them: its top-k within K, and its nucleus reached inside them)."""
+    vocab, prefix = z.shape[-1], largest.shape[-1]
+    kth = jnp.take_along_axis(largest, jnp.clip(k - 1, 0, prefix - 1), axis=-1)
+    by_k = (k > 0) & (k < vocab)
+    kth = jnp.where(by_k, kth, -jnp.inf)
+    z = jnp.where(z >= kth, z, -jnp.inf)
+    largest = jnp.where(largest >= kth, largest, -jnp.inf)
+    probs = jnp.exp(largest - jax.nn.logsumexp(z, axis=-1, keepdims=True))
     mass_before = jnp.cumsum(probs, axis=-1) - probs
-    threshold = jnp.min(jnp.where(mass_before < p, sorted_desc, jnp.inf), axis=-1,
-                        keepdims=True)
-    return jnp.where((p < 1) & (z < threshold), -jnp.inf, z)
+    keep = mass_before < p
+    threshold = jnp.min(jnp.where(keep, largest, jnp.inf), axis=-1, keepdims=True)
+    found = ((~by_k | (k <= prefix))
+             & ((p >= 1) | (prefix == vocab) | ~keep[..., -1:]))[..., 0]
+    return jnp.where((p < 1) & (z < threshold), -jnp.inf, z), found
 
 
 def check_finite(logits, what: str = "target logits") -> None:
