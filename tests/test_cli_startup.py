@@ -86,6 +86,27 @@ def test_serve_refuses_a_port_outside_tcp(port, capsys):
     assert err[0].startswith("tev-jax serve: error: --port must be a TCP port") and port in err[0]
 
 
+def test_serve_refuses_a_batch_that_does_not_fit_naming_its_flags(capsys):
+    """Issue 59, item 1: before it listens the server checks, from shapes, that its
+    largest slot program fits each device's free memory, and refuses in one line naming
+    the flags to lower (here the cache of 4096 rows of 40 000 tokens); the negative
+    control: the bundled default's memory check (the plan it would serve) passes."""
+    pytest.importorskip("uvicorn")
+    from tev_jax.cli import main
+    from tev_jax.decode import DecodeConfig
+    from tev_jax.models.bundled import load_bundled
+    from tev_jax.server.run import check_fits
+
+    with pytest.raises(SystemExit) as e:
+        main(["serve", "--max-batch", "4096", "--max-tokens", "20000",
+              "--max-prompt-tokens", "20000", "--port", "0"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and err[-1].startswith("tev-jax serve: error: not enough memory")
+    assert "lower --max-tokens (20000), --max-prompt-tokens or --max-batch" in err[-1]
+    target, drafter, _ = load_bundled()
+    check_fits(target, drafter, DecodeConfig(max_new_tokens=256, prompt_len=512), 8, None)
+
+
 def test_port_0_binds_a_free_port_and_says_which():
     pytest.importorskip("uvicorn")
     from tev_jax.server.run import listening_socket, log_config

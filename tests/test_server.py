@@ -259,7 +259,8 @@ def test_32_concurrent_streams_lose_and_repeat_nothing(server, bundled):
 @pytest.fixture(scope="module")
 def fixed_server():
     s = Server("--budget", "6", "--max-batch", str(MAX_BATCH), "--max-tokens",
-               str(MAX_TOKENS), "--max-prompt-tokens", "64", "--seed", "0")
+               str(MAX_TOKENS), "--max-prompt-tokens", "64", "--seed", "0",
+               "--per-request-spec-decode-metrics", "summary")
     yield s
     assert s.stop() == 0, s.output()
 
@@ -314,7 +315,8 @@ def test_metrics_count_the_tokens_served(fixed_server, bundled):
     the generation tokens are the completion tokens served, and each request's tokens
     after its first are its drafts plus its accepted draft tokens (every round of a
     tree row gives one draft, its accepted tokens and the bonus token); every choice
-    counts as a finished request."""
+    counts as a finished request; and the responses' own acceptance, in vLLM's
+    per-request shape (``metrics.speculative_decoding``), adds up to the counters."""
     server = fixed_server
     client = server.client()
     texts = _prompts(bundled[2], 6)
@@ -323,18 +325,26 @@ def test_metrics_count_the_tokens_served(fixed_server, bundled):
     def complete(i):
         r = client.completions.create(model=MODEL, prompt=texts[i % 6], max_tokens=8 + i,
                                       temperature=(0.0, 1.0)[i % 2], n=1 + (i % 4 == 3))
-        return r.usage.completion_tokens, len(r.choices)
+        spec = r.model_extra["metrics"]["speculative_decoding"]
+        hist = spec["acceptance_histogram"]
+        assert spec["num_spec_steps"] == sum(hist) and spec["num_spec_tokens"] == 6
+        assert spec["num_accepted_draft_tokens"] == sum(j * c for j, c in enumerate(hist))
+        assert spec["num_spec_steps"] + spec["num_accepted_draft_tokens"] == (
+            r.usage.completion_tokens - len(r.choices))
+        return r.usage.completion_tokens, len(r.choices), spec
 
     with concurrent.futures.ThreadPoolExecutor(12) as pool:
         served = list(pool.map(complete, range(12), timeout=300))
     server.wait_idle()
     after = _metrics(server)
     delta = lambda name, **kw: _sum(after, name, **kw) - _sum(before, name, **kw)
-    tokens, choices = sum(t for t, _ in served), sum(c for _, c in served)
+    tokens, choices = sum(t for t, _, _ in served), sum(c for _, c, _ in served)
     assert delta("vllm:generation_tokens_total") == tokens
     drafts = delta("vllm:spec_decode_num_drafts_total")
     accepted = delta("vllm:spec_decode_num_accepted_tokens_total")
     assert drafts > 0 and drafts + accepted == tokens - choices, (drafts, accepted)
+    assert drafts == sum(s["num_spec_steps"] for _, _, s in served)
+    assert accepted == sum(s["num_accepted_draft_tokens"] for _, _, s in served)
     assert delta("vllm:spec_decode_num_draft_tokens_total") == 6 * drafts  # --budget 6
     per_pos = [delta("vllm:spec_decode_num_accepted_tokens_per_pos_total", position=str(p))
                for p in range(6)]

@@ -274,6 +274,26 @@ def test_neutral_values_and_metadata_pass():
     assert r.max_tokens == 4  # a null max_completion_tokens does not hide max_tokens
 
 
+def test_per_request_speculative_decoding_in_vllms_shape():
+    """vLLM's ``metrics.speculative_decoding`` from a request's choices' last events
+    (the histogram summed, dense from 0), and only when the server is asked for it."""
+    from tev_jax.server.app import spec_decoding
+    from tev_jax.server.scheduler import Event
+
+    last = {0: Event("", "length", 3, 9, accepted=(2, 1, 0, 3), draft_tokens=36),
+            1: Event("", "stop", 3, 4, accepted=(1, 1), draft_tokens=12)}
+    assert spec_decoding(last) == {
+        "mean_acceptance_length": 1 + 11 / 8, "draft_acceptance_rate": 11 / 48,
+        "acceptance_histogram": [3, 2, 0, 3], "num_spec_steps": 8,
+        "num_accepted_draft_tokens": 11, "num_draft_tokens": 48, "num_spec_tokens": 6}
+    ar = spec_decoding({0: Event("", "length", 3, 9)})  # no tree round
+    assert ar["num_spec_steps"] == 0 and ar["mean_acceptance_length"] is None
+    for on in (True, False):
+        client, _ = app_client(spec_metrics=on)
+        body = client.post("/v1/completions", json={"model": "m", "prompt": [1, 2]}).json()
+        assert ("metrics" in body) == on, body
+
+
 def test_types_and_sizes_of_what_is_read():
     refused("stream_options", prompt="a", stream_options={"include_usage": 1})
     refused("stream_options", prompt="a", stream_options={"continuous_usage_stats": "yes"})

@@ -57,8 +57,8 @@ def serve_command(args) -> int:
         host=args.host, port=args.port, max_batch=args.max_batch, max_queue=args.max_queue,
         drain_seconds=args.drain_seconds, seed=args.seed, dtype=args.dtype,
         mesh=(args.mesh_data, args.mesh_fsdp, args.mesh_tensor), warmup=args.warmup, batch_invariant=args.batch_invariant,
-        api_key=api_key,
-        max_body_bytes=int(args.max_body_mb * 2**20))
+        api_key=api_key, max_body_bytes=int(args.max_body_mb * 2**20),
+        spec_metrics=args.per_request_spec_decode_metrics == "summary")
     print(f"tev-jax serve: {where}; {flags.method_label(config)}", file=sys.stderr)
     return run.serve(options)
 
@@ -115,6 +115,12 @@ def add_parser(sub) -> None:
                    help="require 'Authorization: Bearer KEY' on every /v1 route (401 "
                         f"without it; /health stays open); default: ${API_KEY_ENV} if set, "
                         "else none")
+    p.add_argument("--per-request-spec-decode-metrics", choices=("off", "summary"),
+                   default="off",
+                   help="summary: every response carries its speculative decoding, in "
+                        "vLLM's shape ('metrics': {'speculative_decoding': ...}: tree "
+                        "rounds, draft tokens verified and accepted, the histogram of "
+                        "accepted tokens per round; default %(default)s)")
     p.add_argument("--max-body-mb", type=float, default=8.0,
                    help="the largest request body read, in MiB; larger bodies get 413 "
                         "(default %(default)s)")

@@ -78,6 +78,9 @@ class Served:
         (``/health`` stays open).
       max_body_bytes: the largest request body read (more: 413).
       metrics: the `ServerMetrics` that ``GET /metrics`` shows (None: that route is 404).
+      spec_metrics: each response carries vLLM's per-request speculative-decoding
+        summary, ``"metrics": {"speculative_decoding": ...}`` (`spec_decoding`), in the
+        body or in the stream's last chunk.
     """
 
     scheduler: Scheduler
@@ -88,6 +91,7 @@ class Served:
     api_key: str | None = None
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     metrics: ServerMetrics | None = None
+    spec_metrics: bool = False
 
 
 def _error(e: RequestError, headers: dict | None = None) -> JSONResponse:
@@ -168,6 +172,27 @@ def _choice(req: GenerationRequest, text: str, finish: str | None, *, delta: boo
                 "logprobs": None, "finish_reason": finish} | ids
     return {"index": index, "message": {"role": "assistant", "content": text},
             "logprobs": None, "finish_reason": finish} | ids
+
+
+def spec_decoding(last: dict[int, Event]) -> dict:
+    """vLLM's per-request speculative-decoding summary (its ``metrics.speculative_decoding``
+    with ``--per-request-spec-decode-metrics summary``) over a request's choices: tree
+    rounds (``num_spec_steps``), draft tokens verified and accepted, the histogram of
+    draft tokens accepted per round (entry j: rounds that accepted exactly j), the mean
+    acceptance length (the bonus token included) and the acceptance rate; the budget per
+    round is ``num_spec_tokens`` (its mean where an automatic budget changed it)."""
+    hist = [0] * max((len(e.accepted) for e in last.values()), default=0)
+    for e in last.values():
+        for j, count in enumerate(e.accepted):
+            hist[j] += count
+    steps = sum(hist)
+    accepted = sum(j * count for j, count in enumerate(hist))
+    drafts = sum(e.draft_tokens for e in last.values())
+    return {"mean_acceptance_length": 1 + accepted / steps if steps else None,
+            "draft_acceptance_rate": accepted / drafts if drafts else None,
+            "acceptance_histogram": hist, "num_spec_steps": steps,
+            "num_accepted_draft_tokens": accepted, "num_draft_tokens": drafts,
+            "num_spec_tokens": round(drafts / steps) if steps else 0}
 
 
 def _usage(last: dict[int, Event]) -> dict:
@@ -251,7 +276,7 @@ def create_app(served: Served) -> Starlette:
         head = {"id": rid, "object": "chat.completion" if chat else "text_completion",
                 "created": int(time.time()), "model": limits.model}
         if req.stream:
-            return StreamingResponse(_stream(req, jobs, events, head),
+            return StreamingResponse(_stream(req, jobs, events, head, served.spec_metrics),
                                      media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
         texts = {i: [req.prompt_text] if req.echo else [] for i in range(req.n)}
@@ -271,10 +296,12 @@ def create_app(served: Served) -> Starlette:
         finally:
             for job in jobs:
                 job.cancel()
+        extra = ({"metrics": {"speculative_decoding": spec_decoding(last)}}
+                 if served.spec_metrics else {})
         return JSONResponse(head | {
             "choices": [_choice(req, "".join(texts[i]), last[i].finish_reason, delta=False,
                                 token_ids=tuple(ids[i]), index=i) for i in range(req.n)],
-            "usage": _usage(last)})
+            "usage": _usage(last)} | extra)
 
     async def completions(request: Request) -> Response:
         return await generate(request, chat=False)
@@ -301,9 +328,11 @@ def create_app(served: Served) -> Starlette:
         exception_handlers={HTTPException: _http_error, Exception: _server_error})
 
 
-async def _stream(req: GenerationRequest, jobs, events: asyncio.Queue, head: dict):
-    """The server-sent events of one request (each chunk one choice's, by ``index``); a
-    client that goes away cancels it."""
+async def _stream(req: GenerationRequest, jobs, events: asyncio.Queue, head: dict,
+                  spec_metrics: bool = False):
+    """The server-sent events of one request (each chunk one choice's, by ``index``;
+    with ``spec_metrics`` the chunk that ends the last choice carries
+    `spec_decoding`); a client that goes away cancels it."""
     chunk_object = "chat.completion.chunk" if req.chat else "text_completion"
 
     def data(choices: list, **extra) -> str:
@@ -320,9 +349,12 @@ async def _stream(req: GenerationRequest, jobs, events: asyncio.Queue, head: dic
         while len(last) < req.n or any(e.finish_reason is None for e in last.values()):
             event = await events.get()
             last[event.choice] = event
-            usage = {"usage": _usage(last)} if req.continuous_usage else {}
+            extra = {"usage": _usage(last)} if req.continuous_usage else {}
+            ended = len(last) == req.n and all(e.finish_reason for e in last.values())
+            if spec_metrics and ended:
+                extra["metrics"] = {"speculative_decoding": spec_decoding(last)}
             yield data([_choice(req, event.text, event.finish_reason, delta=True,
-                                token_ids=event.token_ids, index=event.choice)], **usage)
+                                token_ids=event.token_ids, index=event.choice)], **extra)
         if req.include_usage:
             yield data([], usage=_usage(last))
         yield "data: [DONE]\n\n"
@@ -331,4 +363,5 @@ async def _stream(req: GenerationRequest, jobs, events: asyncio.Queue, head: dic
             job.cancel()
 
 
-__all__ = ["DEFAULT_MAX_BODY_BYTES", "RETRY_AFTER_S", "Served", "create_app", "read_body"]
+__all__ = ["DEFAULT_MAX_BODY_BYTES", "RETRY_AFTER_S", "Served", "create_app", "read_body",
+           "spec_decoding"]

@@ -53,6 +53,8 @@ class ServeOptions:
         batch (every round on the max-batch program, every prompt prefilled alone).
       api_key: when set, ``/v1/*`` needs ``Authorization: Bearer <key>``.
       max_body_bytes: the largest request body read (more: 413).
+      spec_metrics: every response carries vLLM's per-request speculative-decoding
+        summary (``--per-request-spec-decode-metrics summary``).
     """
 
     target: str
@@ -71,6 +73,7 @@ class ServeOptions:
     batch_invariant: bool = False
     api_key: str | None = None
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    spec_metrics: bool = False
 
 
 def build(options: ServeOptions) -> Served:
@@ -122,7 +125,7 @@ def build(options: ServeOptions) -> Served:
                     vocab_size=target.config.vocab_size, max_n=options.max_batch)
     return Served(scheduler, limits, encode, chat, options.drain_seconds,
                   api_key=options.api_key, max_body_bytes=options.max_body_bytes,
-                  metrics=metrics)
+                  metrics=metrics, spec_metrics=options.spec_metrics)
 
 
 SERVE_FLAGS = {"budget": "--budget", "max_new_tokens": "--max-tokens",

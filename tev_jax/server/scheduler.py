@@ -115,6 +115,10 @@ class Event:
       token_ids: the new token ids: those whose text is all shown so far (a stop string
         ends them where it ends the text).
       choice: which of the request's ``n`` choices it belongs to.
+      accepted: with a finish reason, the choice's tree rounds as a histogram: entry j
+        counts the rounds that accepted exactly j draft tokens (the bonus not counted).
+      draft_tokens: with a finish reason, the draft tokens those rounds verified (the
+        tree budget of each).
     """
 
     text: str
@@ -123,6 +127,8 @@ class Event:
     completion_tokens: int
     token_ids: tuple[int, ...] = ()
     choice: int = 0
+    accepted: tuple[int, ...] = ()
+    draft_tokens: int = 0
 
 
 @dataclasses.dataclass(eq=False)
@@ -145,11 +151,20 @@ class Job:
     finish_reason: str | None = None
     submitted: float = dataclasses.field(default_factory=time.perf_counter)
     first_token: float | None = None   # when its first tokens were handed out
+    accepted: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+    draft_tokens: int = 0              # tree rounds: accepted draft tokens -> rounds
     last_output: float = 0.0           # ... and its latest ones
 
     def cancel(self) -> None:
         """The client is gone: the slot is freed at the next round."""
         self.cancelled = True
+
+
+def _histogram(job: Job) -> tuple[tuple[int, ...], int]:
+    """(a job's accepted-count histogram, dense from 0; its draft tokens), for its last
+    `Event`."""
+    top = max(job.accepted, default=-1)
+    return tuple(job.accepted[j] for j in range(top + 1)), job.draft_tokens
 
 
 def budget_of(config: DecodeConfig) -> int:
@@ -476,6 +491,9 @@ class Scheduler:
             decoded = min(int(rows.num_B[slot]), req.max_tokens)
             if after_round and decoded > job.decoded:  # the block less its bonus token
                 accepted.append(decoded - job.decoded - 1)
+                if budget > 0:
+                    job.accepted[accepted[-1]] += 1
+                    job.draft_tokens += budget
             job.decoded = decoded
             done = bool(rows.done_B[slot])
             if job.cancelled:
@@ -521,7 +539,8 @@ class Scheduler:
             if shown > job.sent_tokens:
                 self._output_time(job)
             job.emit(Event(text[job.sent:], reason, len(req.prompt_ids), len(job.tokens),
-                           tuple(tokens[job.sent_tokens:shown]), job.choice))
+                           tuple(tokens[job.sent_tokens:shown]), job.choice,
+                           *(_histogram(job) if reason else ())))
             job.sent, job.sent_tokens = max(job.sent, len(text)), shown
         return reason
 
