@@ -1,9 +1,8 @@
 """The server's Prometheus metrics (``GET /metrics``), under vLLM's names.
 
-The names, types, labels and histogram buckets are vLLM's (v1 engine:
-``vllm/v1/metrics/loggers.py`` and ``vllm/v1/spec_decode/metrics.py``), so dashboards
-and PromQL written for vLLM read a ``tev-jax serve`` unchanged. Every series carries
-vLLM's labels ``model_name`` (the served name) and ``engine`` (always ``"0"``: one
+The names, types, labels and histogram buckets are vLLM's (its v1 engine's Prometheus
+logger and speculative-decoding metrics), so dashboards and PromQL written for vLLM
+read a ``tev-jax serve`` unchanged. Every series carries vLLM's labels ``model_name`` (the served name) and ``engine`` (always ``"0"``: one
 scheduler). prometheus_client appends ``_total`` to a counter's samples, as for vLLM.
 
 Speculative decoding, in vLLM's terms: each live row of a round with tree budget
