@@ -2,8 +2,9 @@
 
 The names, types, labels and histogram buckets are vLLM's (its v1 engine's Prometheus
 logger and speculative-decoding metrics), so dashboards and PromQL written for vLLM
-read a ``tev-jax serve`` unchanged. Every series carries vLLM's labels ``model_name`` (the served name) and ``engine`` (always ``"0"``: one
-scheduler). prometheus_client appends ``_total`` to a counter's samples, as for vLLM.
+read a ``tev-jax serve`` unchanged. Every series carries vLLM's labels ``model_name``
+(the served name) and ``engine`` (always ``"0"``: one scheduler). prometheus_client
+appends ``_total`` to a counter's samples, as for vLLM.
 
 Speculative decoding, in vLLM's terms: each live row of a round with tree budget
 ``b > 0`` is one *draft* of ``b`` draft tokens, of which the row accepts ``a`` (its
