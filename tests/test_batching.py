@@ -17,7 +17,7 @@ import pytest
 from decode_fixtures import greedy_reference, jit_score, tiny_target
 from scipy import stats
 
-from tev_jax import decode, engine, slots
+from tev_jax import decode, engine, programs, slots
 from tev_jax.batch import continuous
 from tev_jax.models.drafter_io import init_drafter
 from tev_jax.sampling import Sampling
@@ -63,7 +63,7 @@ def test_every_request_equals_its_prompt_alone_at_t0(target, drafter):
     config = decode.DecodeConfig(max_new_tokens=M, budget=6, stop_token_ids=STOP,
                                  prompt_len=P)
     widths = (16, P)
-    before = engine._refill_jit._cache_size()
+    before = programs.refill_jit._cache_size()
     prompts = _prompts(0, 8)
     got = _run(target, drafter, prompts, config, batch_size=2, widths=widths)
     reference = greedy_reference(target, prompts, M)
@@ -82,11 +82,11 @@ def test_every_request_equals_its_prompt_alone_at_t0(target, drafter):
 
     # Prompts of other lengths compile nothing new: at most one refill program per
     # (rows, width) bucket, 2 x 2 here, and one rounds program.
-    rounds_programs = engine._run_rounds_jit._cache_size()
+    rounds_programs = programs.run_rounds_jit._cache_size()
     more = _prompts(1, 6)
     again = _run(target, drafter, more, config, batch_size=2, widths=widths)
-    assert engine._run_rounds_jit._cache_size() == rounds_programs
-    assert engine._refill_jit._cache_size() - before <= 4
+    assert programs.run_rounds_jit._cache_size() == rounds_programs
+    assert programs.refill_jit._cache_size() - before <= 4
     reference = greedy_reference(target, more, M)
     assert [again[i].token_ids for i in range(len(more))] == [_until_stop(r) for r in reference]
 

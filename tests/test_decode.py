@@ -23,7 +23,7 @@ import pytest
 from decode_fixtures import MixDrafter, greedy_reference, tiny_target
 from flax import nnx
 
-from tev_jax import decode, engine, extensions
+from tev_jax import decode, engine, extensions, programs
 from tev_jax.costs import timing
 from tev_jax.models.drafter_io import init_drafter
 from tev_jax.sampling import Sampling
@@ -186,17 +186,17 @@ def test_fused_path_equals_profiled_path_at_t1(target, drafter):
 def test_prompt_len_reuses_one_compilation(target, drafter, reference):
     config = _config(builder="ddtree", max_new_tokens=12, prompt_len=16)
     engine.generate(target, drafter, [PROMPTS[0]], config)  # compiles for P = 16
-    compiled = engine._generate_jit._cache_size()
+    compiled = programs.generate_jit._cache_size()
     for i in (1, 2):  # other prompt lengths (11 and 1 tokens): the same program
         out = engine.generate(target, drafter, [PROMPTS[i]], config)
         assert out.rows()[0] == reference[i][:12]
-    assert engine._generate_jit._cache_size() == compiled
+    assert programs.generate_jit._cache_size() == compiled
     # the negative control: without a fixed buffer the 11-token prompt needs its own
     free = _config(builder="ddtree", max_new_tokens=12)
     engine.generate(target, drafter, [PROMPTS[0]], free)
-    before = engine._generate_jit._cache_size()
+    before = programs.generate_jit._cache_size()
     engine.generate(target, drafter, [PROMPTS[1]], free)
-    assert engine._generate_jit._cache_size() == before + 1
+    assert programs.generate_jit._cache_size() == before + 1
     with pytest.raises(ValueError, match=r"more than the prompt buffer \(8\)"):
         engine.generate(target, drafter, [PROMPTS[1]], _config(prompt_len=8))
     with pytest.raises(ValueError, match="prompt_len must be a positive int"):

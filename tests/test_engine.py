@@ -23,7 +23,7 @@ import pytest
 from decode_fixtures import greedy_reference, tiny_target
 from flax import nnx
 
-from tev_jax import engine
+from tev_jax import engine, programs
 from tev_jax.decode import DecodeConfig
 from tev_jax.engine import Engine
 from tev_jax.models.drafter_io import init_drafter
@@ -115,9 +115,9 @@ def test_a_refill_into_an_empty_slot_decodes_that_prompt_as_alone(models, e2, re
     assert np.asarray(st.done_B).tolist() == [True, False]
     st = e2.run_rounds(st, until_done=B, max_rounds=1)          # exactly one round
     assert int(st.round) == 1 and not bool(st.done_B[1])
-    compiled = engine._run_rounds_jit._cache_size()
+    compiled = programs.run_rounds_jit._cache_size()
     st = e2.run_rounds(st, until_done=B, max_rounds=M)          # other bounds, same program
-    assert engine._run_rounds_jit._cache_size() == compiled
+    assert programs.run_rounds_jit._cache_size() == compiled
     assert np.asarray(st.done_B).all()
     # rows of a batch are independent: ALONE's row of a generation (B rows: the same
     # program as e2's) is the prompt decoded alone

@@ -29,7 +29,7 @@ from decode_fixtures import TableDrafter, greedy_reference, oracle_table, tiny_t
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tev_jax import cli, ddtree, decode, engine, extensions, slots
+from tev_jax import cli, ddtree, decode, engine, extensions, programs, slots
 from tev_jax.batch import continuous
 from tev_jax.budget import AutoBudget, model_fingerprint, resolve_budget
 from tev_jax.costs import round_costs, tune
@@ -298,11 +298,11 @@ def test_continuous_batching_switches_budgets_on_smaller_slots(models):
     assert plan[1].budget == N_MAX and plan[1].builder == "ddtree"
     assert plan[2].builder is extensions.root_only_builder  # AR that keeps the context
     assert plan[1].max_cache_len == plan[2].max_cache_len
-    before = engine._take_jit._cache_size()
+    before = programs.take_rows_jit._cache_size()
     got = {r.id: r for r in continuous.generate_continuous(
         target, drafter, [slots.Request(i, p) for i, p in enumerate(prompts)], config,
         batch_size=2)}
-    assert engine._take_jit._cache_size() > before  # the tail moved to fewer slots
+    assert programs.take_rows_jit._cache_size() > before  # the tail moved to fewer slots
     for i in range(len(prompts)):
         want = reference[i]
         ends = [j for j, t in enumerate(want) if t in stop]

@@ -3,7 +3,7 @@
 `Engine.create` checks a (target, drafter, config, batch size, mesh) once, splits and
 places the models, and fixes every shape (`DecodeSpec`: horizon H, tree slots N, cache
 length L, prompt buffer P). Its methods are the programs of `tev_jax.decode`, jitted
-here, at their call site::
+once in `tev_jax.programs`::
 
     engine = Engine.create(target, drafter, DecodeConfig(budget=64), batch_size=8)
     prompts = engine.prompts(prompt_ids)            # host checks, padding, placement
@@ -17,8 +17,8 @@ here, at their call site::
 
     engine.lower("round").compile().memory_analysis()   # any program, ahead of time
 
-The programs are compiled once per spec and shape and shared by every engine with the
-same spec (two engines with equal configs reuse one compilation). The engine is frozen;
+The programs are compiled once per spec and shape (`tev_jax.programs`) and shared by
+every engine with the same spec (two engines with equal configs reuse one compilation). The engine is frozen;
 `with_models` swaps in other weights of the same architecture without recompiling.
 `generate` and `generate_ar` are the one-call forms; `tev_jax.batch.continuous` drives the slot
 programs (`empty_slots`, `refill`, `run_rounds`, `take_slots`), `tev_jax.costs.timing` times
@@ -40,7 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from tev_jax import decode, decode_slots, extensions
+from tev_jax import decode, decode_slots, extensions, programs
 from tev_jax import sharding as shd
 from tev_jax.budget import AutoBudget, resolve_budget
 from tev_jax.decode import DecodeConfig, DecodeSpec, DecodeState
@@ -171,113 +171,6 @@ def decode_spec(target, drafter, config: DecodeConfig, batch_size: int, *,
       ValueError: as `Engine.create`.
     """
     return _spec_of(target, drafter, config, batch_size, _width(config, prompt_len), mesh)[1]
-
-
-# ---------------------------------------------------------------------- the programs
-#
-# Jitted once here; the spec (hashable) and the graphdef are static, so every engine
-# with the same spec and architecture shares a compilation. State arguments that a
-# program replaces are donated.
-
-
-@functools.partial(jax.jit, static_argnames=("graphdef", "spec"))
-def _generate_jit(graphdef, params, tokens_BT, lengths_B, key, sampling_B=None, *, spec):
-    return decode.generation(graphdef, params, tokens_BT, lengths_B, key, sampling_B,
-                             spec=spec)
-
-
-@functools.partial(jax.jit, static_argnames=("graphdef", "spec"))
-def _prefill_jit(graphdef, params, tokens_BT, lengths_B, key, sampling_B=None, *, spec):
-    drafter = decode.merge_models(graphdef, params)[1]
-    st = decode.prefill(graphdef, params, tokens_BT, lengths_B,
-                        decode.row_keys(key, jnp.arange(tokens_BT.shape[0])), sampling_B,
-                        spec=spec)
-    return decode.constrain_state(st, drafter, spec)
-
-
-@functools.partial(jax.jit, static_argnames=("graphdef", "spec"), donate_argnames=("st",))
-def _round_jit(graphdef, params, st, *, spec):
-    drafter = decode.merge_models(graphdef, params)[1]
-    return decode.constrain_state(decode.decode_round(graphdef, params, st, spec=spec),
-                                  drafter, spec)
-
-
-@functools.partial(jax.jit, static_argnames=("graphdef", "spec"), donate_argnames=("st",))
-def _traced_round_jit(graphdef, params, st, *, spec):
-    drafter = decode.merge_models(graphdef, params)[1]
-    st, record = decode.traced_round(graphdef, params, st, spec=spec)
-    return decode.constrain_state(st, drafter, spec), record
-
-
-@functools.partial(jax.jit, static_argnames=("graphdef", "spec"), donate_argnames=("st",))
-def _run_jit(graphdef, params, st, *, spec):
-    m = spec.config.max_new_tokens
-    return decode.rounds_until(graphdef, params, st, spec.batch_size, m - st.round, spec=spec)
-
-
-@functools.partial(jax.jit, static_argnames=("graphdef", "spec", "axes"),
-                   donate_argnames=("st",))
-def _refill_jit(graphdef, params, st, tokens_KT, lengths_K, slots_K, key_K, sampling_K, *,
-                spec, axes):
-    return decode_slots.refill(graphdef, params, st, tokens_KT, lengths_K, slots_K, key_K,
-                         sampling_K, spec=spec, axes=axes)
-
-
-@functools.partial(jax.jit, static_argnames=("graphdef", "spec", "axes"),
-                   donate_argnames=("st",))
-def _put_jit(graphdef, params, st, rows, slots_K, *, spec, axes):
-    return decode_slots.put_rows(graphdef, params, st, rows, slots_K, spec=spec, axes=axes)
-
-
-@functools.partial(jax.jit, static_argnames=("graphdef", "spec", "axes"))
-def _take_jit(graphdef, params, st, rows_K, *, spec, axes):
-    return decode_slots.take_rows(graphdef, params, st, rows_K, spec=spec, axes=axes)
-
-
-@functools.partial(jax.jit, static_argnames=("graphdef", "spec"), donate_argnames=("st",))
-def _run_rounds_jit(graphdef, params, st, until_done, max_rounds, *, spec):
-    return decode.rounds_until(graphdef, params, st, until_done, max_rounds, spec=spec)
-
-
-# The config fields each stage reads; the others are reset to their defaults so that
-# configurations differing only elsewhere share that stage's compilation.
-_STAGE_FIELDS = {
-    "draft": (),
-    "build": ("builder", "budget"),
-    "verify": (),
-    "decide": ("builder", "verifier", "sampling"),
-    "commit": ("max_new_tokens", "stop_token_ids", "track_exit_law", "sampling"),
-}
-_CANONICAL = DecodeConfig(verifier="tev")
-_STAGE_FNS = {"draft": decode.draft_stage, "build": decode.build_stage,
-              "verify": decode.verify_stage, "decide": decode.decide_stage,
-              "commit": decode.commit_stage}
-_MODEL_STAGES = ("draft", "verify")
-
-
-def _stage_spec(spec: DecodeSpec, stage: str) -> DecodeSpec:
-    keep = {f: getattr(spec.config, f) for f in _STAGE_FIELDS[stage]}
-    if stage == "draft":  # draft only asks whether the builder reads the block
-        builder = extensions.resolve_builder(spec.config.builder, spec.config.budget)
-        keep["builder"] = "ddtree" if extensions.reads_draft_logits(builder) else "none"
-    if stage == "decide" and keep["builder"] != "none":
-        keep["builder"] = "chain"  # decide only asks whether there is a tree
-    if stage == "commit" and not keep["track_exit_law"]:
-        keep.pop("sampling")
-    if "verifier" not in keep and "sampling" in keep:
-        keep["verifier"] = "tev"  # any verifier is valid with any sampling
-    return dataclasses.replace(spec, config=dataclasses.replace(_CANONICAL, **keep),
-                               num_slots=0, prompt_len=0, batch_size=0)
-
-
-@functools.lru_cache(maxsize=None)
-def _stage_jit(stage: str, spec: DecodeSpec, graphdef=None):
-    # The graphdef is bound here rather than passed as a static argument: hashing it on
-    # every call would add a dispatch cost that dwarfs small stages.
-    fn = _STAGE_FNS[stage]
-    if stage in _MODEL_STAGES:
-        return jax.jit(functools.partial(fn, graphdef, spec=spec))
-    return jax.jit(functools.partial(fn, spec=spec))
 
 
 # --------------------------------------------------------------------------- engine
@@ -434,28 +327,28 @@ class Engine:
 
     def generate(self, prompts: Prompts, key: jax.Array) -> DecodeState:
         """The whole generation as one program: prefill + the fused loop."""
-        return self._call(_generate_jit, prompts.tokens_BT, prompts.lengths_B, key,
+        return self._call(programs.generate_jit, prompts.tokens_BT, prompts.lengths_B, key,
                           prompts.sampling_B)
 
     def prefill(self, prompts: Prompts, key: jax.Array) -> DecodeState:
         """Consumes the prompts and samples each row's first token (row b's key is
         ``decode.row_keys(key, [b])``)."""
-        return self._call(_prefill_jit, prompts.tokens_BT, prompts.lengths_B, key,
+        return self._call(programs.prefill_jit, prompts.tokens_BT, prompts.lengths_B, key,
                           prompts.sampling_B)
 
     def round(self, st: DecodeState) -> DecodeState:
         """One round (draft, build, verify, decide, commit); ``st`` is donated."""
-        return self._call(_round_jit, st)
+        return self._call(programs.round_jit, st)
 
     def run(self, st: DecodeState) -> DecodeState:
         """The fused loop from ``st`` until every row is done (or M rounds ran); ``st``
         is donated. ``run(prefill(p, k))`` gives what ``generate(p, k)`` gives."""
-        return self._call(_run_jit, st)
+        return self._call(programs.run_jit, st)
 
     def traced_round(self, st: DecodeState) -> tuple[DecodeState, RoundRecord]:
         """`round` that also returns what the round did: its `tev_jax.trace.RoundRecord`
         (tree, draft log-probabilities, verdict); ``st`` is donated."""
-        return self._call(_traced_round_jit, st)
+        return self._call(programs.traced_round_jit, st)
 
     def trace(self, prompts: Prompts, key: jax.Array) -> Generation:
         """The generation of `generate` (same tokens for the same key), round by round,
@@ -517,10 +410,7 @@ class Engine:
         logits_BHV, tree, logits_BNV, feats, cache, verdict)``.
         A stage is compiled once per setting of the config fields it reads.
         """
-        if name not in _STAGE_FNS:
-            raise ValueError(f"stage must be one of {decode.STAGES}, got {name!r}")
-        return _stage_jit(name, _stage_spec(self.spec, name),
-                          self.graphdef if name in _MODEL_STAGES else None)
+        return programs.stage_jit(name, self.spec, self.graphdef)
 
     # ------------------------------------------------------------ continuous batching
 
@@ -541,7 +431,7 @@ class Engine:
         row key ``key_K[k]`` and, with ``sampling=PER_ROW``, the setting
         ``sampling_K[k]`` (`row_settings`); see `tev_jax.decode_slots.refill`. ``axes`` is
         `slot_axes`."""
-        return self._call(_refill_jit, st, tokens_KT, lengths_K, slots_K, key_K,
+        return self._call(programs.refill_jit, st, tokens_KT, lengths_K, slots_K, key_K,
                           self.row_settings(sampling_K, len(lengths_K)), axes=axes)
 
     def take_slots(self, st: DecodeState, rows, *, axes: tuple[int | None, ...]
@@ -554,7 +444,7 @@ class Engine:
         if rows.shape != (self.spec.batch_size,):
             raise ValueError(f"take_slots needs {self.spec.batch_size} row indices, got "
                              f"shape {rows.shape}")
-        return self._call(_take_jit, st, jnp.asarray(rows), axes=axes)
+        return self._call(programs.take_rows_jit, st, jnp.asarray(rows), axes=axes)
 
     def put_slots(self, st: DecodeState, rows: DecodeState, slots, *,
                   axes: tuple[int | None, ...]) -> DecodeState:
@@ -566,13 +456,13 @@ class Engine:
         if slots.shape != (rows.done_B.shape[0],):
             raise ValueError(f"put_slots needs one slot per row ({rows.done_B.shape[0]}), got "
                              f"shape {slots.shape}")
-        return self._call(_put_jit, st, rows, jnp.asarray(slots), axes=axes)
+        return self._call(programs.put_rows_jit, st, rows, jnp.asarray(slots), axes=axes)
 
     def run_rounds(self, st: DecodeState, until_done: int, max_rounds: int) -> DecodeState:
         """Runs rounds until ``until_done`` rows are done, all are, or ``max_rounds``
         ran. Both bounds are traced, so every call reuses one compilation; ``st`` is
         donated."""
-        return self._call(_run_rounds_jit, st, jnp.int32(until_done), jnp.int32(max_rounds))
+        return self._call(programs.run_rounds_jit, st, jnp.int32(until_done), jnp.int32(max_rounds))
 
     # ------------------------------------------------------------------- lowering
 
@@ -593,7 +483,7 @@ class Engine:
         with _mesh_scope(self.mesh):
             prompts = self.abstract_prompts()
             st = jax.eval_shape(
-                functools.partial(_prefill_jit, self.graphdef, spec=self.spec),
+                functools.partial(programs.prefill_jit, self.graphdef, spec=self.spec),
                 _abstract(self.params), prompts.tokens_BT, prompts.lengths_B,
                 jax.eval_shape(lambda: jax.random.key(0)), prompts.sampling_B)
         return st
@@ -620,7 +510,7 @@ class Engine:
         key = jax.eval_shape(lambda: jax.random.key(0))
         with _mesh_scope(self.mesh):
             if program in ("generate", "prefill"):
-                fn = _generate_jit if program == "generate" else _prefill_jit
+                fn = programs.generate_jit if program == "generate" else programs.prefill_jit
                 prompts = self.abstract_prompts()
                 # the rows' settings with sampling=PER_ROW only: a static setting's program
                 # takes (params, tokens, lengths, key)
@@ -629,10 +519,10 @@ class Engine:
                                 key, *settings, spec=self.spec)
             st = self.abstract_state()
             if program == "round":
-                return _round_jit.lower(self.graphdef, params, st, spec=self.spec)
+                return programs.round_jit.lower(self.graphdef, params, st, spec=self.spec)
             if program == "run_rounds":
                 bound = jax.ShapeDtypeStruct((), jnp.int32)
-                return _run_rounds_jit.lower(self.graphdef, params, st, bound, bound,
+                return programs.run_rounds_jit.lower(self.graphdef, params, st, bound, bound,
                                              spec=self.spec)
             args = self._stage_args(program, params, st)
             return self.stage(program).lower(*args)
