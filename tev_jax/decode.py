@@ -356,7 +356,7 @@ def prefill(graphdef, params, tokens_BT, lengths_B, key_B, sampling_B=None, *,
                              jnp.int32),
         bad_target=jnp.any(_not_finite(logits_BV)),
         bad_draft=jnp.zeros((), bool),
-        sampling_B=None if sampling_B is None else jax.tree.map(jnp.asarray, sampling_B),
+        sampling_B=sampling_B,
     )
 
 
