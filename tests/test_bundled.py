@@ -289,6 +289,7 @@ def test_demo_models_help_and_errors(tmp_path, capsys):
     assert code == 2 and "\n" not in err and "lacks prose.jsonl" in err
 
 
+@pytest.mark.slow  # the fast tier's time (README: under 10 minutes here), 2026-12-06
 def test_cli_generate_explicit_paths_and_bundled_defaults(bundle, monkeypatch, capsys,
                                                           tmp_path):
     tokenizer = tok_lib.load_default_tokenizer()

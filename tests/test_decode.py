@@ -165,6 +165,7 @@ def test_profile_reports_stage_times(target, drafter):
     assert gen.stats.seconds >= sum(t.values()) - 1e-6
 
 
+@pytest.mark.slow  # the fast tier's time (README: under 10 minutes here), 2026-12-06
 def test_fused_path_equals_profiled_path_at_t1(target, drafter):
     """Same key, same stages: the while_loop and the Python loop agree at T = 1."""
     drafter.use_oracle[...] = jnp.asarray(True)
@@ -183,6 +184,7 @@ def test_fused_path_equals_profiled_path_at_t1(target, drafter):
 # ------------------------------------------------------------------------------ errors
 
 
+@pytest.mark.slow  # the fast tier's time (README: under 10 minutes here), 2026-12-06
 def test_prompt_len_reuses_one_compilation(target, drafter, reference):
     config = _config(builder="ddtree", max_new_tokens=12, prompt_len=16)
     engine.generate(target, drafter, [PROMPTS[0]], config)  # compiles for P = 16

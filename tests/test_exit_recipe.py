@@ -199,6 +199,7 @@ def test_train_config_fields_and_the_paper_recipe(tmp_path):
         TrainConfig(drafter_every=-1)
 
 
+@pytest.mark.slow  # the fast tier's time (README: under 10 minutes here), 2026-12-06
 def test_paper_recipe_trains(tmp_path):
     """A few steps of the paper's recipe and of a callable weighting run and lower the
     token loss on the learnable task (same as the other objectives)."""

@@ -296,6 +296,7 @@ def _decode_config(**kw):
                                   **kw})
 
 
+@pytest.mark.slow  # the fast tier's time (README: under 10 minutes here), 2026-12-06
 def test_speculative_tokens_equal_ar_greedy_past_the_window(decode_models):
     """T = 0: prompts of 1..7 tokens + 10 new ones cross the window of 8."""
     from decode_fixtures import greedy_reference

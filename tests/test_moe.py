@@ -362,7 +362,10 @@ def single_device(models):
 
 @needs8
 @pytest.mark.parametrize("mesh_name,temperature", [
-    ("tensor8", 0.0), ("tensor8_expert_width", 0.0), ("tensor8_grouped", 1.0),
+    ("tensor8", 0.0),
+    # the slow tier (the fast tier's time, 2026-12-06): the width split, the grouped method
+    pytest.param("tensor8_expert_width", 0.0, marks=pytest.mark.slow),
+    pytest.param("tensor8_grouped", 1.0, marks=pytest.mark.slow),
     # the slow tier (issue 47, item 16; 2x2x2 since issue 58, item 11): the other meshes
     *(pytest.param(m, 0.0, marks=pytest.mark.slow)
       for m in ("2x2x2", "data2_tensor4", "data8", "fsdp8"))])

@@ -82,6 +82,7 @@ def test_per_device_figures_on_a_mesh():
         plan.plan_decode(TINY, AR, 3, mesh=mesh)
 
 
+@pytest.mark.slow  # the fast tier's time (README: under 10 minutes here), 2026-12-06
 def test_serving_plan_has_a_line_per_slot_count_and_each_rows_settings(tmp_path, capsys):
     """Issue 59, item 1: ``tev-jax plan --serve`` compiles a round and an AR step at each
     slot count ``tev-jax serve --max-batch 4`` runs (1, 2, 4), with each row's own

@@ -51,6 +51,7 @@ def _setting(draw):
     return Sampling(t, k, p)
 
 
+@pytest.mark.slow  # the fast tier's time (README: under 10 minutes here), 2026-12-06
 @settings(max_examples=30, deadline=None)
 @given(st.lists(_setting(), min_size=1, max_size=5), st.integers(0, 2**31 - 1),
        st.sampled_from([40, 600]), st.sampled_from([0.3, 3.0, 12.0]))
