@@ -306,6 +306,7 @@ def test_cli_batch_generate_shards_resume_and_refusal(tmp_path, capsys):
     assert "give a PROMPT, or --prompts FILE" in capsys.readouterr().err
 
 
+@pytest.mark.slow  # the fast tier's time (README: under 10 minutes here), 2026-12-06
 def test_a_sampled_batch_job_does_not_depend_on_processes_batch_or_resume(tmp_path):
     """At T = 1, prompt i of the file decodes with row key i of ``--seed``: two process
     shards merged, one process with 3 slots, and a rerun that resumes after two results

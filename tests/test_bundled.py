@@ -328,6 +328,7 @@ def test_cli_generate_explicit_paths_and_bundled_defaults(bundle, monkeypatch, c
         assert "--drafter is required" in capsys.readouterr().err
 
 
+@pytest.mark.slow  # the fast tier's time (README: under 10 minutes here), 2026-12-06
 def test_cli_compare_runs_the_three_methods_on_the_same_prompts(bundle, monkeypatch, capsys):
     monkeypatch.setattr(bundled, "bundle_root", lambda: bundle)
     assert cli.main(["compare", PROMPT, "def add(a, b):", "--max-new-tokens", "8"]) == 0

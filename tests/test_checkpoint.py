@@ -64,6 +64,7 @@ def test_kill_and_resume_gives_bitwise_identical_losses(tmp_path):
         _run(tf.config(tmp_path / "resumed", exit_lambda=0.25, **MESH), until_update=7)
 
 
+@pytest.mark.slow  # the fast tier's time (README: under 10 minutes here), 2026-12-06
 def test_sigterm_saves_after_the_update_and_the_rerun_resumes_bitwise(tmp_path):
     straight = _run(tf.config(tmp_path / "straight", **MESH), until_update=6)
     data = RolloutSet(tf.progressions().tokens, tf.progressions().spans)

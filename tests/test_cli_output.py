@@ -137,6 +137,7 @@ def test_printed_text_drops_a_cut_character():
     assert text_of(tok, ids) == tok.decode(ids) == "a \U0001F642 b"
 
 
+@pytest.mark.slow  # the fast tier's time (README: under 10 minutes here), 2026-12-06
 def test_chat_output_shows_the_turns(capsys):
     """Issue 47, item 13: --chat prints the turns, with no leading empty line."""
     assert cli.main(["generate", "What is 12 * 7?", "--chat", "--max-new-tokens", "6"]) == 0

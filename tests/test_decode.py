@@ -256,6 +256,7 @@ def test_non_finite_draft_logits_raise(target, drafter):
 # ------------------------------------------------------------------ command line
 
 
+@pytest.mark.slow  # the fast tier's time (README: under 10 minutes here), 2026-12-06
 def test_cli_generate(tmp_path, target, drafter, capsys):
     from tokenizers import Tokenizer, models, pre_tokenizers
 
@@ -282,6 +283,7 @@ def test_cli_generate(tmp_path, target, drafter, capsys):
     assert "--drafter is required" in capsys.readouterr().err
 
 
+@pytest.mark.slow  # the fast tier's time (README: under 10 minutes here), 2026-12-06
 def test_trace_records_the_targets_log_probabilities_of_its_tokens(target, drafter):
     """The trace's target log-probabilities (T = 1) of the accepted path and the bonus
     equal a teacher-forced forward over the generated sequence; rejected nodes get their

@@ -68,12 +68,12 @@ CASES = [("qwen3", "tev"), ("qwen3", "predraw"), ("qwen3", "sequential"),
 
 
 def _tiered(params):
-    """pytest params, the mixture-of-experts family's in the slow tier (its routing is
-    tested against transformers in the fast tier, tests/test_moe.py), and TEV's 2 x 10^5
-    generations (38 s; TEV's law is tested in the fast tier, tests/test_verify_stats.py,
-    and through the engine, tests/test_batching.py)."""
-    slow = lambda p: "qwen3_moe" in p or p == ("qwen3", "tev")
-    return [pytest.param(*p, marks=[pytest.mark.slow] if slow(p) else []) for p in params]
+    """pytest params, all in the slow tier: the mixture-of-experts family's (its routing is
+    tested against transformers in the fast tier, tests/test_moe.py) and, since
+    2026-12-06 (the fast tier's time; 38-55 s each), the dense family's 10^5 generations
+    per verifier (the verifiers' laws are tested in the fast tier,
+    tests/test_verify_stats.py, and through the engine, tests/test_batching.py)."""
+    return [pytest.param(*p, marks=[pytest.mark.slow]) for p in params]
 
 
 @functools.lru_cache(maxsize=None)

@@ -120,6 +120,7 @@ def models():
     return tiny_target(seed=8), OracleDrafter(H + 1, scale=0.5)
 
 
+@pytest.mark.slow  # the fast tier's time (README: under 10 minutes here), 2026-12-06
 def test_a_callable_builder_takes_the_named_builders_path(models):
     """The named builder (DDTree's batched form) and a plain one-row function that builds
     the same trees (vmapped by the engine) decode alike (same key, T = 1)."""

@@ -478,6 +478,7 @@ def test_blocked_head_is_soft_capped_with_its_gradient():
                                rtol=1e-5)
 
 
+@pytest.mark.slow  # the fast tier's time (README: under 10 minutes here), 2026-12-06
 def test_exittrain_scoring_passes_see_the_window():
     """ExitTrain's scoring passes (`tev_jax.tree_scoring`) of a 20-token sequence with
     anchors past the window: every tree node's logits (the one-pass scoring and the

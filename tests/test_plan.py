@@ -58,6 +58,7 @@ def test_report_counts_parameters_and_caches():
     assert "temporary" in r32.format() and r32.compile_seconds >= 0
 
 
+@pytest.mark.slow  # the fast tier's time (README: under 10 minutes here), 2026-12-06
 def test_temporary_memory_grows_linearly():
     """Doubling B or L at most doubles scratch (+10%); doubling P and L together too.
 

@@ -134,6 +134,7 @@ IDS = [[5, 6, 7, 8, 9], [11, 12, 13], [20, 21, 22, 23], [3, 4]]
 BASE = DecodeConfig(max_new_tokens=16, budget=8, prompt_len=16)
 
 
+@pytest.mark.slow  # the fast tier's time (README: under 10 minutes here), 2026-12-06
 def test_greedy_rows_of_a_mixed_batch_are_the_static_greedy_tokens(bundled):
     target, drafter = bundled
     static = Engine.create(target, drafter, BASE, 4)
@@ -165,6 +166,7 @@ def test_engines_refuse_a_missing_or_superfluous_setting(bundled):
         DecodeConfig(sampling="per-row")
 
 
+@pytest.mark.slow  # the fast tier's time (README: under 10 minutes here), 2026-12-06
 def test_rows_that_ignore_stop_tokens_go_on_and_the_others_end(bundled):
     """vLLM's ``ignore_eos`` as a per-row flag (``SamplingRows.stops``): with a stop token
     that the greedy text reaches early, rows that stop end there (the stop token kept),

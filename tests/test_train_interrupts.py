@@ -105,6 +105,7 @@ def _argv(name, rollouts):
     return [sys.executable, *argv] + (["--data-dir", str(rollouts)] if name == "run" else [])
 
 
+@pytest.mark.slow  # the fast tier's time (README: under 10 minutes here), 2026-12-06
 def test_one_interrupt_ends_cleanly(tmp_path, rollouts):
     """Fast tier: SIGINT at a random time in the first seconds (imports, compiling, the
     first updates) of a training run."""

@@ -312,6 +312,7 @@ def test_continuous_batching_switches_budgets_on_smaller_slots(models):
 
 @pytest.mark.skipif(importlib.util.find_spec("libtpu") is None,
                     reason="libtpu is not installed (pip install -e '.[tpu]')")
+@pytest.mark.slow  # the fast tier's time (README: under 10 minutes here), 2026-12-06
 def test_roofline_costs_for_a_tpu_slice():
     """--topology: the round and AR step compiled for v5e:2x4 (tensor 8), roofline
     seconds from the compiler's FLOPs and bytes; a tree round costs more than a step."""
@@ -350,6 +351,7 @@ def test_costs_on_gpus_are_calibrated_where_the_gpu_was_measured():
 # ----------------------------------------------------------------------------- cli
 
 
+@pytest.mark.slow  # the fast tier's time (README: under 10 minutes here), 2026-12-06
 def test_cli_tune_then_generate_auto(tmp_path, capsys, monkeypatch, tuned):
     """`tev-jax tune --json` on a saved tiny pair (the library call replaced by a
     stand-in that checks what the flags became), then `generate --budget auto` reads the

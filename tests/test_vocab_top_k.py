@@ -31,6 +31,7 @@ def test_the_tpu_top_1_equals_lax_top_k_with_ties():
 
 @pytest.mark.skipif(importlib.util.find_spec("libtpu") is None,
                     reason="libtpu is not installed (pip install -e '.[tpu]')")
+@pytest.mark.slow  # the fast tier's time (README: under 10 minutes here), 2026-12-06
 def test_the_top_1_compiles_for_tpu_without_a_sort():
     """[32, 33, 37 984] float32 compiled for one v5p chip: `vocab.top_k` (k 1) has no
     sort; the control, ``lax.top_k``, sorts the rows."""
