@@ -58,3 +58,30 @@ def test_a_plugin_that_is_not_cuda_is_not_taken_for_one(plugin_path, monkeypatch
     assert platforms.cuda_plugins() == real
     monkeypatch.setattr(platforms, "cuda_plugins", lambda: {})
     assert not platforms.cuda_plugin_installed() and platforms.cuda_major() is None
+
+
+def test_every_extra_that_names_jax_bounds_it_as_the_dependency_does():
+    """An unbounded ``jax[tpu]`` let pip walk back through every jax release when the
+    newest one's libtpu was not yet on PyPI (jax 0.12.1 pins libtpu 0.0.53, CI on
+    2026-12-06): it reached jax 0.2.15, whose tpu extra is a URL, and the install failed.
+    Each extra that asks for jax must carry the dependency's lower and upper bound."""
+    import tomllib
+    from pathlib import Path
+
+    from packaging.requirements import Requirement
+    from packaging.version import Version
+
+    def bounds(req):
+        ops = {spec.operator: Version(spec.version) for spec in req.specifier}
+        return ops.get(">="), ops.get("<")
+
+    project = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml")
+                            .read_text())["project"]
+    (supported,) = [Requirement(r) for r in project["dependencies"] if r.startswith("jax")]
+    lowest, newest = bounds(supported)
+    named = [Requirement(r) for reqs in project["optional-dependencies"].values()
+             for r in reqs if Requirement(r).name == "jax"]
+    assert len(named) >= 3, named  # tpu, gpu-cuda12, gpu-cuda13
+    for req in named:
+        low, high = bounds(req)
+        assert low is not None and low >= lowest and high == newest, req
