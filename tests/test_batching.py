@@ -18,6 +18,7 @@ from decode_fixtures import greedy_reference, jit_score, tiny_target
 from scipy import stats
 
 from tev_jax import decode, engine, programs, slots
+from tev_jax.prompts import Request
 from tev_jax.batch import continuous
 from tev_jax.models.drafter_io import init_drafter
 from tev_jax.sampling import Sampling
@@ -50,7 +51,7 @@ def _until_stop(tokens):
 
 
 def _run(target, drafter, prompts, config, batch_size, key=0, widths=None):
-    requests = [slots.Request(i, p) for i, p in enumerate(prompts)]
+    requests = [Request(i, p) for i, p in enumerate(prompts)]
     results = list(continuous.generate_continuous(target, drafter, requests, config,
                                                 batch_size=batch_size, key=key,
                                                 widths=widths))
@@ -161,15 +162,15 @@ def test_bad_requests_and_settings_raise(target, drafter):
         continuous.generate_continuous(target, drafter, reqs, cfg, batch_size=b))
     with pytest.raises(ValueError, match="'long': the prompt has 9 tokens, more than the "
                                          r"prompt buffer \(8\)"):
-        run([slots.Request("long", [1] * 9)])
+        run([Request("long", [1] * 9)])
     with pytest.raises(ValueError, match="request 7: token id 64 is outside"):
-        run([slots.Request(7, [1, 64])])
+        run([Request(7, [1, 64])])
     with pytest.raises(ValueError, match="request 'e': the prompt is empty"):
-        run([slots.Request("e", [])])
+        run([Request("e", [])])
     with pytest.raises(ValueError, match="batch_size must be a positive int"):
-        run([slots.Request(0, [1])], b=0)
+        run([Request(0, [1])], b=0)
     with pytest.raises(ValueError, match="prompt_len set"):
-        run([slots.Request(0, [1])], cfg=decode.DecodeConfig(max_new_tokens=4))
+        run([Request(0, [1])], cfg=decode.DecodeConfig(max_new_tokens=4))
 
 
 def test_buckets():
@@ -193,7 +194,7 @@ def test_on_a_mesh_the_tokens_are_the_same(target):
                                  prompt_len=16)
     prompts = _prompts(2, 7)
     prompts = [p[:16] for p in prompts]
-    requests = [slots.Request(i, p) for i, p in enumerate(prompts)]
+    requests = [Request(i, p) for i, p in enumerate(prompts)]
     got = {r.id: r.token_ids for r in continuous.generate_continuous(
         target, None, requests, config, batch_size=4, mesh=mesh)}
     reference = greedy_reference(target, prompts, 12)

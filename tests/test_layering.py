@@ -307,16 +307,37 @@ def room_of(module: str) -> str:
     return parts[1] if len(parts) > 1 else parts[0]
 
 
-def room_cycles(sources: dict[str, str]) -> list[list[str]]:
-    """Circles between rooms (`room_of`): a subpackage whose modules import a root module
-    that imports back into the subpackage is one, even if no two modules form a circle."""
+def room_graph(sources: dict[str, str]) -> dict[str, set[str]]:
+    """Room (`room_of`) -> the other rooms its modules import (the package's own
+    ``__init__`` left out: it imports no room)."""
     rooms: dict[str, set[str]] = {}
     for m, deps in import_graph(sources).items():
         rooms.setdefault(room_of(m), set()).update(
             room_of(d) for d in deps if room_of(d) != room_of(m) and d != "tev_jax")
+    return rooms
+
+
+def room_cycles(sources: dict[str, str]) -> list[list[str]]:
+    """Circles between rooms (`room_of`): a subpackage whose modules import a root module
+    that imports back into the subpackage is one, even if no two modules form a circle."""
     as_modules = {f"r.{r}": "\n".join(f"import r.{d}" for d in sorted(deps))
-                  for r, deps in rooms.items()}
+                  for r, deps in room_graph(sources).items()}
     return [[c[2:] for c in cycle] for cycle in import_cycles(as_modules, within="r")]
+
+
+def floors(sources: dict[str, str]) -> list[str]:
+    """The longest chain of rooms that import each other, top first (its length is the
+    number of floors: a room that imports none stands on the first). No circles."""
+    rooms = room_graph(sources)
+    chains: dict[str, list[str]] = {}
+
+    def chain(room: str) -> list[str]:
+        if room not in chains:
+            below = [chain(d) for d in sorted(rooms.get(room, ()))]
+            chains[room] = [room] + max(below, key=len, default=[])
+        return chains[room]
+
+    return max((chain(r) for r in sorted(rooms)), key=len, default=[])
 
 
 def _library_and_training() -> dict[str, str]:
@@ -347,6 +368,22 @@ def test_no_circle_between_the_rooms_of_the_library():
     """Rooms: the root modules and the subpackages. Imports between them only point one
     way (the root's method modules never import a wing that imports them back)."""
     assert not room_cycles(package_sources()), room_cycles(package_sources())
+
+
+MAX_FLOORS = 11
+"""Issue 56: the library's rooms stand on at most this many floors (44 rooms on 13
+floors before it; the command line, a wing (server or batch job), the costs, the engine,
+its programs, the decode loop and the method's modules below)."""
+
+
+def test_the_library_stands_on_at_most_eleven_floors():
+    tower = floors(package_sources())
+    assert len(tower) <= MAX_FLOORS, " -> ".join(tower)
+    # negative control: one more room on top of the tallest chain is a floor too many
+    # once the chain is as tall as allowed
+    chain = {f"tev_jax.r{i}": f"from tev_jax import r{i + 1}\n" for i in range(MAX_FLOORS)}
+    chain[f"tev_jax.r{MAX_FLOORS}"] = "import math\n"
+    assert floors(chain) == [f"r{i}" for i in range(MAX_FLOORS + 1)]
 
 
 def test_the_wing_checks_catch_what_they_forbid():

@@ -15,7 +15,7 @@ import pytest
 from cli_fixtures import refused_one_line
 from flax import nnx
 
-from tev_jax import cli, decode, sharding
+from tev_jax import cli, decode, sharding, slots
 from tev_jax.costs import plan
 from tev_jax.costs.plan import GiB
 from tev_jax.models import ModelConfig, init_target
@@ -99,7 +99,7 @@ def test_serving_plan_has_a_line_per_slot_count_and_each_rows_settings(tmp_path,
     peaks = [r["round_peak_bytes"] for r in rows]
     assert peaks == sorted(peaks) and peaks[0] < peaks[-1]
     config = decode.DecodeConfig(prompt_len=64, max_new_tokens=8, budget=8)
-    direct = plan.plan_serving(TINY, config, 4)
+    direct = plan.plan_serving(TINY, slots.serving_configs(config, 4))
     assert direct[4].programs["round"].peak_bytes == peaks[-1]
     static = plan.plan_decode_programs(TINY, config, 4, programs=("round",))
     assert static.programs["round"].temp_bytes < direct[4].programs["round"].temp_bytes

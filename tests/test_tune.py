@@ -30,6 +30,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tev_jax import cli, ddtree, decode, engine, extensions, programs, slots
+from tev_jax.prompts import Request
 from tev_jax.batch import continuous
 from tev_jax.budget import AutoBudget, model_fingerprint, resolve_budget
 from tev_jax.costs import round_costs, tune
@@ -300,7 +301,7 @@ def test_continuous_batching_switches_budgets_on_smaller_slots(models):
     assert plan[1].max_cache_len == plan[2].max_cache_len
     before = programs.take_rows_jit._cache_size()
     got = {r.id: r for r in continuous.generate_continuous(
-        target, drafter, [slots.Request(i, p) for i, p in enumerate(prompts)], config,
+        target, drafter, [Request(i, p) for i, p in enumerate(prompts)], config,
         batch_size=2)}
     assert programs.take_rows_jit._cache_size() > before  # the tail moved to fewer slots
     for i in range(len(prompts)):

@@ -40,7 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from tev_jax import decode, decode_slots, extensions, programs
+from tev_jax import decode, extensions, programs
 from tev_jax import sharding as shd
 from tev_jax.budget import AutoBudget, resolve_budget
 from tev_jax.decode import DecodeConfig, DecodeSpec, DecodeState
@@ -417,19 +417,19 @@ class Engine:
     def slot_axes(self) -> tuple[int | None, ...]:
         """The row axis of every `DecodeState` leaf (for `refill`)."""
         with _mesh_scope(self.mesh):
-            return decode_slots.row_axes(self.graphdef, self.params, spec=self.spec)
+            return programs.row_axes(self.graphdef, self.params, spec=self.spec)
 
     def empty_slots(self, key: jax.Array) -> DecodeState:
         """A state of B free slots (every row done, nothing in flight)."""
         with _mesh_scope(self.mesh):
-            return decode_slots.empty_state(self.graphdef, self.params, key, spec=self.spec)
+            return programs.empty_state(self.graphdef, self.params, key, spec=self.spec)
 
     def refill(self, st: DecodeState, tokens_KT, lengths_K, slots_K, key_K,
                sampling_K: Sampling | Sequence[Sampling] | SamplingRows | None = None, *,
                axes: tuple[int | None, ...]) -> DecodeState:
         """Prefills K prompts into the given slots of ``st`` (donated), prompt k with the
         row key ``key_K[k]`` and, with ``sampling=PER_ROW``, the setting
-        ``sampling_K[k]`` (`row_settings`); see `tev_jax.decode_slots.refill`. ``axes`` is
+        ``sampling_K[k]`` (`row_settings`); see `tev_jax.programs.refill`. ``axes`` is
         `slot_axes`."""
         return self._call(programs.refill_jit, st, tokens_KT, lengths_K, slots_K, key_K,
                           self.row_settings(sampling_K, len(lengths_K)), axes=axes)
@@ -471,7 +471,7 @@ class Engine:
         b, t = self.spec.batch_size, width or self.spec.prompt_len
         rows = lambda *shape: (None if self.mesh is None else shd.logical_sharding(
             ("batch",) + (None,) * (len(shape) - 1), shape, self.mesh))
-        settings = decode_slots.abstract_rows(b, self.spec)
+        settings = programs.abstract_rows(b, self.spec)
         return Prompts(jax.ShapeDtypeStruct((b, t), jnp.int32, sharding=rows(b, t)),
                        jax.ShapeDtypeStruct((b,), jnp.int32, sharding=rows(b)),
                        None if settings is None else jax.tree.map(

@@ -1,5 +1,5 @@
-"""Prompts on the host: the one prompt check of the library and the padded batch the
-engine's programs take."""
+"""Prompts on the host: the one prompt check of the library, the padded batch the
+engine's programs take, and a request of continuous batching (one prompt to complete)."""
 
 from __future__ import annotations
 
@@ -20,6 +20,18 @@ class Prompts:
     tokens_BT: jax.Array
     lengths_B: jax.Array
     sampling_B: Any = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Request:
+    """One prompt to complete: its id (any JSON value), its token ids and, optionally,
+    the index of its row key (`tev_jax.decode.row_keys`; default: its position in the
+    stream). A batch job gives each prompt its index in the file, so that a sampled
+    output does not depend on the processes, the slots or a resume."""
+
+    id: Any
+    prompt_ids: Sequence[int]
+    row: int | None = None
 
 
 def check_prompt(ids, vocab_size: int, prompt_len: int | None = None, *,
@@ -80,4 +92,4 @@ def check_prompts(prompt_ids, vocab_size: int, prompt_len: int | None = None
             for i, p in enumerate(prompt_ids)]
 
 
-__all__ = ["Prompts", "check_context", "check_prompt", "check_prompts"]
+__all__ = ["Prompts", "Request", "check_context", "check_prompt", "check_prompts"]

@@ -25,18 +25,6 @@ from tev_jax.engine import Engine
 from tev_jax.sampling import PER_ROW, Sampling, SamplingRows
 
 
-@dataclasses.dataclass(frozen=True)
-class Request:
-    """One prompt to complete: its id (any JSON value), its token ids and, optionally,
-    the index of its row key (`tev_jax.decode.row_keys`; default: its position in the
-    stream). A batch job gives each prompt its index in the file, so that a sampled
-    output does not depend on the processes, the slots or a resume."""
-
-    id: Any
-    prompt_ids: Sequence[int]
-    row: int | None = None
-
-
 def width_buckets(prompt_len: int, count: int = 5) -> tuple[int, ...]:
     """Prompt widths ``prompt_len / 2**i`` (multiples of 8, at least 8), smallest first."""
     if prompt_len < 1 or count < 1:
@@ -307,5 +295,5 @@ class Slots:
             self.holders[slot] = None
 
 
-__all__ = ["Request", "RoundRows", "SlotPrograms", "Slots", "bucket", "fit_batch",
+__all__ = ["RoundRows", "SlotPrograms", "Slots", "bucket", "fit_batch",
            "row_buckets", "serving_configs", "slot_configs", "width_buckets"]

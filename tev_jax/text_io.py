@@ -11,7 +11,7 @@ The bundled evaluation sets (`tev_jax.data.prompts`) are prompts files too: give
 one-turn ``messages``, HumanEval its ``prompt``.
 
 `chat_formatter` renders a model's chat template, `encode_records` turns records into
-checked `tev_jax.slots.Request` s, and `stop_token_ids` names the ids a generation ends
+checked `tev_jax.prompts.Request` s, and `stop_token_ids` names the ids a generation ends
 on.
 """
 
@@ -24,8 +24,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from tev_jax.prompts import check_context, check_prompt
-from tev_jax.slots import Request
+from tev_jax.prompts import Request, check_context, check_prompt
 
 PROMPT_FIELDS = ("prompt", "messages", "prompt_ids")
 

@@ -46,6 +46,7 @@ import jax
 import numpy as np
 
 from tev_jax import decode, engine, slots
+from tev_jax.prompts import Request
 from tev_jax.batch import continuous
 from tev_jax.data.prompts import PROMPT_SETS, prompt_set
 from tev_jax.data.tokenizer import STOP_IDS
@@ -113,7 +114,7 @@ def warm_up_continuous(target, drafter, config, b, widths):
 def continuous_batches(target, drafter, prompts, config, b):
     widths = slots.width_buckets(config.prompt_len)
     warm_up_continuous(target, drafter, config, b, widths)
-    requests = [slots.Request(i, p) for i, p in enumerate(prompts)]
+    requests = [Request(i, p) for i, p in enumerate(prompts)]
     clock = Clock()
     results = {r.id: r for r in continuous.generate_continuous(
         target, drafter, requests, config, batch_size=b, widths=widths)}

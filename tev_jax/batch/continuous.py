@@ -27,9 +27,9 @@ import jax
 from tev_jax import decode
 from tev_jax.budget import AutoBudget, check_tuned_for
 from tev_jax.engine import as_key
-from tev_jax.prompts import check_prompt
+from tev_jax.prompts import Request, check_prompt
 from tev_jax.runtime import signals
-from tev_jax.slots import Request, SlotPrograms, Slots, slot_configs, width_buckets
+from tev_jax.slots import SlotPrograms, Slots, slot_configs, width_buckets
 
 
 @dataclasses.dataclass(frozen=True)

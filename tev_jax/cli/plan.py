@@ -126,7 +126,7 @@ def _serving_plan(args, cfg, config, dtype, mesh, chip, per_chip, where) -> int:
     print(f"compiling the round and the AR step at {len(configs)} slot count(s) "
           f"({', '.join(map(str, configs))}) of {args.model or args.config} for {where} ...",
           file=sys.stderr, flush=True)
-    plans = plan.plan_serving(cfg, config, args.batch, dtype=dtype,
+    plans = plan.plan_serving(cfg, configs, dtype=dtype,
                               drafter_layers=args.drafter_layers, mesh=mesh, chip=chip,
                               devices_per_chip=per_chip)
     ms = lambda t: "-" if t is None else f"{t * 1e3:.3f}"

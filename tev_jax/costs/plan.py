@@ -28,7 +28,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from tev_jax.costs import launches, op_costs
-from tev_jax.decode import STAGES
+from tev_jax.decode import STAGES, DecodeConfig
 from tev_jax.drafters import as_drafter
 from tev_jax.engine import Engine, decode_spec
 from tev_jax.costs.chips import GPUS
@@ -40,7 +40,6 @@ from tev_jax.models.config import AttentionSpec, ModelConfig, RopeScaling
 from tev_jax.models.drafter import Drafter, DrafterConfig, default_target_layer_ids
 from tev_jax.models.target import Target
 from tev_jax.sampling import PER_ROW
-from tev_jax.slots import serving_configs
 
 PRESETS: dict[str, ModelConfig] = {
     "qwen3-0.6b": ModelConfig(
@@ -390,17 +389,18 @@ def plan_decode_programs(target_cfg: ModelConfig, config, batch_size: int, *,
                       floors=floors)
 
 
-def plan_serving(target_cfg: ModelConfig, config, max_batch: int, **kw
+def plan_serving(target_cfg: ModelConfig, configs: dict[int, DecodeConfig], **kw
                  ) -> dict[int, DecodePlan]:
-    """The serving plan of ``tev-jax serve --max-batch max_batch``: for each slot count
-    it runs (`tev_jax.slots.serving_configs`: each row's own sampling, the
-    budget of that count), the compiled round and AR step of that many rows; -> slot
-    count -> `DecodePlan` (per-device peak memory, FLOPs, bytes and, with a chip, the
-    roofline time of a round). ``kw``: as for `plan_decode_programs` (``mesh``,
-    ``chip``, ``dtype``, ...); ``programs`` defaults to the round and the AR step."""
+    """The serving plan of a server's slot counts: ``configs`` maps each slot count to
+    its config (as `tev_jax.slots.serving_configs` gives them for ``tev-jax serve
+    --max-batch B``: each row's own sampling, the budget of that count); for each, the
+    compiled round and AR step of that many rows; -> slot count -> `DecodePlan`
+    (per-device peak memory, FLOPs, bytes and, with a chip, the roofline time of a
+    round). ``kw``: as for `plan_decode_programs` (``mesh``, ``chip``, ``dtype``, ...);
+    ``programs`` defaults to the round and the AR step."""
     kw.setdefault("programs", ("round", "ar_step"))
     return {slots: plan_decode_programs(target_cfg, c, slots, **kw)
-            for slots, c in serving_configs(config, max_batch, kw.get("mesh")).items()}
+            for slots, c in configs.items()}
 
 
 def _device_bytes(x, sharding=None) -> int:
