@@ -18,9 +18,9 @@ from decode_fixtures import greedy_reference, jit_score, tiny_target
 from scipy import stats
 
 from tev_jax import decode, engine, programs, slots
-from tev_jax.prompts import Request
 from tev_jax.batch import continuous
 from tev_jax.models.drafter_io import init_drafter
+from tev_jax.prompts import Request
 from tev_jax.sampling import Sampling
 
 V = 64

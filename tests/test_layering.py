@@ -379,8 +379,7 @@ its programs, the decode loop and the method's modules below)."""
 def test_the_library_stands_on_at_most_eleven_floors():
     tower = floors(package_sources())
     assert len(tower) <= MAX_FLOORS, " -> ".join(tower)
-    # negative control: one more room on top of the tallest chain is a floor too many
-    # once the chain is as tall as allowed
+    # negative control: a chain of one room more than allowed
     chain = {f"tev_jax.r{i}": f"from tev_jax import r{i + 1}\n" for i in range(MAX_FLOORS)}
     chain[f"tev_jax.r{MAX_FLOORS}"] = "import math\n"
     assert floors(chain) == [f"r{i}" for i in range(MAX_FLOORS + 1)]

@@ -30,7 +30,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tev_jax import cli, ddtree, decode, engine, extensions, programs, slots
-from tev_jax.prompts import Request
 from tev_jax.batch import continuous
 from tev_jax.budget import AutoBudget, model_fingerprint, resolve_budget
 from tev_jax.costs import round_costs, tune
@@ -38,6 +37,7 @@ from tev_jax.data import load_default_tokenizer
 from tev_jax.exit_law import exit_law
 from tev_jax.models import ModelConfig, init_target, save_target
 from tev_jax.models.drafter_io import init_drafter, save_drafter
+from tev_jax.prompts import Request
 from tev_jax.runtime import platforms
 from tev_jax.sampling import Sampling
 from tev_jax.testing import draw_verdicts

@@ -169,8 +169,8 @@ def run_jit(graphdef, params, st, *, spec):
                    donate_argnames=("st",))
 def refill_jit(graphdef, params, st, tokens_KT, lengths_K, slots_K, key_K, sampling_K, *,
                 spec, axes):
-    return refill(graphdef, params, st, tokens_KT, lengths_K, slots_K, key_K,
-                               sampling_K, spec=spec, axes=axes)
+    return refill(graphdef, params, st, tokens_KT, lengths_K, slots_K, key_K, sampling_K,
+                  spec=spec, axes=axes)
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "spec", "axes"),

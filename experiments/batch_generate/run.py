@@ -46,12 +46,12 @@ import jax
 import numpy as np
 
 from tev_jax import decode, engine, slots
-from tev_jax.prompts import Request
 from tev_jax.batch import continuous
 from tev_jax.data.prompts import PROMPT_SETS, prompt_set
 from tev_jax.data.tokenizer import STOP_IDS
 from tev_jax.engine import Engine
 from tev_jax.models import load_bundled
+from tev_jax.prompts import Request
 
 HERE = Path(__file__).resolve().parent
 
